@@ -1,0 +1,111 @@
+"""Per-request sampling settings, validated once at the edge (OpenAI semantics and ranges)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pdserve.errors import InvalidRequestError
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 16
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` means greedy.
+
+    ``top_k <= 0`` disables top-k; ``logprobs`` is None (off) or the number of top alternatives
+    (0..20) returned with each sampled token's own logprob.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first field that is out of range."""
+        _number("temperature", self.temperature, lo=0.0, hi=2.0)
+        _number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _integer("top_k", self.top_k, lo=-1)
+        _number("min_p", self.min_p, lo=0.0, hi=1.0)
+        if self.seed is not None:
+            _integer("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
+        _number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty"
+            )
+        _integer("max_tokens", self.max_tokens, lo=1)
+        _integer("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
+            )
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise InvalidRequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", "stop")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError("stop sequences must be non-empty strings", "stop")
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids", t, lo=0)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            name = sorted(unknown)[0]
+            raise InvalidRequestError(f"unknown sampling parameter {name!r}", name)
+        return cls(**data)
+
+
+def _number(name: str, value: Any, lo: float | None = None, hi: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", name)
+    if lo is not None and value < lo:
+        raise InvalidRequestError(f"{name} must be >= {lo}, got {value}", name)
+    if hi is not None and value > hi:
+        raise InvalidRequestError(f"{name} must be <= {hi}, got {value}", name)
+
+
+def _integer(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
+    _number(name, value, lo, hi)
