@@ -1,0 +1,64 @@
+"""POSIX shared memory for a decode instance's KV cache (same-host transfer: one copy, 5-7 GB/s).
+
+The decode engine allocates its whole cache in a named segment; a prefill process on the same host
+attaches to it and writes its blocks straight into the decode side's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from pdserve.cache_transfer.regions import Segment
+from pdserve.errors import TransferError
+
+log = logging.getLogger(__name__)
+
+
+def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
+    """Create a zero-filled segment owned (and later unlinked) by the calling process."""
+    try:
+        return shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    except FileExistsError:
+        raise TransferError(f"shared memory segment {name!r} already exists (another instance with this id?)") from None
+
+
+def attach_segment(name: str) -> shared_memory.SharedMemory:
+    """Attach to a peer's segment without adopting it: Python < 3.13 would unlink it at our exit."""
+    try:
+        if sys.version_info >= (3, 13):
+            return shared_memory.SharedMemory(name=name, create=False, track=False)
+        register = resource_tracker.register
+        resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
+        try:
+            return shared_memory.SharedMemory(name=name, create=False)
+        finally:
+            resource_tracker.register = register  # type: ignore[assignment]
+    except FileNotFoundError:
+        raise TransferError(f"shared memory segment {name!r} not found (decode instance gone?)") from None
+
+
+class ShmWriter:
+    """Writes KV byte ranges of a local cache into a peer's shared-memory cache."""
+
+    def __init__(self, segment_name: str) -> None:
+        self.segment_name = segment_name
+        self._shm = attach_segment(segment_name)
+        self._dst = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
+
+    def write(self, src: np.ndarray, segments: list[Segment]) -> int:
+        """Copy ``src[s:s+n] -> peer[d:d+n]`` for each segment; returns bytes moved."""
+        total = 0
+        for s, d, n in segments:
+            if d + n > self._dst.size:
+                raise TransferError(f"segment {d}+{n} exceeds peer cache of {self._dst.size} bytes")
+            self._dst[d : d + n] = src[s : s + n]
+            total += n
+        return total
+
+    def close(self) -> None:
+        del self._dst
+        self._shm.close()

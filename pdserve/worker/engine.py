@@ -1,0 +1,353 @@
+"""LLMEngine: requests in, per-step outputs out. One step = schedule, run the model, sample, detokenize.
+
+Also the KV hand-off used by prefill/decode instances:
+
+* prefill side: ``add_request(..., prefill_only=True)``; the step that samples the first token
+  reports ``prefilled=True`` and keeps the sequence's blocks until ``release_prefilled``;
+  ``prefilled_blocks`` / ``export_kv`` give its KV in block-table order.
+* decode side: ``reserve`` blocks, receive the bytes (``import_kv``, or a same-host peer writes them
+  straight into this engine's shared-memory cache), then ``add_prefilled`` to continue decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+import paddle
+
+from pdserve.errors import ConfigError, EngineError, InvalidRequestError, RequestTooLongError
+from pdserve.worker.batcher import Batcher, BatcherConfig, blocks_for
+from pdserve.worker.block_manager import BlockManager
+from pdserve.worker.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.worker.kv_cache import KVCache, block_bytes
+from pdserve.worker.model import Model
+from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.model_runner import ModelRunner
+from pdserve.worker.sampler import Sample, Sampler, make_rng
+from pdserve.worker.sampling_params import SamplingParams
+from pdserve.worker.sequence import Sequence, SequenceStatus
+from pdserve.worker.tokenizer import Tokenizer
+from pdserve.worker.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizing. ``num_blocks`` wins over ``kv_cache_gb``; ``max_num_batched_tokens`` defaults
+    to one prefill chunk plus one token per running sequence."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    prefill_chunk_size: int = 512
+    max_model_len: int | None = None
+    threads: int | None = None
+    shared_kv: bool = False  # decode cache in POSIX shared memory (same-host prefill writes into it)
+    shm_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "prefill_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.num_blocks is None and self.kv_cache_gb <= 0:
+            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta, not the whole output so far)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prefilled: bool = False  # prefill-only request: KV is ready for hand-off
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stop: StopStringMatcher
+
+
+def set_threads(n: int | None) -> int:
+    """Paddle pins OpenMP to one thread at import; raise it (there is no public setter)."""
+    n = n or int(os.environ.get("PDSERVE_THREADS", 0)) or os.cpu_count() or 1
+    paddle.base.core.set_num_threads(n)
+    return n
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.threads = set_threads(config.threads)
+        t0 = time.perf_counter()
+        self.model = Model(mc, load_weights(self.model_dir, mc), self.max_model_len)
+        num_blocks = config.num_blocks or int(config.kv_cache_gb * 2**30 // block_bytes(mc, config.block_size))
+        if num_blocks < 2:
+            raise ConfigError(f"kv_cache_gb={config.kv_cache_gb} holds fewer than 2 KV blocks")
+        self.cache = KVCache(mc, num_blocks, config.block_size, shared=config.shared_kv, shm_name=config.shm_name)
+        self.blocks = BlockManager(num_blocks)
+        self.batcher = Batcher(
+            BatcherConfig(
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens
+                or config.prefill_chunk_size + config.max_num_seqs,
+                prefill_chunk_size=config.prefill_chunk_size,
+            ),
+            self.blocks,
+        )
+        self.runner = ModelRunner(self.cache)
+        self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self.prefilled: dict[str, Sequence] = {}  # prefill-only sequences holding blocks for hand-off
+        self.reserved: dict[str, list[int]] = {}  # blocks reserved for incoming KV
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        log.info(
+            "engine ready: %s, %d layers, max_model_len %d, %d KV blocks, %d threads (%.1f s)",
+            mc.architecture, mc.num_layers, self.max_model_len, num_blocks, self.threads, time.perf_counter() - t0,
+        )  # fmt: skip
+
+    # ---- requests ---------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise if this request can never run here (checked before anything is queued)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary", "prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} "
+                f"tokens and max_tokens is {params.max_tokens} ({n + params.max_tokens} in total)",
+                "max_tokens" if n < self.max_model_len else "prompt",
+            )
+        need = blocks_for(n + params.max_tokens, self.config.block_size)
+        if need > self.blocks.capacity:
+            raise RequestTooLongError(
+                f"prompt + max_tokens = {n + params.max_tokens} tokens needs {need} KV blocks but the cache "
+                f"has only {self.blocks.capacity}",
+                "max_tokens",
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        prefill_only: bool = False,
+    ) -> Sequence:
+        if request_id in self.requests or request_id in self.prefilled:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("either prompt or prompt_token_ids is required", "prompt")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
+        self._track(seq)
+        self.batcher.add(seq)
+        return seq
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request wherever it is; its final output (finish_reason "abort") comes from step()."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return self.release_prefilled(request_id) or self.cancel_reservation(request_id)
+        self.batcher.remove(req.seq)
+        req.seq.status = SequenceStatus.FINISHED
+        self._pending.append(self._output(req, [], "", None, finish_reason=reason))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.batcher.schedule()
+        if not batch:
+            return outputs
+        step_input, out_seqs = self.runner.prepare(batch)
+        try:
+            logits = self.model.forward(self.cache, step_input)
+        except Exception as e:  # a Paddle failure must end these requests, not hang them
+            log.exception("model step failed")
+            return outputs + self._fail_batch(batch, f"model step failed: {e}")
+        for seq in batch.decodes:
+            seq.num_computed_tokens = seq.num_tokens
+        for chunk in batch.prefills:
+            chunk.seq.num_computed_tokens = chunk.end
+        if logits is None:
+            return outputs
+        samples = self.sampler(logits.numpy(), out_seqs)
+        for seq, sample in zip(out_seqs, samples):
+            outputs.append(self._append(self.requests[seq.request_id], sample))
+        return outputs
+
+    def _append(self, req: _Request, sample: Sample) -> RequestOutput:
+        seq, p = req.seq, req.seq.params
+        token = sample.token_id
+        seq.output_token_ids.append(token)
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = [TokenLogprob(token, sample.logprob, sample.top_logprobs)]
+        text, reason = self._advance_text(req, token)
+        if reason is None and seq.num_output_tokens >= p.max_tokens:
+            reason = "length"
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if reason == "length":
+                text += req.stop.flush()
+            self._finish(req)
+            return self._output(req, [token], text, logprobs, finish_reason=reason)
+        if seq.prefill_only:
+            self.batcher.running.remove(seq)
+            seq.status = SequenceStatus.PREFILLED
+            self.prefilled[seq.request_id] = seq
+            del self.requests[seq.request_id]
+            return self._output(req, [token], text, logprobs, prefilled=True)
+        return self._output(req, [token], text, logprobs)
+
+    def _advance_text(self, req: _Request, token: int) -> tuple[str, str | None]:
+        """Detokenize one token and apply EOS / stop-token / stop-string rules."""
+        p = req.seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids):
+            return "", "stop"
+        text, matched = req.stop.feed(req.detok.add(token))
+        return text, ("stop" if matched else None)
+
+    def _finish(self, req: _Request) -> None:
+        self.batcher.remove(req.seq)
+        req.seq.status = SequenceStatus.FINISHED
+        self.requests.pop(req.seq.request_id, None)
+
+    def _fail_batch(self, batch, message: str) -> list[RequestOutput]:
+        out = []
+        for seq in {*(batch.decodes), *(c.seq for c in batch.prefills)}:
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                self._finish(req)
+                out.append(self._output(req, [], "", None, finish_reason="error", error=message))
+        return out
+
+    def _output(self, req: _Request, tokens, text, logprobs, **kw) -> RequestOutput:
+        seq = req.seq
+        finished = "finish_reason" in kw
+        return RequestOutput(
+            seq.request_id, tokens, text, seq.num_prompt_tokens, seq.num_output_tokens,
+            finished=finished, logprobs=logprobs, **kw,
+        )  # fmt: skip
+
+    def _track(self, seq: Sequence) -> _Request:
+        p = seq.params
+        seq.rng = make_rng(p.seed)
+        req = _Request(
+            seq,
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens),
+            StopStringMatcher(p.stop, p.include_stop_str_in_output),
+        )
+        self.requests[seq.request_id] = req
+        return req
+
+    # ---- KV hand-off: prefill side ------------------------------------------------------------
+    def prefilled_blocks(self, request_id: str) -> list[int]:
+        """Blocks holding the prompt's K/V, in block-table order."""
+        seq = self.prefilled.get(request_id)
+        if seq is None:
+            raise EngineError(f"request {request_id!r} is not a prefilled sequence on this engine")
+        return seq.block_table[: blocks_for(seq.num_prompt_tokens, self.config.block_size)]
+
+    def export_kv(self, request_id: str) -> bytes:
+        return self.cache.read_blocks(self.prefilled_blocks(request_id))
+
+    def release_prefilled(self, request_id: str) -> bool:
+        seq = self.prefilled.pop(request_id, None)
+        if seq is None:
+            return False
+        self.batcher.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        return True
+
+    # ---- KV hand-off: decode side ------------------------------------------------------------
+    def can_reserve(self, num_prompt_tokens: int) -> bool:
+        return self.blocks.can_allocate(blocks_for(num_prompt_tokens, self.config.block_size))
+
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
+        """Reserve blocks for an incoming prompt's K/V; raises EngineError when they are not free."""
+        if request_id in self.reserved or request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        need = blocks_for(num_prompt_tokens, self.config.block_size)
+        if not self.blocks.can_allocate(need):
+            raise EngineError(f"cannot reserve {need} KV blocks: {self.blocks.num_free} free")
+        self.reserved[request_id] = self.blocks.allocate(need)
+        return self.reserved[request_id]
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        blocks = self.reserved.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.blocks.free(blocks)
+        return True
+
+    def import_kv(self, request_id: str, data: bytes | memoryview) -> None:
+        self.cache.write_blocks(self.reserved[request_id], data)
+
+    def add_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams
+    ) -> Sequence:
+        """Continue a request whose prompt K/V now sits in its reserved blocks.
+
+        The first token was already reported by the prefill side; it is replayed through this
+        engine's detokenizer, stop matcher and sampler generator (without output) so that text,
+        stop holdback and seeded sampling continue exactly where the prefill side left them.
+        """
+        blocks = self.reserved.pop(request_id, None)
+        if blocks is None:
+            raise EngineError(f"no reserved blocks for request {request_id!r}")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq.block_table = blocks
+        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.output_token_ids.append(first_token)
+        req = self._track(seq)
+        if not params.is_greedy:
+            seq.rng.random()  # the prefill side drew once for the first token
+        req.stop.feed(req.detok.add(first_token))
+        self.batcher.add_running(seq)
+        return seq
+
+    def close(self) -> None:
+        self.cache.close()
+

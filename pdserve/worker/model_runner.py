@@ -1,0 +1,105 @@
+"""Turns a scheduled Batch into the packed StepInput of one forward (numpy index math, once a step).
+
+Decodes are grouped by their context length in blocks, rounded up to a bucket that depends only on
+that length (≤ 12.5 % padding, padded with the all-zero null block and masked). A sequence's
+attention shape is therefore the same alone or in any batch — the basis of batch invariance —
+while a batch of mixed lengths still needs only a handful of attention groups.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdserve.worker.batcher import Batch, blocks_for
+from pdserve.worker.kv_cache import NULL_BLOCK, KVCache
+from pdserve.worker.model import AttentionGroup, StepInput
+from pdserve.worker.sequence import Sequence
+
+_NEG_INF = np.float32(-np.inf)
+
+
+def decode_bucket(num_blocks: int) -> int:
+    """Padded block count for a decode context of ``num_blocks`` blocks."""
+    if num_blocks <= 8:
+        return num_blocks
+    granule = 1 << (num_blocks.bit_length() - 4)
+    return -(-num_blocks // granule) * granule
+
+
+class ModelRunner:
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.block_size = cache.block_size
+        self._causal: dict[int, np.ndarray] = {}
+
+    def prepare(self, batch: Batch) -> tuple[StepInput, list[Sequence]]:
+        """Pack the batch; returns the step input and the sequences whose logits come back, in order."""
+        bs = self.block_size
+        ids: list[np.ndarray] = []
+        pos: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        gathers: list[np.ndarray] = []
+        groups: list[AttentionGroup] = []
+        out_rows: list[int] = []
+        out_seqs: list[Sequence] = []
+        start = 0
+
+        by_bucket: dict[int, list[Sequence]] = {}
+        for seq in batch.decodes:
+            by_bucket.setdefault(decode_bucket(blocks_for(seq.num_tokens, bs)), []).append(seq)
+        for nblk, seqs in sorted(by_bucket.items()):
+            n = len(seqs)
+            lengths = np.fromiter((s.num_tokens for s in seqs), np.int64, n)
+            table = np.full((n, nblk), NULL_BLOCK, np.int64)
+            for i, s in enumerate(seqs):
+                used = blocks_for(s.num_tokens, bs)
+                table[i, :used] = s.block_table[:used]
+            p = lengths - 1
+            ids.append(np.fromiter((s.token_at(s.num_tokens - 1) for s in seqs), np.int64, n))
+            pos.append(p)
+            slots.append(table[np.arange(n), p // bs] * bs + p % bs)
+            gathers.append(self.cache.gather_chunks(table))
+            mask = np.where(np.arange(nblk * bs)[None, :] < lengths[:, None], 0.0, _NEG_INF).astype(np.float32)
+            groups.append(AttentionGroup(start, n, n, 2 * n * nblk, mask[:, None, :], True))
+            out_rows.extend(range(start, start + n))
+            out_seqs.extend(seqs)
+            start += n
+
+        for chunk in batch.prefills:
+            seq, n = chunk.seq, chunk.end - chunk.start
+            p = np.arange(chunk.start, chunk.end, dtype=np.int64)
+            table = np.asarray(seq.block_table, np.int64)
+            all_ids = seq.prompt_token_ids if chunk.end <= seq.num_prompt_tokens else seq.all_token_ids()
+            ids.append(np.asarray(all_ids[chunk.start : chunk.end], np.int64))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if chunk.start == 0:
+                groups.append(AttentionGroup(start, n, 1, 0, self._causal_mask(n), False))
+            else:
+                nblk = blocks_for(chunk.end, bs)
+                gathers.append(self.cache.gather_chunks(table[None, :nblk]))
+                mask = np.where(np.arange(nblk * bs)[None, :] <= p[:, None], 0.0, _NEG_INF).astype(np.float32)
+                groups.append(AttentionGroup(start, n, 1, 2 * nblk, mask[:, None, :], False))
+            if chunk.samples:
+                out_rows.append(start + n - 1)
+                out_seqs.append(seq)
+            start += n
+
+        all_slots = np.concatenate(slots)
+        step = StepInput(
+            token_ids=np.concatenate(ids),
+            positions=np.concatenate(pos),
+            write_rows=self.cache.write_rows(all_slots),
+            gather=np.concatenate(gathers, axis=1) if gathers else None,
+            groups=groups,
+            output_rows=np.asarray(out_rows, np.int64),
+        )
+        return step, out_seqs
+
+    def _causal_mask(self, n: int) -> np.ndarray:
+        mask = self._causal.get(n)
+        if mask is None:
+            mask = np.triu(np.full((n, n), _NEG_INF, np.float32), 1)
+            if len(self._causal) < 64:
+                self._causal[n] = mask
+        return mask
