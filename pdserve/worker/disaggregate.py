@@ -107,7 +107,10 @@ def generate_disaggregated(
                     decode.import_kv(out.request_id, payload)
                 job = next(j for j in jobs if j["request_id"] == out.request_id)
                 decode.add_prefilled(
-                    out.request_id, job["prompt_token_ids"], out.token_ids[0], SamplingParams.from_dict(job["params"])
+                    out.request_id,
+                    job["prompt_token_ids"],
+                    out.token_ids[0],
+                    SamplingParams.from_dict(job["params"]),
                 )
             else:
                 decode.cancel_reservation(out.request_id)  # finished on its first token

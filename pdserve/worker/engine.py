@@ -106,14 +106,20 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         self.threads = set_threads(config.threads)
         t0 = time.perf_counter()
         self.model = Model(mc, load_weights(self.model_dir, mc), self.max_model_len)
-        num_blocks = config.num_blocks or int(config.kv_cache_gb * 2**30 // block_bytes(mc, config.block_size))
+        num_blocks = config.num_blocks or int(
+            config.kv_cache_gb * 2**30 // block_bytes(mc, config.block_size)
+        )
         if num_blocks < 2:
             raise ConfigError(f"kv_cache_gb={config.kv_cache_gb} holds fewer than 2 KV blocks")
-        self.cache = KVCache(mc, num_blocks, config.block_size, shared=config.shared_kv, shm_name=config.shm_name)
+        self.cache = KVCache(
+            mc, num_blocks, config.block_size, shared=config.shared_kv, shm_name=config.shm_name
+        )
         self.blocks = BlockManager(num_blocks)
         self.batcher = Batcher(
             BatcherConfig(
@@ -224,13 +230,12 @@ class LLMEngine:
         if p.logprobs is not None:
             logprobs = [TokenLogprob(token, sample.logprob, sample.top_logprobs)]
         text, reason = self._advance_text(req, token)
-        if reason is None and seq.num_output_tokens >= p.max_tokens:
+        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
-        if reason is None and seq.num_tokens >= self.max_model_len:
-            reason = "length"
+            tail, matched = req.stop.feed(req.detok.flush())
+            text += tail if matched else tail + req.stop.flush()
+            reason = "stop" if matched else reason
         if reason is not None:
-            if reason == "length":
-                text += req.stop.flush()
             self._finish(req)
             return self._output(req, [token], text, logprobs, finish_reason=reason)
         if seq.prefill_only:
@@ -245,7 +250,7 @@ class LLMEngine:
         """Detokenize one token and apply EOS / stop-token / stop-string rules."""
         p = req.seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids):
-            return "", "stop"
+            return req.stop.flush(), "stop"  # text held back as a possible stop prefix is released
         text, matched = req.stop.feed(req.detok.add(token))
         return text, ("stop" if matched else None)
 
@@ -350,4 +355,3 @@ class LLMEngine:
 
     def close(self) -> None:
         self.cache.close()
-

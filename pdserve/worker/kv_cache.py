@@ -32,7 +32,12 @@ class KVCache:
     """Owns the cache tensor and the index math that maps (block, K/V, layer, slot, head) to rows."""
 
     def __init__(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, shared: bool = False, shm_name: str | None = None
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        shared: bool = False,
+        shm_name: str | None = None,
     ) -> None:
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         L, kvh, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
@@ -98,7 +103,9 @@ class KVCache:
         src = np.frombuffer(data, dtype=np.uint8)
         expected = len(block_ids) * self.block_bytes
         if src.size != expected:
-            raise ValueError(f"KV payload has {src.size} bytes, expected {expected} for {len(block_ids)} blocks")
+            raise ValueError(
+                f"KV payload has {src.size} bytes, expected {expected} for {len(block_ids)} blocks"
+            )
         raw, pos = self.raw_view(), 0
         for off, n in self.regions(block_ids):
             raw[off : off + n] = src[pos : pos + n]

@@ -49,7 +49,9 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Generation]:
         """Run every prompt to completion (all batched together); results in prompt order."""
         results = {g.request_id: g for g in self._submit(prompts, sampling_params)}
@@ -58,7 +60,9 @@ class LLM:
         return list(results.values())
 
     def stream(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield per-step deltas as they are produced."""
         self._submit(prompts, sampling_params)
@@ -78,7 +82,11 @@ class LLM:
     def _submit(self, prompts, sampling_params) -> list[Generation]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, (list, tuple))
+            else [sampling_params] * len(prompts)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling_params")
         gens = []

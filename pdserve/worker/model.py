@@ -104,7 +104,9 @@ class Model:
             q = self._rope(q.reshape([n, H, D]), qcos, qsin)
             k = self._rope(k.reshape([n, KVH, D]), cos, sin)
             v = v.reshape([n, KVH, D])
-            paddle.scatter_(cache.rows, write_rows[layer], paddle.concat([k, v], 0).reshape([-1, D]), overwrite=True)
+            paddle.scatter_(
+                cache.rows, write_rows[layer], paddle.concat([k, v], 0).reshape([-1, D]), overwrite=True
+            )
             kv_all = paddle.index_select(cache.chunks, gather[layer]) if gather is not None else None
             outs, chunk = [], 0
             for g, mask in zip(step.groups, masks):
@@ -119,7 +121,7 @@ class Model:
             o = outs[0] if len(outs) == 1 else paddle.concat(outs, 0)
             x = x + self._linear(o, f"l{layer}.o")
             h = self._norm(x, self.w[f"l{layer}.post_norm"])
-            x = x + self._linear(IF.swiglu(self._linear(h, f"l{layer}.gate_up")), f"l{layer}.down")
+            x = x + self._linear(F.swiglu(self._linear(h, f"l{layer}.gate_up")), f"l{layer}.down")
         if step.output_rows.size == 0:
             return None
         if step.output_rows.shape[0] != n or not np.array_equal(step.output_rows, np.arange(n)):

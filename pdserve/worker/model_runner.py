@@ -59,7 +59,9 @@ class ModelRunner:
             pos.append(p)
             slots.append(table[np.arange(n), p // bs] * bs + p % bs)
             gathers.append(self.cache.gather_chunks(table))
-            mask = np.where(np.arange(nblk * bs)[None, :] < lengths[:, None], 0.0, _NEG_INF).astype(np.float32)
+            mask = np.where(np.arange(nblk * bs)[None, :] < lengths[:, None], 0.0, _NEG_INF).astype(
+                np.float32
+            )
             groups.append(AttentionGroup(start, n, n, 2 * n * nblk, mask[:, None, :], True))
             out_rows.extend(range(start, start + n))
             out_seqs.extend(seqs)

@@ -60,10 +60,7 @@ class Sampler:
             banned = [t for t in [*self.eos_token_ids, *p.stop_token_ids] if t < row.size]
             row[banned] = -np.inf
         self._apply_penalties(row, seq)
-        if p.is_greedy:
-            token = int(row.argmax())
-        else:
-            token = self._draw(row, seq)
+        token = int(row.argmax()) if p.is_greedy else self._draw(row, seq)
         sample = Sample(token)
         if p.logprobs is not None:
             logp = raw - _logsumexp(raw)

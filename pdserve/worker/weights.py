@@ -58,7 +58,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
         missing = [p.name for p in files if not p.is_file()]
         if missing:
-            raise ConfigError(f"{model_dir}: shard(s) listed in {index.name} are missing: {', '.join(missing)}")
+            raise ConfigError(
+                f"{model_dir}: shard(s) listed in {index.name} are missing: {', '.join(missing)}"
+            )
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -90,7 +92,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarra
         return t
 
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    w: dict[str, np.ndarray] = {"embed": np.ascontiguousarray(take("model.embed_tokens.weight", (cfg.vocab_size, h)))}
+    w: dict[str, np.ndarray] = {
+        "embed": np.ascontiguousarray(take("model.embed_tokens.weight", (cfg.vocab_size, h)))
+    }
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         wq, wk = take(p + "self_attn.q_proj.weight", (q, h)), take(p + "self_attn.k_proj.weight", (kv, h))

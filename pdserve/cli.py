@@ -1,0 +1,234 @@
+"""The ``pdserve`` command. Every flag takes its default from a ``PDSERVE_*`` environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from pdserve.errors import PdserveError
+
+log = logging.getLogger("pdserve")
+
+
+def env(name: str, default: Any = None, kind: Callable[[str], Any] = str) -> Any:
+    """Default for a flag from ``PDSERVE_<NAME>``; a malformed value names the variable."""
+    raw = os.environ.get(f"PDSERVE_{name}")
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise SystemExit(
+            f"pdserve: error: environment variable PDSERVE_{name}={raw!r} is not a valid {kind.__name__}"
+        ) from None
+
+
+def _flag(
+    p: argparse.ArgumentParser, name: str, kind: Callable[[str], Any], default: Any, help: str, **kw
+) -> None:
+    var = name.lstrip("-").upper().replace("-", "_")
+    p.add_argument(name, type=kind, default=env(var, default, kind), help=f"{help} [env PDSERVE_{var}]", **kw)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    _flag(g, "--kv-cache-gb", float, 1.0, "KV cache size in GiB (default %(default)s)")
+    _flag(g, "--num-blocks", int, None, "KV cache size in blocks (overrides --kv-cache-gb)")
+    _flag(g, "--block-size", int, 16, "tokens per KV block (default %(default)s)")
+    _flag(g, "--max-num-seqs", int, 64, "most sequences running at once (default %(default)s)")
+    _flag(
+        g,
+        "--max-num-batched-tokens",
+        int,
+        None,
+        "token budget of one step (default: chunk size + max-num-seqs)",
+    )
+    _flag(g, "--prefill-chunk-size", int, 512, "long prompts are prefilled in chunks of this many tokens")
+    _flag(g, "--max-model-len", int, None, "context limit (default: the model's max_position_embeddings)")
+    _flag(g, "--threads", int, None, "CPU threads for Paddle (default: all cores)")
+
+
+def engine_config(args: argparse.Namespace, **extra: Any):
+    from pdserve.worker.engine import EngineConfig
+
+    return EngineConfig(
+        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gb=args.kv_cache_gb,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size, max_model_len=args.max_model_len, threads=args.threads, **extra,
+    )  # fmt: skip
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (OpenAI semantics)")
+    g.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens to generate at most (default %(default)s)"
+    )
+    g.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before EOS/stop may end it")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k best tokens (-1: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the best probability")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=int, default=[],
+                   help="stop token id (repeatable)")  # fmt: skip
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument(
+        "--logprobs", type=int, default=None, help="return each token's logprob and N alternatives"
+    )
+
+
+_SAMPLING_FLAGS = {
+    "max_tokens": "--max-tokens", "min_tokens": "--min-tokens", "temperature": "--temperature", "top_p": "--top-p",
+    "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty", "stop": "--stop",
+    "stop_token_ids": "--stop-token-id", "logprobs": "--logprobs",
+}  # fmt: skip
+
+
+def sampling_params(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    from pdserve.errors import InvalidRequestError
+    from pdserve.worker.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(
+            **{field: getattr(args, field) for field in _SAMPLING_FLAGS}, ignore_eos=args.ignore_eos
+        )
+    except InvalidRequestError as e:
+        parser.error(f"{_SAMPLING_FLAGS.get(e.param or '', e.param)}: {e.message}")
+
+
+# ---- pdserve model init -------------------------------------------------------------------------
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from pdserve.worker.model_init import init_model
+
+    path = init_model(args.dir, preset=args.preset, seed=args.seed, overwrite=args.overwrite)
+    print(f"wrote {args.preset} model to {path}")
+    return 0
+
+
+# ---- pdserve generate ---------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if not args.model:
+        parser.error("--model is required (or set PDSERVE_MODEL)")
+    if not args.prompt:
+        parser.error("--prompt is required (repeat it for several prompts)")
+    params = sampling_params(args, parser)
+    from pdserve.worker.llm import LLM
+
+    if args.disaggregate:
+        from pdserve.worker.disaggregate import generate_disaggregated
+        from pdserve.worker.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(args.model)
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt
+        ]
+        gens = generate_disaggregated(
+            args.model, prompts, [params] * len(prompts), engine_config(args), transfer=args.transfer
+        )
+    else:
+        llm = LLM(args.model, **vars(engine_config(args)))
+        if args.chat:
+            gens = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            gens = llm.generate(args.prompt, params)
+    for prompt, gen in zip(args.prompt, gens):
+        if args.json:
+            doc = {
+                "prompt": prompt, "text": gen.text, "token_ids": gen.token_ids,
+                "finish_reason": gen.finish_reason, "usage": gen.usage,
+            }  # fmt: skip
+            if gen.logprobs is not None:
+                doc["logprobs"] = [
+                    {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": lp.top_logprobs}
+                    for lp in gen.logprobs
+                ]
+            if gen.error:
+                doc["error"] = gen.error
+            sys.stdout.write(orjson.dumps(doc).decode() + "\n")
+        else:
+            sys.stdout.write(gen.text + "\n")
+            if gen.error:
+                sys.stderr.write(f"error: {gen.error}\n")
+    return 1 if any(g.error for g in gens) else 0
+
+
+# ---- parser -------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Serve LLMs with prefill/decode disaggregation: a stateless OpenAI-compatible router, "
+        "Redis as the control plane, Paddle workers that move KV cache directly between each other.",
+    )
+    parser.add_argument(
+        "--log-level", default=env("LOG_LEVEL", "INFO"), help="logging level [env PDSERVE_LOG_LEVEL]"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    model = sub.add_parser("model", help="create model folders")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION")
+    init = model_sub.add_parser(
+        "init", help="write a model folder with seeded random weights and an offline-trained tokenizer"
+    )
+    init.add_argument("dir", help="folder to create")
+    init.add_argument("--preset", choices=["tiny", "small"], default="tiny",
+                      help="tiny: hidden 256, 4 layers (20 MB); small: the ERNIE-4.5-0.3B shape (1.3 GB)")  # fmt: skip
+    init.add_argument("--seed", type=int, default=0, help="weight seed (default %(default)s)")
+    init.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    init.set_defaults(func=lambda a: cmd_model_init(a))
+
+    gen = sub.add_parser("generate", help="generate offline from one or more prompts (no server)")
+    _flag(gen, "--model", str, None, "model folder (Hugging Face layout)")
+    gen.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user message in the chat template"
+    )
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt (tokens, usage, ...)"
+    )
+    gen.add_argument("--disaggregate", action="store_true",
+                     help="prefill in one process, hand the KV cache to a decode engine in another")  # fmt: skip
+    gen.add_argument("--transfer", choices=["shm", "bytes"], default="shm",
+                     help="with --disaggregate: write into the decode cache in shared memory, or copy bytes")  # fmt: skip
+    add_sampling_flags(gen)
+    add_engine_flags(gen)
+    gen.set_defaults(func=lambda a: cmd_generate(a, gen))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", module="paddle")
+    warnings.filterwarnings("ignore", message=".*ccache.*")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        force=True,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except PdserveError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
