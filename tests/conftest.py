@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Bitwise batch invariance needs MKL's strict mode, set before Paddle (and MKL) load. `make test` sets it too.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -23,7 +23,9 @@ def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
     try:
         return shared_memory.SharedMemory(name=name, create=True, size=nbytes)
     except FileExistsError:
-        raise TransferError(f"shared memory segment {name!r} already exists (another instance with this id?)") from None
+        raise TransferError(
+            f"shared memory segment {name!r} already exists (another instance with this id?)"
+        ) from None
 
 
 def attach_segment(name: str) -> shared_memory.SharedMemory:

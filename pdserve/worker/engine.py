@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import paddle
 
 from pdserve.errors import ConfigError, EngineError, InvalidRequestError, RequestTooLongError
@@ -51,6 +52,9 @@ class EngineConfig:
     threads: int | None = None
     shared_kv: bool = False  # decode cache in POSIX shared memory (same-host prefill writes into it)
     shm_name: str | None = None
+    keep_logits: bool = False  # attach each sampled row's raw logits to its output (exactness tests)
+    # Same bits for a sequence alone or in any batch; None: on when MKL_CBWR asks for STRICT mode.
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "prefill_chunk_size"):
@@ -83,6 +87,7 @@ class RequestOutput:
     prefilled: bool = False  # prefill-only request: KV is ready for hand-off
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    logits: np.ndarray | None = None  # only with EngineConfig.keep_logits
 
 
 @dataclasses.dataclass
@@ -131,7 +136,10 @@ class LLMEngine:
             ),
             self.blocks,
         )
-        self.runner = ModelRunner(self.cache)
+        invariant = config.batch_invariant
+        if invariant is None:
+            invariant = "STRICT" in os.environ.get("MKL_CBWR", "").upper()
+        self.runner = ModelRunner(self.cache, batch_invariant=invariant, threads=self.threads)
         self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.prefilled: dict[str, Sequence] = {}  # prefill-only sequences holding blocks for hand-off
@@ -217,9 +225,13 @@ class LLMEngine:
             chunk.seq.num_computed_tokens = chunk.end
         if logits is None:
             return outputs
-        samples = self.sampler(logits.numpy(), out_seqs)
-        for seq, sample in zip(out_seqs, samples):
-            outputs.append(self._append(self.requests[seq.request_id], sample))
+        rows = logits.numpy()[: len(out_seqs)]
+        samples = self.sampler(rows, out_seqs)
+        for i, (seq, sample) in enumerate(zip(out_seqs, samples)):
+            out = self._append(self.requests[seq.request_id], sample)
+            if self.config.keep_logits:
+                out.logits = rows[i].copy()
+            outputs.append(out)
         return outputs
 
     def _append(self, req: _Request, sample: Sample) -> RequestOutput:

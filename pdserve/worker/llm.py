@@ -8,6 +8,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pdserve.worker.engine import EngineConfig, LLMEngine, RequestOutput, TokenLogprob
 from pdserve.worker.sampling_params import SamplingParams
 
@@ -25,6 +27,7 @@ class Generation:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # with EngineConfig.keep_logits
 
     @property
     def usage(self) -> dict[str, int]:
@@ -34,6 +37,8 @@ class Generation:
     def add(self, out: RequestOutput) -> None:
         self.text += out.text
         self.token_ids.extend(out.token_ids)
+        if out.logits is not None:
+            self.logits.append(out.logits)
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.logprobs
         if out.finished:
@@ -89,11 +94,16 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling_params")
-        gens = []
+        jobs = []
         for prompt, p in zip(prompts, params):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            p = p or SamplingParams()
+            self.engine.validate(ids, p)  # all or nothing: a bad prompt must not leave others queued
+            jobs.append((ids, p))
+        gens = []
+        for ids, p in jobs:
             rid = f"gen-{next(self._ids)}"
-            self.engine.add_request(rid, prompt_token_ids=ids, params=p or SamplingParams())
+            self.engine.add_request(rid, prompt_token_ids=ids, params=p)
             gens.append(Generation(rid, ids))
         return gens
 

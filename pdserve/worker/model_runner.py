@@ -18,6 +18,17 @@ from pdserve.worker.sequence import Sequence
 _NEG_INF = np.float32(-np.inf)
 
 
+# MKL (2019.5, in Paddle's CPU wheel) splits a GEMM's rows evenly over its threads and then picks a
+# micro-kernel per group of 4 rows: rows in a trailing partial group, and every row of a matrix with
+# fewer than 8 rows, get other bits than the same row inside a full group — even under
+# MKL_CBWR=AUTO,STRICT (measured on every layer shape of tiny and ERNIE-0.3B, 1 and 2 threads).
+# Batch-invariant mode therefore pads each step, and the logits rows, to at least 8 rows and a
+# multiple of 4 x threads; then a row's bits never depend on its neighbours.
+def padded_rows(n: int, threads: int) -> int:
+    quantum = 4 * max(1, threads)
+    return max(8, -(-n // quantum) * quantum)
+
+
 def decode_bucket(num_blocks: int) -> int:
     """Padded block count for a decode context of ``num_blocks`` blocks."""
     if num_blocks <= 8:
@@ -27,8 +38,10 @@ def decode_bucket(num_blocks: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, batch_invariant: bool = False, threads: int = 1) -> None:
         self.cache = cache
+        self.batch_invariant = batch_invariant
+        self.threads = threads
         self.block_size = cache.block_size
         self._causal: dict[int, np.ndarray] = {}
 
@@ -87,6 +100,14 @@ class ModelRunner:
                 out_seqs.append(seq)
             start += n
 
+        pad = padded_rows(start, self.threads) - start if self.batch_invariant else 0
+        if pad > 0:  # dummy tokens attending only to themselves; their K/V land in the null block
+            ids.append(np.zeros(pad, np.int64))
+            pos.append(np.arange(pad, dtype=np.int64))
+            slots.append(NULL_BLOCK * bs + np.arange(pad) % bs)
+            groups.append(AttentionGroup(start, pad, 1, 0, self._causal_mask(pad), False))
+        if out_rows and self.batch_invariant:
+            out_rows.extend([out_rows[-1]] * (padded_rows(len(out_rows), self.threads) - len(out_rows)))
         all_slots = np.concatenate(slots)
         step = StepInput(
             token_ids=np.concatenate(ids),
