@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test lint format bench clean
+.PHONY: up test lint format bench clean install
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,12 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+MODEL ?= .cache/models/tiny
+
 up: $(STAMP)
-	$(BIN)/pdserve up
+	test -f $(MODEL)/config.json || $(BIN)/pdserve model init $(MODEL) --preset tiny
+	$(BIN)/pdserve generate --model $(MODEL) --disaggregate --max-tokens 32 \
+		--prompt "Prefill here, decode there:" --prompt "你好，世界 🌍"
 
 test: $(STAMP)
 	$(BIN)/ruff check pdserve tests benchmarks

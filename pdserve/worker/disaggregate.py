@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 TRANSFERS = ("shm", "bytes")
 
 
-def _prefill_process(model_dir: str, config: EngineConfig, conn: Any) -> None:
+def _prefill_process(model_dir: str, config: EngineConfig, conn: Any, log_level: int) -> None:
     """Child: prefill each job, move its KV into the decode side's blocks, report the first token."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[prefill]: %(message)s")
     try:
         engine = LLMEngine(model_dir, config)
         conn.send(("ready", None))
@@ -78,7 +79,10 @@ def generate_disaggregated(
     decode = decode_engine or LLMEngine(model_dir, _with(config, shared_kv=transfer == "shm"))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_process, args=(str(model_dir), _with(config, shared_kv=False), child))
+    proc = ctx.Process(
+        target=_prefill_process,
+        args=(str(model_dir), _with(config, shared_kv=False), child, logging.getLogger().getEffectiveLevel()),
+    )
     proc.start()
     try:
         _expect(_recv(parent, proc), "ready")

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import paddle
 
 from pdserve.errors import ConfigError, EngineError, InvalidRequestError, RequestTooLongError
 from pdserve.worker.batcher import Batcher, BatcherConfig, blocks_for
@@ -28,6 +27,7 @@ from pdserve.worker.kv_cache import KVCache, block_bytes
 from pdserve.worker.model import Model
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.model_runner import ModelRunner
+from pdserve.worker.paddle_setup import paddle
 from pdserve.worker.sampler import Sample, Sampler, make_rng
 from pdserve.worker.sampling_params import SamplingParams
 from pdserve.worker.sequence import Sequence, SequenceStatus

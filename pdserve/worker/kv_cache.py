@@ -13,11 +13,11 @@ import logging
 import uuid
 
 import numpy as np
-import paddle
 
 from pdserve.cache_transfer import shm as shm_transport
 from pdserve.cache_transfer.regions import Region, block_regions
 from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.paddle_setup import paddle
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ import dataclasses
 import math
 
 import numpy as np
-import paddle
-import paddle.incubate.nn.functional as IF
-import paddle.nn.functional as F
 
 from pdserve.worker.kv_cache import KVCache
 from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.paddle_setup import functional as F
+from pdserve.worker.paddle_setup import incubate_functional as IF
+from pdserve.worker.paddle_setup import paddle
 
 
 @dataclasses.dataclass

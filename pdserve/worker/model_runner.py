@@ -1,9 +1,10 @@
 """Turns a scheduled Batch into the packed StepInput of one forward (numpy index math, once a step).
 
-Decodes are grouped by their context length in blocks, rounded up to a bucket that depends only on
-that length (≤ 12.5 % padding, padded with the all-zero null block and masked). A sequence's
-attention shape is therefore the same alone or in any batch — the basis of batch invariance —
-while a batch of mixed lengths still needs only a handful of attention groups.
+In batch-invariant mode decodes are grouped by their context length in blocks, rounded up to a
+bucket that depends only on that length (≤ 12.5 % padding with the all-zero null block, masked), so
+a sequence's attention shape is the same alone or in any batch while a batch of mixed lengths still
+needs only a handful of attention groups. Otherwise all decodes form one group padded to the longest
+context: the fewest ops, as the bare model does it.
 """
 
 from __future__ import annotations
@@ -58,8 +59,11 @@ class ModelRunner:
         start = 0
 
         by_bucket: dict[int, list[Sequence]] = {}
-        for seq in batch.decodes:
-            by_bucket.setdefault(decode_bucket(blocks_for(seq.num_tokens, bs)), []).append(seq)
+        if self.batch_invariant:
+            for seq in batch.decodes:
+                by_bucket.setdefault(decode_bucket(blocks_for(seq.num_tokens, bs)), []).append(seq)
+        elif batch.decodes:  # fastest: one group padded to the longest context
+            by_bucket[max(blocks_for(s.num_tokens, bs) for s in batch.decodes)] = batch.decodes
         for nblk, seqs in sorted(by_bucket.items()):
             n = len(seqs)
             lengths = np.fromiter((s.num_tokens for s in seqs), np.int64, n)

