@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.worker.llm import LLM, Generation

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.worker.batcher import Batcher, BatcherConfig
 from pdserve.worker.block_manager import BlockManager
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.sequence import Sequence, SequenceStatus
 
 BS = 4

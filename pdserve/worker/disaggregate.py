@@ -19,7 +19,7 @@ from pdserve.cache_transfer.shm import ShmWriter
 from pdserve.errors import EngineError
 from pdserve.worker.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.worker.llm import Generation, Prompt
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 TRANSFERS = ("shm", "bytes")

@@ -29,7 +29,7 @@ from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.paddle_setup import paddle
 from pdserve.worker.sampler import Sample, Sampler, make_rng
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.sequence import Sequence, SequenceStatus
 from pdserve.worker.tokenizer import Tokenizer
 from pdserve.worker.weights import load_weights

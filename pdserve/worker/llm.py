@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.worker.engine import EngineConfig, LLMEngine, RequestOutput, TokenLogprob
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

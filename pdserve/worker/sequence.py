@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from pdserve.worker.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

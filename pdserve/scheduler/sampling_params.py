@@ -1,4 +1,5 @@
-"""Per-request sampling settings, validated once at the edge (OpenAI semantics and ranges)."""
+"""Per-request sampling settings (OpenAI semantics and ranges): validated once by the router, carried in
+``GenerateRequest.sampling`` and used by the engine. Part of the message schema, so it lives here."""
 
 from __future__ import annotations
 
