@@ -98,7 +98,7 @@ _SAMPLING_FLAGS = {
 
 def sampling_params(args: argparse.Namespace, parser: argparse.ArgumentParser):
     from pdserve.errors import InvalidRequestError
-    from pdserve.worker.sampling_params import SamplingParams
+    from pdserve.scheduler.sampling_params import SamplingParams
 
     try:
         return SamplingParams(
