@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -164,6 +165,34 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 1 if any(g.error for g in gens) else 0
 
 
+# ---- pdserve worker -----------------------------------------------------------------------------
+def add_control_plane_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("control plane")
+    _flag(g, "--redis-url", str, "redis://127.0.0.1:6379/0",
+          "Redis URL: redis:// or rediss:// (TLS), with user:password@ and /db (default %(default)s)")  # fmt: skip
+    _flag(g, "--cluster", str, "default", "namespace of this deployment inside Redis (default %(default)s)")
+    _flag(g, "--ttl", float, 6.0, "registration TTL in seconds; heartbeats renew it every ttl/3")
+
+
+def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if not args.model:
+        parser.error("--model is required (or set PDSERVE_MODEL)")
+    from pathlib import Path
+
+    from pdserve.worker.service import WorkerSettings, run_worker
+
+    try:
+        settings = WorkerSettings(
+            role=args.role, model_dir=Path(args.model), redis_url=args.redis_url, engine=engine_config(args),
+            instance_id=args.instance_id or "", served_model_name=args.served_model_name or "",
+            cluster=args.cluster, host=args.host or socket.gethostname(), ttl_s=args.ttl,
+            drain_timeout_s=args.drain_timeout,
+        )  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
+    return run_worker(settings)
+
+
 # ---- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -204,6 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen)
     add_engine_flags(gen)
     gen.set_defaults(func=lambda a: cmd_generate(a, gen))
+
+    worker = sub.add_parser(
+        "worker", help="run one inference instance (prefill, decode or mixed) registered in Redis",
+        description="Run one inference instance. It registers in Redis with a TTL key, takes requests from "
+        "its inbox stream and publishes tokens to the routers' outbox streams. SIGTERM drains it.",
+    )  # fmt: skip
+    _flag(worker, "--role", str, "mixed", "prefill, decode or mixed (default %(default)s)")
+    _flag(worker, "--model", str, None, "model folder (Hugging Face layout)")
+    _flag(worker, "--served-model-name", str, None, "model name clients use (default: the folder name)")
+    _flag(worker, "--instance-id", str, None,
+          "stable id; a restart with the same id re-reads its unacknowledged inbox entries (default: random)")  # fmt: skip
+    _flag(worker, "--host", str, None, "host identity for same-host (shm) KV transfer (default: hostname)")
+    _flag(worker, "--drain-timeout", float, 30.0, "seconds SIGTERM waits for in-flight requests")
+    add_control_plane_flags(worker)
+    add_engine_flags(worker)
+    worker.set_defaults(func=lambda a: cmd_worker(a, worker))
     return parser
 
 

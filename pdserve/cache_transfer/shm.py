@@ -12,6 +12,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
+from pdserve.cache_transfer.base import KVTransport
 from pdserve.cache_transfer.regions import Segment
 from pdserve.errors import TransferError
 
@@ -43,8 +44,10 @@ def attach_segment(name: str) -> shared_memory.SharedMemory:
         raise TransferError(f"shared memory segment {name!r} not found (decode instance gone?)") from None
 
 
-class ShmWriter:
+class ShmWriter(KVTransport):
     """Writes KV byte ranges of a local cache into a peer's shared-memory cache."""
+
+    protocol = "shm"
 
     def __init__(self, segment_name: str) -> None:
         self.segment_name = segment_name

@@ -1,0 +1,44 @@
+"""The KV transport interface: move a prefill instance's blocks into a decode instance's blocks.
+
+A transport is chosen per prefill/decode pair (``disaggregate_info.protocol``); both sides walk
+their block lists in block-table order (see regions.py). ``shm`` is the same-host backend; a
+cross-host backend (Mooncake TCP/RDMA) implements the same method.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import numpy as np
+
+from pdserve.cache_transfer.regions import Region, pair_regions
+from pdserve.errors import TransferError
+
+
+class KVTransport(abc.ABC):
+    """Writes local cache bytes into one peer's cache."""
+
+    protocol: str
+
+    @abc.abstractmethod
+    def write(self, src: np.ndarray, segments: list[tuple[int, int, int]]) -> int:
+        """Copy ``src[s:s+n]`` to the peer at ``d`` for each ``(s, d, n)``; returns bytes moved."""
+
+    def write_blocks(self, src: np.ndarray, src_regions: list[Region], dst_regions: list[Region]) -> int:
+        return self.write(src, pair_regions(src_regions, dst_regions))
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections or mappings to the peer."""
+
+
+def open_transport(protocol: str, endpoint: dict[str, Any] | None) -> KVTransport:
+    """A transport to the peer described by its registration's ``transfer.endpoint``."""
+    if protocol == "shm":
+        from pdserve.cache_transfer.shm import ShmWriter
+
+        name = (endpoint or {}).get("shm")
+        if not name:
+            raise TransferError("peer advertises no shared-memory segment (transfer.endpoint.shm)")
+        return ShmWriter(name)
+    raise TransferError(f"unsupported KV transfer protocol {protocol!r} (supported: shm)")
