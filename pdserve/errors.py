@@ -5,7 +5,10 @@
     ├── InvalidRequestError    a request field is wrong (``param`` names it) -> HTTP 400
     │   └── RequestTooLongError  prompt + max_tokens can never fit (model length or KV cache)
     ├── EngineError            the engine failed while running a request
-    └── TransferError          KV cache bytes could not be moved between instances
+    ├── TransferError          KV cache bytes could not be moved between instances
+    ├── ControlPlaneError      Redis (the control plane) is unreachable, too old, or refused a command
+    └── MessageError           a control-plane message is not valid JSON, of an unknown type, of a newer
+                               schema version, or has a bad field
 
 Foreign errors (Paddle, Redis, transfer engines) are translated into these at one boundary per
 library; the router maps this tree onto OpenAI error bodies in one place.
@@ -41,3 +44,11 @@ class EngineError(PdserveError, RuntimeError):
 
 class TransferError(PdserveError, RuntimeError):
     """KV cache bytes could not be moved between two instances."""
+
+
+class ControlPlaneError(PdserveError, RuntimeError):
+    """Redis, the control plane, is unreachable, too old, or refused a command (HTTP 503 upstream)."""
+
+
+class MessageError(PdserveError, ValueError):
+    """A control-plane message cannot be understood: bad JSON, unknown ``type``, newer ``v``, bad field."""

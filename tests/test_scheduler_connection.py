@@ -7,10 +7,20 @@ import socket
 import time
 
 import pytest
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pdserve.errors import ConfigError, ControlPlaneError
-from pdserve.scheduler import RedisSettings, check_server_version, redis_errors, wait_for_redis
+from pdserve.scheduler import (
+    Inbox,
+    InstanceRegistry,
+    Keys,
+    OutboxReader,
+    RedisSettings,
+    check_server_version,
+    redis_errors,
+    wait_for_redis,
+)
 
 
 def test_plain_url() -> None:
@@ -138,3 +148,26 @@ def test_version_check_and_error_translation(redis_url: str) -> None:
     ):
         raise RedisConnectionError("boom")
     assert isinstance(info.value.__cause__, RedisConnectionError)
+
+
+def test_clients_that_decode_responses_or_time_out_before_a_block_are_refused() -> None:
+    async def main() -> None:
+        text_client = aioredis.Redis(decode_responses=True)
+        for build in (
+            lambda: Inbox(text_client, Keys(), "p0"),
+            lambda: OutboxReader(text_client, Keys(), "r1"),
+            lambda: InstanceRegistry(text_client, Keys()),
+        ):
+            with pytest.raises(ValueError, match="decode_responses=False"):
+                build()
+        client = RedisSettings(socket_timeout_s=1.0).connect()
+        with pytest.raises(
+            ValueError, match=r"block_ms=1000 must stay below the client's socket timeout \(1.0 s\)"
+        ):
+            OutboxReader(client, Keys(), "r1", block_ms=1000)
+        with pytest.raises(ValueError, match="block_ms=5000"):
+            await Inbox(client, Keys(), "p0").read(block_ms=5000)
+        await text_client.aclose()
+        await client.aclose()
+
+    asyncio.run(main())

@@ -1,0 +1,361 @@
+"""Versioned control-plane messages: pydantic v2 models as compact JSON, never pickle.
+
+Every stream message carries ``v`` (the schema's major version), ``type`` (the discriminator) and
+``request_id``. Compatibility rule: adding an optional field keeps ``v``; readers ignore fields they
+do not know. Removing, renaming or retyping a field bumps ``v``, and readers reject messages with a
+``v`` newer than :data:`SCHEMA_VERSION` instead of misreading them.
+
+The outbox message :class:`StepOutput` batches one engine step's output for many requests of one
+router, so it has no top-level ``request_id``: each of its items carries its own.
+
+Optional fields default to ``None`` (and ``None`` means "absent"), so :func:`encode` drops them to
+keep entries small; decoding restores the defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pdserve.errors import MessageError
+
+SCHEMA_VERSION = 1
+"""The newest message schema (major) version this code reads and writes."""
+
+ANY_ATTEMPT = -1
+"""``RequestDelta.attempt`` of events that end every attempt (e.g. the router lost Redis)."""
+
+Role = Literal["prefill", "decode", "mixed"]
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class _Model(BaseModel):
+    # extra="ignore": fields added by a newer minor revision are skipped, not fatal.
+    model_config = ConfigDict(extra="ignore")
+
+
+# -- registration values (string keys, not stream messages) ---------------------------------------
+
+
+class KVInfo(_Model):
+    """The instance's paged KV cache: geometry and current free space."""
+
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    dtype: str
+    layout: str
+
+
+class LoadInfo(_Model):
+    """Live load, renewed with every heartbeat (the router's selection input)."""
+
+    running: int = 0
+    waiting: int = 0
+    waiting_prefill_tokens: int = 0
+
+
+class TransferInfo(_Model):
+    """How peers reach this instance's KV cache (e.g. ``endpoint = {"shm": "<segment name>"}``)."""
+
+    protocols: list[str] = Field(default_factory=list)
+    endpoint: dict[str, Any] | None = None
+
+
+class InstanceInfo(_Model):
+    """Registration value of one inference instance (``pdserve:{<cluster>}:instance:<id>``)."""
+
+    v: int = Field(default=SCHEMA_VERSION, ge=1)
+    id: str
+    role: Role
+    model: str
+    version: str
+    host: str
+    pid: int
+    started_at: float
+    kv: KVInfo
+    load: LoadInfo = Field(default_factory=LoadInfo)
+    transfer: TransferInfo = Field(default_factory=TransferInfo)
+    max_model_len: int
+    draining: bool = False
+
+
+class RouterInfo(_Model):
+    """Registration value of one router (``pdserve:{<cluster>}:router:<id>``)."""
+
+    v: int = Field(default=SCHEMA_VERSION, ge=1)
+    id: str
+    host: str
+    pid: int
+    port: int
+    started_at: float
+
+
+# -- parts of messages -----------------------------------------------------------------------------
+
+
+class PeerInfo(_Model):
+    """One side of a prefill/decode pair, as copied from its registration."""
+
+    id: str
+    host: str
+    transfer: dict[str, Any] = Field(default_factory=dict)
+
+
+class PhaseDeadlines(_Model):
+    """Unix-seconds deadline of each splitwise phase; a missed one ends the request with an error."""
+
+    reserve: float
+    transfer: float
+    first_token: float
+
+
+class DisaggregateInfo(_Model):
+    """Who prefills, who decodes, and how KV moves between them; chosen once by the router."""
+
+    request_id: str
+    router_id: str
+    prefill: PeerInfo
+    decode: PeerInfo
+    protocol: str
+    deadlines: PhaseDeadlines
+
+
+class TopLogprob(_Model):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(_Model):
+    """Logprob of one sampled token, with the requested number of best alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+class Usage(_Model):
+    prompt_tokens: int
+    completion_tokens: int
+    num_cached_tokens: int = 0
+
+
+class ErrorInfo(_Model):
+    """A failure the router turns into an OpenAI error body; ``code`` is HTTP-like."""
+
+    code: int
+    type: str
+    message: str
+    retryable: bool = False
+
+
+class RequestDelta(_Model):
+    """What happened to one request: new tokens, its finish, or its failure.
+
+    A finished request has ``finish_reason`` set (and ``usage``); a failed one has ``error`` set
+    and ``finish_reason == "error"``. ``attempt`` lets the router drop events of a superseded try
+    (:data:`ANY_ATTEMPT` applies to whichever attempt is current).
+    """
+
+    request_id: str
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+    attempt: int = 0
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @classmethod
+    def failure(
+        cls,
+        request_id: str,
+        code: int,
+        type: str,
+        message: str,
+        *,
+        retryable: bool = False,
+        attempt: int = 0,
+    ) -> RequestDelta:
+        """The final event of a request that failed."""
+        error = ErrorInfo(code=code, type=type, message=message, retryable=retryable)
+        return cls(request_id=request_id, finish_reason="error", error=error, attempt=attempt)
+
+
+# -- stream messages -------------------------------------------------------------------------------
+
+
+class _Message(_Model):
+    v: int = Field(default=SCHEMA_VERSION, ge=1)
+
+
+class GenerateRequest(_Message):
+    """Router -> instance inbox: run one request (with ``disaggregate_info`` when split over P and D).
+
+    Exactly one of ``prompt_token_ids``, ``prompt`` and ``messages`` (chat) is set. ``sampling``
+    is ``SamplingParams.to_dict()`` (sampling_params.py): validated by the router, re-read by the
+    engine with ``SamplingParams.from_dict``, so its fields can change without a schema bump here.
+    """
+
+    type: Literal["generate"] = "generate"
+    request_id: str
+    router_id: str
+    prompt_token_ids: list[int] | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    deadline: float
+    attempt: int = 0
+    disaggregate_info: DisaggregateInfo | None = None
+    detokenize: bool = True
+    arrival_time: float | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        given = [n for n in ("prompt_token_ids", "prompt", "messages") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of prompt_token_ids, prompt, messages must be set, got {given}")
+        return self
+
+
+class ReserveBlocks(_Message):
+    """Prefill -> decode inbox: reserve KV blocks for ``num_tokens`` prompt tokens, answer ``reply_to``.
+
+    Carries what decode needs to continue the request. Decode frees the reservation if no
+    :class:`Prefilled` arrives by ``deadlines.transfer`` (a lease, not a leak).
+    """
+
+    type: Literal["reserve"] = "reserve"
+    request_id: str
+    router_id: str
+    num_tokens: int
+    reply_to: str
+    deadline: float
+    deadlines: PhaseDeadlines
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    prompt_token_ids: list[int]
+    attempt: int = 0
+    detokenize: bool = True
+
+
+class ReserveReply(_Message):
+    """Decode -> prefill inbox: the reserved block ids, or a refusal (``retry_after_ms`` when worth it).
+
+    ``num_cached_tokens`` prompt tokens already sit in decode's prefix cache and need no transfer.
+    """
+
+    type: Literal["reserve_reply"] = "reserve_reply"
+    request_id: str
+    ok: bool
+    block_ids: list[int] = Field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str | None = None
+    retry_after_ms: int | None = None
+    attempt: int = 0
+
+
+class Prefilled(_Message):
+    """Prefill -> decode inbox: KV is written (or ``error`` says why not); go on from ``first_token``."""
+
+    type: Literal["prefilled"] = "prefilled"
+    request_id: str
+    first_token: int
+    first_logprobs: TokenLogprob | None = None
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    error: ErrorInfo | None = None
+    attempt: int = 0
+
+
+class Abort(_Message):
+    """Anyone -> instance inbox: stop a request and free its blocks (``attempt=None``: every attempt)."""
+
+    type: Literal["abort"] = "abort"
+    request_id: str
+    reason: str
+    attempt: int | None = None
+
+
+class StepOutput(_Message):
+    """Instance -> router outbox: one engine step's deltas for the requests of ONE router.
+
+    The batched exception to the top-level ``request_id`` rule: each item carries its own. Events
+    outside a step (a rejection before running, a prefill-side failure) use the same shape with one
+    item, so a router handles exactly one event type.
+    """
+
+    type: Literal["step"] = "step"
+    instance_id: str
+    items: list[RequestDelta]
+
+
+InboxMessage = GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort
+"""What an instance's inbox carries."""
+Message = Annotated[
+    GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort | StepOutput,
+    Field(discriminator="type"),
+]
+"""Every stream message, discriminated by ``type``."""
+
+MESSAGE_TYPES: dict[str, type[BaseModel]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (GenerateRequest, ReserveBlocks, ReserveReply, Prefilled, Abort, StepOutput)
+}
+
+
+def encode(msg: BaseModel) -> bytes:
+    """Serialize a message (or registration value) to compact JSON; ``None`` fields are left out.
+
+    pydantic-core's serializer writes the same JSON as ``orjson.dumps(msg.model_dump())`` in ~80%
+    of the time (no intermediate dict: 14 vs 17 µs for a 32-item step); decoding uses orjson.
+    """
+    return msg.model_dump_json(exclude_none=True).encode()
+
+
+def decode(data: bytes | str) -> Message:
+    """Parse one stream message; raise MessageError with a clear reason when it cannot be used."""
+    raw = _load(data)
+    kind = raw.get("type")
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MessageError(f"unknown message type {kind!r}; known types: {sorted(MESSAGE_TYPES)}")
+    return _validate(cls, raw, str(kind))  # type: ignore[return-value]
+
+
+def decode_as(cls: type[_M], data: bytes | str) -> _M:
+    """Parse a value that must be of one model (a registration value, or a message of known type)."""
+    return _validate(cls, _load(data), cls.__name__)
+
+
+def _load(data: bytes | str) -> dict[str, Any]:
+    try:
+        raw = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise MessageError(f"message is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise MessageError(f"message must be a JSON object, got {type(raw).__name__}")
+    v = raw.get("v", SCHEMA_VERSION)
+    if isinstance(v, int) and not isinstance(v, bool) and v > SCHEMA_VERSION:
+        raise MessageError(
+            f"message schema v{v} is newer than this pdserve understands (v{SCHEMA_VERSION}); "
+            "upgrade this process"
+        )
+    return raw
+
+
+def _validate(cls: type[_M], raw: dict[str, Any], what: str) -> _M:
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<message>'}: {err['msg']}" for err in e.errors()
+        )
+        raise MessageError(f"invalid {what} message: {problems}") from None

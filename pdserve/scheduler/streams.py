@@ -1,0 +1,518 @@
+"""Request and result streams: each instance's inbox, each router's outbox.
+
+Every entry has one field, ``m``: an encoded message (see messages.py). Bounds, all documented in
+DESIGN.md's key table:
+
+- inbox: ``XADD MAXLEN ~ INBOX_MAXLEN`` on every send, and acked entries are deleted at once
+  (XACK + XDEL), so it holds only unacked work; ``EXPIRE INBOX_TTL_S`` is refreshed by every send
+  and by its live reader, so the inbox of an instance gone for good disappears.
+- dead letters: ``MAXLEN ~ DEAD_LETTER_MAXLEN``, ``EXPIRE DEAD_LETTER_TTL_S``.
+- outbox: ``XADD MAXLEN ~ OUTBOX_MAXLEN`` + ``EXPIRE OUTBOX_TTL_S`` on every publish, and the
+  router's reader trims what it has read (``XTRIM MINID``), so it holds only unread events.
+
+``~`` trimming removes whole stream nodes, so a stream may exceed its bound by up to one node
+(``stream-node-max-entries``, 100 by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError, ResponseError
+
+from pdserve.errors import MessageError
+from pdserve.scheduler._tasks import cancel_and_wait
+from pdserve.scheduler.connection import redis_errors, require_bytes_responses
+from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
+from pdserve.scheduler.messages import (
+    ANY_ATTEMPT,
+    InboxMessage,
+    RequestDelta,
+    StepOutput,
+    decode,
+    decode_as,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+FIELD = b"m"
+"""The one field of every stream entry: the encoded message."""
+
+INBOX_MAXLEN = 10_000
+"""Approximate cap of one inbox; far above any sane admission queue, so trimming means a dead reader."""
+INBOX_TTL_S = 600
+"""An inbox nobody sends to and nobody reads expires after this long."""
+OUTBOX_MAXLEN = 10_000
+"""Approximate cap of one outbox; reached only while its router is not reading."""
+OUTBOX_TTL_S = 600
+"""An outbox nobody publishes to expires after this long (its router is gone)."""
+DEAD_LETTER_MAXLEN = 1_000
+DEAD_LETTER_TTL_S = 86_400
+
+Entry = tuple[bytes, InboxMessage]
+"""A stream entry id and its decoded message; ack the id once the message is taken over."""
+
+
+async def send_to_inbox(
+    redis: aioredis.Redis,
+    keys: Keys,
+    instance_id: str,
+    msg: InboxMessage,
+    pipeline: Pipeline | None = None,
+    maxlen: int = INBOX_MAXLEN,
+    ttl_s: int = INBOX_TTL_S,
+) -> bytes | None:
+    """XADD ``msg`` to an instance's inbox (MAXLEN ~ trimmed) and refresh the inbox's TTL.
+
+    Returns the entry id, or None when the commands were only queued on ``pipeline``.
+    """
+    key = keys.inbox(instance_id)
+    pipe = pipeline if pipeline is not None else redis.pipeline(transaction=False)
+    pipe.xadd(key, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
+    pipe.expire(key, ttl_s)
+    if pipeline is not None:
+        return None
+    with redis_errors(f"sending {msg.type} {msg.request_id} to instance {instance_id}"):
+        entry_id, _ = await pipe.execute()
+    return entry_id
+
+
+class Inbox:
+    """One instance's inbox, read through consumer group ``engine`` as consumer ``consumer``.
+
+    Ack an entry as soon as the engine has taken the message over: entries still pending are
+    exactly those a crash would lose, and they are re-read by a restart under the same consumer
+    name or claimed by another consumer with :meth:`claim_stale`. Entries that cannot be decoded
+    go to the dead-letter stream (and, when they name a request and a router, that router gets
+    an error event), so a bad message is never re-delivered forever.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        instance_id: str,
+        consumer: str | None = None,
+        *,
+        ttl_s: int = INBOX_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        require_bytes_responses(redis)
+        self.redis = redis
+        self.keys = keys
+        self.instance_id = instance_id
+        self.key = keys.inbox(instance_id)
+        self.consumer = validate_id(consumer or instance_id, "consumer name")
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._pending_cursor: bytes | None = b"0-0"  # None once our own backlog has been re-read
+        self._touched_at = float("-inf")
+
+    async def ensure_group(self) -> None:
+        """Create the stream and its consumer group if missing (from id 0: nothing already queued is lost)."""
+        with redis_errors(f"creating the consumer group of {self.key}"):
+            try:
+                await self.redis.xgroup_create(self.key, INBOX_GROUP, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+            await self.redis.expire(self.key, self.ttl_s)
+        self._touched_at = self.clock()
+
+    async def read(self, count: int = 64, block_ms: int = 1000) -> list[Entry]:
+        """Up to ``count`` messages: first this consumer's own pending ones (left by a previous run
+        under the same name), then new ones, waiting up to ``block_ms`` (0: do not wait).
+        """
+        _check_block(self.redis, block_ms)
+        await self._touch()
+        if self._pending_cursor is not None:
+            entries = await self._xreadgroup(self._pending_cursor, count, None)
+            if entries:
+                self._pending_cursor = entries[-1][0]
+                logger.info(
+                    "%s: re-reading %d pending entries of consumer %s", self.key, len(entries), self.consumer
+                )
+                return await self._accept(entries)
+            self._pending_cursor = None
+        return await self._accept(await self._xreadgroup(">", count, block_ms or None))
+
+    async def ack(self, entry_ids: Iterable[bytes | str], pipeline: Pipeline | None = None) -> None:
+        """XACK and XDEL the entries (in one MULTI), so handled work does not accumulate."""
+        ids = list(entry_ids)
+        if not ids:
+            return
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
+        pipe.xack(self.key, INBOX_GROUP, *ids)
+        pipe.xdel(self.key, *ids)
+        if pipeline is None:
+            with redis_errors(f"acknowledging {len(ids)} entries of {self.key}"):
+                await pipe.execute()
+
+    async def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
+        """Take over up to ``count`` entries pending for over ``min_idle_ms`` with ANY consumer of
+        the group (a dead one, or this one after a lost reply), via XAUTOCLAIM; return them decoded.
+        """
+        claimed: list[tuple[Any, Any]] = []
+        cursor: bytes | str = "0-0"
+        with redis_errors(f"claiming stale entries of {self.key}"):
+            while len(claimed) < count:
+                try:
+                    reply = await self.redis.xautoclaim(
+                        self.key,
+                        INBOX_GROUP,
+                        self.consumer,
+                        min_idle_ms,
+                        start_id=cursor,
+                        count=count - len(claimed),
+                    )
+                except ResponseError as e:
+                    if "NOGROUP" in str(e):
+                        return []
+                    raise
+                cursor, entries = reply[0], reply[1]
+                claimed.extend(
+                    entry for entry in entries if entry[0] is not None
+                )  # 6.2 returns deleted ones as nil
+                if cursor in (b"0-0", "0-0"):
+                    break
+        if claimed:
+            logger.warning("%s: consumer %s claimed %d stale entries", self.key, self.consumer, len(claimed))
+        return await self._accept(claimed)
+
+    async def pending(self) -> int:
+        """Entries delivered to some consumer of the group but not acked yet."""
+        with redis_errors(f"counting pending entries of {self.key}"):
+            try:
+                summary = await self.redis.xpending(self.key, INBOX_GROUP)
+            except ResponseError as e:
+                if "NOGROUP" in str(e):
+                    return 0
+                raise
+        return int(summary["pending"])
+
+    async def _xreadgroup(self, start: bytes | str, count: int, block_ms: int | None) -> list[Any]:
+        streams = {self.key: start}
+        with redis_errors(f"reading {self.key}"):
+            try:
+                reply = await self.redis.xreadgroup(
+                    INBOX_GROUP, self.consumer, streams, count=count, block=block_ms
+                )
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                logger.warning(
+                    "%s: stream or group missing (expired or Redis restarted); re-creating", self.key
+                )
+                await self.ensure_group()
+                reply = await self.redis.xreadgroup(
+                    INBOX_GROUP, self.consumer, streams, count=count, block=block_ms
+                )
+        return reply[0][1] if reply else []
+
+    async def _touch(self) -> None:
+        """Refresh the inbox TTL every ttl/10 while this reader lives (an idle inbox must not expire)."""
+        if self.clock() - self._touched_at < self.ttl_s / 10:
+            return
+        with redis_errors(f"refreshing the TTL of {self.key}"):
+            await self.redis.expire(self.key, self.ttl_s)
+        self._touched_at = self.clock()
+
+    async def _accept(self, entries: list[tuple[Any, Any]]) -> list[Entry]:
+        good: list[Entry] = []
+        discard: list[bytes] = []
+        bad: list[tuple[bytes, bytes, MessageError]] = []
+        for entry_id, fields in entries:
+            data = fields.get(FIELD) if fields else None
+            if data is None:  # deleted (trimmed) while pending: nothing left to do
+                discard.append(entry_id)
+                continue
+            try:
+                msg = decode(data)
+                if not isinstance(msg, InboxMessage):
+                    raise MessageError(f"a {msg.type!r} message does not belong in an inbox")
+            except MessageError as e:
+                bad.append((entry_id, data, e))
+                continue
+            good.append((entry_id, msg))
+        if discard or bad:
+            await self._dead_letter(discard, bad)
+        return good
+
+    async def _dead_letter(self, discard: list[bytes], bad: list[tuple[bytes, bytes, MessageError]]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        dead_key = self.keys.dead_letters(self.instance_id)
+        for entry_id, data, error in bad:
+            logger.error("%s: dead-lettering entry %s: %s", self.key, entry_id.decode(), error)
+            fields = {FIELD: data, b"error": str(error), b"entry": entry_id}
+            pipe.xadd(dead_key, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+            pipe.expire(dead_key, DEAD_LETTER_TTL_S)
+            self._stage_rejection(pipe, data, error)
+        await self.ack([*discard, *(b[0] for b in bad)], pipeline=pipe)
+        with redis_errors(f"dead-lettering entries of {self.key}"):
+            await pipe.execute()
+
+    def _stage_rejection(self, pipe: Pipeline, data: bytes, error: MessageError) -> None:
+        """Tell the request's router, when the bad message names one, so its client is not left waiting."""
+        try:
+            raw = orjson.loads(data)
+            request_id, router_id = raw["request_id"], raw["router_id"]
+            key = self.keys.outbox(router_id)
+        except Exception:
+            return
+        if not isinstance(request_id, str):
+            return
+        attempt = raw.get("attempt", 0)
+        if not isinstance(attempt, int):
+            attempt = ANY_ATTEMPT
+        delta = RequestDelta.failure(request_id, 400, "invalid_message", str(error), attempt=attempt)
+        _stage_publish(pipe, key, StepOutput(instance_id=self.instance_id, items=[delta]))
+
+
+class Outbox:
+    """Publishes engine steps to routers' outboxes: one entry per step per router."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        maxlen: int = OUTBOX_MAXLEN,
+        ttl_s: int = OUTBOX_TTL_S,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.maxlen = maxlen
+        self.ttl_s = ttl_s
+
+    async def publish(self, router_id: str, step: StepOutput, pipeline: Pipeline | None = None) -> None:
+        """XADD one step's deltas (MAXLEN ~ trimmed) to a router's outbox and refresh its TTL."""
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        _stage_publish(pipe, self.keys.outbox(router_id), step, self.maxlen, self.ttl_s)
+        if pipeline is None:
+            with redis_errors(f"publishing to the outbox of router {router_id}"):
+                await pipe.execute()
+
+    async def publish_many(
+        self,
+        instance_id: str,
+        deltas_by_router: Mapping[str, Sequence[RequestDelta]],
+        pipeline: Pipeline | None = None,
+    ) -> None:
+        """Publish one step of many routers' requests in one round trip (one entry per router)."""
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        for router_id, deltas in deltas_by_router.items():
+            if deltas:
+                step = StepOutput(instance_id=instance_id, items=list(deltas))
+                await self.publish(router_id, step, pipeline=pipe)
+        if pipeline is None and pipe.command_stack:
+            with redis_errors(f"publishing a step to {len(deltas_by_router)} outboxes"):
+                await pipe.execute()
+
+
+def _stage_publish(
+    pipe: Pipeline, key: str, step: StepOutput, maxlen: int = OUTBOX_MAXLEN, ttl_s: int = OUTBOX_TTL_S
+) -> None:
+    pipe.xadd(key, {FIELD: encode(step)}, maxlen=maxlen, approximate=True)
+    pipe.expire(key, ttl_s)
+
+
+class OutboxReader:
+    """The one task of a router process that reads its outbox and hands each delta to its request.
+
+    Requests :meth:`subscribe` before their message is sent and read their ``asyncio.Queue``
+    until a final delta (``is_final``). Deltas of unknown requests are dropped (debug log). What
+    has been read is trimmed in the same round trip as the next read.
+
+    Subscribers never hang on Redis: after ``fail_after_s`` without reaching it, every waiting
+    request gets a final, retryable 503 error delta (and so do new ones until Redis is back); if
+    Redis comes back with a new ``run_id`` (restarted: events may be lost), so does every request
+    in flight. :meth:`stop` ends the remaining requests the same way.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        router_id: str,
+        *,
+        count: int = 512,
+        block_ms: int = 1000,
+        fail_after_s: float = 5.0,
+        max_backoff_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        require_bytes_responses(redis)
+        _check_block(redis, block_ms)
+        self.redis = redis
+        self.key = keys.outbox(router_id)
+        self.router_id = router_id
+        self.count = count
+        self.block_ms = block_ms
+        self.fail_after_s = fail_after_s
+        self.max_backoff_s = max_backoff_s
+        self.clock = clock
+        self.num_dispatched = 0
+        self.num_dropped = 0
+        self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._down_since: float | None = None
+        self._outage_reported = False
+        self._run_id: bytes | str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """False while Redis has been unreachable for over ``fail_after_s``."""
+        return not self._outage_reported
+
+    def subscribe(self, request_id: str) -> asyncio.Queue[RequestDelta]:
+        """A queue that receives the request's deltas in order. Raises ValueError if already taken."""
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight on router {self.router_id}")
+        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        if self._outage_reported:
+            queue.put_nowait(self._outage_delta(request_id))
+        else:
+            self._queues[request_id] = queue
+        return queue
+
+    def unsubscribe(self, request_id: str) -> None:
+        """Stop routing deltas to the request (idempotent); later deltas for it are dropped."""
+        self._queues.pop(request_id, None)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"outbox-reader-{self.router_id}")
+
+    async def stop(self) -> None:
+        """Stop reading; every request still subscribed gets a final retryable error."""
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
+        self._fail_all(503, "router_stopping", "the router is shutting down")
+
+    async def __aenter__(self) -> OutboxReader:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def dispatch(self, data: bytes) -> None:
+        """Decode one outbox entry and put each of its deltas into its request's queue."""
+        step = decode_as(StepOutput, data)
+        queues = self._queues
+        for delta in step.items:
+            queue = queues.get(delta.request_id)
+            if queue is None:
+                self.num_dropped += 1
+                logger.debug(
+                    "dropping a delta of unknown request %s from %s", delta.request_id, step.instance_id
+                )
+                continue
+            queue.put_nowait(delta)
+            self.num_dispatched += 1
+
+    async def _run(self) -> None:
+        last_id: bytes = b"0-0"
+        read_up_to: bytes | None = None
+        failures = 0
+        while True:
+            try:
+                if failures or self._run_id is None:
+                    await self._check_restart()
+                entries = await self._read(last_id, read_up_to)
+                read_up_to = None
+                self._recovered(failures)
+                failures = 0
+            except Exception as e:  # RedisError/OSError expected; anything else must not kill the reader
+                failures += 1
+                if not isinstance(e, (RedisError, OSError)):
+                    logger.exception("%s: unexpected error in the outbox reader", self.key)
+                self._lost(e, failures)
+                await asyncio.sleep(min(0.05 * 2**failures, self.max_backoff_s))
+                continue
+            for entry_id, fields in entries:
+                last_id = entry_id
+                try:
+                    self.dispatch(fields[FIELD])
+                except (MessageError, KeyError) as e:
+                    logger.error("%s: skipping unreadable entry %s: %s", self.key, entry_id.decode(), e)
+            if entries:
+                read_up_to = last_id
+
+    async def _read(self, last_id: bytes, read_up_to: bytes | None) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Trim what was read (exact XTRIM MINID) and block for new entries, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        if read_up_to is not None:
+            pipe.xtrim(self.key, minid=_next_id(read_up_to), approximate=False)
+        pipe.xread({self.key: last_id}, count=self.count, block=self.block_ms)
+        reply = (await pipe.execute())[-1]
+        return reply[0][1] if reply else []
+
+    async def _check_restart(self) -> None:
+        if self._run_id == "":
+            return  # INFO is forbidden here: no restart detection
+        try:
+            run_id = (await self.redis.info("server")).get("run_id", "")
+        except ResponseError as e:
+            logger.warning("%s: cannot read Redis's run_id (%s); restarts will not be detected", self.key, e)
+            run_id = ""
+        if self._run_id is not None and run_id != self._run_id:
+            logger.error("Redis restarted (run_id changed); failing %d requests in flight", len(self._queues))
+            self._fail_all(503, "control_plane_restarted", "Redis restarted; results in flight may be lost")
+        self._run_id = run_id
+
+    def _lost(self, error: BaseException, failures: int) -> None:
+        now = self.clock()
+        if self._down_since is None:
+            self._down_since = now
+        down_s = now - self._down_since
+        logger.warning(
+            "%s: read failed (%s), attempt %d, Redis down for %.1f s", self.key, error, failures, down_s
+        )
+        if down_s >= self.fail_after_s and not self._outage_reported:
+            self._outage_reported = True
+            self._fail_all(503, "control_plane_unavailable", f"lost contact with Redis for {down_s:.1f} s")
+
+    def _recovered(self, failures: int) -> None:
+        if failures:
+            logger.info("%s: Redis reachable again after %d failed reads", self.key, failures)
+        self._down_since = None
+        self._outage_reported = False
+
+    def _outage_delta(self, request_id: str) -> RequestDelta:
+        return RequestDelta.failure(
+            request_id,
+            503,
+            "control_plane_unavailable",
+            "Redis is unreachable",
+            retryable=True,
+            attempt=ANY_ATTEMPT,
+        )
+
+    def _fail_all(self, code: int, type_: str, message: str) -> None:
+        queues, self._queues = self._queues, {}
+        for request_id, queue in queues.items():
+            queue.put_nowait(
+                RequestDelta.failure(request_id, code, type_, message, retryable=True, attempt=ANY_ATTEMPT)
+            )
+
+
+def _check_block(redis: aioredis.Redis, block_ms: int) -> None:
+    """A blocking read must return before the socket timeout, or it fails and is retried blindly."""
+    timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+    if timeout is not None and block_ms / 1000 >= timeout:
+        raise ValueError(f"block_ms={block_ms} must stay below the client's socket timeout ({timeout} s)")
+
+
+def _next_id(entry_id: bytes) -> str:
+    """The smallest stream id greater than ``entry_id`` (XTRIM MINID keeps ids >= its argument)."""
+    ms, _, seq = entry_id.decode().partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
