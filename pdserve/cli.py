@@ -193,6 +193,34 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return run_worker(settings)
 
 
+# ---- pdserve up / status -----------------------------------------------------------------------
+def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pathlib import Path
+
+    from pdserve.stack import StackSpec, run_stack
+
+    extra = []
+    for flag in ("kv_cache_gb", "num_blocks", "max_num_seqs", "max_model_len", "prefill_chunk_size"):
+        value = getattr(args, flag)
+        if value is not None:
+            extra += [f"--{flag.replace('_', '-')}", str(value)]
+    try:
+        spec = StackSpec(
+            model=Path(args.model) if args.model else None, redis_url=args.redis_url, host=args.host,
+            port=args.port, routers=args.routers, prefill=args.prefill, decode=args.decode, mixed=args.mixed,
+            cluster=args.cluster, threads=args.threads, extra_worker_args=extra,
+        )  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
+    return run_stack(spec)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pdserve.status import run_status
+
+    return run_status(args.redis_url, args.cluster, args.json)
+
+
 # ---- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -249,6 +277,47 @@ def build_parser() -> argparse.ArgumentParser:
     add_control_plane_flags(worker)
     add_engine_flags(worker)
     worker.set_defaults(func=lambda a: cmd_worker(a, worker))
+
+    from pdserve.router.settings import add_router_arguments, run_router
+
+    router = sub.add_parser(
+        "router", help="run a stateless OpenAI-compatible router over the instances registered in Redis",
+        description="Run a stateless OpenAI-compatible router. It reads the live set of instances from Redis, "
+        "picks a prefill/decode pair (or a mixed instance) per request and relays tokens as they arrive. "
+        "Run as many as you like: they share nothing but Redis.",
+    )  # fmt: skip
+    add_router_arguments(router)
+    router.set_defaults(func=run_router)
+
+    up = sub.add_parser(
+        "up", help="run a whole local stack: embedded Redis, routers, prefill/decode/mixed workers",
+        description="Run a whole local stack as child processes and print how to reach it. "
+        "Ctrl-C stops every child it started.",
+    )  # fmt: skip
+    _flag(up, "--model", str, None, "model folder (default: the tiny preset, created in ~/.cache/pdserve)")
+    _flag(up, "--redis-url", str, None, "use this Redis instead of starting an embedded one")
+    _flag(up, "--host", str, "127.0.0.1", "router bind address (default %(default)s)")
+    _flag(
+        up, "--port", int, 8000, "first router's port; more routers take the next ports (default %(default)s)"
+    )
+    _flag(up, "--routers", int, 1, "number of routers (default %(default)s)")
+    _flag(up, "--prefill", int, 1, "prefill instances (default %(default)s)")
+    _flag(up, "--decode", int, 1, "decode instances (default %(default)s)")
+    _flag(up, "--mixed", int, 0, "mixed instances (default %(default)s)")
+    _flag(up, "--cluster", str, "default", "namespace inside Redis (default %(default)s)")
+    _flag(up, "--threads", int, None, "CPU threads per worker (default: cores / workers)")
+    for flag, kind, text in (("--kv-cache-gb", float, "KV cache per worker in GiB"),
+                             ("--num-blocks", int, "KV cache per worker in blocks"),
+                             ("--max-num-seqs", int, "most sequences running at once per worker"),
+                             ("--max-model-len", int, "context limit"),
+                             ("--prefill-chunk-size", int, "prefill chunk size")):  # fmt: skip
+        up.add_argument(flag, type=kind, default=None, help=f"{text} (passed to every worker)")
+    up.set_defaults(func=lambda a: cmd_up(a, up))
+
+    status = sub.add_parser("status", help="show the live set, routers and stream depths from Redis")
+    add_control_plane_flags(status)
+    status.add_argument("--json", action="store_true", help="print JSON for scripts")
+    status.set_defaults(func=cmd_status)
     return parser
 
 

@@ -17,9 +17,9 @@ from typing import Any
 from pdserve.cache_transfer.regions import pair_regions
 from pdserve.cache_transfer.shm import ShmWriter
 from pdserve.errors import EngineError
+from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.engine import EngineConfig, LLMEngine, RequestOutput
 from pdserve.worker.llm import Generation, Prompt
-from pdserve.scheduler.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 TRANSFERS = ("shm", "bytes")

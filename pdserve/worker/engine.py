@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.errors import ConfigError, EngineError, InvalidRequestError, RequestTooLongError
+from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.batcher import Batcher, BatcherConfig, blocks_for
 from pdserve.worker.block_manager import BlockManager
 from pdserve.worker.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -29,7 +30,6 @@ from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.paddle_setup import paddle
 from pdserve.worker.sampler import Sample, Sampler, make_rng
-from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.sequence import Sequence, SequenceStatus
 from pdserve.worker.tokenizer import Tokenizer
 from pdserve.worker.weights import load_weights

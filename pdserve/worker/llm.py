@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.worker.engine import EngineConfig, LLMEngine, RequestOutput, TokenLogprob
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.worker.engine import EngineConfig, LLMEngine, RequestOutput, TokenLogprob
 
 Prompt = str | list[int]
 

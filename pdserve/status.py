@@ -1,0 +1,112 @@
+"""``pdserve status``: the live set, the routers and the stream depths, read from Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+
+from pdserve.scheduler import InstanceRegistry, Keys, RedisSettings, RouterRegistry, wait_for_redis
+from pdserve.scheduler.keys import INBOX_GROUP
+
+
+async def collect(redis_url: str, cluster: str) -> dict[str, Any]:
+    redis = RedisSettings.from_url(redis_url).connect()
+    try:
+        await wait_for_redis(redis, timeout=5)
+        keys = Keys(cluster)
+        instances = await InstanceRegistry(redis, keys).live()
+        routers = await RouterRegistry(redis, keys).live()
+        pipe = redis.pipeline(transaction=False)
+        for i in instances:
+            pipe.xlen(keys.inbox(i.id))
+            pipe.pttl(keys.instance(i.id))
+        for r in routers:
+            pipe.xlen(keys.outbox(r.id))
+        replies = await pipe.execute()
+        pending = []
+        for i in instances:
+            try:
+                pending.append(int((await redis.xpending(keys.inbox(i.id), INBOX_GROUP))["pending"]))
+            except Exception:
+                pending.append(0)
+    finally:
+        await redis.aclose()
+    now = time.time()
+    out_instances = []
+    for n, i in enumerate(instances):
+        out_instances.append({
+            "id": i.id, "role": i.role, "model": i.model, "host": i.host, "pid": i.pid,
+            "running": i.load.running, "waiting": i.load.waiting,
+            "waiting_prefill_tokens": i.load.waiting_prefill_tokens,
+            "free_blocks": i.kv.free_blocks, "num_blocks": i.kv.num_blocks, "draining": i.draining,
+            "age_s": round(now - i.started_at, 1), "ttl_ms": replies[2 * n + 1],
+            "inbox_len": replies[2 * n], "inbox_pending": pending[n],
+        })  # fmt: skip
+    base = 2 * len(instances)
+    out_routers = [
+        {
+            "id": r.id,
+            "host": r.host,
+            "port": r.port,
+            "pid": r.pid,
+            "age_s": round(now - r.started_at, 1),
+            "outbox_len": replies[base + n],
+        }
+        for n, r in enumerate(routers)
+    ]
+    return {"cluster": cluster, "instances": out_instances, "routers": out_routers}
+
+
+def render(status: dict[str, Any]) -> str:
+    lines = [
+        f"cluster {status['cluster']}: {len(status['instances'])} instance(s), {len(status['routers'])} router(s)"
+    ]
+    if status["instances"]:
+        lines.append("")
+        head = ("INSTANCE", "ROLE", "MODEL", "HOST", "RUN", "WAIT", "FREE KV", "INBOX", "AGE", "STATE")
+        rows = [
+            (
+                i["id"],
+                i["role"],
+                i["model"],
+                i["host"],
+                str(i["running"]),
+                str(i["waiting"]),
+                f"{i['free_blocks']}/{i['num_blocks']}",
+                f"{i['inbox_len']} ({i['inbox_pending']} pending)",
+                _age(i["age_s"]),
+                "draining" if i["draining"] else "ready",
+            )
+            for i in status["instances"]
+        ]
+        lines += _table(head, rows)
+    if status["routers"]:
+        lines.append("")
+        rows = [
+            (r["id"], f"{r['host']}:{r['port']}", str(r["outbox_len"]), _age(r["age_s"]))
+            for r in status["routers"]
+        ]
+        lines += _table(("ROUTER", "ADDRESS", "OUTBOX", "AGE"), rows)
+    return "\n".join(lines)
+
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def run_status(redis_url: str, cluster: str, as_json: bool) -> int:
+    status = asyncio.run(collect(redis_url, cluster))
+    print(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() if as_json else render(status))
+    return 0
