@@ -81,9 +81,23 @@ def run_engine(model_dir: Path, steps: int, prefill_reps: int) -> dict:
 
 
 def run_bare(script: Path, config: str, steps: int, prefill_reps: int, workdir: Path, threads: int) -> dict:
-    cmd = [sys.executable, str(script), config, "--threads", str(threads), "--steps", str(steps),
-           "--prefill", str(CTX), "--prefill-reps", str(prefill_reps), "--ctx", str(CTX),
-           "--batches", ",".join(map(str, BATCHES))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(script),
+        config,
+        "--threads",
+        str(threads),
+        "--steps",
+        str(steps),
+        "--prefill",
+        str(CTX),
+        "--prefill-reps",
+        str(prefill_reps),
+        "--ctx",
+        str(CTX),
+        "--batches",
+        ",".join(map(str, BATCHES)),
+    ]
     env = {**os.environ, "PYTHONPATH": str(script.parent)}
     return _result(subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env=env, check=False))
 
@@ -102,21 +116,30 @@ def best(rounds: list[dict], key: str, lower_is_better: bool = False) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--presets", default="tiny,small", help="comma-separated: tiny, small (default %(default)s)")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating engine/bare rounds (default %(default)s)")
+    ap.add_argument(
+        "--presets", default="tiny,small", help="comma-separated: tiny, small (default %(default)s)"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="alternating engine/bare rounds (default %(default)s)"
+    )
     ap.add_argument("--steps", type=int, default=10, help="measured decode steps per batch size")
     ap.add_argument("--prefill-reps", type=int, default=3, help="measured 512-token prefills")
     ap.add_argument("--bare-script", type=Path, default=DEFAULT_BARE, help="the reference bench_model.py")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "engine.json")
-    ap.add_argument("--models", type=Path, default=None, help="where presets are created (default: a temp dir)")
+    ap.add_argument(
+        "--models", type=Path, default=None, help="where presets are created (default: a temp dir)"
+    )
     args = ap.parse_args()
     if not args.bare_script.is_file():
         ap.error(f"--bare-script {args.bare_script} not found")
     from pdserve.worker.model_init import init_model
 
     threads = int(os.environ.get("PDSERVE_THREADS", 0)) or os.cpu_count() or 1
-    report: dict = {"machine": {"cpus": os.cpu_count(), "threads": threads, "mkl_cbwr": os.environ.get("MKL_CBWR")},
-                    "context": CTX, "presets": {}}  # fmt: skip
+    report: dict = {
+        "machine": {"cpus": os.cpu_count(), "threads": threads, "mkl_cbwr": os.environ.get("MKL_CBWR")},
+        "context": CTX,
+        "presets": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         models = args.models or Path(tmp)
         for preset in args.presets.split(","):
@@ -130,9 +153,18 @@ def main() -> int:
                 engine_rounds.append(run_engine(model_dir, args.steps, args.prefill_reps))
                 print(f"[{preset}] round {r + 1}/{args.rounds}: bare model ...", file=sys.stderr, flush=True)
                 bare_rounds.append(
-                    run_bare(args.bare_script, BARE_CONFIG[preset], args.steps, args.prefill_reps, Path(tmp), threads)
+                    run_bare(
+                        args.bare_script,
+                        BARE_CONFIG[preset],
+                        args.steps,
+                        args.prefill_reps,
+                        Path(tmp),
+                        threads,
+                    )
                 )
-            rows = {"prefill_tok_s": (best(engine_rounds, "prefill_tok_s"), best(bare_rounds, "prefill_tok_s"))}
+            rows = {
+                "prefill_tok_s": (best(engine_rounds, "prefill_tok_s"), best(bare_rounds, "prefill_tok_s"))
+            }
             for b in BATCHES:
                 key = f"decode_b{b}_tok_s"
                 rows[key] = (best(engine_rounds, key), best(bare_rounds, key))

@@ -60,10 +60,16 @@ def engine_config(args: argparse.Namespace, **extra: Any):
     from pdserve.worker.engine import EngineConfig
 
     return EngineConfig(
-        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gb=args.kv_cache_gb,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=args.prefill_chunk_size, max_model_len=args.max_model_len, threads=args.threads, **extra,
-    )  # fmt: skip
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_gb=args.kv_cache_gb,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_model_len=args.max_model_len,
+        threads=args.threads,
+        **extra,
+    )
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -81,8 +87,14 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=int, default=[],
-                   help="stop token id (repeatable)")  # fmt: skip
+    g.add_argument(
+        "--stop-token-id",
+        dest="stop_token_ids",
+        action="append",
+        type=int,
+        default=[],
+        help="stop token id (repeatable)",
+    )
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument(
         "--logprobs", type=int, default=None, help="return each token's logprob and N alternatives"
@@ -90,11 +102,20 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 _SAMPLING_FLAGS = {
-    "max_tokens": "--max-tokens", "min_tokens": "--min-tokens", "temperature": "--temperature", "top_p": "--top-p",
-    "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "presence_penalty": "--presence-penalty",
-    "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty", "stop": "--stop",
-    "stop_token_ids": "--stop-token-id", "logprobs": "--logprobs",
-}  # fmt: skip
+    "max_tokens": "--max-tokens",
+    "min_tokens": "--min-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "seed": "--seed",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "repetition_penalty": "--repetition-penalty",
+    "stop": "--stop",
+    "stop_token_ids": "--stop-token-id",
+    "logprobs": "--logprobs",
+}
 
 
 def sampling_params(args: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -147,9 +168,12 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     for prompt, gen in zip(args.prompt, gens):
         if args.json:
             doc = {
-                "prompt": prompt, "text": gen.text, "token_ids": gen.token_ids,
-                "finish_reason": gen.finish_reason, "usage": gen.usage,
-            }  # fmt: skip
+                "prompt": prompt,
+                "text": gen.text,
+                "token_ids": gen.token_ids,
+                "finish_reason": gen.finish_reason,
+                "usage": gen.usage,
+            }
             if gen.logprobs is not None:
                 doc["logprobs"] = [
                     {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": lp.top_logprobs}
@@ -168,8 +192,13 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 # ---- pdserve worker -----------------------------------------------------------------------------
 def add_control_plane_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("control plane")
-    _flag(g, "--redis-url", str, "redis://127.0.0.1:6379/0",
-          "Redis URL: redis:// or rediss:// (TLS), with user:password@ and /db (default %(default)s)")  # fmt: skip
+    _flag(
+        g,
+        "--redis-url",
+        str,
+        "redis://127.0.0.1:6379/0",
+        "Redis URL: redis:// or rediss:// (TLS), with user:password@ and /db (default %(default)s)",
+    )
     _flag(g, "--cluster", str, "default", "namespace of this deployment inside Redis (default %(default)s)")
     _flag(g, "--ttl", float, 6.0, "registration TTL in seconds; heartbeats renew it every ttl/3")
 
@@ -183,11 +212,17 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     try:
         settings = WorkerSettings(
-            role=args.role, model_dir=Path(args.model), redis_url=args.redis_url, engine=engine_config(args),
-            instance_id=args.instance_id or "", served_model_name=args.served_model_name or "",
-            cluster=args.cluster, host=args.host or socket.gethostname(), ttl_s=args.ttl,
+            role=args.role,
+            model_dir=Path(args.model),
+            redis_url=args.redis_url,
+            engine=engine_config(args),
+            instance_id=args.instance_id or "",
+            served_model_name=args.served_model_name or "",
+            cluster=args.cluster,
+            host=args.host or socket.gethostname(),
+            ttl_s=args.ttl,
             drain_timeout_s=args.drain_timeout,
-        )  # fmt: skip
+        )
     except ValueError as e:
         parser.error(str(e))
     return run_worker(settings)
@@ -206,10 +241,18 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             extra += [f"--{flag.replace('_', '-')}", str(value)]
     try:
         spec = StackSpec(
-            model=Path(args.model) if args.model else None, redis_url=args.redis_url, host=args.host,
-            port=args.port, routers=args.routers, prefill=args.prefill, decode=args.decode, mixed=args.mixed,
-            cluster=args.cluster, threads=args.threads, extra_worker_args=extra,
-        )  # fmt: skip
+            model=Path(args.model) if args.model else None,
+            redis_url=args.redis_url,
+            host=args.host,
+            port=args.port,
+            routers=args.routers,
+            prefill=args.prefill,
+            decode=args.decode,
+            mixed=args.mixed,
+            cluster=args.cluster,
+            threads=args.threads,
+            extra_worker_args=extra,
+        )
     except ValueError as e:
         parser.error(str(e))
     return run_stack(spec)
@@ -239,8 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
         "init", help="write a model folder with seeded random weights and an offline-trained tokenizer"
     )
     init.add_argument("dir", help="folder to create")
-    init.add_argument("--preset", choices=["tiny", "small"], default="tiny",
-                      help="tiny: hidden 256, 4 layers (20 MB); small: the ERNIE-4.5-0.3B shape (1.3 GB)")  # fmt: skip
+    init.add_argument(
+        "--preset",
+        choices=["tiny", "small"],
+        default="tiny",
+        help="tiny: hidden 256, 4 layers (20 MB); small: the ERNIE-4.5-0.3B shape (1.3 GB)",
+    )
     init.add_argument("--seed", type=int, default=0, help="weight seed (default %(default)s)")
     init.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     init.set_defaults(func=lambda a: cmd_model_init(a))
@@ -254,24 +301,37 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt (tokens, usage, ...)"
     )
-    gen.add_argument("--disaggregate", action="store_true",
-                     help="prefill in one process, hand the KV cache to a decode engine in another")  # fmt: skip
-    gen.add_argument("--transfer", choices=["shm", "bytes"], default="shm",
-                     help="with --disaggregate: write into the decode cache in shared memory, or copy bytes")  # fmt: skip
+    gen.add_argument(
+        "--disaggregate",
+        action="store_true",
+        help="prefill in one process, hand the KV cache to a decode engine in another",
+    )
+    gen.add_argument(
+        "--transfer",
+        choices=["shm", "bytes"],
+        default="shm",
+        help="with --disaggregate: write into the decode cache in shared memory, or copy bytes",
+    )
     add_sampling_flags(gen)
     add_engine_flags(gen)
     gen.set_defaults(func=lambda a: cmd_generate(a, gen))
 
     worker = sub.add_parser(
-        "worker", help="run one inference instance (prefill, decode or mixed) registered in Redis",
+        "worker",
+        help="run one inference instance (prefill, decode or mixed) registered in Redis",
         description="Run one inference instance. It registers in Redis with a TTL key, takes requests from "
         "its inbox stream and publishes tokens to the routers' outbox streams. SIGTERM drains it.",
-    )  # fmt: skip
+    )
     _flag(worker, "--role", str, "mixed", "prefill, decode or mixed (default %(default)s)")
     _flag(worker, "--model", str, None, "model folder (Hugging Face layout)")
     _flag(worker, "--served-model-name", str, None, "model name clients use (default: the folder name)")
-    _flag(worker, "--instance-id", str, None,
-          "stable id; a restart with the same id re-reads its unacknowledged inbox entries (default: random)")  # fmt: skip
+    _flag(
+        worker,
+        "--instance-id",
+        str,
+        None,
+        "stable id; a restart with the same id re-reads its unacknowledged inbox entries (default: random)",
+    )
     _flag(worker, "--host", str, None, "host identity for same-host (shm) KV transfer (default: hostname)")
     _flag(worker, "--drain-timeout", float, 30.0, "seconds SIGTERM waits for in-flight requests")
     add_control_plane_flags(worker)
@@ -281,19 +341,21 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.router.settings import add_router_arguments, run_router
 
     router = sub.add_parser(
-        "router", help="run a stateless OpenAI-compatible router over the instances registered in Redis",
+        "router",
+        help="run a stateless OpenAI-compatible router over the instances registered in Redis",
         description="Run a stateless OpenAI-compatible router. It reads the live set of instances from Redis, "
         "picks a prefill/decode pair (or a mixed instance) per request and relays tokens as they arrive. "
         "Run as many as you like: they share nothing but Redis.",
-    )  # fmt: skip
+    )
     add_router_arguments(router)
     router.set_defaults(func=run_router)
 
     up = sub.add_parser(
-        "up", help="run a whole local stack: embedded Redis, routers, prefill/decode/mixed workers",
+        "up",
+        help="run a whole local stack: embedded Redis, routers, prefill/decode/mixed workers",
         description="Run a whole local stack as child processes and print how to reach it. "
         "Ctrl-C stops every child it started.",
-    )  # fmt: skip
+    )
     _flag(up, "--model", str, None, "model folder (default: the tiny preset, created in ~/.cache/pdserve)")
     _flag(up, "--redis-url", str, None, "use this Redis instead of starting an embedded one")
     _flag(up, "--host", str, "127.0.0.1", "router bind address (default %(default)s)")
@@ -306,11 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(up, "--mixed", int, 0, "mixed instances (default %(default)s)")
     _flag(up, "--cluster", str, "default", "namespace inside Redis (default %(default)s)")
     _flag(up, "--threads", int, None, "CPU threads per worker (default: cores / workers)")
-    for flag, kind, text in (("--kv-cache-gb", float, "KV cache per worker in GiB"),
-                             ("--num-blocks", int, "KV cache per worker in blocks"),
-                             ("--max-num-seqs", int, "most sequences running at once per worker"),
-                             ("--max-model-len", int, "context limit"),
-                             ("--prefill-chunk-size", int, "prefill chunk size")):  # fmt: skip
+    for flag, kind, text in (
+        ("--kv-cache-gb", float, "KV cache per worker in GiB"),
+        ("--num-blocks", int, "KV cache per worker in blocks"),
+        ("--max-num-seqs", int, "most sequences running at once per worker"),
+        ("--max-model-len", int, "context limit"),
+        ("--prefill-chunk-size", int, "prefill chunk size"),
+    ):
         up.add_argument(flag, type=kind, default=None, help=f"{text} (passed to every worker)")
     up.set_defaults(func=lambda a: cmd_up(a, up))
 

@@ -92,8 +92,21 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        cmd = [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", self.dir, "--loglevel", "warning"]  # fmt: skip
+        cmd = [
+            str(self.binary),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--loglevel",
+            "warning",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -141,8 +154,19 @@ class Stack:
         for role, count in (("decode", spec.decode), ("prefill", spec.prefill), ("mixed", spec.mixed)):
             for i in range(count):
                 name = f"{role}-{i}"
-                args = ["worker", "--role", role, "--model", str(model), "--instance-id", f"{name}-{os.getpid()}",
-                        "--threads", str(threads), *common, *spec.extra_worker_args]  # fmt: skip
+                args = [
+                    "worker",
+                    "--role",
+                    role,
+                    "--model",
+                    str(model),
+                    "--instance-id",
+                    f"{name}-{os.getpid()}",
+                    "--threads",
+                    str(threads),
+                    *common,
+                    *spec.extra_worker_args,
+                ]
                 self.workers.append((name, self._spawn(args)))
         for i in range(spec.routers):
             args = ["router", "--host", spec.host, "--port", str(spec.port + i), *common]

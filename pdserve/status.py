@@ -37,14 +37,25 @@ async def collect(redis_url: str, cluster: str) -> dict[str, Any]:
     now = time.time()
     out_instances = []
     for n, i in enumerate(instances):
-        out_instances.append({
-            "id": i.id, "role": i.role, "model": i.model, "host": i.host, "pid": i.pid,
-            "running": i.load.running, "waiting": i.load.waiting,
-            "waiting_prefill_tokens": i.load.waiting_prefill_tokens,
-            "free_blocks": i.kv.free_blocks, "num_blocks": i.kv.num_blocks, "draining": i.draining,
-            "age_s": round(now - i.started_at, 1), "ttl_ms": replies[2 * n + 1],
-            "inbox_len": replies[2 * n], "inbox_pending": pending[n],
-        })  # fmt: skip
+        out_instances.append(
+            {
+                "id": i.id,
+                "role": i.role,
+                "model": i.model,
+                "host": i.host,
+                "pid": i.pid,
+                "running": i.load.running,
+                "waiting": i.load.waiting,
+                "waiting_prefill_tokens": i.load.waiting_prefill_tokens,
+                "free_blocks": i.kv.free_blocks,
+                "num_blocks": i.kv.num_blocks,
+                "draining": i.draining,
+                "age_s": round(now - i.started_at, 1),
+                "ttl_ms": replies[2 * n + 1],
+                "inbox_len": replies[2 * n],
+                "inbox_pending": pending[n],
+            }
+        )
     base = 2 * len(instances)
     out_routers = [
         {

@@ -15,9 +15,16 @@ from pdserve.worker.model_runner import decode_bucket
 
 TOL = 1e-4
 CFG = ModelConfig(
-    architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-    head_dim=16, intermediate_size=64, max_position_embeddings=1024,
-)  # fmt: skip
+    architecture="LlamaForCausalLM",
+    vocab_size=64,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=64,
+    max_position_embeddings=1024,
+)
 BS = 16
 
 

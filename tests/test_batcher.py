@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.batcher import Batcher, BatcherConfig
 from pdserve.worker.block_manager import BlockManager
-from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.sequence import Sequence, SequenceStatus
 
 BS = 4

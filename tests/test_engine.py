@@ -90,9 +90,25 @@ def test_reserve_refuses_when_full(tiny_model_dir) -> None:
 
 
 def test_generate_cli_disaggregate_prints_the_same_tokens(tiny_model_dir) -> None:
-    base = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "generate", "--model", str(tiny_model_dir),
-            "--prompt", "first prompt", "--prompt", "a second, longer prompt " * 5, "--max-tokens", "12", "--json",
-            "--num-blocks", "128"]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "--log-level",
+        "WARNING",
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "first prompt",
+        "--prompt",
+        "a second, longer prompt " * 5,
+        "--max-tokens",
+        "12",
+        "--json",
+        "--num-blocks",
+        "128",
+    ]
     single = subprocess.run(base, capture_output=True, text=True, timeout=120, check=True).stdout
     split = subprocess.run(
         [*base, "--disaggregate"], capture_output=True, text=True, timeout=120, check=True

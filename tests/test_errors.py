@@ -83,10 +83,22 @@ def test_failed_request_leaves_others_untouched(llm) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("max_tokens", -5),
-     ("top_k", -2), ("min_p", 2.0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 21),
-     ("temperature", "hot"), ("max_tokens", 2.5), ("seed", "x")],
-)  # fmt: skip
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("top_k", -2),
+        ("min_p", 2.0),
+        ("presence_penalty", 3.0),
+        ("repetition_penalty", 0.0),
+        ("logprobs", 21),
+        ("temperature", "hot"),
+        ("max_tokens", 2.5),
+        ("seed", "x"),
+    ],
+)
 def test_invalid_sampling_value(field: str, value) -> None:
     with pytest.raises(InvalidRequestError, match=field) as e:
         SamplingParams(**{field: value})

@@ -13,9 +13,18 @@ from safetensors.numpy import save_file
 
 from pdserve import LLM, SamplingParams
 
-SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 4096, "max_position_embeddings": 256,
-         "rms_norm_eps": 1e-5, "rope_theta": 10000.0}  # fmt: skip
+SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 4096,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
 
 
 def make_checkpoint(
@@ -23,13 +32,21 @@ def make_checkpoint(
 ) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
     h, q, kv, inter, V = 64, 64, 32, 96, 4096
-    w = {"model.embed_tokens.weight": rng.standard_normal((V, h), dtype=np.float32),
-         "model.norm.weight": 1 + 0.1 * rng.standard_normal(h, dtype=np.float32)}  # fmt: skip
+    w = {
+        "model.embed_tokens.weight": rng.standard_normal((V, h), dtype=np.float32),
+        "model.norm.weight": 1 + 0.1 * rng.standard_normal(h, dtype=np.float32),
+    }
     for i in range(2):
         p = f"model.layers.{i}."
-        for name, shape in [("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)), ("self_attn.v_proj", (kv, h)),
-                            ("self_attn.o_proj", (h, q)), ("mlp.gate_proj", (inter, h)), ("mlp.up_proj", (inter, h)),
-                            ("mlp.down_proj", (h, inter))]:  # fmt: skip
+        for name, shape in [
+            ("self_attn.q_proj", (q, h)),
+            ("self_attn.k_proj", (kv, h)),
+            ("self_attn.v_proj", (kv, h)),
+            ("self_attn.o_proj", (h, q)),
+            ("mlp.gate_proj", (inter, h)),
+            ("mlp.up_proj", (inter, h)),
+            ("mlp.down_proj", (h, inter)),
+        ]:
             w[p + name + ".weight"] = rng.standard_normal(shape, dtype=np.float32) / np.float32(
                 np.sqrt(shape[1])
             )

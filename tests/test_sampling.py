@@ -45,8 +45,11 @@ def test_unseeded_sampling_varies(llm) -> None:
 def test_max_tokens(llm) -> None:
     gen = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
     assert len(gen.token_ids) == 7 and gen.finish_reason == "length"
-    assert gen.usage == {"prompt_tokens": len(gen.prompt_token_ids), "completion_tokens": 7,
-                         "total_tokens": len(gen.prompt_token_ids) + 7}  # fmt: skip
+    assert gen.usage == {
+        "prompt_tokens": len(gen.prompt_token_ids),
+        "completion_tokens": 7,
+        "total_tokens": len(gen.prompt_token_ids) + 7,
+    }
 
 
 def test_stop_string_cuts_text(llm, baseline) -> None:
@@ -59,8 +62,12 @@ def test_stop_string_cuts_text(llm, baseline) -> None:
     assert gen.finish_reason == "stop"
     assert gen.text == baseline.text[:cut]
     assert gen.token_ids == baseline.token_ids[: len(gen.token_ids)] and len(gen.token_ids) < 40
-    kept = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, stop=[stop],
-                                               include_stop_str_in_output=True, ignore_eos=True))[0]  # fmt: skip
+    kept = llm.generate(
+        PROMPT,
+        SamplingParams(
+            temperature=0, max_tokens=40, stop=[stop], include_stop_str_in_output=True, ignore_eos=True
+        ),
+    )[0]
     assert kept.text == baseline.text[: cut + len(stop)]
 
 

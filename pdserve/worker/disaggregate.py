@@ -39,9 +39,11 @@ def _prefill_process(model_dir: str, config: EngineConfig, conn: Any, log_level:
             dst = {}
             for job in jobs:
                 engine.add_request(
-                    job["request_id"], prompt_token_ids=job["prompt_token_ids"],
-                    params=SamplingParams.from_dict(job["params"]), prefill_only=True,
-                )  # fmt: skip
+                    job["request_id"],
+                    prompt_token_ids=job["prompt_token_ids"],
+                    params=SamplingParams.from_dict(job["params"]),
+                    prefill_only=True,
+                )
                 dst[job["request_id"]] = job["dst_regions"]
             while engine.has_unfinished():
                 for out in engine.step():
@@ -94,8 +96,14 @@ def generate_disaggregated(
             rid = f"pd-{i}"
             blocks = decode.reserve(rid, len(ids))
             gens[rid] = Generation(rid, ids)
-            jobs.append({"request_id": rid, "prompt_token_ids": ids, "params": p.to_dict(),
-                         "dst_regions": decode.cache.regions(blocks)})  # fmt: skip
+            jobs.append(
+                {
+                    "request_id": rid,
+                    "prompt_token_ids": ids,
+                    "params": p.to_dict(),
+                    "dst_regions": decode.cache.regions(blocks),
+                }
+            )
         parent.send((jobs, decode.cache.shm_name if transfer == "shm" else None))
         while True:
             kind, body = _recv(parent, proc)

@@ -147,8 +147,13 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         log.info(
             "engine ready: %s, %d layers, max_model_len %d, %d KV blocks, %d threads (%.1f s)",
-            mc.architecture, mc.num_layers, self.max_model_len, num_blocks, self.threads, time.perf_counter() - t0,
-        )  # fmt: skip
+            mc.architecture,
+            mc.num_layers,
+            self.max_model_len,
+            num_blocks,
+            self.threads,
+            time.perf_counter() - t0,
+        )
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -284,9 +289,15 @@ class LLMEngine:
         seq = req.seq
         finished = "finish_reason" in kw
         return RequestOutput(
-            seq.request_id, tokens, text, seq.num_prompt_tokens, seq.num_output_tokens,
-            finished=finished, logprobs=logprobs, **kw,
-        )  # fmt: skip
+            seq.request_id,
+            tokens,
+            text,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            finished=finished,
+            logprobs=logprobs,
+            **kw,
+        )
 
     def _track(self, seq: Sequence) -> _Request:
         p = seq.params

@@ -59,8 +59,11 @@ class KVCache:
         self.chunks = self.tensor.reshape([-1, block_size, kvh, D])  # one chunk = (block, kv, layer)
         log.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB%s",
-            num_blocks, block_size, self.nbytes / 2**20, f" in shm {self.shm_name}" if shared else "",
-        )  # fmt: skip
+            num_blocks,
+            block_size,
+            self.nbytes / 2**20,
+            f" in shm {self.shm_name}" if shared else "",
+        )
 
     # ---- index math (numpy, once per step) ------------------------------------------------
     def write_rows(self, slots: np.ndarray) -> np.ndarray:

@@ -220,15 +220,29 @@ class WorkerService:
         waiting = list(e.batcher.waiting)
         endpoint = {"shm": e.cache.shm_name} if e.cache.shm_name else None
         return InstanceInfo(
-            id=self.id, role=self.settings.role, model=self.settings.served_model_name, version="1",
-            host=self.settings.host, pid=os.getpid(), started_at=self.started_at,
-            kv=KVInfo(block_size=e.config.block_size, num_blocks=e.blocks.num_blocks,
-                      free_blocks=e.blocks.num_free, dtype="float32", layout="block_major"),
-            load=LoadInfo(running=len(e.batcher.running), waiting=len(waiting) + len(self.splits),
-                          waiting_prefill_tokens=sum(s.num_prompt_tokens for s in waiting)),
+            id=self.id,
+            role=self.settings.role,
+            model=self.settings.served_model_name,
+            version="1",
+            host=self.settings.host,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            kv=KVInfo(
+                block_size=e.config.block_size,
+                num_blocks=e.blocks.num_blocks,
+                free_blocks=e.blocks.num_free,
+                dtype="float32",
+                layout="block_major",
+            ),
+            load=LoadInfo(
+                running=len(e.batcher.running),
+                waiting=len(waiting) + len(self.splits),
+                waiting_prefill_tokens=sum(s.num_prompt_tokens for s in waiting),
+            ),
             transfer=TransferInfo(protocols=["shm"], endpoint=endpoint),
-            max_model_len=e.max_model_len, draining=self.draining,
-        )  # fmt: skip
+            max_model_len=e.max_model_len,
+            draining=self.draining,
+        )
 
     async def _call(self, fn, *args, **kwargs):
         """Run ``fn`` on the engine thread (the only thread that touches the engine)."""
@@ -316,10 +330,16 @@ class WorkerService:
     async def _ask_reserve(self, split: _Split) -> None:
         msg, info = split.msg, split.msg.disaggregate_info
         reserve = ReserveBlocks(
-            request_id=msg.request_id, router_id=msg.router_id, num_tokens=len(split.prompt_ids), reply_to=self.id,
-            deadline=msg.deadline, deadlines=info.deadlines, sampling=split.params.to_dict(),
-            prompt_token_ids=split.prompt_ids, attempt=msg.attempt,
-        )  # fmt: skip
+            request_id=msg.request_id,
+            router_id=msg.router_id,
+            num_tokens=len(split.prompt_ids),
+            reply_to=self.id,
+            deadline=msg.deadline,
+            deadlines=info.deadlines,
+            sampling=split.params.to_dict(),
+            prompt_token_ids=split.prompt_ids,
+            attempt=msg.attempt,
+        )
         split.next_reserve_at = None
         await send_to_inbox(self.redis, self.keys, info.decode.id, reserve)
 
@@ -466,8 +486,13 @@ class WorkerService:
             self.splits.pop(key, None)
             await self._call(self.engine.release_prefilled, key)
             await self._tell_decode(split, error=str(e))
-            return await self._fail(_Owner(m.router_id, m.request_id, m.attempt), 502, "kv_transfer_error",
-                                    f"KV transfer to {info.decode.id} failed: {e}", retryable=True)  # fmt: skip
+            return await self._fail(
+                _Owner(m.router_id, m.request_id, m.attempt),
+                502,
+                "kv_transfer_error",
+                f"KV transfer to {info.decode.id} failed: {e}",
+                retryable=True,
+            )
         first = split.first
         await self.outbox.publish(m.router_id, self._step([self._delta(first, m.request_id, m.attempt)]))
         await self._tell_decode(split)
@@ -477,10 +502,12 @@ class WorkerService:
     async def _tell_decode(self, split: _Split, error: str | None = None) -> None:
         m, first = split.msg, split.first
         msg = Prefilled(
-            request_id=m.request_id, first_token=first.token_ids[0] if first else 0,
-            prompt_token_ids=split.prompt_ids, attempt=m.attempt,
+            request_id=m.request_id,
+            first_token=first.token_ids[0] if first else 0,
+            prompt_token_ids=split.prompt_ids,
+            attempt=m.attempt,
             error=ErrorInfo(code=502, type="kv_transfer_error", message=error) if error else None,
-        )  # fmt: skip
+        )
         await send_to_inbox(self.redis, self.keys, m.disaggregate_info.decode.id, msg)
 
     def _transport(self, protocol: str, peer_id: str, endpoint: dict[str, Any]) -> KVTransport:
@@ -523,8 +550,13 @@ class WorkerService:
                 if now < dl.reserve:
                     await self._ask_reserve(split)
                 else:
-                    await self._abort_split(split, 503, "unavailable",
-                                            "no decode instance could reserve KV blocks before the deadline", True)  # fmt: skip
+                    await self._abort_split(
+                        split,
+                        503,
+                        "unavailable",
+                        "no decode instance could reserve KV blocks before the deadline",
+                        True,
+                    )
             elif split.dst_blocks is None and now > dl.reserve:
                 await self._abort_split(
                     split, 504, "timeout", "the decode instance did not answer in time", True
