@@ -73,10 +73,11 @@ def engine_worker(model_dir: str, steps: int, prefill_reps: int) -> dict:
 
 
 def run_engine(model_dir: Path, steps: int, prefill_reps: int) -> dict:
+    here, args = str(Path(__file__).parent), f"{str(model_dir)!r}, {steps}, {prefill_reps}"
     code = (
-        "import json, sys; sys.path.insert(0, %r); from engine_bench import engine_worker; "
-        "print('RESULT ' + json.dumps(engine_worker(%r, %d, %d)))"
-    ) % (str(Path(__file__).parent), str(model_dir), steps, prefill_reps)
+        f"import json, sys; sys.path.insert(0, {here!r}); from engine_bench import engine_worker; "
+        f"print('RESULT ' + json.dumps(engine_worker({args})))"
+    )
     return _result(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False))
 
 
