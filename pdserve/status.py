@@ -15,7 +15,7 @@ from pdserve.scheduler.keys import INBOX_GROUP
 async def collect(redis_url: str, cluster: str) -> dict[str, Any]:
     redis = RedisSettings.from_url(redis_url).connect()
     try:
-        await wait_for_redis(redis, timeout=5)
+        await wait_for_redis(redis, timeout_s=5)
         keys = Keys(cluster)
         instances = await InstanceRegistry(redis, keys).live()
         routers = await RouterRegistry(redis, keys).live()
