@@ -1,0 +1,418 @@
+"""The core of the router: pick a prefill/decode pair, send ONE message, relay its deltas, retry.
+
+One :class:`Dispatcher` per router process holds what requests share: the cached live set, the
+two policies, this router's in-flight count per instance, and the watcher task that notices
+instances leaving the live set. One :class:`Generation` per client choice runs its attempts.
+
+Every way a request can end arrives as a final :class:`RequestDelta` in its queue, so a
+generation has a single loop: worker deltas (from the OutboxReader), a timer's ``timeout``, the
+watcher's ``instance_unavailable``, a client disconnect, a Redis outage (``ANY_ATTEMPT``).
+
+What the router relies on from workers (the contract):
+
+- Per attempt the router XADDs exactly ONE :class:`GenerateRequest`: to the prefill instance's
+  inbox with ``disaggregate_info`` (splitwise), or to a mixed/decode instance's inbox without it
+  (that instance serves the whole request, prefill included). ``request_id`` is the client's
+  ``x-request-id`` (``<id>-<i>`` per choice when ``n > 1``) or a uuid4 hex; ``router_id`` names the
+  outbox to publish to; exactly one of ``prompt``/``prompt_token_ids``/``messages`` is set (messages
+  are ``{role, content: str[, name]}``; the worker tokenizes and applies the chat template);
+  ``sampling`` holds SamplingParams fields, where ``max_tokens = None`` means "up to the model
+  length minus the prompt length"; ``deadline`` ends the whole request (unix s); ``attempt``
+  counts from 0.
+- Deltas for the request go to the router's outbox with the request's ``attempt``. The router
+  relays the current attempt's deltas in stream order, whoever sent them: in splitwise, prefill
+  publishes the first token, then decode publishes the rest. ``text`` is the new text (the pieces
+  concatenate to the completion); ``logprobs`` has one entry per token when asked. The final
+  delta has ``finish_reason`` and ``usage`` (the OpenAI usage comes from it). A failure is a final
+  ``RequestDelta.failure`` with an HTTP-like ``code``; ``retryable=True`` (nothing generated,
+  another pair may succeed, e.g. no KV blocks) lets the router re-submit to a fresh pair with
+  ``attempt + 1``. Empty non-final deltas are ignored; ``ANY_ATTEMPT`` applies to the current one.
+- :class:`Abort` ``{request_id, reason, attempt}`` goes to every instance of an attempt the router
+  gives up on (client gone, deadline, instance gone, before a retry); it may name a request the
+  instance no longer (or never) had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from pdserve.errors import ControlPlaneError
+from pdserve.router.errors import DuplicateRequestError
+from pdserve.router.protocol import ParsedRequest
+from pdserve.router.selection import Route, Selector
+from pdserve.router.sender import InboxSender
+from pdserve.router.settings import RouterSettings
+from pdserve.scheduler.keys import Keys
+from pdserve.scheduler.messages import (
+    ANY_ATTEMPT,
+    Abort,
+    DisaggregateInfo,
+    ErrorInfo,
+    GenerateRequest,
+    InstanceInfo,
+    PeerInfo,
+    PhaseDeadlines,
+    RequestDelta,
+)
+from pdserve.scheduler.registry import LiveSetCache
+from pdserve.scheduler.streams import OutboxReader
+
+logger = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    """Routing state shared by all requests of one router process."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        live: LiveSetCache[InstanceInfo],
+        reader: OutboxReader,
+        settings: RouterSettings,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.live = live
+        self.reader = reader
+        self.settings = settings
+        self.router_id = settings.router_id
+        self.clock = clock
+        self.selector = Selector(settings.prefill_policy, settings.decode_policy)
+        self.in_flight = self.selector.in_flight
+        """This router's open requests per instance id (prefill counts until the first token)."""
+        self.generations: dict[str, Generation] = {}
+        self.num_retries = 0
+        self.stopping = False
+        self._peers: dict[str, tuple[InstanceInfo, PeerInfo]] = {}
+        self.sender = InboxSender(redis, keys)
+        self._watcher: asyncio.Task[None] | None = None
+
+    def route(self, live: Sequence[InstanceInfo], model: str, exclude: Collection[str] = ()) -> Route:
+        """Where to run a request of ``model`` now (see :meth:`Selector.route`)."""
+        return self.selector.route(live, model, exclude)
+
+    def peer(self, info: InstanceInfo) -> PeerInfo:
+        """The PeerInfo of an instance, built once per registration value seen."""
+        cached = self._peers.get(info.id)
+        if cached is None or cached[0] is not info:
+            peer = PeerInfo(id=info.id, host=info.host, transfer=info.transfer.model_dump(exclude_none=True))
+            self._peers[info.id] = cached = (info, peer)
+        return cached[1]
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    async def open(self, parsed: ParsedRequest, request_id: str, model: str) -> list[Generation]:
+        """Start one generation per choice (each sends its message); on failure none stays open."""
+        now = self.clock()
+        deadline = now + self.settings.request_timeout_s
+        ids = [request_id] if parsed.n == 1 else [f"{request_id}-{i}" for i in range(parsed.n)]
+        gens: list[Generation] = []
+        try:
+            for rid, sampling in zip(ids, parsed.samplings):
+                gen = Generation(self, rid, parsed, sampling, model, now, deadline)
+                gens.append(gen)
+            if len(gens) == 1:
+                await gens[0].start()
+            else:
+                await asyncio.gather(*(gen.start() for gen in gens))
+        except BaseException:
+            for gen in gens:
+                gen.close("the request failed to start")
+            raise
+        return gens
+
+    def _hold(self, instance_id: str) -> None:
+        self.in_flight[instance_id] = self.in_flight.get(instance_id, 0) + 1
+
+    def _release(self, instance_id: str) -> None:
+        n = self.in_flight.get(instance_id, 0) - 1
+        if n > 0:
+            self.in_flight[instance_id] = n
+        else:
+            self.in_flight.pop(instance_id, None)
+
+    def abort_soon(self, route: Route, request_id: str, attempt: int, reason: str) -> None:
+        """Send Abort to every instance of ``route`` without waiting (cancellation cannot stop it)."""
+        msg = Abort(request_id=request_id, reason=reason, attempt=attempt)
+        for instance_id in route.instance_ids:
+            self.sender.send_nowait(instance_id, msg)
+
+    # -- watcher -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the watcher: one task per router that fails requests whose instance left the live set."""
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch(), name=f"watcher-{self.router_id}")
+
+    async def stop(self) -> None:
+        """Stop the watcher and retries (requests still open end with the reader's error), flush aborts."""
+        self.stopping = True
+        if self._watcher is not None:
+            while not self._watcher.done():  # cancel again if redis-py swallowed one (CPython gh-86296)
+                self._watcher.cancel()
+                await asyncio.wait({self._watcher}, timeout=0.05)
+            self._watcher = None
+        await self.sender.drain()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.watch_interval_s)
+            if not self.generations:
+                continue
+            try:
+                self.check_instances({info.id for info in await self.live.get()})
+            except ControlPlaneError as e:  # the OutboxReader reports a lasting outage to every request
+                logger.debug("watcher could not read the live set: %s", e)
+            except Exception:
+                logger.exception("watcher failed; continuing")
+
+    def check_instances(self, alive: Collection[str]) -> None:
+        """Fail (or retry) every generation that waits on an instance not in ``alive``."""
+        for gen in list(self.generations.values()):
+            for instance_id in gen.watched:
+                if instance_id not in alive:
+                    gen.lost(instance_id)
+                    break
+
+
+class Generation:
+    """One choice of one client request, over its attempts. Use ``start``, then ``next`` until a
+    final delta, then ``close`` (always: it releases counts and aborts unfinished work)."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        request_id: str,
+        parsed: ParsedRequest,
+        sampling: dict[str, Any],
+        model: str,
+        arrival: float,
+        deadline: float,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.request_id = request_id
+        self.parsed = parsed
+        self.sampling = sampling
+        self.model = model
+        self.arrival = arrival
+        self.deadline = deadline
+        self.attempt = 0
+        self.route: Route | None = None
+        self.watched: tuple[str, ...] = ()
+        """Instances whose death ends the current attempt (prefill only until the first token)."""
+        self.has_tokens = False
+        self.finished = False
+        self.succeeded = False
+        self.retry_after_tokens = not parsed.stream
+        """Non-stream responses may start over after tokens: the client has not seen any yet."""
+        self._exclude: set[str] = set()
+        self._blamed: tuple[str, ...] = ()
+        self._pending_retry: ErrorInfo | None = None
+        self._held: list[str] = []
+        self._end_reason = "the client went away"
+        self._closed = False
+        self._cancelled = False
+        self._timers: list[asyncio.TimerHandle] = []
+        self._first_token_timer: asyncio.TimerHandle | None = None
+        try:
+            self.queue = dispatcher.reader.subscribe(request_id)
+        except ValueError:
+            raise DuplicateRequestError(
+                f"a request with id {request_id!r} is already in flight on this router", None
+            ) from None
+        dispatcher.generations[request_id] = self
+
+    async def start(self) -> None:
+        """Send the first attempt (raises NoCapacityError/ControlPlaneError when it cannot be sent)."""
+        delay = self.deadline - self.dispatcher.clock()
+        self._timers.append(
+            asyncio.get_running_loop().call_later(
+                delay,
+                self._expire,
+                f"the request did not finish within {self.dispatcher.settings.request_timeout_s:g} s",
+            )
+        )
+        await self._submit()
+
+    async def next(self) -> RequestDelta:
+        """The next delta of the current attempt. Retryable failures are retried here, so the caller
+        sees either tokens, a final delta, or (before any token) an exception from a failed retry."""
+        while True:
+            if self._pending_retry is not None:
+                error, self._pending_retry = self._pending_retry, None
+                await self._retry(error)
+            delta = self._accept(await self.queue.get())
+            if delta is not None:
+                return delta
+
+    def poll(self) -> RequestDelta | None:
+        """The next delta if one is already queued, else None (never waits; lets a stream batch
+        the deltas that arrived together into one write)."""
+        while self._pending_retry is None and not self.queue.empty():
+            delta = self._accept(self.queue.get_nowait())
+            if delta is not None:
+                return delta
+        return None
+
+    def _accept(self, delta: RequestDelta) -> RequestDelta | None:
+        """Book-keep one queued delta; None when the caller should skip it (stale, empty, or retried)."""
+        if delta.attempt != self.attempt and delta.attempt != ANY_ATTEMPT:
+            return None  # from a superseded attempt
+        error = delta.error
+        if error is not None:
+            if self._may_retry(error):
+                self._pending_retry = error
+                return None
+            self.finished = True
+            self._end_reason = f"{error.type}: {error.message}"
+            return delta
+        if delta.finish_reason is not None:
+            self.finished = self.succeeded = True
+        elif not (delta.token_ids or delta.text):
+            return None  # nothing a client could see
+        if not self.has_tokens:
+            self._first_token()
+        return delta
+
+    def lost(self, instance_id: str) -> None:
+        """The watcher saw ``instance_id`` leave the live set while this attempt depends on it."""
+        if self.finished or instance_id not in self.watched:
+            return
+        self.watched = ()  # report once per attempt
+        self._blamed = (instance_id,)
+        logger.warning("request %s: instance %s left the live set", self.request_id, instance_id)
+        self._inject(
+            503, "instance_unavailable", f"instance {instance_id} stopped responding", True, self.attempt
+        )
+
+    def cancel(self, reason: str) -> None:
+        """End the generation from outside (client disconnect): its next delta is a final error."""
+        if not self.finished and not self._closed and not self._cancelled:
+            self._cancelled = True
+            self._end_reason = reason
+            self._inject(499, "client_disconnected", reason, False, ANY_ATTEMPT)
+
+    def close(self, reason: str | None = None) -> None:
+        """Release everything; send Abort to the current instances unless the request finished well."""
+        if self._closed:
+            return
+        self._closed = True
+        for timer in self._timers:
+            timer.cancel()
+        if self._first_token_timer is not None:
+            self._first_token_timer.cancel()
+        self._release_all()
+        d = self.dispatcher
+        if d.generations.get(self.request_id) is self:
+            del d.generations[self.request_id]
+        d.reader.unsubscribe(self.request_id)
+        if not self.succeeded and self.route is not None:
+            d.abort_soon(self.route, self.request_id, self.attempt, reason or self._end_reason)
+
+    # -- attempts ----------------------------------------------------------------------------------
+
+    async def _submit(self) -> None:
+        d = self.dispatcher
+        route = d.route(await d.live.get(), self.model, self._exclude)
+        now = d.clock()
+        msg = self._message(route, now)
+        self.route, self.watched, self._blamed = route, route.instance_ids, ()
+        for instance_id in route.instance_ids:
+            d._hold(instance_id)
+            self._held.append(instance_id)
+        first_token_in = min(d.settings.first_token_timeout_s, self.deadline - now)
+        self._first_token_timer = asyncio.get_running_loop().call_later(
+            first_token_in, self._expire, f"no first token within {first_token_in:g} s", self.attempt
+        )
+        await d.sender.send(route.entry.id, msg)
+
+    def _message(self, route: Route, now: float) -> GenerateRequest:
+        d = self.dispatcher
+        info = None
+        if route.prefill is not None:
+            s = d.settings
+            deadlines = PhaseDeadlines(
+                reserve=min(now + s.reserve_timeout_s, self.deadline),
+                transfer=min(now + s.transfer_timeout_s, self.deadline),
+                first_token=min(now + s.first_token_timeout_s, self.deadline),
+            )
+            info = DisaggregateInfo(
+                request_id=self.request_id, router_id=d.router_id, prefill=d.peer(route.prefill),
+                decode=d.peer(route.decode), protocol=route.protocol or "", deadlines=deadlines,
+            )  # fmt: skip
+        p = self.parsed
+        # sampling["max_tokens"] is None when the client gave none (chat): the worker then fills
+        # in "model length - prompt length", which only it knows after tokenizing.
+        return GenerateRequest(
+            request_id=self.request_id, router_id=d.router_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids,
+            messages=p.messages, sampling=self.sampling, deadline=self.deadline, attempt=self.attempt,
+            disaggregate_info=info, arrival_time=self.arrival,
+        )  # fmt: skip
+
+    def _may_retry(self, error: ErrorInfo) -> bool:
+        return (
+            error.retryable
+            and self.attempt < self.dispatcher.settings.retry_attempts
+            and (not self.has_tokens or self.retry_after_tokens)
+            and self.dispatcher.clock() < self.deadline
+            and not (self._closed or self._cancelled or self.dispatcher.stopping)
+        )
+
+    async def _retry(self, error: ErrorInfo) -> None:
+        d = self.dispatcher
+        route = self.route
+        assert route is not None
+        logger.warning("request %s attempt %d on %s failed (%s: %s); retrying on a fresh pair",
+                       self.request_id, self.attempt, "/".join(route.instance_ids), error.type, error.message)  # fmt: skip
+        d.num_retries += 1
+        d.abort_soon(route, self.request_id, self.attempt, f"retried elsewhere after {error.type}")
+        self._release_all()
+        if self._first_token_timer is not None:
+            self._first_token_timer.cancel()
+        self._exclude.update(self._blamed or route.instance_ids)
+        self.attempt += 1
+        self.has_tokens = False
+        old = self.queue
+        d.reader.unsubscribe(self.request_id)  # a Redis outage may have dropped the subscription
+        self.queue = d.reader.subscribe(self.request_id)
+        while not old.empty():  # a timeout or disconnect queued behind the failure still counts
+            delta = old.get_nowait()
+            if delta.attempt == ANY_ATTEMPT and delta.error is not None and not delta.error.retryable:
+                self.queue.put_nowait(delta)
+        d.live.invalidate()
+        await self._submit()
+
+    def _first_token(self) -> None:
+        self.has_tokens = True
+        if self._first_token_timer is not None:
+            self._first_token_timer.cancel()
+            self._first_token_timer = None
+        route = self.route
+        if route is not None and route.prefill is not None:
+            self.watched = (route.decode.id,)  # prefill's part is done
+            if route.prefill.id in self._held:
+                self._held.remove(route.prefill.id)
+                self.dispatcher._release(route.prefill.id)
+
+    def _release_all(self) -> None:
+        for instance_id in self._held:
+            self.dispatcher._release(instance_id)
+        self._held = []
+
+    def _expire(self, message: str, attempt: int = ANY_ATTEMPT) -> None:
+        if attempt not in (ANY_ATTEMPT, self.attempt):
+            return
+        self._inject(504, "timeout", message, False, ANY_ATTEMPT)
+
+    def _inject(self, code: int, type_: str, message: str, retryable: bool, attempt: int) -> None:
+        self.queue.put_nowait(
+            RequestDelta.failure(self.request_id, code, type_, message, retryable=retryable, attempt=attempt)
+        )

@@ -1,0 +1,143 @@
+"""The router's errors and the ONE place where pdserve's exception tree becomes an OpenAI error body.
+
+The router adds a few leaves to the tree of :mod:`pdserve.errors` (HTTP-only situations)::
+
+    PdserveError
+    ├── InvalidRequestError
+    │   ├── ModelNotFoundError     the requested model is not served by any live instance -> 404
+    │   ├── BodyTooLargeError      the request body exceeds --max-body-bytes -> 413
+    │   └── DuplicateRequestError  the client's x-request-id is already in flight here -> 409
+    ├── NoCapacityError            nothing can serve the request now -> 503 + Retry-After
+    ├── RequestTimeoutError        the request ran past a deadline -> 504 (type ``timeout``)
+    └── UpstreamError              a worker reported a failure; keeps its HTTP-like code and type
+
+:func:`error_status` maps any exception to ``(status, body, headers)``; ``tests/test_router_errors.py``
+fails when a class of the tree has no deliberate entry in :data:`ERROR_MAP`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+from pdserve.errors import (
+    ConfigError,
+    ControlPlaneError,
+    EngineError,
+    InvalidRequestError,
+    MessageError,
+    PdserveError,
+    RequestTooLongError,
+    TransferError,
+)
+from pdserve.scheduler.messages import ErrorInfo
+
+RETRY_AFTER_S = 1
+"""``Retry-After`` of 503 answers: the live set refreshes twice a second, a retry soon may succeed."""
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """No live instance serves the requested model (OpenAI answers 404 ``model_not_found``)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"The model `{model}` does not exist or is not served by any live instance.", "model"
+        )
+
+
+class BodyTooLargeError(InvalidRequestError):
+    """The request body is larger than the router accepts."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds the limit of {limit} bytes", None)
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """The client's ``x-request-id`` names a request that is still running on this router."""
+
+
+class NoCapacityError(PdserveError, RuntimeError):
+    """No instance (pair) can take the request now: none registered, all draining, or only prefill."""
+
+
+class RequestTimeoutError(PdserveError, TimeoutError):
+    """The request missed a deadline (first token, or the whole request)."""
+
+
+class UpstreamError(PdserveError, RuntimeError):
+    """A worker ended the request with an error; ``info.code`` is HTTP-like (e.g. 400 prompt too long)."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    """How one exception class is shown to an OpenAI client."""
+
+    status: int
+    type: str
+    code: str | None = None
+    retry_after: bool = False
+
+
+ERROR_MAP: dict[type[BaseException], ErrorKind] = {
+    PdserveError: ErrorKind(500, "server_error", "internal_error"),
+    ConfigError: ErrorKind(500, "server_error", "configuration_error"),
+    InvalidRequestError: ErrorKind(400, "invalid_request_error"),
+    RequestTooLongError: ErrorKind(400, "invalid_request_error", "context_length_exceeded"),
+    ModelNotFoundError: ErrorKind(404, "invalid_request_error", "model_not_found"),
+    BodyTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
+    DuplicateRequestError: ErrorKind(409, "invalid_request_error", "duplicate_request_id"),
+    EngineError: ErrorKind(500, "server_error", "engine_error"),
+    TransferError: ErrorKind(503, "service_unavailable", "kv_transfer_failed", retry_after=True),
+    ControlPlaneError: ErrorKind(503, "service_unavailable", "control_plane_unavailable", retry_after=True),
+    MessageError: ErrorKind(502, "bad_gateway", "invalid_message"),
+    NoCapacityError: ErrorKind(503, "service_unavailable", "no_capacity", retry_after=True),
+    RequestTimeoutError: ErrorKind(504, "timeout", "timeout"),
+    # UpstreamError: status and type come from the worker's ErrorInfo (see error_status).
+    UpstreamError: ErrorKind(500, "server_error"),
+}
+"""Every class of the exception tree -> its HTTP status and OpenAI ``type``/``code``."""
+
+_INTERNAL = ErrorKind(500, "server_error", "internal_error")
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_status(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
+    """Map any exception to ``(HTTP status, OpenAI error body, extra headers)``.
+
+    Exceptions outside pdserve's tree are bugs: they become a 500 without their text, which is
+    logged by the caller instead (it may hold internals).
+    """
+    if isinstance(exc, UpstreamError):
+        return _upstream(exc.info)
+    kind = next((ERROR_MAP[c] for c in type(exc).__mro__ if c in ERROR_MAP), None)
+    if kind is None:
+        return _INTERNAL.status, error_body("internal server error", _INTERNAL.type, None, _INTERNAL.code), {}
+    param = getattr(exc, "param", None)
+    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    headers = {"retry-after": str(RETRY_AFTER_S)} if kind.retry_after else {}
+    return kind.status, error_body(message, kind.type, param, kind.code), headers
+
+
+def _upstream(info: ErrorInfo) -> tuple[int, dict, dict[str, str]]:
+    status = info.code if 400 <= info.code <= 599 else 500
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else {}
+    return status, error_body(info.message, info.type, None, info.type), headers
+
+
+def error_event(exc_or_info: BaseException | ErrorInfo) -> bytes:
+    """The SSE event that ends a stream which already sent bytes (never a silent cut)."""
+    if isinstance(exc_or_info, ErrorInfo):
+        status, body, _ = _upstream(exc_or_info)
+    else:
+        status, body, _ = error_status(exc_or_info)
+    body["error"]["status"] = status
+    return b"data: " + orjson.dumps(body) + b"\n\n"

@@ -1,0 +1,273 @@
+"""OpenAI request bodies: parsing, type checks, and conversion into what a worker runs.
+
+pydantic checks only types (strict: ``"5"`` or ``true`` is not a number); value ranges are checked
+by :class:`~pdserve.scheduler.sampling_params.SamplingParams` so they live in one place. Unknown
+fields are ignored. Every problem raises :class:`InvalidRequestError` whose ``param`` names the field.
+
+Chat requests without ``max_tokens``/``max_completion_tokens`` (and completions with an explicit
+``"max_tokens": null``) send ``sampling["max_tokens"] = None``: the worker then generates up to
+"model length - prompt length" tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pdserve.errors import InvalidRequestError
+from pdserve.scheduler.sampling_params import SamplingParams
+
+MAX_N = 16
+"""Most choices per request (``n``); each is an independent request to the cluster."""
+_UNBOUNDED = 2**31 - 1  # stands for "no max_tokens" while SamplingParams validates
+_SEED_SPAN = 2**64
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool | None = None
+
+
+class _Common(BaseModel):
+    """Fields shared by both endpoints (OpenAI's plus vLLM-style extras). ``None`` = default."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    return_token_ids: bool | None = None
+    """Extension (as vLLM's): each choice also carries the generated ``token_ids``."""
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``. ``prompt``: a string, token ids, or a list holding one of those."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``. The worker applies the model's chat template."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "include_stop_str_in_output",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(slots=True)
+class ParsedRequest:
+    """A validated request, ready to be sent ``n`` times (one GenerateRequest per choice)."""
+
+    kind: Literal["completion", "chat"]
+    model: str | None
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    messages: list[dict[str, Any]] | None
+    samplings: list[dict[str, Any]]
+    """One ``SamplingParams`` dict per choice (seeded choices get ``seed + i``)."""
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    return_token_ids: bool = False
+
+    @property
+    def n(self) -> int:
+        return len(self.samplings)
+
+
+def parse_completion(body: bytes) -> ParsedRequest:
+    """Validate a completions body; raise InvalidRequestError naming the bad field."""
+    req = _validate(CompletionRequest, body)
+    prompt, token_ids = _prompt(req.prompt)
+    if req.echo:
+        raise InvalidRequestError("echo is not supported", "echo")
+    params = _sampling(req, req.max_tokens, "max_tokens", req.logprobs, "logprobs")
+    return _parsed("completion", req, params, req.max_tokens is None, prompt=prompt, prompt_token_ids=token_ids,
+                   logprobs=req.logprobs is not None)  # fmt: skip
+
+
+def parse_chat(body: bytes) -> ParsedRequest:
+    """Validate a chat completions body; raise InvalidRequestError naming the bad field."""
+    req = _validate(ChatCompletionRequest, body)
+    if not req.messages:
+        raise InvalidRequestError("messages must be a non-empty list", "messages")
+    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    if req.max_completion_tokens is not None:
+        max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_name = req.max_tokens, "max_tokens"
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _sampling(req, max_tokens, max_name, num_logprobs, "top_logprobs")
+    return _parsed("chat", req, params, max_tokens is None, messages=messages, logprobs=bool(req.logprobs))
+
+
+def _validate(model: type[_Common], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _invalid(e) from None
+
+
+def _invalid(e: ValidationError) -> InvalidRequestError:
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return InvalidRequestError(f"request body is not valid JSON: {err['msg']}", None)
+    if not err["loc"]:
+        return InvalidRequestError("request body must be a JSON object", None)
+    param, in_union = _param(err["loc"])
+    if err["type"] == "missing":
+        return InvalidRequestError(f"{param} is required", param)
+    field = param.rsplit(".", 1)[-1]
+    if in_union and field in _UNION_SHAPES:
+        return InvalidRequestError(f"invalid {param}: expected {_UNION_SHAPES[field]}", param)
+    return InvalidRequestError(f"invalid {param}: {err['msg']}", param)
+
+
+_UNION_SHAPES = {
+    "prompt": "a string, a list of token ids, or a list holding one string or one list of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text content parts",
+}
+
+
+def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
+    """``('messages', 0, 'content', 'str')`` -> ``('messages[0].content', True)``: the field path, and
+    whether pydantic tagged the error with a union member (then its message describes one member only).
+    """
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _TYPE_TAGS or part.startswith(("list[", "function-")):
+            return out, True
+        else:
+            out += f".{part}" if out else part
+    return out, False
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _prompt(prompt: str | list[Any]) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", "prompt")
+    first = prompt[0]
+    if isinstance(first, int):
+        return None, prompt
+    if len(prompt) != 1:
+        raise InvalidRequestError("batched prompts are not supported: send one prompt per request", "prompt")
+    return (first, None) if isinstance(first, str) else _prompt(first)
+
+
+def _message(index: int, m: ChatMessage) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(
+                    f"content part of type {part.type!r} is not supported (text only)",
+                    f"messages[{index}].content",
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    out: dict[str, Any] = {"role": m.role, "content": content}
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _sampling(
+    req: _Common, max_tokens: int | None, max_name: str, logprobs: int | None, logprobs_name: str
+) -> SamplingParams:
+    kwargs = {name: value for name in _SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+    kwargs["max_tokens"] = _UNBOUNDED if max_tokens is None else max_tokens
+    if logprobs is not None:
+        kwargs["logprobs"] = logprobs
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError as e:
+        renamed = {"max_tokens": max_name, "logprobs": logprobs_name}.get(e.param or "", e.param)
+        raise InvalidRequestError(e.message.replace(e.param or "", renamed or "", 1), renamed) from None
+
+
+def _parsed(
+    kind: Literal["completion", "chat"],
+    req: _Common,
+    params: SamplingParams,
+    unbounded: bool,
+    *,
+    logprobs: bool,
+    **prompt: Any,
+) -> ParsedRequest:
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {n}", "n")
+    base = dict(vars(params))  # to_dict() (dataclasses.asdict) deep-copies: ~70 µs per request
+    if unbounded:
+        base["max_tokens"] = None  # the worker fills in "model length - prompt length"
+    samplings = [base] + [_choice_sampling(base, i) for i in range(1, n)]
+    stream = bool(req.stream)
+    include_usage = bool(stream and req.stream_options is not None and req.stream_options.include_usage)
+    return ParsedRequest(
+        kind=kind, model=req.model, prompt=prompt.get("prompt"), prompt_token_ids=prompt.get("prompt_token_ids"),
+        messages=prompt.get("messages"), samplings=samplings, stream=stream, include_usage=include_usage,
+        logprobs=logprobs, return_token_ids=bool(req.return_token_ids),
+    )  # fmt: skip
+
+
+def _choice_sampling(base: dict[str, Any], i: int) -> dict[str, Any]:
+    """Choice ``i`` of a seeded request uses ``seed + i`` (wrapped into the valid seed range)."""
+    if base["seed"] is None:
+        return base
+    seed = base["seed"] + i
+    if seed >= _SEED_SPAN:
+        seed -= _SEED_SPAN
+    return {**base, "seed": seed}

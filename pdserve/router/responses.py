@@ -1,0 +1,177 @@
+"""OpenAI response bodies and SSE chunks, built as plain dicts and serialized with orjson.
+
+No pydantic on the output path: a response is a handful of dict literals per delta.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from pdserve.scheduler.messages import RequestDelta, TokenLogprob, Usage
+
+DONE = b"data: [DONE]\n\n"
+
+
+class Choice:
+    """What a non-stream response accumulates for one choice (reset when its attempt changes)."""
+
+    __slots__ = ("attempt", "finish_reason", "logprobs", "num_tokens", "texts", "token_ids", "usage")
+
+    def __init__(self, attempt: int = 0) -> None:
+        self.attempt = attempt
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.num_tokens = 0
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    def note(self, delta: RequestDelta) -> None:
+        """Count a streamed delta (its text went to the client): tokens, finish, usage."""
+        self.num_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.usage = delta.usage
+
+    def add(self, delta: RequestDelta) -> None:
+        if delta.text:
+            self.texts.append(delta.text)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        self.token_ids.extend(delta.token_ids)
+        self.num_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.usage = delta.usage
+
+
+class ResponseBuilder:
+    """Builds the bodies of one request (``kind`` = ``completion`` or ``chat``)."""
+
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        *,
+        logprobs: bool,
+        include_usage: bool,
+        return_token_ids: bool = False,
+    ) -> None:
+        self.chat = kind == "chat"
+        self.return_token_ids = return_token_ids
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.model = model
+        self._text_offsets: dict[int, int] = {}
+        chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        self._chunk_head = {"id": self.id, "object": chunk_object, "created": self.created, "model": model}
+
+    # -- non-stream --------------------------------------------------------------------------------
+
+    def response(self, choices: list[Choice]) -> bytes:
+        out = []
+        for index, c in enumerate(choices):
+            text = "".join(c.texts)
+            lp = self._logprobs(c.logprobs, 0) if self.logprobs else None
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                out.append(
+                    {"index": index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
+                )
+            else:
+                out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+            if self.return_token_ids:
+                out[-1]["token_ids"] = c.token_ids
+        body = {
+            "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": out, "usage": usage(choices),
+        }  # fmt: skip
+        return orjson.dumps(body)
+
+    # -- stream ------------------------------------------------------------------------------------
+
+    def role_chunk(self, index: int) -> bytes:
+        """Chat streams open each choice with the assistant role (OpenAI's first chunk)."""
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})  # fmt: skip
+
+    def delta_chunk(self, index: int, delta: RequestDelta) -> bytes:
+        """One chunk per delta; the last one carries ``finish_reason`` (with or without text)."""
+        lp = None
+        if self.logprobs and delta.logprobs:
+            lp = self._logprobs(delta.logprobs, self._text_offsets.get(index, 0))
+        if not self.chat:
+            if self.logprobs:
+                self._text_offsets[index] = self._text_offsets.get(index, 0) + len(delta.text)
+            choice = {
+                "index": index,
+                "text": delta.text,
+                "logprobs": lp,
+                "finish_reason": delta.finish_reason,
+            }
+        else:
+            content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            choice = {"index": index, "delta": content, "logprobs": lp, "finish_reason": delta.finish_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        return self._chunk(choice)
+
+    def usage_chunk(self, choices: list[Choice]) -> bytes:
+        """The extra last chunk of ``stream_options.include_usage``: no choices, the request's usage."""
+        return (
+            b"data: " + orjson.dumps({**self._chunk_head, "choices": [], "usage": usage(choices)}) + b"\n\n"
+        )
+
+    def _chunk(self, choice: dict[str, Any]) -> bytes:
+        body = {**self._chunk_head, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def _logprobs(self, items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [_chat_logprob(t) for t in items]}
+        offsets = []
+        for t in items:
+            offsets.append(offset)
+            offset += len(t.token)
+        return {
+            "tokens": [t.token for t in items],
+            "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [{top.token: top.logprob for top in t.top} for t in items],
+            "text_offset": offsets,
+        }
+
+
+def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
+        "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.token.encode())}
+                         for top in t.top],
+    }  # fmt: skip
+
+
+def usage(choices: list[Choice]) -> dict[str, Any]:
+    """OpenAI ``usage`` from the workers' final Usage (prompt counted once; completions summed).
+
+    A final delta without usage (should not happen) counts the tokens the router saw.
+    """
+    prompt = completion = cached = 0
+    for i, c in enumerate(choices):
+        if c.usage is not None:
+            completion += c.usage.completion_tokens
+            if i == 0:
+                prompt, cached = c.usage.prompt_tokens, c.usage.num_cached_tokens
+        else:
+            completion += c.num_tokens
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}  # fmt: skip
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out

@@ -1,0 +1,153 @@
+"""Which instances run a request: the model check, the pair rules, the transfer protocol.
+
+Rules, in order:
+
+1. Only live, non-draining instances of the requested model are candidates.
+2. Splitwise when a prefill and a decode instance share a KV transfer protocol: ``shm`` when both
+   are on one host and offer it, else the first protocol of prefill's list that decode offers
+   (``shm`` never crosses hosts). A prefill without any usable decode partner is skipped.
+3. Otherwise one instance serves the whole request: a mixed one, else a decode one (decode-only
+   fallback when there is no prefill instance). Prefill instances alone cannot serve: 503.
+
+Pure logic over registration values, so it unit-tests without Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from pdserve.errors import InvalidRequestError
+from pdserve.router.errors import ModelNotFoundError, NoCapacityError
+from pdserve.router.policies import Policy, make_policy
+from pdserve.scheduler.messages import InstanceInfo
+
+logger = logging.getLogger(__name__)
+
+SHM = "shm"
+_WARN_EVERY_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one attempt runs: ``prefill`` then ``decode`` (splitwise), or ``decode`` alone."""
+
+    decode: InstanceInfo
+    prefill: InstanceInfo | None = None
+    protocol: str | None = None
+
+    @property
+    def entry(self) -> InstanceInfo:
+        """The instance whose inbox receives the request."""
+        return self.prefill or self.decode
+
+    @property
+    def instance_ids(self) -> tuple[str, ...]:
+        return (self.decode.id,) if self.prefill is None else (self.prefill.id, self.decode.id)
+
+
+def transfer_protocol(prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
+    """How KV moves from ``prefill`` to ``decode``, or None when they share no usable protocol."""
+    offered = decode.transfer.protocols
+    if prefill.host == decode.host and SHM in prefill.transfer.protocols and SHM in offered:
+        return SHM
+    return next((p for p in prefill.transfer.protocols if p != SHM and p in offered), None)
+
+
+def resolve_model(live: Sequence[InstanceInfo], model: str | None) -> str:
+    """The model a request names, checked against the live set (404 if nobody serves it).
+
+    Without ``model`` the cluster's only model is taken; with several, ``model`` is required.
+    """
+    if not live:
+        raise NoCapacityError("no inference instance is registered")
+    if model is None:
+        models = sorted({info.model for info in live})
+        if len(models) == 1:
+            return models[0]
+        raise InvalidRequestError(f"model is required: this cluster serves {', '.join(models)}", "model")
+    if not any(info.model == model for info in live):
+        raise ModelNotFoundError(model)
+    return model
+
+
+class Selector:
+    """Applies the rules with one policy for prefill and one for decode (mixed uses decode's).
+
+    ``in_flight`` (this router's open requests per instance id) is shared with the dispatcher,
+    which keeps it current; least_load reads it.
+    """
+
+    def __init__(self, prefill_policy: str | Policy, decode_policy: str | Policy) -> None:
+        self.prefill_policy = (
+            make_policy(prefill_policy, "prefill") if isinstance(prefill_policy, str) else prefill_policy
+        )
+        self.decode_policy = (
+            make_policy(decode_policy, "decode") if isinstance(decode_policy, str) else decode_policy
+        )
+        self.in_flight: dict[str, int] = {}
+        self._warned_at = float("-inf")
+        self._live: Sequence[InstanceInfo] | None = None
+        self._live_by_id: Sequence[InstanceInfo] = ()
+
+    def route(self, live: Sequence[InstanceInfo], model: str, exclude: Collection[str] = ()) -> Route:
+        """Where to run a request of ``model``, avoiding ``exclude`` when anything else can serve.
+
+        Raises NoCapacityError saying why when nothing can.
+        """
+        candidates = [info for info in self._by_id(live) if info.model == model and not info.draining]
+        if exclude:
+            route = self._route([info for info in candidates if info.id not in exclude])
+            if route is not None:
+                return route
+        route = self._route(candidates)
+        if route is None:
+            raise NoCapacityError(no_route_reason(live, model))
+        return route
+
+    def _by_id(self, live: Sequence[InstanceInfo]) -> Sequence[InstanceInfo]:
+        """``live`` sorted by id (round robin needs a stable order; the registry lists by expiry),
+        sorted once per live-set refresh."""
+        if live is not self._live:
+            self._live, self._live_by_id = live, sorted(live, key=lambda info: info.id)
+        return self._live_by_id
+
+    def _route(self, candidates: list[InstanceInfo]) -> Route | None:
+        prefills = [info for info in candidates if info.role == "prefill"]
+        decodes = [info for info in candidates if info.role == "decode"]
+        if prefills and decodes:
+            route = self._pair(prefills, decodes)
+            if route is not None:
+                return route
+            self._warn_no_pair()
+        whole = [info for info in candidates if info.role == "mixed"] or decodes
+        if not whole:
+            return None
+        return Route(decode=self.decode_policy.pick(whole, self.in_flight))
+
+    def _pair(self, prefills: list[InstanceInfo], decodes: list[InstanceInfo]) -> Route | None:
+        while prefills:
+            prefill = self.prefill_policy.pick(prefills, self.in_flight)
+            usable = {d.id: p for d in decodes if d.id != prefill.id and (p := transfer_protocol(prefill, d))}
+            if usable:
+                decode = self.decode_policy.pick([d for d in decodes if d.id in usable], self.in_flight)
+                return Route(decode=decode, prefill=prefill, protocol=usable[decode.id])
+            prefills = [p for p in prefills if p is not prefill]  # no partner: skip this prefill
+        return None
+
+    def _warn_no_pair(self) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            logger.warning("no prefill/decode pair shares a KV transfer protocol; serving without prefill")
+
+
+def no_route_reason(live: Sequence[InstanceInfo], model: str) -> str:
+    serving = [info for info in live if info.model == model]
+    if serving and all(info.draining for info in serving):
+        return f"every instance of model {model!r} is draining"
+    if serving and all(info.role == "prefill" for info in serving if not info.draining):
+        return f"model {model!r} has prefill instances but no decode or mixed instance to generate with"
+    return f"no instance can serve model {model!r} now"

@@ -1,0 +1,312 @@
+"""The generation endpoints as raw ASGI apps: the hot path skips FastAPI's parameter machinery.
+
+A request is read (size-limited), validated, routed and sent; then either collected into one
+JSON body or relayed as SSE. A stream starts only after the first delta of every choice has
+arrived, so a failure before any token is a normal JSON error with the right status; a failure
+later ends the stream with an error event and ``[DONE]``. A client that goes away cancels its
+generations, which sends Abort to their instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.router.dispatch import Generation
+from pdserve.router.errors import BodyTooLargeError, UpstreamError, error_event, error_status
+from pdserve.router.protocol import ParsedRequest
+from pdserve.router.responses import DONE, Choice, ResponseBuilder
+from pdserve.router.selection import resolve_model
+from pdserve.scheduler.messages import ErrorInfo, RequestDelta
+
+if TYPE_CHECKING:
+    from pdserve.router.app import RouterState
+
+logger = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+JSON = b"application/json"
+MAX_REQUEST_ID_LEN = 128
+DISCONNECT_WATCH_AFTER_S = 0.2
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]  # fmt: skip
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
+def request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    """The client's ``x-request-id`` (checked: 1-128 visible ASCII characters) or a fresh uuid4 hex."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            if (
+                0 < len(value) <= MAX_REQUEST_ID_LEN
+                and value.isascii()
+                and all(33 <= c <= 126 for c in value)
+            ):
+                return value.decode()
+            raise InvalidRequestError(
+                f"x-request-id must be 1-{MAX_REQUEST_ID_LEN} visible ASCII characters", "x-request-id"
+            )
+    return uuid.uuid4().hex
+
+
+async def read_body(headers: list[tuple[bytes, bytes]], receive: Receive, limit: int) -> bytes:
+    """The request body; BodyTooLargeError past ``limit`` bytes, by Content-Length and by counting
+    (so chunked bodies are caught too, without reading more than ``limit`` of them)."""
+    for name, value in headers:
+        if name == b"content-length":
+            if not value.isdigit():
+                raise InvalidRequestError("invalid Content-Length header", None)
+            if int(value) > limit:
+                raise BodyTooLargeError(limit)
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body", False) and message["type"] == "http.request":
+        if len(body) > limit:
+            raise BodyTooLargeError(limit)
+        return body
+    parts, size = [body], len(body)
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLargeError(limit)
+        parts.append(chunk)
+    if message["type"] == "http.disconnect":
+        raise ClientGone()
+    return b"".join(parts)
+
+
+async def send_json(
+    send: Send, status: int, body: bytes, rid: str, headers: dict[str, str] | None = None
+) -> None:
+    raw = [
+        (b"content-type", JSON),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", rid.encode()),
+    ]
+    if headers:
+        raw.extend((k.encode(), v.encode()) for k, v in headers.items())
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, exc: BaseException, rid: str) -> None:
+    status, body, headers = error_status(exc)
+    if status >= 500 and not isinstance(exc, PdserveError):
+        logger.error("request %s failed", rid, exc_info=exc)
+    await send_json(send, status, orjson.dumps(body), rid, headers)
+
+
+class GenerateEndpoint:
+    """``POST /v1/completions`` (``parse`` = parse_completion) or ``/v1/chat/completions``."""
+
+    def __init__(self, state: RouterState, parse: Callable[[bytes], ParsedRequest]) -> None:
+        self.state = state
+        self.parse = parse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = scope["headers"]
+        rid = ""
+        try:
+            rid = request_id(headers)
+            parsed = self.parse(await read_body(headers, receive, self.state.settings.max_body_bytes))
+            dispatcher = self.state.dispatcher
+            model = resolve_model(await dispatcher.live.get(), parsed.model)
+            gens = await dispatcher.open(parsed, rid, model)
+        except ClientGone:
+            return
+        except Exception as e:
+            await send_error(send, e, rid or uuid.uuid4().hex)
+            return
+        builder = ResponseBuilder(parsed.kind, rid, model, logprobs=parsed.logprobs,
+                                  return_token_ids=parsed.return_token_ids,
+                                  include_usage=parsed.include_usage)  # fmt: skip
+        watch = DisconnectWatch(receive, gens)
+        try:
+            if parsed.stream:
+                await _stream(send, rid, gens, builder)
+            else:
+                await _complete(send, rid, gens, builder)
+        except Exception as e:  # a bug; this endpoint runs outside FastAPI's error middleware
+            logger.exception("request %s failed", rid)
+            with contextlib.suppress(Exception):  # fails if the response had started
+                await send_error(send, e, rid)
+        finally:
+            watch.stop()
+            for gen in gens:
+                gen.close()
+
+
+class DisconnectWatch:
+    """Cancels the generations when the client disconnects (their instances then get Abort).
+
+    Listening needs a task blocked in ``receive()``; it is started only once a request has run
+    for :data:`DISCONNECT_WATCH_AFTER_S`, so short requests (most of them) pay for a timer only.
+    """
+
+    __slots__ = ("_gens", "_receive", "_task", "_timer")
+
+    def __init__(self, receive: Receive, gens: list[Generation]) -> None:
+        self._receive = receive
+        self._gens = gens
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(DISCONNECT_WATCH_AFTER_S, self._start)
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
+
+    def _start(self) -> None:
+        self._task = asyncio.ensure_future(self._listen())
+
+    async def _listen(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        for gen in self._gens:
+            gen.cancel("the client disconnected")
+
+
+async def _collect(gen: Generation) -> Choice:
+    choice = Choice(gen.attempt)
+    while True:
+        delta = await gen.next()
+        if delta.error is not None:
+            raise UpstreamError(delta.error)
+        if choice.attempt != gen.attempt:  # retried after tokens: start over
+            choice = Choice(gen.attempt)
+        choice.add(delta)
+        if delta.finish_reason is not None:
+            return choice
+
+
+async def _complete(send: Send, rid: str, gens: list[Generation], builder: ResponseBuilder) -> None:
+    try:
+        if len(gens) == 1:
+            choices = [await _collect(gens[0])]
+        else:
+            choices = await _gather([_collect(gen) for gen in gens])
+    except Exception as e:
+        await send_error(send, e, rid)
+        return
+    await send_json(send, 200, builder.response(choices), rid)
+
+
+async def _gather(coros: list[Awaitable[Choice]]) -> list[Choice]:
+    """gather() that cancels the others when one fails (each waits on its queue otherwise forever)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(send: Send, rid: str, gens: list[Generation], builder: ResponseBuilder) -> None:
+    try:
+        firsts = [await gen.next() for gen in gens]
+    except Exception as e:
+        await send_error(send, e, rid)
+        return
+    failed = next((d.error for d in firsts if d.error is not None), None)
+    if failed is not None:
+        await send_error(send, UpstreamError(failed), rid)
+        return
+    headers = [*_SSE_HEADERS, (b"x-request-id", rid.encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    choices = [Choice() for _ in gens]
+    out = bytearray()
+    if builder.chat:
+        for i in range(len(gens)):
+            out += builder.role_chunk(i)
+    try:
+        for i, delta in enumerate(firsts):
+            out += builder.delta_chunk(i, delta)
+            choices[i].note(delta)
+        if len(gens) == 1:
+            error = await _relay_one(send, out, gens[0], choices[0], builder)
+        else:
+            error = await _relay_many(send, out, gens, choices, builder)
+    except Exception as e:  # a bug: still end the stream properly
+        logger.exception("request %s: stream failed", rid)
+        error = e
+    if error is not None:
+        tail = error_event(error)  # never a silent cut: the client learns why the stream ended
+    elif builder.include_usage:
+        tail = builder.usage_chunk(choices)
+    else:
+        tail = b""
+    await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+
+
+async def _relay_one(
+    send: Send, out: bytearray, gen: Generation, choice: Choice, builder: ResponseBuilder
+) -> ErrorInfo | None:
+    """Relay one choice until its final delta; returns the ErrorInfo that ended it, if any."""
+    delta = None
+    while not gen.finished:
+        delta = gen.poll() if out else None
+        if delta is None:
+            if out:
+                await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+                out.clear()
+            delta = await gen.next()
+        if delta.error is not None:
+            break
+        out += builder.delta_chunk(0, delta)
+        choice.note(delta)
+    if out:
+        await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+    return delta.error if delta is not None and delta.error is not None else None
+
+
+async def _relay_many(
+    send: Send, out: bytearray, gens: list[Generation], choices: list[Choice], builder: ResponseBuilder
+) -> ErrorInfo | Exception | None:
+    """Relay n choices through one queue; the first error ends the whole stream."""
+    merged: asyncio.Queue[tuple[int, RequestDelta | Exception]] = asyncio.Queue()
+
+    async def pump(index: int, gen: Generation) -> None:
+        try:
+            while True:
+                delta = await gen.next()
+                merged.put_nowait((index, delta))
+                if delta.is_final:
+                    return
+        except Exception as e:
+            merged.put_nowait((index, e))
+
+    pumps = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens) if not gen.finished]
+    try:
+        await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+        remaining = len(pumps)
+        while remaining:
+            index, delta = await merged.get()
+            if isinstance(delta, Exception):
+                return delta
+            if delta.error is not None:
+                return delta.error
+            choices[index].note(delta)
+            chunk = builder.delta_chunk(index, delta)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            remaining -= delta.is_final
+        return None
+    finally:
+        for task in pumps:
+            task.cancel()

@@ -1,0 +1,223 @@
+"""Router configuration: one validated dataclass, its command-line flags, and the server entry point.
+
+Flags default from ``PDSERVE_*`` environment variables (``env()``/``_flag()`` of :mod:`pdserve.cli`,
+imported lazily: cli.py imports this module to wire ``pdserve router``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import secrets
+import socket
+from typing import Any
+
+from pdserve.errors import ConfigError
+from pdserve.router.policies import POLICIES as POLICY_NAMES
+from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
+from pdserve.scheduler.registry import DEFAULT_TTL_S
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSettings:
+    """Everything one router process needs; defaults are production defaults.
+
+    ``router_id`` names this process's outbox stream and registration; by default it is
+    ``router-<hostname>-<port>-<random>`` so replicas on one host never collide.
+    """
+
+    redis_url: str = dataclasses.field(default=DEFAULT_REDIS_URL, repr=False)  # may hold a password
+    cluster: str = DEFAULT_CLUSTER
+    host: str = "127.0.0.1"
+    port: int = 8000
+    router_id: str = ""
+    prefill_policy: str = "least_load"
+    decode_policy: str = "least_load"
+    request_timeout_s: float = 600.0
+    """Every request ends (with a 504 ``timeout`` error at worst) this long after it arrived."""
+    first_token_timeout_s: float = 60.0
+    """Longest wait for the first token of an attempt, queueing included."""
+    reserve_timeout_s: float = 10.0
+    """Splitwise phase deadline: decode must have reserved KV blocks by then."""
+    transfer_timeout_s: float = 30.0
+    """Splitwise phase deadline: prefill must have written the KV cache into decode by then."""
+    max_body_bytes: int = 8 * MIB
+    retry_attempts: int = 2
+    """Re-submissions to a fresh pair when an attempt fails before any byte reached the client."""
+    ttl_s: float = DEFAULT_TTL_S
+    live_set_max_age_s: float = 0.5
+    watch_interval_s: float = 0.5
+    """How often the watcher compares in-flight requests with the live set."""
+    redis_wait_s: float = 30.0
+    """How long startup waits for Redis before giving up."""
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.router_id:
+            host = socket.gethostname().split(".")[0][:64] or "host"
+            object.__setattr__(self, "router_id", f"router-{host}-{self.port}-{secrets.token_hex(3)}")
+        try:
+            validate_id(self.router_id, "router id")
+            validate_id(self.cluster, "cluster name")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICY_NAMES:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}"
+                )
+        for name in (
+            "request_timeout_s",
+            "first_token_timeout_s",
+            "reserve_timeout_s",
+            "transfer_timeout_s",
+            "ttl_s",
+            "live_set_max_age_s",
+            "watch_interval_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.retry_attempts < 0:
+            raise ConfigError(f"retry_attempts must be >= 0, got {self.retry_attempts}")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+_bool.__name__ = "boolean"  # env() names the expected kind in its error message
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``pdserve router`` flags; each defaults from ``PDSERVE_<FLAG>``."""
+    from pdserve.cli import _flag, env
+
+    d = RouterSettings.__dataclass_fields__
+    g = parser.add_argument_group("router")
+    _flag(
+        g, "--redis-url", str, DEFAULT_REDIS_URL, f"Redis of the control plane (default {DEFAULT_REDIS_URL})"
+    )
+    _flag(g, "--cluster", str, DEFAULT_CLUSTER, "cluster namespace inside Redis (default %(default)s)")
+    _flag(g, "--host", str, d["host"].default, "address to listen on (default %(default)s)")
+    _flag(g, "--port", int, d["port"].default, "port to listen on (default %(default)s)")
+    _flag(g, "--router-id", str, "", "this router's id (default router-<hostname>-<port>-<random>)")
+    for stage in ("prefill", "decode"):
+        _flag(
+            g,
+            f"--{stage}-policy",
+            str,
+            "least_load",
+            f"how to pick the {stage} instance (default %(default)s)",
+            choices=POLICY_NAMES,
+        )
+    _flag(g, "--request-timeout", float, d["request_timeout_s"].default, "seconds a request may take in all")
+    _flag(
+        g,
+        "--first-token-timeout",
+        float,
+        d["first_token_timeout_s"].default,
+        "seconds to wait for the first token (queueing included)",
+    )
+    _flag(
+        g, "--max-body-bytes", int, d["max_body_bytes"].default, "largest request body accepted (413 above)"
+    )
+    _flag(
+        g,
+        "--retry-attempts",
+        int,
+        d["retry_attempts"].default,
+        "re-submissions to a fresh pair when an attempt fails before the first byte (default %(default)s)",
+    )
+    _flag(g, "--ttl", float, d["ttl_s"].default, "registration TTL in seconds (default %(default)s)")
+    g.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=env("ACCESS_LOG", False, _bool),
+        help="log every HTTP request (default off) [env PDSERVE_ACCESS_LOG]",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    """Build (and validate) RouterSettings from parsed ``pdserve router`` flags."""
+    return RouterSettings(
+        redis_url=args.redis_url,
+        cluster=args.cluster,
+        host=args.host,
+        port=args.port,
+        router_id=args.router_id or "",
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        request_timeout_s=args.request_timeout,
+        first_token_timeout_s=args.first_token_timeout,
+        max_body_bytes=args.max_body_bytes,
+        retry_attempts=args.retry_attempts,
+        ttl_s=args.ttl,
+        access_log=args.access_log,
+    )
+
+
+def uvicorn_config(settings: RouterSettings, app: Any) -> Any:
+    """The uvicorn configuration of a router: uvloop + httptools (uvloop sets TCP_NODELAY on every
+    accepted socket; ``tests/test_router_settings.py`` checks it), access log off unless asked."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=settings.access_log,
+        log_config=None,
+        timeout_keep_alive=75,
+        server_header=False,
+    )
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Entry point of ``pdserve router``: serve until interrupted; returns the exit status."""
+    import uvicorn
+
+    from pdserve.router.app import create_app
+
+    settings = settings_from_args(args)
+    server = uvicorn.Server(uvicorn_config(settings, create_app(settings)))
+    logger.info(
+        "router %s listening on %s (Redis %s, cluster %s)",
+        settings.router_id,
+        settings.url,
+        _redacted(settings.redis_url),
+        settings.cluster,
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+def _redacted(url: str) -> str:
+    from pdserve.scheduler.connection import RedisSettings
+
+    try:
+        return RedisSettings.from_url(url).display_url
+    except ConfigError:
+        return "<invalid url>"

@@ -1,0 +1,119 @@
+"""Operator endpoints over registrations written with the real InstanceRegistry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+from test_router_support import (
+    CLUSTER,
+    KEYS,
+    ROUTER_ID,
+    FakeWorker,
+    instance,
+    redis_conn,
+    router,
+    run,
+    silent,
+)
+
+from pdserve.scheduler import InstanceRegistry, RouterInfo, RouterRegistry
+
+
+def test_health_ready_models_instances(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main() -> None:
+        async with router(redis_url) as client, redis_conn(redis_url) as r:
+            reg = InstanceRegistry(r, KEYS)
+            health = await client.get("/health", headers={"x-request-id": "probe"})
+            assert health.status_code == 200 and health.json()["status"] == "ok"
+            assert health.headers["x-request-id"] == "probe"
+
+            ready = await client.get("/ready")
+            assert (
+                ready.status_code == 503 and "no instance is registered" in ready.json()["error"]["message"]
+            )
+            assert ready.headers["retry-after"] == "1"
+            assert (await client.get("/v1/models")).json() == {"object": "list", "data": []}
+
+            await reg.register(instance("p0", "prefill"))
+            await asyncio.sleep(0.1)
+            ready = await client.get("/ready")
+            assert ready.status_code == 503 and "no decode or mixed" in ready.json()["error"]["message"]
+
+            await reg.register(instance("d0", "decode", draining=True))
+            await asyncio.sleep(0.1)
+            assert (await client.get("/ready")).status_code == 503
+
+            await reg.register(instance("d1", "decode"))
+            await reg.register(instance("x0", "mixed", model="other"))
+            await asyncio.sleep(0.1)
+            ready = await client.get("/ready")
+            assert ready.status_code == 200
+            assert ready.json() == {"status": "ready", "router_id": ROUTER_ID, "models": ["other", "tiny"]}
+
+            models = (await client.get("/v1/models")).json()
+            assert models["object"] == "list"
+            assert models["data"] == [
+                {
+                    "id": "other",
+                    "object": "model",
+                    "created": 1000,
+                    "owned_by": "pdserve",
+                    "max_model_len": 2048,
+                },
+                {
+                    "id": "tiny",
+                    "object": "model",
+                    "created": 1000,
+                    "owned_by": "pdserve",
+                    "max_model_len": 2048,
+                },
+            ]
+
+            body = (await client.get("/v1/instances")).json()
+            assert body["router_id"] == ROUTER_ID
+            assert [i["id"] for i in body["instances"]] == ["d0", "d1", "p0", "x0"]
+            d0 = body["instances"][0]
+            assert d0["role"] == "decode" and d0["draining"] is True and d0["in_flight"] == 0
+            assert d0["kv"]["free_blocks"] == 100 and d0["transfer"]["protocols"] == ["shm", "tcp"]
+
+            await reg.deregister("d1")
+            await reg.deregister("x0")
+            await asyncio.sleep(0.1)
+            assert (await client.get("/ready")).status_code == 503
+
+    run(main())
+
+
+def test_instances_show_in_flight_counts(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main() -> None:
+        async with router(redis_url) as client, redis_conn(redis_url) as r:
+            p = await FakeWorker(r, instance("p0", "prefill"), silent).start()
+            d = await FakeWorker(r, instance("d0", "decode"), silent).start()
+            body = {"model": "tiny", "prompt": "hi"}
+            pending = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(3)]
+            await p.wait_for(lambda w: len(w.requests()) == 3)
+            listing = (await client.get("/v1/instances")).json()
+            assert {i["id"]: i["in_flight"] for i in listing["instances"]} == {"d0": 3, "p0": 3}
+            assert listing["in_flight"] == 6 and listing["requests"] == 3
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await p.stop()
+            await d.stop()
+
+    run(main())
+
+
+def test_router_registers_and_deregisters(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main() -> None:
+        async with redis_conn(redis_url) as r:
+            routers = RouterRegistry(r, KEYS)
+            async with router(redis_url):
+                live = await routers.live()
+                assert [x.id for x in live] == [ROUTER_ID]
+                assert isinstance(live[0], RouterInfo)
+            assert await routers.live() == []
+
+    run(main())
+    assert redis_client.exists(f"pdserve:{{{CLUSTER}}}:router:{ROUTER_ID}") == 0

@@ -1,0 +1,259 @@
+"""Every failure reaches the client as an OpenAI error body with a deliberate status, type and param."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import redis
+from test_router_support import FakeWorker, instance, redis_conn, router, run, served_router, silent
+
+import pdserve.router.app  # imports every router module that may add classes to the tree
+import pdserve.scheduler  # noqa: F401
+from pdserve.errors import (
+    ConfigError,
+    ControlPlaneError,
+    EngineError,
+    InvalidRequestError,
+    MessageError,
+    PdserveError,
+    RequestTooLongError,
+    TransferError,
+)
+from pdserve.router.errors import (
+    ERROR_MAP,
+    BodyTooLargeError,
+    DuplicateRequestError,
+    ModelNotFoundError,
+    NoCapacityError,
+    RequestTimeoutError,
+    UpstreamError,
+    error_event,
+    error_status,
+)
+from pdserve.scheduler import ErrorInfo
+
+
+def _subclasses(cls: type) -> set[type]:
+    out = set()
+    for sub in cls.__subclasses__():
+        out |= {sub, *_subclasses(sub)}
+    return out
+
+
+def test_every_class_of_the_tree_is_mapped_deliberately() -> None:
+    """Workers' exceptions never cross into the router as Python exceptions (they arrive as
+    ErrorInfo), so the tree the router can meet is pdserve.errors + scheduler + router."""
+    missing = {cls.__qualname__ for cls in {PdserveError, *_subclasses(PdserveError)} if cls not in ERROR_MAP}
+    assert not missing, f"add these to pdserve.router.errors.ERROR_MAP: {sorted(missing)}"
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "type_", "code", "param"),
+    [
+        (InvalidRequestError("max_tokens must be >= 1", "max_tokens"), 400, "invalid_request_error", None,
+         "max_tokens"),
+        (RequestTooLongError("prompt too long", "prompt"), 400, "invalid_request_error", "context_length_exceeded",
+         "prompt"),
+        (ModelNotFoundError("gpt-9"), 404, "invalid_request_error", "model_not_found", "model"),
+        (BodyTooLargeError(1024), 413, "invalid_request_error", "request_too_large", None),
+        (DuplicateRequestError("busy", None), 409, "invalid_request_error", "duplicate_request_id", None),
+        (NoCapacityError("nothing"), 503, "service_unavailable", "no_capacity", None),
+        (ControlPlaneError("redis down"), 503, "service_unavailable", "control_plane_unavailable", None),
+        (TransferError("rdma"), 503, "service_unavailable", "kv_transfer_failed", None),
+        (RequestTimeoutError("late"), 504, "timeout", "timeout", None),
+        (EngineError("boom"), 500, "server_error", "engine_error", None),
+        (ConfigError("bad"), 500, "server_error", "configuration_error", None),
+        (MessageError("garbled"), 502, "bad_gateway", "invalid_message", None),
+        (PdserveError("?"), 500, "server_error", "internal_error", None),
+    ],
+)  # fmt: skip
+def test_error_status(exc: Exception, status: int, type_: str, code: str | None, param: str | None) -> None:
+    got_status, body, headers = error_status(exc)
+    assert got_status == status
+    assert body == {
+        "error": {"message": body["error"]["message"], "type": type_, "param": param, "code": code}
+    }
+    assert body["error"]["message"]
+    assert ("retry-after" in headers) == (status == 503)
+
+
+def test_worker_errors_keep_their_code_and_type() -> None:
+    status, body, _ = error_status(
+        UpstreamError(ErrorInfo(code=400, type="invalid_request_error", message="long"))
+    )
+    assert (
+        status == 400
+        and body["error"]["type"] == "invalid_request_error"
+        and body["error"]["message"] == "long"
+    )
+    status, _, headers = error_status(UpstreamError(ErrorInfo(code=503, type="overloaded", message="busy")))
+    assert status == 503 and headers == {"retry-after": "1"}
+    assert error_status(UpstreamError(ErrorInfo(code=7, type="weird", message="?")))[0] == 500
+
+
+def test_foreign_exceptions_are_500_without_their_text() -> None:
+    status, body, _ = error_status(KeyError("secret internals"))
+    assert status == 500 and "secret" not in body["error"]["message"]
+
+
+def test_error_event_is_one_sse_event() -> None:
+    event = error_event(
+        ErrorInfo(code=503, type="instance_unavailable", message="instance d0 stopped responding")
+    )
+    assert event.startswith(b"data: {") and event.endswith(b"}\n\n")
+    assert b'"status":503' in event and b"instance d0 stopped responding" in event
+
+
+# -- over HTTP -------------------------------------------------------------------------------------
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "text"),
+    [
+        ("/v1/chat/completions", b"{not json", 400, None, "not valid JSON"),
+        ("/v1/chat/completions", b"[1, 2]", 400, None, "JSON object"),
+        ("/v1/chat/completions", b'{"model": "tiny"}', 400, "messages", "messages is required"),
+        ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages", "messages"),
+        ("/v1/chat/completions", b'{"messages": []}', 400, "messages", "non-empty"),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 400, "messages[0].role", "required"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content",
+         "a string or a list"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": "5"}', 400, "max_tokens", "integer"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": true}', 400, "max_tokens", "integer"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": -3}', 400, "max_tokens", ">= 1"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": 2.5}', 400, "temperature", "<= 2.0"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": "hot"}', 400, "temperature", "number"),
+        ("/v1/completions", b'{"prompt": "x", "top_p": 0}', 400, "top_p", "top_p"),
+        ("/v1/completions", b'{"prompt": "x", "stop": 3}', 400, "stop", "a string or a list of strings"),
+        ("/v1/completions", b'{"prompt": 3}', 400, "prompt", "list of token ids"),
+        ("/v1/completions", b'{"prompt": ["a", "b"]}', 400, "prompt", "one prompt per request"),
+        ("/v1/completions", b'{"prompt": "x", "n": 100}', 400, "n", "between 1 and 16"),
+        ("/v1/completions", b'{"prompt": "x", "logprobs": 30}', 400, "logprobs", "<= 20"),
+        ("/v1/completions", b'{"prompt": "x", "echo": true}', 400, "echo", "not supported"),
+        ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt", "prompt is required"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
+         400, "max_completion_tokens", "max_completion_tokens must be >= 1"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400,
+         "top_logprobs", "requires logprobs"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, '
+         b'"top_logprobs": 21}', 400, "top_logprobs", "top_logprobs must be <= 20"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "min_tokens": 5, '
+         b'"max_tokens": 2}', 400, "min_tokens", "must not exceed"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
+         "messages[0].content", "text only"),
+    ],
+)  # fmt: skip
+def test_invalid_bodies(
+    redis_url: str,
+    redis_client: redis.Redis,
+    path: str,
+    body: bytes,
+    status: int,
+    param: str | None,
+    text: str,
+) -> None:
+    async def main() -> httpx.Response:
+        async with router(redis_url) as client:
+            return await client.post(path, content=body, headers={"x-request-id": "req-1"})
+
+    resp = run(main())
+    assert resp.status_code == status, resp.text
+    assert resp.headers["x-request-id"] == "req-1"
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert text in error["message"]
+
+
+def test_routing_errors(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main() -> None:
+        async with router(redis_url) as client:
+            # nothing registered: 503 with Retry-After
+            resp = await client.post("/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+            assert resp.json()["error"]["type"] == "service_unavailable"
+            assert "no inference instance" in resp.json()["error"]["message"]
+            async with redis_conn(redis_url) as r:
+                workers = [await FakeWorker(r, info, silent).start() for info in (
+                    instance("p0", "prefill"), instance("q0", "decode", model="other", draining=True))]  # fmt: skip
+                await asyncio.sleep(0.1)  # the live set is cached for 50 ms in tests
+                # unknown model: 404 model_not_found
+                resp = await client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-9"})
+                assert resp.status_code == 404
+                assert resp.json()["error"] == {
+                    "message": "The model `gpt-9` does not exist or is not served by any live instance.",
+                    "type": "invalid_request_error", "param": "model", "code": "model_not_found",
+                }  # fmt: skip
+                # only a prefill instance: 503 saying so
+                resp = await client.post("/v1/chat/completions", json=CHAT)
+                assert (
+                    resp.status_code == 503
+                    and "no decode or mixed instance" in resp.json()["error"]["message"]
+                )
+                # every instance draining: 503
+                resp = await client.post("/v1/chat/completions", json={**CHAT, "model": "other"})
+                assert resp.status_code == 503 and "draining" in resp.json()["error"]["message"]
+                # several models and none named: 400 param model
+                resp = await client.post("/v1/chat/completions", json={"messages": CHAT["messages"]})
+                assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
+                for w in workers:
+                    await w.stop()
+
+    run(main())
+
+
+def test_request_ids(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main() -> None:
+        async with router(redis_url) as client, redis_conn(redis_url) as r:
+            worker = await FakeWorker(r, instance("m0"), silent).start()
+            bad = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "x" * 200})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
+            first = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT,
+                                                      headers={"x-request-id": "same"}))  # fmt: skip
+            await worker.wait_for(lambda w: len(w.requests()) == 1)
+            dup = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "same"})
+            assert dup.status_code == 409 and dup.json()["error"]["code"] == "duplicate_request_id"
+            first.cancel()
+            await worker.stop()
+
+    run(main())
+
+
+def test_http_errors_in_openai_shape(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main() -> None:
+        async with router(redis_url) as client:
+            resp = await client.get("/v1/nothing-here")
+            assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+            resp = await client.get("/v1/chat/completions")
+            assert resp.status_code == 405 and resp.json()["error"]["code"] == "method_not_allowed"
+            assert "x-request-id" in resp.headers
+
+    run(main())
+
+
+def test_oversized_bodies_are_413(redis_url: str, redis_client: redis.Redis) -> None:
+    limit = 4096
+    big = b'{"prompt": "' + b"x" * (2 * limit) + b'"}'
+
+    async def chunks():
+        for i in range(0, len(big), 1000):
+            yield big[i : i + 1000]
+
+    async def main() -> None:
+        async with router(redis_url, max_body_bytes=limit) as client:
+            resp = await client.post("/v1/completions", content=big)  # Content-Length says so
+            assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+            resp = await client.post("/v1/completions", content=chunks())  # chunked: counted while reading
+            assert resp.status_code == 413
+        async with served_router(redis_url, max_body_bytes=limit) as client:  # a real server, real chunks
+            resp = await client.post("/v1/completions", content=chunks())
+            assert resp.request.headers["transfer-encoding"] == "chunked"
+            assert resp.status_code == 413 and resp.json()["error"]["type"] == "invalid_request_error"
+            ok = await client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": -1}')
+            assert ok.status_code == 400  # a small body still reaches validation
+
+    run(main())
