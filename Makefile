@@ -17,12 +17,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-MODEL ?= .cache/models/tiny
-
 up: $(STAMP)
-	test -f $(MODEL)/config.json || $(BIN)/pdserve model init $(MODEL) --preset tiny
-	$(BIN)/pdserve generate --model $(MODEL) --disaggregate --max-tokens 32 \
-		--prompt "Prefill here, decode there:" --prompt "你好，世界 🌍"
+	$(BIN)/pdserve up --routers 1 --prefill 1 --decode 1
 
 test: $(STAMP)
 	$(BIN)/ruff check pdserve tests benchmarks

@@ -132,6 +132,7 @@ class Stack:
         self.spec = spec
         self.redis: EmbeddedRedis | None = None
         self.workers: list[tuple[str, subprocess.Popen]] = []
+        self.instance_ids: list[str] = []
         self.routers: list[tuple[str, subprocess.Popen]] = []
 
     @property
@@ -154,6 +155,7 @@ class Stack:
         for role, count in (("decode", spec.decode), ("prefill", spec.prefill), ("mixed", spec.mixed)):
             for i in range(count):
                 name = f"{role}-{i}"
+                self.instance_ids.append(f"{name}-{os.getpid()}")
                 args = [
                     "worker",
                     "--role",
@@ -161,7 +163,7 @@ class Stack:
                     "--model",
                     str(model),
                     "--instance-id",
-                    f"{name}-{os.getpid()}",
+                    self.instance_ids[-1],
                     "--threads",
                     str(threads),
                     *common,
@@ -180,14 +182,19 @@ class Stack:
         )  # Ctrl-C reaches us, not them: we stop them in order
 
     def wait_ready(self) -> None:
+        """Until every router answers /ready and the first one sees every worker this stack started."""
         deadline = time.monotonic() + self.spec.ready_timeout_s
-        pending = list(self.urls)
+        pending = [url + "/ready" for url in self.urls] + [self.urls[0] + "/v1/instances"]
         while pending:
             self.check_children()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not ready after {self.spec.ready_timeout_s:.0f} s: {', '.join(pending)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(pending[0] + "/ready", timeout=1.0).status_code == 200:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                r = httpx.get(pending[0], timeout=1.0)
+                if r.status_code == 200 and (
+                    pending[0].endswith("/ready")
+                    or set(self.instance_ids) <= {i["id"] for i in r.json()["instances"]}
+                ):
                     pending.pop(0)
                     continue
             time.sleep(0.2)

@@ -1,0 +1,497 @@
+"""End to end: real Redis, real worker processes, real routers, the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import openai
+import orjson
+import pytest
+import redis
+
+from pdserve.stack import Stack, StackSpec, free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPTS = [
+    "Hi",
+    "The router picks a prefill and a decode instance from the live set in Redis.",
+    "Long prompts are prefilled in chunks so running decodes keep moving. " * 6,
+]
+
+
+def start_stack(tiny_model_dir, redis_url: str, **counts) -> Stack:
+    spec = StackSpec(
+        model=tiny_model_dir,
+        redis_url=redis_url,
+        port=free_port(),
+        cluster=f"t{uuid.uuid4().hex[:8]}",
+        threads=1,
+        extra_worker_args=["--num-blocks", "1024", "--max-model-len", "1024", "--ttl", "3"],
+        ready_timeout_s=90,
+        **{"routers": 1, "prefill": 0, "decode": 0, "mixed": 0, **counts},
+    )
+    stack = Stack(spec)
+    stack.start()
+    try:
+        stack.wait_ready()
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+@pytest.fixture(scope="module")
+def splitwise(tiny_model_dir, redis_url):
+    stack = start_stack(tiny_model_dir, redis_url, prefill=1, decode=1)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_model_dir, redis_url):
+    stack = start_stack(tiny_model_dir, redis_url, mixed=1)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(params=["splitwise", "mixed"])
+def stack(request) -> Stack:
+    return request.getfixturevalue(request.param)
+
+
+def client(stack: Stack, i: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.urls[i] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def model_name(stack: Stack) -> str:
+    return stack.spec.model.name
+
+
+# ---- acceptance 2: the OpenAI client, chat and completions, stream and not ------------------------
+def test_chat_non_stream(stack) -> None:
+    c = client(stack)
+    r = c.chat.completions.create(
+        model=model_name(stack),
+        messages=[{"role": "user", "content": "Hello!"}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens > 5  # the chat template was applied
+    assert r.choices[0].message.content
+
+
+def test_chat_stream_with_usage(stack) -> None:
+    c = client(stack)
+    chunks = list(
+        c.chat.completions.create(
+            model=model_name(stack),
+            messages=[{"role": "user", "content": "Stream please"}],
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 10
+    assert usage.total_tokens == usage.prompt_tokens + 10
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    full = c.chat.completions.create(
+        model=model_name(stack),
+        messages=[{"role": "user", "content": "Stream please"}],
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert text == full.choices[0].message.content
+
+
+def test_completions_stream_and_not(stack) -> None:
+    c = client(stack)
+    r = c.completions.create(
+        model=model_name(stack),
+        prompt=PROMPTS[1],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.object == "text_completion" and r.usage.completion_tokens == 8
+    streamed = list(
+        c.completions.create(
+            model=model_name(stack),
+            prompt=PROMPTS[1],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(ch.choices[0].text for ch in streamed) == r.choices[0].text
+
+
+def test_stop_and_max_tokens_honoured(stack) -> None:
+    c = client(stack)
+    base = (
+        c.completions.create(
+            model=model_name(stack),
+            prompt=PROMPTS[0],
+            max_tokens=30,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    stop = base[8:11]
+    r = c.completions.create(
+        model=model_name(stack),
+        prompt=PROMPTS[0],
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == base[: base.index(stop)]
+    assert r.usage.completion_tokens < 30
+
+
+# ---- acceptance 3: splitwise == mixed == pdserve generate, token for token ------------------------
+def test_greedy_tokens_identical_everywhere(splitwise, mixed, tiny_model_dir) -> None:
+    def tokens(stack: Stack, prompt: str) -> list[int]:
+        body = {
+            "model": model_name(stack),
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        r = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "--log-level",
+        "WARNING",
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--max-tokens",
+        "16",
+        "--ignore-eos",
+        "--json",
+        "--num-blocks",
+        "256",
+    ]
+    for p in PROMPTS:
+        cmd += ["--prompt", p]
+    env = {**os.environ, "MKL_CBWR": "AUTO,STRICT"}
+    offline = [
+        orjson.loads(line)["token_ids"]
+        for line in subprocess.run(
+            cmd, capture_output=True, text=True, check=True, env=env, timeout=120
+        ).stdout.splitlines()
+    ]
+    for prompt, want in zip(PROMPTS, offline, strict=True):
+        assert tokens(splitwise, prompt) == want
+        assert tokens(mixed, prompt) == want
+
+
+# ---- acceptance 4: routers share nothing but Redis ---------------------------------------------------
+def test_two_routers_and_one_dies(tiny_model_dir, redis_url) -> None:
+    stack = start_stack(tiny_model_dir, redis_url, routers=2, mixed=1)
+    try:
+        c0, c1 = client(stack, 0), client(stack, 1)
+        ask = {
+            "model": model_name(stack),
+            "prompt": "two routers",
+            "max_tokens": 40,
+            "temperature": 0,
+            "extra_body": {"ignore_eos": True},
+        }
+        expected = c1.completions.create(**ask).choices[0].text
+        stream = c1.completions.create(**ask, stream=True)
+        first = next(iter(stream))
+        stack.routers[0][1].kill()  # router 0 dies while router 1 streams
+        stack.routers[0][1].wait()
+        rest = "".join(ch.choices[0].text for ch in stream)
+        assert first.choices[0].text + rest == expected
+        assert c1.completions.create(**ask).choices[0].text == expected
+        with pytest.raises(openai.APIConnectionError):
+            c0.completions.create(**ask)
+    finally:
+        stack.stop()
+
+
+# ---- acceptance 5: dead or silent workers -------------------------------------------------------------
+def live_ids(redis_url: str, cluster: str) -> set[str]:
+    r = redis.Redis.from_url(redis_url)
+    try:
+        return {k.decode().rsplit(":", 1)[1] for k in r.scan_iter(f"pdserve:{{{cluster}}}:instance:*")}
+    finally:
+        r.close()
+
+
+def test_silent_worker_leaves_live_set_and_gets_no_work(tiny_model_dir, redis_url) -> None:
+    stack = start_stack(tiny_model_dir, redis_url, mixed=2)
+    try:
+        (_, a), _ = stack.workers
+        cluster = stack.spec.cluster
+        ids = live_ids(redis_url, cluster)
+        assert len(ids) == 2
+        a.send_signal(signal.SIGSTOP)  # its heartbeat stops
+        t0 = time.monotonic()
+        while len(live_ids(redis_url, cluster)) == 2:
+            assert time.monotonic() - t0 < 3 + 1.5, "the silent instance outlived its TTL"
+            time.sleep(0.1)
+        time.sleep(1.0)  # routers' live-set cache refresh
+        c = client(stack)
+        for _ in range(4):  # every request lands on the live instance and completes
+            r = c.completions.create(
+                model=model_name(stack), prompt="x", max_tokens=3, temperature=0, timeout=20
+            )
+            assert r.usage.completion_tokens >= 1
+        a.send_signal(signal.SIGCONT)
+    finally:
+        stack.stop()
+
+
+def test_sigkill_worker_every_client_gets_an_answer(tiny_model_dir, redis_url) -> None:
+    """Kill a prefill and a decode instance while requests are queued and running on them: non-stream
+    requests (nothing reached their clients yet) are retried on the surviving pair and complete; each
+    stream either completes or ends with a clear error event. None hangs."""
+    stack = start_stack(tiny_model_dir, redis_url, prefill=2, decode=2)
+    ask = {
+        "model": model_name(stack),
+        "max_tokens": 100,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    try:
+
+        async def plain(i: int, ac: openai.AsyncOpenAI) -> str:
+            r = await ac.completions.create(prompt=f"request {i} " * (1 + i % 5), **ask)
+            assert r.usage.completion_tokens == 100
+            return "ok"
+
+        started: list[int] = []
+
+        async def streamed(i: int, ac: openai.AsyncOpenAI) -> str:
+            try:
+                stream = await ac.completions.create(prompt=f"stream {i} " * (1 + i % 3), stream=True, **ask)
+                async for _ in stream:
+                    if i not in started:
+                        started.append(i)
+            except openai.APIError as e:
+                assert e.message
+                return "error"
+            return "ok"
+
+        async def main() -> tuple[list[str], list[str]]:
+            ac = openai.AsyncOpenAI(base_url=stack.urls[0] + "/v1", api_key="none", max_retries=0, timeout=90)
+            plains = [asyncio.create_task(plain(i, ac)) for i in range(16)]
+            streams = [asyncio.create_task(streamed(i, ac)) for i in range(8)]
+            while len(started) < 6:  # streams are running on both decode instances
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient() as hc:  # kill the busiest decode and prefill instance
+                live = (await hc.get(stack.urls[0] + "/v1/instances")).json()["instances"]
+            for role in ("decode", "prefill"):
+                assert any(i["role"] == role for i in live), [(i["id"], i["role"]) for i in live]
+                busiest = max((i for i in live if i["role"] == role), key=lambda i: i["in_flight"])
+                if role == "decode":  # requests are running on it (prefills may all be done already)
+                    assert busiest["in_flight"] > 0
+                victim = next(p for name, p in stack.workers if busiest["id"].startswith(name + "-"))
+                victim.kill()
+            t0 = time.monotonic()
+            results = await asyncio.gather(asyncio.gather(*plains), asyncio.gather(*streams))
+            assert time.monotonic() - t0 < 60  # none hangs
+            await ac.close()
+            return results
+
+        plains, streams = asyncio.run(main())
+        assert plains == ["ok"] * 16
+        assert len(streams) == 8 and set(streams) <= {"ok", "error"}
+    finally:
+        stack.stop()
+
+
+# ---- acceptance 6: 200 concurrent streams, bounded streams, no leftovers ------------------------------------
+def test_200_concurrent_streams_leave_nothing_behind(splitwise, redis_url) -> None:
+    async def one(i: int, ac: openai.AsyncOpenAI) -> tuple[int, int]:
+        stream = await ac.chat.completions.create(
+            model=model_name(splitwise),
+            messages=[{"role": "user", "content": f"stream {i}"}],
+            max_tokens=8 + i % 8,
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        n_content, usage = 0, None
+        async for ch in stream:
+            if ch.choices and ch.choices[0].delta.content:
+                n_content += 1
+            usage = ch.usage or usage
+        assert usage.completion_tokens == 8 + i % 8
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        return n_content, usage.completion_tokens
+
+    async def main():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        ac = openai.AsyncOpenAI(
+            base_url=splitwise.urls[0] + "/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=180,
+            http_client=httpx.AsyncClient(limits=limits, timeout=180),
+        )
+        async with ac:
+            return await asyncio.gather(*(one(i, ac) for i in range(200)))
+
+    results = asyncio.run(main())
+    assert len(results) == 200
+    r = redis.Redis.from_url(redis_url)
+    cluster = splitwise.spec.cluster
+    time.sleep(0.5)
+    leftovers = []
+    for key in r.scan_iter(f"pdserve:*{cluster}*"):
+        kind = r.type(key).decode()
+        if kind == "stream":
+            assert r.xlen(key) <= 200, f"{key} holds {r.xlen(key)} entries"
+            if b"outbox" in key or b"inbox" in key:
+                assert r.xlen(key) == 0, f"{key} still holds {r.xlen(key)} entries"
+        elif (
+            b":instance:" not in key
+            and b":router:" not in key
+            and not key.endswith((b"instances", b"routers"))
+        ):
+            leftovers.append(key)
+    assert not leftovers  # no per-request keys at all
+    cli = subprocess.run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "pdserve"),
+            "status",
+            "--redis-url",
+            redis_url,
+            "--cluster",
+            cluster,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    status = orjson.loads(cli.stdout)
+    assert {i["role"] for i in status["instances"]} == {"prefill", "decode"} and len(status["routers"]) == 1
+
+
+# ---- acceptance 7: bad requests next to good ones ------------------------------------------------------------
+def test_bad_requests_do_not_disturb_requests_in_flight(splitwise) -> None:
+    url = splitwise.urls[0]
+
+    async def good(ac: httpx.AsyncClient) -> str:
+        body = {
+            "model": model_name(splitwise),
+            "prompt": PROMPTS[1],
+            "max_tokens": 20,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        text = ""
+        async with ac.stream("POST", url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += orjson.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    bad_cases = [
+        (b"{not json", 400, None),
+        (orjson.dumps({"model": model_name(splitwise)}), 400, "messages"),
+        (orjson.dumps({"model": model_name(splitwise), "messages": "hi"}), 400, "messages"),
+        (
+            orjson.dumps(
+                {
+                    "model": model_name(splitwise),
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": -3,
+                }
+            ),
+            400,
+            "max_tokens",
+        ),
+        (
+            orjson.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}),
+            404,
+            "model",
+        ),
+        (b'{"model": "x", "messages": [], "pad": "' + b"a" * (9 * 2**20) + b'"}', 413, None),
+    ]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as ac:
+            reference = await good(ac)
+            goods = [asyncio.create_task(good(ac)) for _ in range(4)]
+            for body, status, param in bad_cases:
+                r = await ac.post(
+                    url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+                )
+                assert r.status_code == status, (body[:60], r.text[:200])
+                err = r.json()["error"]
+                assert err["message"] and err["type"]
+                if param:
+                    assert err["param"] == param or param in err["message"]
+            assert await asyncio.gather(*goods) == [reference] * 4
+
+    asyncio.run(main())
+
+
+# ---- acceptance 8: `pdserve up` from the README ------------------------------------------------------------
+def test_pdserve_up_serves_within_60s(tmp_path) -> None:
+    port = free_port()
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")}  # a fresh machine: no model yet
+    exe = os.path.join(os.path.dirname(sys.executable), "pdserve")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [exe, "--log-level", "WARNING", "up", "--port", str(port), "--kv-cache-gb", "0.25"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out = ""
+        while "Ctrl-C stops everything" not in out:
+            line = proc.stdout.readline()
+            assert line, f"pdserve up exited early:\n{out}"
+            out += line
+            assert time.monotonic() - t0 < 60, out
+        r = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none").chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+        )
+        elapsed = time.monotonic() - t0
+        assert r.choices[0].message.content is not None and elapsed < 60
+        assert f"curl http://127.0.0.1:{port}/v1/chat/completions" in out and "OpenAI(base_url=" in out
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "stopped." in rest
