@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -155,7 +156,7 @@ class Stack:
         for role, count in (("decode", spec.decode), ("prefill", spec.prefill), ("mixed", spec.mixed)):
             for i in range(count):
                 name = f"{role}-{i}"
-                self.instance_ids.append(f"{name}-{os.getpid()}")
+                self.instance_ids.append(f"{name}-{uuid.uuid4().hex[:6]}")
                 args = [
                     "worker",
                     "--role",

@@ -495,3 +495,58 @@ def test_pdserve_up_serves_within_60s(tmp_path) -> None:
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "stopped." in rest
+
+
+# ---- restarts with the same instance id ----------------------------------------------------------------
+def test_restart_with_same_id_serves_its_inbox_and_reclaims_its_segment(tiny_model_dir, redis_url) -> None:
+    """Work queued for an instance while it was down is served when it comes back under the same id,
+    and a decode instance killed without cleanup gets its shared-memory segment back on restart."""
+    from multiprocessing import shared_memory
+
+    from pdserve.scheduler import (
+        GenerateRequest,
+        Heartbeat,
+        Keys,
+        OutboxReader,
+        RedisSettings,
+        RouterInfo,
+        RouterRegistry,
+        send_to_inbox,
+    )  # fmt: skip
+
+    cluster, iid = f"t{uuid.uuid4().hex[:8]}", f"decode-{uuid.uuid4().hex[:6]}"
+    stale = shared_memory.SharedMemory(name=f"pdserve-{iid}", create=True, size=4096)  # left by a "crash"
+    stale.close()
+
+    async def main() -> list[int]:
+        r = RedisSettings.from_url(redis_url).connect()
+        keys = Keys(cluster)
+        beat = Heartbeat(
+            RouterRegistry(r, keys), lambda: RouterInfo(id="r1", host="h", pid=1, port=1, started_at=0)
+        )
+        await beat.start()
+        reader = OutboxReader(r, keys, "r1")
+        await reader.start()
+        queue = reader.subscribe("q1")
+        msg = GenerateRequest(request_id="q1", router_id="r1", prompt="queued while down", deadline=time.time() + 60,
+                              sampling={"temperature": 0, "max_tokens": 5, "ignore_eos": True})  # fmt: skip
+        await send_to_inbox(r, keys, iid, msg)  # nobody is reading this inbox yet
+        worker = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "worker", "--role", "decode", "--model",
+                                   str(tiny_model_dir), "--redis-url", redis_url, "--cluster", cluster,
+                                   "--instance-id", iid, "--num-blocks", "64"])  # fmt: skip
+        try:
+            tokens: list[int] = []
+            while True:
+                delta = await asyncio.wait_for(queue.get(), 60)
+                tokens += delta.token_ids
+                if delta.is_final:
+                    assert delta.finish_reason == "length" and delta.error is None
+                    return tokens
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(30)
+            await reader.stop()
+            await beat.stop()
+            await r.aclose()
+
+    assert len(asyncio.run(main())) == 5

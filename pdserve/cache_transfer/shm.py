@@ -19,14 +19,24 @@ from pdserve.errors import TransferError
 log = logging.getLogger(__name__)
 
 
-def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
-    """Create a zero-filled segment owned (and later unlinked) by the calling process."""
+def create_segment(name: str, nbytes: int, reclaim: bool = False) -> shared_memory.SharedMemory:
+    """Create a zero-filled segment owned (and later unlinked) by the calling process.
+
+    ``reclaim``: a segment of that name left by a killed previous run (same instance id) is
+    removed first; the caller has checked that no live instance uses the id.
+    """
     try:
         return shared_memory.SharedMemory(name=name, create=True, size=nbytes)
     except FileExistsError:
-        raise TransferError(
-            f"shared memory segment {name!r} already exists (another instance with this id?)"
-        ) from None
+        if not reclaim:
+            raise TransferError(
+                f"shared memory segment {name!r} already exists (another instance with this id?)"
+            ) from None
+    log.warning("removing shared memory segment %s left by a previous run of this instance", name)
+    stale = attach_segment(name)
+    stale.close()
+    stale.unlink()
+    return shared_memory.SharedMemory(name=name, create=True, size=nbytes)
 
 
 def attach_segment(name: str) -> shared_memory.SharedMemory:

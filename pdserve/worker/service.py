@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.cache_transfer.base import KVTransport, open_transport
-from pdserve.errors import ControlPlaneError, EngineError, InvalidRequestError, PdserveError, TransferError
+from pdserve.errors import (
+    ConfigError,
+    ControlPlaneError,
+    EngineError,
+    InvalidRequestError,
+    PdserveError,
+    TransferError,
+)
 from pdserve.scheduler import (
     Abort,
     ErrorInfo,
@@ -151,10 +158,12 @@ class WorkerService:
         config = dataclasses.replace(
             s.engine, shared_kv=shared, shm_name=f"pdserve-{self.id}" if shared else None
         )
-        self.engine = await self._call(LLMEngine, s.model_dir, config)
         self.redis = RedisSettings.from_url(s.redis_url).connect()
         await wait_for_redis(self.redis)
         self.registry = InstanceRegistry(self.redis, self.keys, ttl_s=s.ttl_s)
+        if await self.registry.get(self.id) is not None:
+            raise ConfigError(f"--instance-id {self.id} is registered by a live instance; pick another id")
+        self.engine = await self._call(LLMEngine, s.model_dir, config)
         self.routers = RouterRegistry(self.redis, self.keys, ttl_s=s.ttl_s)
         self.inbox = Inbox(self.redis, self.keys, self.id)
         await self.inbox.ensure_group()
