@@ -219,7 +219,7 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             instance_id=args.instance_id or "",
             served_model_name=args.served_model_name or "",
             cluster=args.cluster,
-            host=args.host or socket.gethostname(),
+            host=args.hostname or socket.gethostname(),
             ttl_s=args.ttl,
             drain_timeout_s=args.drain_timeout,
         )
@@ -332,7 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
         None,
         "stable id; a restart with the same id re-reads its unacknowledged inbox entries (default: random)",
     )
-    _flag(worker, "--host", str, None, "host identity for same-host (shm) KV transfer (default: hostname)")
+    _flag(
+        worker,
+        "--hostname",
+        str,
+        None,
+        "host identity: prefill and decode with the same one move KV through shared memory (default: this machine's hostname)",
+    )
     _flag(worker, "--drain-timeout", float, 30.0, "seconds SIGTERM waits for in-flight requests")
     add_control_plane_flags(worker)
     add_engine_flags(worker)
