@@ -24,6 +24,7 @@ import httpx
 from pdserve.scheduler.embedded import EmbeddedRedis
 
 log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polling is not news
 
 
 @dataclasses.dataclass
