@@ -148,21 +148,28 @@ class Stack:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}")
 
-    def stop(self) -> None:
-        """Workers first (they drain: every request in flight ends), then routers, then Redis."""
+    def stop(self, grace_s: float = 35.0) -> list[str]:
+        """Workers first (they drain: every request in flight ends), then routers, then Redis.
+
+        Returns the children that had not exited ``grace_s`` after SIGTERM and had to be killed.
+        """
+        killed = []
         for group in (self.workers, self.routers):
             for _, proc in group:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 35
-            for _, proc in group:
+            deadline = time.monotonic() + grace_s
+            for name, proc in group:
                 try:
                     proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop %.0f s after SIGTERM; killing it", name, grace_s)
                     proc.kill()
                     proc.wait()
+                    killed.append(name)
         if self.redis is not None:
             self.redis.close()
+        return killed
 
 
 def banner(stack: Stack, model_name: str, elapsed: float) -> str:

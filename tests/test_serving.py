@@ -53,14 +53,14 @@ def start_stack(tiny_model_dir, redis_url: str, **counts) -> Stack:
 def splitwise(tiny_model_dir, redis_url):
     stack = start_stack(tiny_model_dir, redis_url, prefill=1, decode=1)
     yield stack
-    stack.stop()
+    assert stack.stop(grace_s=15) == []  # SIGTERM drains and exits
 
 
 @pytest.fixture(scope="module")
 def mixed(tiny_model_dir, redis_url):
     stack = start_stack(tiny_model_dir, redis_url, mixed=1)
     yield stack
-    stack.stop()
+    assert stack.stop(grace_s=15) == []
 
 
 @pytest.fixture(params=["splitwise", "mixed"])
@@ -239,7 +239,7 @@ def test_two_routers_and_one_dies(tiny_model_dir, redis_url) -> None:
         with pytest.raises(openai.APIConnectionError):
             c0.completions.create(**ask)
     finally:
-        stack.stop()
+        assert stack.stop(grace_s=15) == []  # every child still running drains and exits on SIGTERM
 
 
 # ---- acceptance 5: dead or silent workers -------------------------------------------------------------
@@ -270,9 +270,13 @@ def test_silent_worker_leaves_live_set_and_gets_no_work(tiny_model_dir, redis_ur
                 model=model_name(stack), prompt="x", max_tokens=3, temperature=0, timeout=20
             )
             assert r.usage.completion_tokens >= 1
+        silent = next(i for i in ids if i.startswith(stack.workers[0][0] + "-"))
+        r = redis.Redis.from_url(redis_url)
+        assert r.xlen(f"pdserve:{cluster}:inbox:{{{silent}}}") == 0  # nothing was sent its way
+        r.close()
         a.send_signal(signal.SIGCONT)
     finally:
-        stack.stop()
+        assert stack.stop(grace_s=15) == []  # every child still running drains and exits on SIGTERM
 
 
 def test_sigkill_worker_every_client_gets_an_answer(tiny_model_dir, redis_url) -> None:
@@ -331,7 +335,7 @@ def test_sigkill_worker_every_client_gets_an_answer(tiny_model_dir, redis_url) -
         assert plains == ["ok"] * 16
         assert len(streams) == 8 and set(streams) <= {"ok", "error"}
     finally:
-        stack.stop()
+        assert stack.stop(grace_s=15) == []  # every child still running drains and exits on SIGTERM
 
 
 # ---- acceptance 6: 200 concurrent streams, bounded streams, no leftovers ------------------------------------

@@ -62,6 +62,7 @@ from pdserve.scheduler.messages import (
 )
 from pdserve.scheduler.registry import LiveSetCache
 from pdserve.scheduler.streams import OutboxReader
+from pdserve.scheduler.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +157,7 @@ class Dispatcher:
         """Stop the watcher and retries (requests still open end with the reader's error), flush aborts."""
         self.stopping = True
         if self._watcher is not None:
-            while not self._watcher.done():  # cancel again if redis-py swallowed one (CPython gh-86296)
-                self._watcher.cancel()
-                await asyncio.wait({self._watcher}, timeout=0.05)
+            await cancel_and_wait(self._watcher)
             self._watcher = None
         await self.sender.drain()
 

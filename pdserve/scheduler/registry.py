@@ -17,10 +17,10 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from pdserve.errors import ControlPlaneError, MessageError
-from pdserve.scheduler._tasks import cancel_and_wait
 from pdserve.scheduler.connection import redis_errors, require_bytes_responses
 from pdserve.scheduler.keys import Keys, Kind
 from pdserve.scheduler.messages import InstanceInfo, RouterInfo, decode_as, encode
+from pdserve.scheduler.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

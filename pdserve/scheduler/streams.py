@@ -28,7 +28,6 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, ResponseError
 
 from pdserve.errors import MessageError
-from pdserve.scheduler._tasks import cancel_and_wait
 from pdserve.scheduler.connection import redis_errors, require_bytes_responses
 from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
 from pdserve.scheduler.messages import (
@@ -40,6 +39,7 @@ from pdserve.scheduler.messages import (
     decode_as,
     encode,
 )
+from pdserve.scheduler.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

@@ -66,6 +66,7 @@ from pdserve.scheduler import (
     wait_for_redis,
 )
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.tasks import cancel_and_wait
 from pdserve.worker.engine import EngineConfig, LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -179,10 +180,19 @@ class WorkerService:
             asyncio.create_task(self._engine_loop(), name="engine"),
             asyncio.create_task(self._housekeeping_loop(), name="housekeeping"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
         try:
             await self._stop.wait()
         finally:
             await self._shutdown()
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """A loop that dies takes the instance down (clearly, failing what is in flight), never half-alive."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("%s loop failed; stopping", task.get_name(), exc_info=task.exception())
+        self._stop.set()
 
     def begin_drain(self) -> None:
         """SIGTERM: stop taking new work (routers see ``draining``), finish or fail what is in flight."""
@@ -202,8 +212,7 @@ class WorkerService:
 
     async def _shutdown(self) -> None:
         for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+            await cancel_and_wait(task)
         await self._fail_all("instance is shutting down")
         await self.heartbeat.stop(deregister=True)
         for t in self._transports.values():
