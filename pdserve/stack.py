@@ -75,6 +75,7 @@ class Stack:
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
         self.redis: EmbeddedRedis | None = None
+        self.model: Path | None = None  # resolved by start()
         self.workers: list[tuple[str, subprocess.Popen]] = []
         self.instance_ids: list[str] = []
         self.routers: list[tuple[str, subprocess.Popen]] = []
@@ -85,7 +86,7 @@ class Stack:
 
     def start(self) -> None:
         spec = self.spec
-        model = spec.model or default_model()
+        model = self.model = spec.model or default_model()
         if spec.redis_url:
             redis_url = spec.redis_url
         else:
@@ -205,7 +206,7 @@ def run_stack(spec: StackSpec) -> int:
     try:
         stack.start()
         stack.wait_ready()
-        model_name = (spec.model or default_model()).resolve().name
+        model_name = stack.model.resolve().name
         print(banner(stack, model_name, time.monotonic() - t0), flush=True)
         while True:
             stack.check_children()

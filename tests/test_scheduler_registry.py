@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis_support import run
 
 from pdserve.errors import ControlPlaneError
 from pdserve.scheduler import (
@@ -26,19 +26,7 @@ from pdserve.scheduler import (
     RouterRegistry,
 )
 
-T = TypeVar("T")
 KEYS = Keys("reg-test")
-
-
-def run(redis_url: str, fn: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
-    async def main() -> T:
-        client = RedisSettings.from_url(redis_url).connect()
-        try:
-            return await fn(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(main())
 
 
 def info(instance_id: str, running: int = 0) -> InstanceInfo:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis_support import run
 
 from pdserve.scheduler import (
     ANY_ATTEMPT,
@@ -29,19 +29,7 @@ from pdserve.scheduler import (
 )
 from pdserve.scheduler.embedded import EmbeddedRedis
 
-T = TypeVar("T")
 KEYS = Keys("streams-test")
-
-
-def run(redis_url: str, fn: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
-    async def main() -> T:
-        client = RedisSettings.from_url(redis_url).connect()
-        try:
-            return await fn(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(main())
 
 
 def gen(request_id: str, router_id: str = "r1") -> GenerateRequest:

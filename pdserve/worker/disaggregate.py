@@ -9,6 +9,7 @@ served system uses, minus Redis.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 from pathlib import Path
@@ -78,12 +79,17 @@ def generate_disaggregated(
         raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
     config = config or EngineConfig()
     own_engine = decode_engine is None
-    decode = decode_engine or LLMEngine(model_dir, _with(config, shared_kv=transfer == "shm"))
+    decode = decode_engine or LLMEngine(model_dir, dataclasses.replace(config, shared_kv=transfer == "shm"))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=_prefill_process,
-        args=(str(model_dir), _with(config, shared_kv=False), child, logging.getLogger().getEffectiveLevel()),
+        args=(
+            str(model_dir),
+            dataclasses.replace(config, shared_kv=False),
+            child,
+            logging.getLogger().getEffectiveLevel(),
+        ),
     )
     proc.start()
     try:
@@ -137,12 +143,6 @@ def generate_disaggregated(
             proc.kill()
         if own_engine:
             decode.close()
-
-
-def _with(config: EngineConfig, **changes: Any) -> EngineConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
 
 
 def _recv(conn: Any, proc: Any) -> tuple[str, Any]:

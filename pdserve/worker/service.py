@@ -528,12 +528,11 @@ class WorkerService:
         )
         await send_to_inbox(self.redis, self.keys, m.disaggregate_info.decode.id, msg)
 
-    def _transport(self, protocol: str, peer_id: str, endpoint: dict[str, Any]) -> KVTransport:
+    def _transport(self, protocol: str, peer_id: str, transfer: dict[str, Any]) -> KVTransport:
+        """One cached transport per decode peer; ``transfer`` is the peer's registered TransferInfo."""
         transport = self._transports.get(peer_id)
         if transport is None:
-            transport = self._transports[peer_id] = open_transport(
-                protocol, endpoint.get("endpoint", endpoint)
-            )
+            transport = self._transports[peer_id] = open_transport(protocol, transfer.get("endpoint"))
         return transport
 
     async def _abort_split(self, split: _Split, code: int, type_: str, message: str, retryable: bool) -> None:
