@@ -1,12 +1,15 @@
-"""Engine throughput vs the bare reference model, side by side in one run.
+"""Engine throughput vs the bare dense reference model, side by side in one run.
 
 For each preset (tiny, small = ERNIE-4.5-0.3B shape) this measures, in a fresh process each:
   * the pdserve engine: prefill tok/s of a 512-token prompt (one engine step: batching, sampling,
     detokenization included) and decode tok/s at batch 1, 8, 32 with 512 tokens of context;
-  * the bare model of ../shared/reference/engine_scripts/bench_model.py on the same shapes.
-Rounds alternate engine and bare runs; each figure is the best round. Prints a table, writes JSON.
+  * the bare model of benchmarks/dense_reference.py (the same forward over a dense per-sequence
+    KV cache, no batcher) on the same shapes.
+Rounds alternate engine and bare runs, and alternate the environment variants given with --env
+(each one a process environment, e.g. ``--env MKL_DEBUG_CPU_TYPE=`` to measure without pdserve's
+AMD MKL setting). Each figure is the median over rounds. Prints a table, writes JSON.
 
-    python benchmarks/engine_bench.py [--presets tiny,small] [--rounds 2] [--out benchmarks/results/engine.json]
+    python benchmarks/engine_bench.py [--presets tiny,small] [--rounds 3] [--env NAME=VALUE ...]
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_BARE = ROOT.parent / "shared" / "reference" / "engine_scripts" / "bench_model.py"
-BARE_CONFIG = {"tiny": "tiny", "small": "ernie03b"}
+HERE = Path(__file__).resolve().parent
 BATCHES = (1, 8, 32)
 CTX = 512
+METRICS = ("prefill_tok_s", *(f"decode_b{b}_tok_s" for b in BATCHES))
 
 
 def engine_worker(model_dir: str, steps: int, prefill_reps: int) -> dict:
@@ -72,47 +75,37 @@ def engine_worker(model_dir: str, steps: int, prefill_reps: int) -> dict:
     return res
 
 
-def run_engine(model_dir: Path, steps: int, prefill_reps: int) -> dict:
-    here, args = str(Path(__file__).parent), f"{str(model_dir)!r}, {steps}, {prefill_reps}"
-    code = (
-        f"import json, sys; sys.path.insert(0, {here!r}); from engine_bench import engine_worker; "
-        f"print('RESULT ' + json.dumps(engine_worker({args})))"
+def run_child(call: str, env: dict[str, str]) -> dict:
+    """Run ``call`` (an expression over this folder's modules) in a fresh interpreter."""
+    code = f"import json, sys; sys.path.insert(0, {str(HERE)!r}); print('RESULT ' + json.dumps({call}))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, check=False
     )
-    return _result(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False))
-
-
-def run_bare(script: Path, config: str, steps: int, prefill_reps: int, workdir: Path, threads: int) -> dict:
-    cmd = [
-        sys.executable,
-        str(script),
-        config,
-        "--threads",
-        str(threads),
-        "--steps",
-        str(steps),
-        "--prefill",
-        str(CTX),
-        "--prefill-reps",
-        str(prefill_reps),
-        "--ctx",
-        str(CTX),
-        "--batches",
-        ",".join(map(str, BATCHES)),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(script.parent)}
-    return _result(subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env=env, check=False))
-
-
-def _result(proc: subprocess.CompletedProcess) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
     raise RuntimeError(f"benchmark child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def best(rounds: list[dict], key: str, lower_is_better: bool = False) -> float:
-    values = [r[key] for r in rounds if key in r]
-    return min(values) if lower_is_better else max(values)
+def run_engine(model_dir: Path, steps: int, prefill_reps: int, env: dict[str, str]) -> dict:
+    call = f"__import__('engine_bench').engine_worker({str(model_dir)!r}, {steps}, {prefill_reps})"
+    return run_child(call, env)
+
+
+def run_bare(model_dir: Path, steps: int, prefill_reps: int, env: dict[str, str]) -> dict:
+    args = f"{str(model_dir)!r}, {steps}, {prefill_reps}, {CTX}, {BATCHES!r}"
+    return run_child(f"__import__('dense_reference').bare_worker({args})", env)
+
+
+def parse_env(text: str) -> tuple[str, dict[str, str]]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--env wants NAME=VALUE, got {text!r}")
+    return text, {name: value}
+
+
+def median(rounds: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
 
 
 def main() -> int:
@@ -120,25 +113,39 @@ def main() -> int:
     ap.add_argument(
         "--presets", default="tiny,small", help="comma-separated: tiny, small (default %(default)s)"
     )
-    ap.add_argument(
-        "--rounds", type=int, default=2, help="alternating engine/bare rounds (default %(default)s)"
-    )
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default %(default)s)")
     ap.add_argument("--steps", type=int, default=10, help="measured decode steps per batch size")
     ap.add_argument("--prefill-reps", type=int, default=3, help="measured 512-token prefills")
-    ap.add_argument("--bare-script", type=Path, default=DEFAULT_BARE, help="the reference bench_model.py")
+    ap.add_argument(
+        "--env",
+        type=parse_env,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also measure with this variable set (repeatable; each is one more variant next to the "
+        "environment as it is)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "engine.json")
     ap.add_argument(
         "--models", type=Path, default=None, help="where presets are created (default: a temp dir)"
     )
     args = ap.parse_args()
-    if not args.bare_script.is_file():
-        ap.error(f"--bare-script {args.bare_script} not found")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     from pdserve.worker.model_init import init_model
+    from pdserve.worker.paddle_setup import HOST, TUNING
 
-    threads = int(os.environ.get("PDSERVE_THREADS", 0)) or os.cpu_count() or 1
+    variants = [("as is", {}), *args.env]
     report: dict = {
-        "machine": {"cpus": os.cpu_count(), "threads": threads, "mkl_cbwr": os.environ.get("MKL_CBWR")},
+        "machine": {
+            "cpu": HOST.describe(),
+            "cpus": os.cpu_count(),
+            "threads": int(os.environ.get("PDSERVE_THREADS", 0)) or os.cpu_count(),
+            "mkl_cbwr": os.environ.get("MKL_CBWR"),
+            "pdserve_tuning": TUNING,
+        },
         "context": CTX,
+        "statistic": "median over rounds",
         "presets": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,39 +155,51 @@ def main() -> int:
             if not (model_dir / "config.json").is_file():
                 print(f"[{preset}] creating model folder ...", file=sys.stderr, flush=True)
                 init_model(model_dir, preset=preset)
-            engine_rounds, bare_rounds = [], []
+            rounds: dict[str, dict[str, list[dict]]] = {v: {"engine": [], "bare": []} for v, _ in variants}
             for r in range(args.rounds):
-                print(f"[{preset}] round {r + 1}/{args.rounds}: engine ...", file=sys.stderr, flush=True)
-                engine_rounds.append(run_engine(model_dir, args.steps, args.prefill_reps))
-                print(f"[{preset}] round {r + 1}/{args.rounds}: bare model ...", file=sys.stderr, flush=True)
-                bare_rounds.append(
-                    run_bare(
-                        args.bare_script,
-                        BARE_CONFIG[preset],
-                        args.steps,
-                        args.prefill_reps,
-                        Path(tmp),
-                        threads,
-                    )
-                )
-            rows = {
-                "prefill_tok_s": (best(engine_rounds, "prefill_tok_s"), best(bare_rounds, "prefill_tok_s"))
-            }
-            for b in BATCHES:
-                key = f"decode_b{b}_tok_s"
-                rows[key] = (best(engine_rounds, key), best(bare_rounds, key))
+                for label, env in variants:
+                    for kind, run in (("engine", run_engine), ("bare", run_bare)):
+                        print(
+                            f"[{preset}] round {r + 1}/{args.rounds} [{label}]: {kind} ...",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        t = time.perf_counter()
+                        rounds[label][kind].append(run(model_dir, args.steps, args.prefill_reps, env))
+                        print(f"  {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
             report["presets"][preset] = {
-                k: {"engine": e, "bare": b, "ratio": e / b} for k, (e, b) in rows.items()
-            } | {"rounds": {"engine": engine_rounds, "bare": bare_rounds}}
-    print(f"\n{'preset':<7} {'metric':<18} {'engine':>10} {'bare':>10} {'ratio':>7}")
-    for preset, res in report["presets"].items():
-        for key, v in res.items():
-            if key != "rounds":
-                print(f"{preset:<7} {key:<18} {v['engine']:>10.1f} {v['bare']:>10.1f} {v['ratio']:>7.2f}")
+                label: {
+                    key: {
+                        "engine": median(runs["engine"], key),
+                        "bare": median(runs["bare"], key),
+                        "ratio": median(runs["engine"], key) / median(runs["bare"], key),
+                    }
+                    for key in METRICS
+                }
+                | {"rounds": runs}
+                for label, runs in rounds.items()
+            }
+    print_table(report, [label for label, _ in variants])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out}")
     return 0
+
+
+def print_table(report: dict, labels: list[str]) -> None:
+    base = labels[0]
+    print(f"\n{report['machine']['cpu']}, {report['machine']['threads']} threads; tok/s, medians of rounds")
+    print(
+        f"{'preset':<7} {'variant':<24} {'metric':<18} {'engine':>9} {'bare':>9} {'ratio':>6} {'vs ' + base:>9}"
+    )
+    for preset, res in report["presets"].items():
+        for label in labels:
+            for key in METRICS:
+                v, ref = res[label][key], res[base][key]["engine"]
+                print(
+                    f"{preset:<7} {label:<24} {key:<18} {v['engine']:>9.1f} {v['bare']:>9.1f} "
+                    f"{v['ratio']:>6.2f} {v['engine'] / ref:>9.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from pdserve.errors import PdserveError
+from pdserve.worker.cpu import KERNEL_MODES
 
 log = logging.getLogger("pdserve")
 
@@ -54,6 +55,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--prefill-chunk-size", int, 512, "long prompts are prefilled in chunks of this many tokens")
     _flag(g, "--max-model-len", int, None, "context limit (default: the model's max_position_embeddings)")
     _flag(g, "--threads", int, None, "CPU threads for Paddle (default: all cores)")
+    _flag(
+        g,
+        "--kernels",
+        str,
+        "auto",
+        "fused Paddle ops where this CPU runs them (auto), plain composed ops everywhere (composed), "
+        "or fused or fail (fused) (default %(default)s)",
+        choices=KERNEL_MODES,
+    )
 
 
 def engine_config(args: argparse.Namespace, **extra: Any):
@@ -68,6 +78,7 @@ def engine_config(args: argparse.Namespace, **extra: Any):
         prefill_chunk_size=args.prefill_chunk_size,
         max_model_len=args.max_model_len,
         threads=args.threads,
+        kernels=args.kernels,
         **extra,
     )
 
@@ -235,7 +246,14 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pdserve.stack import StackSpec, run_stack
 
     extra = []
-    for flag in ("kv_cache_gb", "num_blocks", "max_num_seqs", "max_model_len", "prefill_chunk_size"):
+    for flag in (
+        "kv_cache_gb",
+        "num_blocks",
+        "max_num_seqs",
+        "max_model_len",
+        "prefill_chunk_size",
+        "kernels",
+    ):
         value = getattr(args, flag)
         if value is not None:
             extra += [f"--{flag.replace('_', '-')}", str(value)]
@@ -382,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("--prefill-chunk-size", int, "prefill chunk size"),
     ):
         up.add_argument(flag, type=kind, default=None, help=f"{text} (passed to every worker)")
+    up.add_argument(
+        "--kernels", choices=KERNEL_MODES, default=None, help="kernel choice (passed to every worker)"
+    )
     up.set_defaults(func=lambda a: cmd_up(a, up))
 
     status = sub.add_parser("status", help="show the live set, routers and stream depths from Redis")

@@ -4,14 +4,15 @@ against a dense numpy reference, over mixed lengths, batch sizes and block bound
 from __future__ import annotations
 
 import numpy as np
-import paddle
 import pytest
 
 from pdserve.worker.batcher import blocks_for
+from pdserve.worker.cpu import Kernels
 from pdserve.worker.kv_cache import NULL_BLOCK, KVCache
 from pdserve.worker.model import Model
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.model_runner import decode_bucket
+from pdserve.worker.paddle_setup import paddle
 
 TOL = 1e-4
 CFG = ModelConfig(
@@ -45,7 +46,7 @@ def dense_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarr
 def model() -> Model:
     rng = np.random.default_rng(0)
     w = {"embed": rng.standard_normal((64, 64), dtype=np.float32)}
-    return Model(CFG, w, max_len=1024)
+    return Model(CFG, w, max_len=1024, kernels=Kernels("composed", "composed", "attention only"))
 
 
 def fill_sequence(cache: KVCache, rng: np.random.Generator, length: int, free: list[int]):

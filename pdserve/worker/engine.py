@@ -23,12 +23,13 @@ from pdserve.errors import ConfigError, EngineError, InvalidRequestError, Reques
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.batcher import Batcher, BatcherConfig, blocks_for
 from pdserve.worker.block_manager import BlockManager
+from pdserve.worker.cpu import Kernels, choose_kernels
 from pdserve.worker.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.worker.kv_cache import KVCache, block_bytes
 from pdserve.worker.model import Model
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.model_runner import ModelRunner
-from pdserve.worker.paddle_setup import paddle
+from pdserve.worker.paddle_setup import HOST, TUNING, paddle
 from pdserve.worker.sampler import Sample, Sampler, make_rng
 from pdserve.worker.sequence import Sequence, SequenceStatus
 from pdserve.worker.tokenizer import Tokenizer
@@ -55,6 +56,8 @@ class EngineConfig:
     keep_logits: bool = False  # attach each sampled row's raw logits to its output (exactness tests)
     # Same bits for a sequence alone or in any batch; None: on when MKL_CBWR asks for STRICT mode.
     batch_invariant: bool | None = None
+    # Fused or composed Paddle ops (cpu.choose_kernels); None: PDSERVE_KERNELS, else "auto".
+    kernels: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "prefill_chunk_size"):
@@ -97,6 +100,11 @@ class _Request:
     stop: StopStringMatcher
 
 
+def select_kernels(mode: str | None) -> Kernels:
+    """The kernels this engine runs on this CPU: ``mode``, else ``PDSERVE_KERNELS``, else auto."""
+    return choose_kernels(mode or os.environ.get("PDSERVE_KERNELS") or "auto", HOST)
+
+
 def set_threads(n: int | None) -> int:
     """Paddle pins OpenMP to one thread at import; raise it (there is no public setter)."""
     n = n or int(os.environ.get("PDSERVE_THREADS", 0)) or os.cpu_count() or 1
@@ -115,8 +123,15 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.threads = set_threads(config.threads)
+        self.kernels = select_kernels(config.kernels)
+        log.info(
+            "CPU %s: kernels %s%s",
+            HOST.describe(),
+            self.kernels.describe(),
+            f"; applied {', '.join(TUNING)} before importing Paddle" if TUNING else "",
+        )
         t0 = time.perf_counter()
-        self.model = Model(mc, load_weights(self.model_dir, mc), self.max_model_len)
+        self.model = Model(mc, load_weights(self.model_dir, mc), self.max_model_len, self.kernels)
         num_blocks = config.num_blocks or int(
             config.kv_cache_gb * 2**30 // block_bytes(mc, config.block_size)
         )
