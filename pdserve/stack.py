@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +62,33 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 
 
+def record_path() -> Path:
+    """Where a running ``pdserve up`` says how to reach it, so ``pdserve status`` finds its Redis."""
+    return cache_dir() / "up.json"
+
+
+def running_stack() -> dict | None:
+    """The record of a ``pdserve up`` that is still running on this machine, else None."""
+    try:
+        record = json.loads(record_path().read_text())
+        os.kill(int(record["pid"]), 0)  # signal 0: only asks whether the process exists
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record
+
+
+def command(name: str) -> str:
+    """How to run this installation's ``name`` script from a shell here: bare when it is on PATH,
+    else its path (e.g. ``.venv/bin/pdserve`` when the venv is not activated)."""
+    mine = Path(sys.executable).parent / name
+    found = shutil.which(name)
+    if found and Path(found).resolve() == mine.resolve():
+        return name
+    with contextlib.suppress(ValueError):
+        return str(mine.relative_to(Path.cwd()))
+    return str(mine)
+
+
 def default_model() -> Path:
     """The tiny preset in the cache folder, created on first use (about a second, no download)."""
     path = cache_dir() / "models" / "tiny"
@@ -79,6 +108,8 @@ class Stack:
         self.workers: list[tuple[str, subprocess.Popen]] = []
         self.instance_ids: list[str] = []
         self.routers: list[tuple[str, subprocess.Popen]] = []
+        self.redis_url = ""  # set by start()
+        self._recorded = False
 
     @property
     def urls(self) -> list[str]:
@@ -118,6 +149,15 @@ class Stack:
         for i in range(spec.routers):
             args = ["router", "--host", spec.host, "--port", str(spec.port + i), *common]
             self.routers.append((f"router-{i}", self._spawn(args)))
+        self.redis_url = redis_url
+
+    def record(self) -> None:
+        """Write ``record_path()`` (read by ``pdserve status``); ``stop`` removes it."""
+        record = {"pid": os.getpid(), "redis_url": self.redis_url, "cluster": self.spec.cluster}
+        path = record_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record | {"routers": self.urls}))
+        self._recorded = True
 
     def _spawn(self, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
@@ -170,22 +210,27 @@ class Stack:
                     killed.append(name)
         if self.redis is not None:
             self.redis.close()
+        if self._recorded and (running_stack() or {}).get("pid") == os.getpid():
+            with contextlib.suppress(OSError):
+                record_path().unlink()
         return killed
 
 
 def banner(stack: Stack, model_name: str, elapsed: float) -> str:
     url = stack.urls[0]
+    more = f"        (also {', '.join(f'{u}/v1' for u in stack.urls[1:])})" if len(stack.urls) > 1 else ""
     return f"""
 pdserve is up in {elapsed:.1f} s: {len(stack.routers)} router(s), {stack.spec.prefill} prefill, \
 {stack.spec.decode} decode, {stack.spec.mixed} mixed.
 
-  OpenAI API:  {url}/v1        (also {", ".join(stack.urls[1:]) or "-"})
-  status:      pdserve status --redis-url {stack.redis.url if stack.redis else stack.spec.redis_url}
+  OpenAI API:  {url}/v1{more}
+  Redis:       {stack.redis_url}  (cluster {stack.spec.cluster!r})
+  status:      {command("pdserve")} status      (finds this stack's Redis by itself)
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
-  python -c 'from openai import OpenAI
+  {command("python")} -c 'from openai import OpenAI
 c = OpenAI(base_url="{url}/v1", api_key="none")
 print(c.chat.completions.create(model="{model_name}", max_tokens=32,
       messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
@@ -206,6 +251,7 @@ def run_stack(spec: StackSpec) -> int:
     try:
         stack.start()
         stack.wait_ready()
+        stack.record()
         model_name = stack.model.resolve().name
         print(banner(stack, model_name, time.monotonic() - t0), flush=True)
         while True:

@@ -1,4 +1,4 @@
-"""The key schema is a contract (DESIGN.md): pin the literal strings."""
+"""The key schema is a contract (docs/design.md): pin the literal strings."""
 
 from __future__ import annotations
 

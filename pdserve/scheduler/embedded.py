@@ -43,17 +43,22 @@ class EmbeddedRedis:
                "--appendonly", "no", "--dir", str(self.workdir), "--loglevel", "warning"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
-            ):
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if self._answers_ping():
                 return
-            if self.proc.poll() is not None:
-                break
             time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"redis-server ({self.binary}) did not start on port {self.port}")
+
+    def _answers_ping(self) -> bool:
+        """True once *a Redis* answers on the port (a port taken by something else never does)."""
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn,
+        ):
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+        return False
 
     def stop(self, kill: bool = False) -> None:
         """Stop the server (``kill``: abruptly, as a crash); it can be started again on the same port."""

@@ -1,4 +1,4 @@
-"""Every Redis key pdserve uses, declared once (DESIGN.md "Redis key schema" is the contract).
+"""Every Redis key pdserve uses, declared once (docs/design.md "Redis key schema" is the contract).
 
 Registry keys share the hash tag ``{<cluster>}`` so the live-set read (ZRANGE + MGET) and the
 register transaction stay on one Redis Cluster slot. Each stream carries its owner's id as hash

@@ -1,7 +1,7 @@
 """Request and result streams: each instance's inbox, each router's outbox.
 
 Every entry has one field, ``m``: an encoded message (see messages.py). Bounds, all documented in
-DESIGN.md's key table:
+docs/design.md's key table ("Redis key schema"):
 
 - inbox: ``XADD MAXLEN ~ INBOX_MAXLEN`` on every send, and acked entries are deleted at once
   (XACK + XDEL), so it holds only unacked work; ``EXPIRE INBOX_TTL_S`` is refreshed by every send

@@ -4,8 +4,10 @@ One forward takes N tokens from many sequences at once: decodes (one token each,
 padded context length) and prefill chunks. Dense work (norms, QKV, MLP, lm_head) runs on all N rows
 together; attention runs per group. Under ``MKL_CBWR=AUTO,STRICT`` GEMM rows are batch-invariant,
 and each sequence's attention shape depends only on that sequence, so a sequence gets the same bits
-alone or inside any batch. Attention never feeds a transposed view to matmul (the stride trap of
-reference/engine.md): decode uses a block-diagonal q against K/V exactly as gathered.
+alone or inside any batch. Attention never feeds a transposed view to matmul (Paddle's CPU matmul
+copies a strided operand first, many times slower): decode uses a block-diagonal q against K/V
+exactly as gathered. RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md,
+"CPU kernels").
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def init_model(path: str | Path, preset: str = "tiny", seed: int = 0, overwrite:
     if target.exists() and not target.is_dir():
         raise ConfigError(f"model path {target} exists and is not a folder")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise ConfigError(f"model folder {target} is not empty; pass overwrite=True to replace it")
+        raise ConfigError(f"model folder {target} is not empty; replace it with --overwrite (overwrite=True)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

@@ -1,6 +1,6 @@
 """One inference instance as a service: the engine loop plus its Redis inbox, outbox and heartbeat.
 
-Roles (DESIGN.md "A splitwise request"):
+Roles (docs/design.md, "Request flow"):
 
 * ``mixed`` (and ``decode`` when asked to serve a whole request): generate, publish every step's
   tokens to the routers' outboxes (one XADD per router per step).

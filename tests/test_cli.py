@@ -1,0 +1,81 @@
+"""The ``pdserve`` command line as a new user meets it: help that explains itself, flags anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.cli import build_parser, main
+from pdserve.stack import record_path, running_stack
+
+COMMANDS = ("model", "generate", "worker", "router", "up", "redis", "status")
+
+
+def subcommands(parser):
+    (action,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    return action.choices
+
+
+def test_every_command_has_a_description() -> None:
+    subs = subcommands(build_parser())
+    assert set(COMMANDS) <= set(subs)
+    for name in COMMANDS:
+        assert subs[name].description, f"`pdserve {name} --help` has no description"
+    assert subcommands(subs["model"])["init"].description
+
+
+@pytest.mark.parametrize(
+    ("argv", "level"),
+    [
+        (["--log-level", "WARNING", "status"], "WARNING"),
+        (["status", "--log-level", "debug"], "DEBUG"),
+        (["worker", "--model", "m", "--log-level", "ERROR"], "ERROR"),
+        (["model", "init", "x", "--log-level", "DEBUG"], "DEBUG"),
+    ],
+)
+def test_log_level_goes_before_or_after_the_command(argv: list[str], level: str) -> None:
+    assert build_parser().parse_args(argv).log_level == level
+
+
+def test_role_lists_its_choices(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["worker", "--role", "prefil"])
+    assert e.value.code == 2
+    assert "choose from prefill, decode, mixed" in capsys.readouterr().err.replace("'", "")
+
+
+def test_status_without_a_stack_record_uses_the_default_url(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert running_stack() is None
+    record_path().write_text(json.dumps({"pid": 2**22 + 12345, "redis_url": "redis://x:1/0"}))
+    assert running_stack() is None  # that process is gone: a stale record is ignored
+    record_path().write_text(json.dumps({"pid": os.getpid(), "redis_url": "redis://x:1/0"}))
+    assert running_stack()["redis_url"] == "redis://x:1/0"
+
+
+def test_status_reads_the_redis_of_a_running_stack(tmp_path, monkeypatch, redis_url, capsys) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PDSERVE_REDIS_URL", raising=False)
+    record_path().write_text(json.dumps({"pid": os.getpid(), "redis_url": redis_url, "cluster": "c9"}))
+    assert main(["status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == "c9"
+
+
+def test_redis_command_refuses_a_taken_port() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "redis", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 2 and "try --port" in out.stderr and "Traceback" not in out.stderr
