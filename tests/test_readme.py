@@ -8,6 +8,7 @@ is new), no ``PDSERVE_*`` or ``MKL_*`` variables, the venv not on ``PATH``, and 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -60,7 +61,7 @@ def shell(tmp_path: Path):
             text = text.replace(old, str(new))
         return text
 
-    def run(script: str, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
+    def run(script: str, timeout: float = 180) -> subprocess.CompletedProcess:
         return subprocess.run(
             ["bash", "-e", "-c", remap(script)],
             cwd=work,
@@ -68,10 +69,19 @@ def shell(tmp_path: Path):
             capture_output=True,
             text=True,
             timeout=timeout,
-            **kw,
         )
 
-    return work, env, ports, remap, run
+    def python(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [".venv/bin/python", "-c", remap(code)],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    return work, env, ports, remap, run, python
 
 
 def test_every_bash_block_is_covered() -> None:
@@ -80,6 +90,33 @@ def test_every_bash_block_is_covered() -> None:
         kinds = [m for m in (AFTER_UP, PIECES, OFFLINE, *NOT_RUN) if m in b]
         assert len(kinds) == 1, f"README block not covered by tests/test_readme.py:\n{b}"
     assert len(blocks("python")) == 2
+
+
+def documented_key_patterns() -> list[re.Pattern]:
+    """The key shapes of docs/design.md's key table, as regexes (``<...>`` is one component)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = text[text.index("## 3. Redis key schema") : text.index("## 4.")]
+    shapes = re.findall(r"^\| `(pdserve:[^`]+)`", table, flags=re.M)
+    assert len(shapes) >= 7, shapes
+    return [
+        re.compile(re.sub(r"<[^>]+>", "[^:{}]+", re.escape(k).replace(r"\<", "<").replace(r"\>", ">")))
+        for k in shapes
+    ]
+
+
+def assert_keys_are_documented(record: dict) -> None:
+    """Every key on the running stack's Redis has a shape that docs/design.md describes."""
+    import redis
+
+    client = redis.Redis.from_url(record["redis_url"], decode_responses=True)
+    try:
+        keys = sorted(client.scan_iter("*"))
+    finally:
+        client.close()
+    patterns = documented_key_patterns()
+    assert len(keys) >= 7  # 2 instances, their index, 1 router, its index, 2 inboxes, the outbox
+    for key in keys:
+        assert any(p.fullmatch(key) for p in patterns), f"{key} is not described in docs/design.md"
 
 
 def wait_for(url: str, timeout_s: float, ok=lambda r: r.status_code == 200) -> httpx.Response:
@@ -110,9 +147,10 @@ def stop_group(pgid: int, timeout_s: float = 60) -> None:
 
 
 def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
-    work, env, ports, remap, run = shell
+    work, env, ports, remap, run, python = shell
     make_up = re.search(r"^up: .*\n\t\$\(BIN\)/pdserve (.*)$", (ROOT / "Makefile").read_text(), re.M)
     assert make_up, "Makefile's up target changed shape"
+    t0 = time.monotonic()  # a fresh HOME: the tiny model is created first
     up = subprocess.Popen(
         [".venv/bin/pdserve", *make_up.group(1).split(), "--port", str(ports["8000"])],
         cwd=work,
@@ -127,23 +165,22 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
             line = up.stdout.readline()
             assert line, f"pdserve up exited early:\n{banner}"
             banner += line
+            assert time.monotonic() - t0 < 60, banner
         assert "(also" not in banner  # one router: no list of further URLs
         assert "bin/pdserve status" in banner  # the venv is not on PATH in a fresh shell
+        assert f"curl http://127.0.0.1:{ports['8000']}/v1/chat/completions" in banner
+        assert "OpenAI(base_url=" in banner
 
         after_up = run(block("bash", AFTER_UP))
         assert after_up.returncode == 0, after_up.stderr
         assert '"choices"' in after_up.stdout and '"usage"' in after_up.stdout
+        assert time.monotonic() - t0 < 60  # from `make up` to the first chat completion
         # `pdserve status` found the stack's Redis by itself: it lists the stack's workers and router.
         assert "cluster default: 2 instance(s), 1 router(s)" in after_up.stdout, after_up.stdout
 
-        client = subprocess.run(
-            [".venv/bin/python", "-c", remap(block("python", "OpenAI("))],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        assert_keys_are_documented(json.loads((Path(env["HOME"]) / ".cache/pdserve/up.json").read_text()))
+
+        client = python(block("python", "OpenAI("))
         assert client.returncode == 0, client.stderr
         assert "CompletionUsage" in client.stdout
     finally:
@@ -188,13 +225,6 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
     assert (work / "models" / "small" / "model.safetensors.index.json").is_file()
     assert '"usage"' in offline.stdout  # the --json line
 
-    api = subprocess.run(
-        [".venv/bin/python", "-c", block("python", "from pdserve import LLM")],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    api = python(block("python", "from pdserve import LLM"))
     assert api.returncode == 0, api.stderr
     assert len(api.stdout.strip().splitlines()) == 3  # two generations and one chat reply

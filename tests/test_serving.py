@@ -470,38 +470,6 @@ def test_bad_requests_do_not_disturb_requests_in_flight(splitwise) -> None:
     asyncio.run(main())
 
 
-# ---- acceptance 8: `pdserve up` from the README ------------------------------------------------------------
-def test_pdserve_up_serves_within_60s(tmp_path) -> None:
-    port = free_port()
-    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")}  # a fresh machine: no model yet
-    exe = os.path.join(os.path.dirname(sys.executable), "pdserve")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [exe, "--log-level", "WARNING", "up", "--port", str(port), "--kv-cache-gb", "0.25"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out = ""
-        while "Ctrl-C stops everything" not in out:
-            line = proc.stdout.readline()
-            assert line, f"pdserve up exited early:\n{out}"
-            out += line
-            assert time.monotonic() - t0 < 60, out
-        r = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none").chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
-        )
-        elapsed = time.monotonic() - t0
-        assert r.choices[0].message.content is not None and elapsed < 60
-        assert f"curl http://127.0.0.1:{port}/v1/chat/completions" in out and "OpenAI(base_url=" in out
-    finally:
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0 and "stopped." in rest
-
-
 # ---- restarts with the same instance id ----------------------------------------------------------------
 def test_restart_with_same_id_serves_its_inbox_and_reclaims_its_segment(tiny_model_dir, redis_url) -> None:
     """Work queued for an instance while it was down is served when it comes back under the same id,
