@@ -1,19 +1,26 @@
-"""pdserve: prefill/decode disaggregated LLM serving on PaddlePaddle with a Redis control plane."""
+"""pdserve: prefill/decode disaggregated LLM serving on PaddlePaddle with a Redis control plane.
+
+The public names load on first use: ``import pdserve`` (and so importing any submodule) loads
+neither Paddle (~1 s) nor redis-py.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from pdserve.scheduler.sampling_params import SamplingParams
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pdserve.scheduler.sampling_params import SamplingParams
     from pdserve.worker.llm import LLM, Generation
 
 __all__ = ["LLM", "Generation", "SamplingParams"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # keep `import pdserve` free of Paddle's ~1 s import
+def __getattr__(name: str) -> Any:
+    if name == "SamplingParams":
+        from pdserve.scheduler.sampling_params import SamplingParams
+
+        return SamplingParams
     if name in ("LLM", "Generation"):
         from pdserve.worker import llm
 

@@ -5,59 +5,39 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import socket
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
 from pdserve.errors import PdserveError
+from pdserve.flags import add_flag, env
 
 log = logging.getLogger("pdserve")
-
-
-def env(name: str, default: Any = None, kind: Callable[[str], Any] = str) -> Any:
-    """Default for a flag from ``PDSERVE_<NAME>``; a malformed value names the variable."""
-    raw = os.environ.get(f"PDSERVE_{name}")
-    if raw is None or raw == "":
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        raise SystemExit(
-            f"pdserve: error: environment variable PDSERVE_{name}={raw!r} is not a valid {kind.__name__}"
-        ) from None
-
-
-def _flag(
-    p: argparse.ArgumentParser, name: str, kind: Callable[[str], Any], default: Any, help: str, **kw
-) -> None:
-    var = name.lstrip("-").upper().replace("-", "_")
-    p.add_argument(name, type=kind, default=env(var, default, kind), help=f"{help} [env PDSERVE_{var}]", **kw)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     from pdserve.worker.cpu import KERNEL_MODES  # here: importing pdserve.cli loads no worker code
 
     g = p.add_argument_group("engine")
-    _flag(g, "--kv-cache-gb", float, 1.0, "KV cache size in GiB (default %(default)s)")
-    _flag(g, "--num-blocks", int, None, "KV cache size in blocks (overrides --kv-cache-gb)")
-    _flag(g, "--block-size", int, 16, "tokens per KV block (default %(default)s)")
-    _flag(g, "--max-num-seqs", int, 64, "most sequences running at once (default %(default)s)")
-    _flag(
+    add_flag(g, "--kv-cache-gb", float, 1.0, "KV cache size in GiB (default %(default)s)")
+    add_flag(g, "--num-blocks", int, None, "KV cache size in blocks (overrides --kv-cache-gb)")
+    add_flag(g, "--block-size", int, 16, "tokens per KV block (default %(default)s)")
+    add_flag(g, "--max-num-seqs", int, 64, "most sequences running at once (default %(default)s)")
+    add_flag(
         g,
         "--max-num-batched-tokens",
         int,
         None,
         "token budget of one step (default: chunk size + max-num-seqs)",
     )
-    _flag(g, "--prefill-chunk-size", int, 512, "long prompts are prefilled in chunks of this many tokens")
-    _flag(g, "--max-model-len", int, None, "context limit (default: the model's max_position_embeddings)")
-    _flag(g, "--threads", int, None, "CPU threads for Paddle (default: all cores)")
-    _flag(
+    add_flag(g, "--prefill-chunk-size", int, 512, "long prompts are prefilled in chunks of this many tokens")
+    add_flag(g, "--max-model-len", int, None, "context limit (default: the model's max_position_embeddings)")
+    add_flag(g, "--threads", int, None, "CPU threads for Paddle (default: all cores)")
+    add_flag(
         g,
         "--kernels",
         str,
@@ -205,15 +185,17 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 # ---- pdserve worker -----------------------------------------------------------------------------
 def add_control_plane_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("control plane")
-    _flag(
+    add_flag(
         g,
         "--redis-url",
         str,
         "redis://127.0.0.1:6379/0",
         "Redis URL: redis:// or rediss:// (TLS), with user:password@ and /db (default %(default)s)",
     )
-    _flag(g, "--cluster", str, "default", "namespace of this deployment inside Redis (default %(default)s)")
-    _flag(g, "--ttl", float, 6.0, "registration TTL in seconds; heartbeats renew it every ttl/3")
+    add_flag(
+        g, "--cluster", str, "default", "namespace of this deployment inside Redis (default %(default)s)"
+    )
+    add_flag(g, "--ttl", float, 6.0, "registration TTL in seconds; heartbeats renew it every ttl/3")
 
 
 def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -360,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
         "completion, or one JSON object per prompt with --json. --disaggregate prefills in a child "
         "process and hands the KV cache to the decode engine, as a prefill/decode pair does.",
     )
-    _flag(gen, "--model", str, None, "model folder (Hugging Face layout)")
+    add_flag(gen, "--model", str, None, "model folder (Hugging Face layout)")
     gen.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     gen.add_argument(
         "--chat", action="store_true", help="wrap each prompt as a user message in the chat template"
@@ -389,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one inference instance. It registers in Redis with a TTL key, takes requests from "
         "its inbox stream and publishes tokens to the routers' outbox streams. SIGTERM drains it.",
     )
-    _flag(
+    add_flag(
         worker,
         "--role",
         str,
@@ -397,23 +379,23 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill: prompts to KV cache; decode: KV cache to tokens; mixed: both (default %(default)s)",
         choices=("prefill", "decode", "mixed"),
     )
-    _flag(worker, "--model", str, None, "model folder (Hugging Face layout)")
-    _flag(worker, "--served-model-name", str, None, "model name clients use (default: the folder name)")
-    _flag(
+    add_flag(worker, "--model", str, None, "model folder (Hugging Face layout)")
+    add_flag(worker, "--served-model-name", str, None, "model name clients use (default: the folder name)")
+    add_flag(
         worker,
         "--instance-id",
         str,
         None,
         "stable id; a restart with the same id re-reads its unacknowledged inbox entries (default: random)",
     )
-    _flag(
+    add_flag(
         worker,
         "--hostname",
         str,
         None,
         "host identity: prefill and decode with the same one move KV through shared memory (default: this machine's hostname)",
     )
-    _flag(worker, "--drain-timeout", float, 30.0, "seconds SIGTERM waits for in-flight requests")
+    add_flag(worker, "--drain-timeout", float, 30.0, "seconds SIGTERM waits for in-flight requests")
     add_control_plane_flags(worker)
     add_engine_flags(worker)
     worker.set_defaults(func=lambda a: cmd_worker(a, worker))
@@ -436,18 +418,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a whole local stack as child processes and print how to reach it. "
         "Ctrl-C stops every child it started.",
     )
-    _flag(up, "--model", str, None, "model folder (default: the tiny preset, created in ~/.cache/pdserve)")
-    _flag(up, "--redis-url", str, None, "use this Redis instead of starting an embedded one")
-    _flag(up, "--host", str, "127.0.0.1", "router bind address (default %(default)s)")
-    _flag(
+    add_flag(up, "--model", str, None, "model folder (default: the tiny preset, created in ~/.cache/pdserve)")
+    add_flag(up, "--redis-url", str, None, "use this Redis instead of starting an embedded one")
+    add_flag(up, "--host", str, "127.0.0.1", "router bind address (default %(default)s)")
+    add_flag(
         up, "--port", int, 8000, "first router's port; more routers take the next ports (default %(default)s)"
     )
-    _flag(up, "--routers", int, 1, "number of routers (default %(default)s)")
-    _flag(up, "--prefill", int, 1, "prefill instances (default %(default)s)")
-    _flag(up, "--decode", int, 1, "decode instances (default %(default)s)")
-    _flag(up, "--mixed", int, 0, "mixed instances (default %(default)s)")
-    _flag(up, "--cluster", str, "default", "namespace inside Redis (default %(default)s)")
-    _flag(up, "--threads", int, None, "CPU threads per worker (default: cores / workers)")
+    add_flag(up, "--routers", int, 1, "number of routers (default %(default)s)")
+    add_flag(up, "--prefill", int, 1, "prefill instances (default %(default)s)")
+    add_flag(up, "--decode", int, 1, "decode instances (default %(default)s)")
+    add_flag(up, "--mixed", int, 0, "mixed instances (default %(default)s)")
+    add_flag(up, "--cluster", str, "default", "namespace inside Redis (default %(default)s)")
+    add_flag(up, "--threads", int, None, "CPU threads per worker (default: cores / workers)")
     for flag, kind, text in (
         ("--kv-cache-gb", float, "KV cache per worker in GiB"),
         ("--num-blocks", int, "KV cache per worker in blocks"),
@@ -478,14 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the routers and their outbox depth. Without --redis-url it reads the Redis of the "
         "`pdserve up` running on this machine, if any.",
     )
-    _flag(
+    add_flag(
         status,
         "--redis-url",
         str,
         None,
         "Redis URL (default: that of the `pdserve up` running here, else redis://127.0.0.1:6379/0)",
     )
-    _flag(status, "--cluster", str, None, "namespace inside Redis (default: that stack's, else default)")
+    add_flag(status, "--cluster", str, None, "namespace inside Redis (default: that stack's, else default)")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.set_defaults(func=cmd_status)
     return parser

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from pdserve.worker.batcher import blocks_for
+from pdserve.worker.block_manager import NULL_BLOCK
 from pdserve.worker.cpu import Kernels
-from pdserve.worker.kv_cache import NULL_BLOCK, KVCache
+from pdserve.worker.kv_cache import KVCache
 from pdserve.worker.model import Model
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.model_runner import decode_bucket

@@ -2,18 +2,17 @@
 
 A transport is chosen per prefill/decode pair (``disaggregate_info.protocol``); both sides walk
 their block lists in block-table order (see regions.py). ``shm`` is the same-host backend; a
-cross-host backend (Mooncake TCP/RDMA) implements the same method.
+cross-host backend (Mooncake TCP/RDMA) implements the same method. ``connect.open_transport``
+picks the backend; this module knows none of them.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any
 
 import numpy as np
 
 from pdserve.cache_transfer.regions import Region, pair_regions
-from pdserve.errors import TransferError
 
 
 class KVTransport(abc.ABC):
@@ -30,15 +29,3 @@ class KVTransport(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or mappings to the peer."""
-
-
-def open_transport(protocol: str, endpoint: dict[str, Any] | None) -> KVTransport:
-    """A transport to the peer described by its registration's ``transfer.endpoint``."""
-    if protocol == "shm":
-        from pdserve.cache_transfer.shm import ShmWriter
-
-        name = (endpoint or {}).get("shm")
-        if not name:
-            raise TransferError("peer advertises no shared-memory segment (transfer.endpoint.shm)")
-        return ShmWriter(name)
-    raise TransferError(f"unsupported KV transfer protocol {protocol!r} (supported: shm)")

@@ -1,7 +1,6 @@
 """Router configuration: one validated dataclass, its command-line flags, and the server entry point.
 
-Flags default from ``PDSERVE_*`` environment variables (``env()``/``_flag()`` of :mod:`pdserve.cli`,
-imported lazily: cli.py imports this module to wire ``pdserve router``).
+Flags default from ``PDSERVE_*`` environment variables (:mod:`pdserve.flags`).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import socket
 from typing import Any
 
 from pdserve.errors import ConfigError
+from pdserve.flags import add_flag, boolean, env
 from pdserve.router.policies import POLICIES as POLICY_NAMES
 from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
 from pdserve.scheduler.registry import DEFAULT_TTL_S
@@ -96,33 +96,19 @@ class RouterSettings:
         return f"http://{host}:{self.port}"
 
 
-def _bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(raw)
-
-
-_bool.__name__ = "boolean"  # env() names the expected kind in its error message
-
-
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``pdserve router`` flags; each defaults from ``PDSERVE_<FLAG>``."""
-    from pdserve.cli import _flag, env
-
     d = RouterSettings.__dataclass_fields__
     g = parser.add_argument_group("router")
-    _flag(
+    add_flag(
         g, "--redis-url", str, DEFAULT_REDIS_URL, f"Redis of the control plane (default {DEFAULT_REDIS_URL})"
     )
-    _flag(g, "--cluster", str, DEFAULT_CLUSTER, "cluster namespace inside Redis (default %(default)s)")
-    _flag(g, "--host", str, d["host"].default, "address to listen on (default %(default)s)")
-    _flag(g, "--port", int, d["port"].default, "port to listen on (default %(default)s)")
-    _flag(g, "--router-id", str, "", "this router's id (default router-<hostname>-<port>-<random>)")
+    add_flag(g, "--cluster", str, DEFAULT_CLUSTER, "cluster namespace inside Redis (default %(default)s)")
+    add_flag(g, "--host", str, d["host"].default, "address to listen on (default %(default)s)")
+    add_flag(g, "--port", int, d["port"].default, "port to listen on (default %(default)s)")
+    add_flag(g, "--router-id", str, "", "this router's id (default router-<hostname>-<port>-<random>)")
     for stage in ("prefill", "decode"):
-        _flag(
+        add_flag(
             g,
             f"--{stage}-policy",
             str,
@@ -130,29 +116,31 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
             f"how to pick the {stage} instance (default %(default)s)",
             choices=POLICY_NAMES,
         )
-    _flag(g, "--request-timeout", float, d["request_timeout_s"].default, "seconds a request may take in all")
-    _flag(
+    add_flag(
+        g, "--request-timeout", float, d["request_timeout_s"].default, "seconds a request may take in all"
+    )
+    add_flag(
         g,
         "--first-token-timeout",
         float,
         d["first_token_timeout_s"].default,
         "seconds to wait for the first token (queueing included)",
     )
-    _flag(
+    add_flag(
         g, "--max-body-bytes", int, d["max_body_bytes"].default, "largest request body accepted (413 above)"
     )
-    _flag(
+    add_flag(
         g,
         "--retry-attempts",
         int,
         d["retry_attempts"].default,
         "re-submissions to a fresh pair when an attempt fails before the first byte (default %(default)s)",
     )
-    _flag(g, "--ttl", float, d["ttl_s"].default, "registration TTL in seconds (default %(default)s)")
+    add_flag(g, "--ttl", float, d["ttl_s"].default, "registration TTL in seconds (default %(default)s)")
     g.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
-        default=env("ACCESS_LOG", False, _bool),
+        default=env("ACCESS_LOG", False, boolean),
         help="log every HTTP request (default off) [env PDSERVE_ACCESS_LOG]",
     )
 

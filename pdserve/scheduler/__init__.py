@@ -1,123 +1,96 @@
 """The Redis control plane shared by routers and workers: key schema, connection, message
 schemas, registries (TTL liveness + cached live set) and the inbox/outbox streams.
 
-It imports nothing from ``pdserve.router`` or ``pdserve.worker``; both depend on it.
+It imports nothing from ``pdserve.router`` or ``pdserve.worker``; both depend on it. The names
+below load their module on first use, so importing one light module (``sampling_params``,
+``keys``) does not load redis-py.
 """
 
-from pdserve.scheduler.connection import (
-    MIN_REDIS_VERSION,
-    RedisSettings,
-    check_server_version,
-    redis_address,
-    redis_errors,
-    wait_for_redis,
-)
-from pdserve.scheduler.keys import DEFAULT_CLUSTER, INBOX_GROUP, Keys, Kind, validate_id
-from pdserve.scheduler.messages import (
-    ANY_ATTEMPT,
-    SCHEMA_VERSION,
-    Abort,
-    DisaggregateInfo,
-    ErrorInfo,
-    GenerateRequest,
-    InboxMessage,
-    InstanceInfo,
-    KVInfo,
-    LoadInfo,
-    Message,
-    PeerInfo,
-    PhaseDeadlines,
-    Prefilled,
-    RequestDelta,
-    ReserveBlocks,
-    ReserveReply,
-    Role,
-    RouterInfo,
-    StepOutput,
-    TokenLogprob,
-    TopLogprob,
-    TransferInfo,
-    Usage,
-    decode,
-    decode_as,
-    encode,
-)
-from pdserve.scheduler.registry import (
-    DEFAULT_TTL_S,
-    Heartbeat,
-    InstanceRegistry,
-    LiveSetCache,
-    Registry,
-    RouterRegistry,
-)
-from pdserve.scheduler.streams import (
-    DEAD_LETTER_MAXLEN,
-    DEAD_LETTER_TTL_S,
-    INBOX_MAXLEN,
-    INBOX_TTL_S,
-    OUTBOX_MAXLEN,
-    OUTBOX_TTL_S,
-    Entry,
-    Inbox,
-    Outbox,
-    OutboxReader,
-    send_to_inbox,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ANY_ATTEMPT",
-    "DEAD_LETTER_MAXLEN",
-    "DEAD_LETTER_TTL_S",
-    "DEFAULT_CLUSTER",
-    "DEFAULT_TTL_S",
-    "INBOX_GROUP",
-    "INBOX_MAXLEN",
-    "INBOX_TTL_S",
-    "MIN_REDIS_VERSION",
-    "OUTBOX_MAXLEN",
-    "OUTBOX_TTL_S",
-    "SCHEMA_VERSION",
-    "Abort",
-    "DisaggregateInfo",
-    "Entry",
-    "ErrorInfo",
-    "GenerateRequest",
-    "Heartbeat",
-    "Inbox",
-    "InboxMessage",
-    "InstanceInfo",
-    "InstanceRegistry",
-    "KVInfo",
-    "Keys",
-    "Kind",
-    "LiveSetCache",
-    "LoadInfo",
-    "Message",
-    "Outbox",
-    "OutboxReader",
-    "PeerInfo",
-    "PhaseDeadlines",
-    "Prefilled",
-    "RedisSettings",
-    "Registry",
-    "RequestDelta",
-    "ReserveBlocks",
-    "ReserveReply",
-    "Role",
-    "RouterInfo",
-    "RouterRegistry",
-    "StepOutput",
-    "TokenLogprob",
-    "TopLogprob",
-    "TransferInfo",
-    "Usage",
-    "check_server_version",
-    "decode",
-    "decode_as",
-    "encode",
-    "redis_address",
-    "redis_errors",
-    "send_to_inbox",
-    "validate_id",
-    "wait_for_redis",
-]
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "connection": (
+        "MIN_REDIS_VERSION",
+        "RedisSettings",
+        "check_server_version",
+        "redis_address",
+        "redis_errors",
+        "wait_for_redis",
+    ),
+    "keys": (
+        "DEFAULT_CLUSTER",
+        "INBOX_GROUP",
+        "Keys",
+        "Kind",
+        "validate_id",
+    ),
+    "messages": (
+        "ANY_ATTEMPT",
+        "SCHEMA_VERSION",
+        "Abort",
+        "DisaggregateInfo",
+        "ErrorInfo",
+        "GenerateRequest",
+        "InboxMessage",
+        "InstanceInfo",
+        "KVInfo",
+        "LoadInfo",
+        "Message",
+        "PeerInfo",
+        "PhaseDeadlines",
+        "Prefilled",
+        "RequestDelta",
+        "ReserveBlocks",
+        "ReserveReply",
+        "Role",
+        "RouterInfo",
+        "StepOutput",
+        "TokenLogprob",
+        "TopLogprob",
+        "TransferInfo",
+        "Usage",
+        "decode",
+        "decode_as",
+        "encode",
+    ),
+    "registry": (
+        "DEFAULT_TTL_S",
+        "Heartbeat",
+        "InstanceRegistry",
+        "LiveSetCache",
+        "Registry",
+        "RouterRegistry",
+    ),
+    "streams": (
+        "DEAD_LETTER_MAXLEN",
+        "DEAD_LETTER_TTL_S",
+        "INBOX_MAXLEN",
+        "INBOX_TTL_S",
+        "OUTBOX_MAXLEN",
+        "OUTBOX_TTL_S",
+        "Entry",
+        "Inbox",
+        "Outbox",
+        "OutboxReader",
+        "send_to_inbox",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+# ruff RUF022's order: CONSTANTS, then Classes, then functions
+__all__ = sorted(_MODULE_OF, key=lambda n: (0 if n.isupper() else 1 if n[0].isupper() else 2, n))
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # next time without __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

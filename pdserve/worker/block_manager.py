@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from pdserve.worker.kv_cache import NULL_BLOCK
+NULL_BLOCK = 0  # an all-zero block for padding block tables; never handed out
 
 
 class BlockManager:

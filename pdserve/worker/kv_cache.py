@@ -21,8 +21,6 @@ from pdserve.worker.paddle_setup import paddle
 
 log = logging.getLogger(__name__)
 
-NULL_BLOCK = 0
-
 
 def block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int = 4) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes

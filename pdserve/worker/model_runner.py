@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from pdserve.worker.batcher import Batch, blocks_for
-from pdserve.worker.kv_cache import NULL_BLOCK, KVCache
+from pdserve.worker.block_manager import NULL_BLOCK
+from pdserve.worker.kv_cache import KVCache
 from pdserve.worker.model import AttentionGroup, StepInput
 from pdserve.worker.sequence import Sequence
 

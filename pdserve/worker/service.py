@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pdserve.cache_transfer.base import KVTransport, open_transport
+from pdserve.cache_transfer.base import KVTransport
+from pdserve.cache_transfer.connect import open_transport
 from pdserve.errors import (
     ConfigError,
     ControlPlaneError,

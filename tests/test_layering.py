@@ -1,0 +1,147 @@
+"""The one-way dependency rule holds in the source and when Python imports the modules.
+
+router -> scheduler; worker -> scheduler, cache_transfer; scheduler and cache_transfer import
+neither; the router never imports worker code (docs/design.md, "Layout"). ``errors`` and
+``flags`` are leaves every layer may use; ``cli``, ``stack``, ``status`` and the package root
+are the composition root and may import anything.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pdserve"
+LEAVES = {"errors", "flags"}
+ALLOWED = {  # layer -> the pdserve layers its modules may import
+    "errors": set(),
+    "flags": set(),
+    "scheduler": {"scheduler", "errors"},
+    "cache_transfer": {"cache_transfer", "errors"},
+    "router": {"router", "scheduler", *LEAVES},
+    "worker": {"worker", "scheduler", "cache_transfer", *LEAVES},
+}
+NO_PADDLE = ("scheduler", "cache_transfer", "router", "errors", "flags")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+MODULES = sorted(module_name(p) for p in PACKAGE.rglob("*.py"))
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """Every module an import statement names, at module level or inside functions."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}:{node.lineno}: use absolute imports"
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            # `from pdserve.x import y`: y may be a module (pdserve.x.y) or a name in pdserve.x
+            found += [
+                (node.lineno, n if n in MODULES or node.module == "pdserve" else node.module) for n in names
+            ]
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        assert is_composition_root(path) or layer(module_name(path)) in ALLOWED, path
+
+
+def is_composition_root(path: Path) -> bool:
+    return path.parent == PACKAGE and path.stem not in LEAVES  # cli, stack, status, the package
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: module_name(p))
+def test_imports_follow_the_rule(path: Path) -> None:
+    if is_composition_root(path):
+        return  # it wires the layers together and may import anything
+    me = module_name(path)
+    mine = layer(me)
+    for line, target in imports(path):
+        if target.split(".")[0] == "paddle":
+            assert mine not in NO_PADDLE, f"{me}:{line} imports Paddle"
+        if target == "pdserve.__version__":
+            continue  # the package root's one plain constant
+        if target.startswith("pdserve.") and target.split(".")[1] not in ALLOWED:
+            pytest.fail(f"{me}:{line} imports {target} from the composition root")
+        if target.startswith("pdserve."):
+            assert layer(target) in ALLOWED[mine], f"{me}:{line} imports {target} ({mine} -> {layer(target)})"
+
+
+LOAD_CHECKS = {
+    # module to import in a fresh interpreter -> what must not be loaded afterwards
+    **{
+        m: ("paddle", "pdserve.worker", "pdserve.router", "pdserve.cli")
+        for m in MODULES
+        if layer(m) == "scheduler"
+    },
+    **{
+        m: ("paddle", "redis", "pdserve.worker", "pdserve.router", "pdserve.scheduler")
+        for m in MODULES
+        if layer(m) == "cache_transfer"
+    },
+    **{m: ("paddle", "pdserve.worker", "pdserve.cli") for m in MODULES if layer(m) == "router"},
+    "pdserve.scheduler.sampling_params": ("paddle", "redis", "pdserve.worker", "pdserve.router"),
+    "pdserve.scheduler.keys": ("paddle", "redis"),
+    "pdserve": ("paddle", "redis", "pdserve.worker", "pdserve.router"),
+}
+
+
+def test_imports_load_only_what_the_rule_allows() -> None:
+    code = (
+        "import importlib, json, sys\n"
+        "m = sys.argv[1]\n"
+        "importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    failures = []
+    for module, forbidden in sorted(LOAD_CHECKS.items()):
+        out = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        loaded = __import__("json").loads(out.stdout)
+        bad = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)]
+        if bad:
+            failures.append(f"import {module} loads {', '.join(bad[:5])}")
+    assert not failures, "\n".join(failures)
+
+
+def test_batcher_and_block_manager_run_with_paddle_and_redis_blocked() -> None:
+    """The bookkeeping half of the engine is free of the tensor library and of Redis."""
+    code = """
+import importlib.abc, sys
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("paddle", "redis"):
+            raise ImportError(f"{name} is blocked in this test")
+
+sys.meta_path.insert(0, Block())
+from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.worker.batcher import Batcher, BatcherConfig
+from pdserve.worker.block_manager import BlockManager
+from pdserve.worker.sequence import Sequence
+
+b = Batcher(BatcherConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16), BlockManager(16))
+b.add(Sequence("r", list(range(1, 11)), SamplingParams(max_tokens=4)))
+batch = b.schedule()
+assert [(c.start, c.end) for c in batch.prefills] == [(0, 10)], batch
+print("ok", b.blocks.num_free)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok", "12"]  # 15 usable blocks, 3 taken by a 10-token prompt
