@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import httpx
 import pytest
 import redis
 from test_router_support import FakeWorker, instance, redis_conn, router, run, served_router, silent
 
+import pdserve
 import pdserve.router.app  # imports every router module that may add classes to the tree
-import pdserve.scheduler  # noqa: F401
+import pdserve.scheduler
 from pdserve.errors import (
     ConfigError,
     ControlPlaneError,
     EngineError,
+    InstanceLostError,
     InvalidRequestError,
     MessageError,
     PdserveError,
+    RequestTimeoutError,
     RequestTooLongError,
     TransferError,
+    class_of_kind,
+    error_classes,
 )
 from pdserve.router.errors import (
     ERROR_MAP,
@@ -27,7 +34,6 @@ from pdserve.router.errors import (
     DuplicateRequestError,
     ModelNotFoundError,
     NoCapacityError,
-    RequestTimeoutError,
     UpstreamError,
     error_event,
     error_status,
@@ -79,18 +85,44 @@ def test_error_status(exc: Exception, status: int, type_: str, code: str | None,
     assert ("retry-after" in headers) == (status == 503)
 
 
-def test_worker_errors_keep_their_code_and_type() -> None:
+def test_worker_errors_map_by_kind_like_local_ones() -> None:
+    long = RequestTooLongError("prompt + max_tokens too long", "prompt")
+    assert error_status(UpstreamError(ErrorInfo.of(long))) == error_status(long)
     status, body, _ = error_status(
-        UpstreamError(ErrorInfo(code=400, type="invalid_request_error", message="long"))
+        UpstreamError(ErrorInfo(kind="context_length_exceeded", message="long", param="prompt"))
     )
-    assert (
-        status == 400
-        and body["error"]["type"] == "invalid_request_error"
-        and body["error"]["message"] == "long"
-    )
-    status, _, headers = error_status(UpstreamError(ErrorInfo(code=503, type="overloaded", message="busy")))
+    assert status == 400 and body["error"] == {
+        "message": "long",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "context_length_exceeded",
+    }
+    status, _, headers = error_status(UpstreamError(ErrorInfo(kind="unavailable", message="busy")))
     assert status == 503 and headers == {"retry-after": "1"}
-    assert error_status(UpstreamError(ErrorInfo(code=7, type="weird", message="?")))[0] == 500
+    assert error_status(UpstreamError(ErrorInfo(kind="weird", message="?")))[0] == 500  # a newer peer's kind
+
+
+def test_every_kind_any_producer_can_send_is_mapped() -> None:
+    """Producers send ``ErrorInfo.of(exc)``, so the kinds on the wire are the tree's classes' kinds:
+    each class has its own deliberate entry, and no two classes share a kind."""
+    classes = error_classes()
+    assert {c.__module__ for c in classes} >= {"pdserve.errors", "pdserve.router.errors"}
+    unmapped = [c.__name__ for c in classes if c not in ERROR_MAP]
+    assert not unmapped, f"no entry in router.errors.ERROR_MAP for {unmapped}"
+    kinds = [c.kind for c in classes]
+    assert len(kinds) == len(set(kinds)), kinds
+    for c in classes:
+        assert class_of_kind(c.kind) is c
+
+
+def test_no_producer_builds_an_error_info_by_hand() -> None:
+    """ErrorInfo is made in one place (ErrorInfo.of); literal codes or kinds elsewhere would drift."""
+    package = Path(pdserve.__file__).parent
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        hits = [n for n in re.findall(r"ErrorInfo\((?!\))", text)]
+        if path.name != "messages.py":
+            assert not hits, f"{path} builds ErrorInfo(...) directly; use ErrorInfo.of(exc)"
 
 
 def test_foreign_exceptions_are_500_without_their_text() -> None:
@@ -99,9 +131,7 @@ def test_foreign_exceptions_are_500_without_their_text() -> None:
 
 
 def test_error_event_is_one_sse_event() -> None:
-    event = error_event(
-        ErrorInfo(code=503, type="instance_unavailable", message="instance d0 stopped responding")
-    )
+    event = error_event(ErrorInfo.of(InstanceLostError("instance d0 stopped responding")))
     assert event.startswith(b"data: {") and event.endswith(b"}\n\n")
     assert b'"status":503' in event and b"instance d0 stopped responding" in event
 

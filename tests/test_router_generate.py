@@ -24,6 +24,7 @@ from test_router_support import (
     sse_events,
 )
 
+from pdserve.errors import MessageError, RequestTooLongError, UnavailableError
 from pdserve.scheduler import (
     ANY_ATTEMPT,
     GenerateRequest,
@@ -245,7 +246,7 @@ def test_retry_on_a_retryable_error_ignores_the_old_attempt(
     async def refuse(worker: FakeWorker, msg: InboxMessage) -> None:
         if isinstance(msg, GenerateRequest):
             await worker.publish(msg.router_id, RequestDelta.failure(
-                msg.request_id, 503, "overloaded", "no free KV blocks", retryable=True, attempt=msg.attempt))  # fmt: skip
+                msg.request_id, UnavailableError("no free KV blocks"), retryable=True, attempt=msg.attempt))  # fmt: skip
 
     async def late_then_answer(worker: FakeWorker, msg: InboxMessage) -> None:
         if isinstance(msg, GenerateRequest):
@@ -280,7 +281,7 @@ def test_retry_after_tokens_starts_over_when_not_streaming(redis_url: str, redis
     async def half_then_fail(worker: FakeWorker, msg: InboxMessage) -> None:
         if isinstance(msg, GenerateRequest):
             await worker.publish(msg.router_id, deltas_for(msg, ["Hel", "lo"])[0], RequestDelta.failure(
-                msg.request_id, 503, "engine_restarting", "bye", retryable=True, attempt=msg.attempt))  # fmt: skip
+                msg.request_id, UnavailableError("bye"), retryable=True, attempt=msg.attempt))  # fmt: skip
 
     async def main() -> None:
         async with router(redis_url, decode_policy="round_robin") as client, redis_conn(redis_url) as r:
@@ -292,7 +293,8 @@ def test_retry_after_tokens_starts_over_when_not_streaming(redis_url: str, redis
             resp = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
             events = sse_events(resp.text)
             assert resp.status_code == 200 and events[0]["choices"][0]["text"] == "Hel"
-            assert events[-2]["error"]["type"] == "engine_restarting" and events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == "unavailable" and events[-1] == "[DONE]"
+            assert events[-2]["error"]["message"] == "bye"
             await m0.stop()
             await m1.stop()
 
@@ -303,14 +305,15 @@ def test_retries_are_bounded(redis_url: str, redis_client: redis.Redis) -> None:
     async def refuse(worker: FakeWorker, msg: InboxMessage) -> None:
         if isinstance(msg, GenerateRequest):
             await worker.publish(msg.router_id, RequestDelta.failure(
-                msg.request_id, 503, "overloaded", "no free KV blocks", retryable=True, attempt=msg.attempt))  # fmt: skip
+                msg.request_id, UnavailableError("no free KV blocks"), retryable=True, attempt=msg.attempt))  # fmt: skip
 
     async def main() -> None:
         async with router(redis_url, retry_attempts=1) as client, redis_conn(redis_url) as r:
             m0 = await FakeWorker(r, instance("m0"), refuse).start()
             resp = await client.post("/v1/chat/completions", json=CHAT)
             assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
-            assert resp.json()["error"]["type"] == "overloaded"
+            assert resp.json()["error"]["type"] == "service_unavailable"
+            assert resp.json()["error"]["code"] == "unavailable"
             assert [m.attempt for m in m0.requests()] == [0, 1]  # the only instance, tried again
             await m0.stop()
 
@@ -340,7 +343,7 @@ def test_worker_error_before_the_stream_is_an_http_status(redis_url: str, redis_
     async def too_long(worker: FakeWorker, msg: InboxMessage) -> None:
         if isinstance(msg, GenerateRequest):
             await worker.publish(msg.router_id, RequestDelta.failure(
-                msg.request_id, 400, "invalid_request_error", "prompt is too long (5000 > 2048 tokens)",
+                msg.request_id, RequestTooLongError("prompt is too long (5000 > 2048 tokens)", "messages"),
                 attempt=msg.attempt))  # fmt: skip
 
     async def main() -> None:
@@ -353,6 +356,8 @@ def test_worker_error_before_the_stream_is_an_http_status(redis_url: str, redis_
                 assert resp.headers["x-request-id"] == f"e{stream}"
                 assert resp.json()["error"]["message"] == "prompt is too long (5000 > 2048 tokens)"
                 assert resp.json()["error"]["type"] == "invalid_request_error"
+                assert resp.json()["error"]["code"] == "context_length_exceeded"
+                assert resp.json()["error"]["param"] == "messages"
             await worker.stop()
 
     run(main())
@@ -374,7 +379,7 @@ def test_failures_after_the_stream_started_end_with_an_error_event(
             events = sse_events(resp.text)
             assert events[1]["choices"][0]["delta"] == {"content": "Hello"}
             assert events[-2] == {"error": {"message": "instance d0 stopped responding",
-                                            "type": "instance_unavailable", "param": None,
+                                            "type": "service_unavailable", "param": None,
                                             "code": "instance_unavailable", "status": 503}}  # fmt: skip
             assert events[-1] == "[DONE]"
             await p.wait_for(lambda w: len(w.aborts()) == 1)  # the pair of the request gets Abort
@@ -415,13 +420,13 @@ def test_any_attempt_events_apply_to_the_current_attempt(redis_url: str, redis_c
     async def lost(worker: FakeWorker, msg: InboxMessage) -> None:
         if isinstance(msg, GenerateRequest):
             await worker.publish(msg.router_id, RequestDelta.failure(
-                msg.request_id, 400, "invalid_message", "bad message", attempt=ANY_ATTEMPT))  # fmt: skip
+                msg.request_id, MessageError("bad message"), attempt=ANY_ATTEMPT))  # fmt: skip
 
     async def main() -> None:
         async with router(redis_url) as client, redis_conn(redis_url) as r:
             worker = await FakeWorker(r, instance("m0"), lost).start()
             resp = await client.post("/v1/completions", json={"prompt": "x"})
-            assert resp.status_code == 400 and resp.json()["error"]["message"] == "bad message"
+            assert resp.status_code == 502 and resp.json()["error"]["message"] == "bad message"
             await worker.stop()
 
     run(main())

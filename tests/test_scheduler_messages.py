@@ -8,7 +8,7 @@ import orjson
 import pytest
 from pydantic import BaseModel
 
-from pdserve.errors import MessageError
+from pdserve.errors import EngineError, MessageError, RequestTooLongError
 from pdserve.scheduler import (
     SCHEMA_VERSION,
     Abort,
@@ -98,7 +98,7 @@ MESSAGES: list[BaseModel] = [
                 finish_reason="stop",
                 usage=Usage(prompt_tokens=3, completion_tokens=4),
             ),
-            RequestDelta.failure("c", 500, "engine_error", "CUDA on fire", retryable=True, attempt=2),
+            RequestDelta.failure("c", EngineError("CUDA on fire"), retryable=True, attempt=2),
         ],
     ),
 ]
@@ -158,10 +158,14 @@ def test_unknown_type_is_rejected() -> None:
 
 def test_newer_major_version_is_rejected() -> None:
     data = orjson.dumps({**orjson.loads(encode(MESSAGES[6])), "v": SCHEMA_VERSION + 1})
-    with pytest.raises(MessageError, match=r"schema v2 is newer than this pdserve understands \(v1\)"):
+    with pytest.raises(
+        MessageError,
+        match=rf"schema v{SCHEMA_VERSION + 1} is newer than this pdserve understands \(v{SCHEMA_VERSION}\)",
+    ):
         decode(data)
     with pytest.raises(MessageError, match="newer"):
-        decode_as(RouterInfo, b'{"v":2,"id":"r","host":"h","pid":1,"port":1,"started_at":0}')
+        newer = SCHEMA_VERSION + 1
+        decode_as(RouterInfo, b'{"v":%d,"id":"r","host":"h","pid":1,"port":1,"started_at":0}' % newer)
 
 
 def test_bad_fields_are_named() -> None:
@@ -189,14 +193,16 @@ def test_not_json_or_not_an_object() -> None:
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
-    msg = decode(b'{"v":1,"type":"abort","request_id":"a","reason":"x","added_in_1_1":true}')
+    msg = decode(b'{"v":%d,"type":"abort","request_id":"a","reason":"x","added_later":true}' % SCHEMA_VERSION)
     assert msg == Abort(request_id="a", reason="x")
 
 
 def test_delta_helpers() -> None:
-    failed = RequestDelta.failure("a", 503, "overloaded", "busy", retryable=True)
+    failed = RequestDelta.failure("a", RequestTooLongError("too long", "prompt"), retryable=True)
     assert failed.is_final and failed.finish_reason == "error"
-    assert failed.error == ErrorInfo(code=503, type="overloaded", message="busy", retryable=True)
+    assert failed.error == ErrorInfo(
+        kind="context_length_exceeded", message="too long", param="prompt", retryable=True
+    )
     assert not RequestDelta(request_id="a", token_ids=[1]).is_final
 
 

@@ -14,6 +14,7 @@ from redis_support import run
 
 from pdserve.errors import ControlPlaneError
 from pdserve.scheduler import (
+    SCHEMA_VERSION,
     Heartbeat,
     InstanceInfo,
     InstanceRegistry,
@@ -123,7 +124,7 @@ def test_deregister_get_alive_and_unreadable_values(redis_url: str, redis_client
         assert await r.zscore(KEYS.instances, "d1") is None and await registry.get("d1") is None
         assert (await registry.get("d0")) == info("d0")
         assert await registry.alive(["d0", "d1", "d2", "d0"]) == {"d0", "d2"}
-        newer = {**info("d2").model_dump(), "v": 2}
+        newer = {**info("d2").model_dump(), "v": SCHEMA_VERSION + 1}
         await r.set(KEYS.instance("d2"), orjson.dumps(newer), px=5000)
         assert [i.id for i in await registry.live()] == ["d0"]  # skipped, not fatal
 

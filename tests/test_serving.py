@@ -470,6 +470,32 @@ def test_bad_requests_do_not_disturb_requests_in_flight(splitwise) -> None:
     asyncio.run(main())
 
 
+def test_a_too_long_prompt_is_refused_as_offline(stack, tiny_model_dir) -> None:
+    """The served error has the offline engine's kind and param: 400 context_length_exceeded."""
+    from pdserve.errors import RequestTooLongError
+    from pdserve.router.errors import ERROR_MAP
+    from pdserve.scheduler.sampling_params import SamplingParams
+    from pdserve.worker.engine import EngineConfig, LLMEngine
+
+    prompt = "word " * 1500  # > the stack's --max-model-len 1024
+    engine = LLMEngine(tiny_model_dir, EngineConfig(num_blocks=16, max_model_len=1024))
+    with pytest.raises(RequestTooLongError) as offline:
+        engine.validate(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=16))
+    url, model = stack.urls[0], model_name(stack)
+    r = httpx.post(
+        url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 16}, timeout=60
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == ERROR_MAP[RequestTooLongError].code == "context_length_exceeded"
+    assert err["param"] == offline.value.param == "prompt"
+    assert err["message"] == offline.value.message
+    chat = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16}
+    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages"
+
+
 # ---- restarts with the same instance id ----------------------------------------------------------------
 def test_restart_with_same_id_serves_its_inbox_and_reclaims_its_segment(tiny_model_dir, redis_url) -> None:
     """Work queued for an instance while it was down is served when it comes back under the same id,

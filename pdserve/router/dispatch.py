@@ -42,7 +42,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from pdserve.errors import ControlPlaneError
+from pdserve.errors import (
+    ClientDisconnectedError,
+    ControlPlaneError,
+    InstanceLostError,
+    PdserveError,
+    RequestTimeoutError,
+)
 from pdserve.router.errors import DuplicateRequestError
 from pdserve.router.protocol import ParsedRequest
 from pdserve.router.selection import Route, Selector
@@ -271,7 +277,7 @@ class Generation:
                 self._pending_retry = error
                 return None
             self.finished = True
-            self._end_reason = f"{error.type}: {error.message}"
+            self._end_reason = f"{error.kind}: {error.message}"
             return delta
         if delta.finish_reason is not None:
             self.finished = self.succeeded = True
@@ -288,16 +294,14 @@ class Generation:
         self.watched = ()  # report once per attempt
         self._blamed = (instance_id,)
         logger.warning("request %s: instance %s left the live set", self.request_id, instance_id)
-        self._inject(
-            503, "instance_unavailable", f"instance {instance_id} stopped responding", True, self.attempt
-        )
+        self._inject(InstanceLostError(f"instance {instance_id} stopped responding"), True, self.attempt)
 
     def cancel(self, reason: str) -> None:
         """End the generation from outside (client disconnect): its next delta is a final error."""
         if not self.finished and not self._closed and not self._cancelled:
             self._cancelled = True
             self._end_reason = reason
-            self._inject(499, "client_disconnected", reason, False, ANY_ATTEMPT)
+            self._inject(ClientDisconnectedError(reason), False, ANY_ATTEMPT)
 
     def close(self, reason: str | None = None) -> None:
         """Release everything; send Abort to the current instances unless the request finished well."""
@@ -370,9 +374,9 @@ class Generation:
         route = self.route
         assert route is not None
         logger.warning("request %s attempt %d on %s failed (%s: %s); retrying on a fresh pair",
-                       self.request_id, self.attempt, "/".join(route.instance_ids), error.type, error.message)  # fmt: skip
+                       self.request_id, self.attempt, "/".join(route.instance_ids), error.kind, error.message)  # fmt: skip
         d.num_retries += 1
-        d.abort_soon(route, self.request_id, self.attempt, f"retried elsewhere after {error.type}")
+        d.abort_soon(route, self.request_id, self.attempt, f"retried elsewhere after {error.kind}")
         self._release_all()
         if self._first_token_timer is not None:
             self._first_token_timer.cancel()
@@ -409,9 +413,9 @@ class Generation:
     def _expire(self, message: str, attempt: int = ANY_ATTEMPT) -> None:
         if attempt not in (ANY_ATTEMPT, self.attempt):
             return
-        self._inject(504, "timeout", message, False, ANY_ATTEMPT)
+        self._inject(RequestTimeoutError(message), False, ANY_ATTEMPT)
 
-    def _inject(self, code: int, type_: str, message: str, retryable: bool, attempt: int) -> None:
+    def _inject(self, error: PdserveError, retryable: bool, attempt: int) -> None:
         self.queue.put_nowait(
-            RequestDelta.failure(self.request_id, code, type_, message, retryable=retryable, attempt=attempt)
+            RequestDelta.failure(self.request_id, error, retryable=retryable, attempt=attempt)
         )

@@ -8,11 +8,11 @@ The router adds a few leaves to the tree of :mod:`pdserve.errors` (HTTP-only sit
     │   ├── BodyTooLargeError      the request body exceeds --max-body-bytes -> 413
     │   └── DuplicateRequestError  the client's x-request-id is already in flight here -> 409
     ├── NoCapacityError            nothing can serve the request now -> 503 + Retry-After
-    ├── RequestTimeoutError        the request ran past a deadline -> 504 (type ``timeout``)
-    └── UpstreamError              a worker reported a failure; keeps its HTTP-like code and type
+    └── UpstreamError              a worker's ErrorInfo: mapped by its ``kind``, like a local error
 
 :func:`error_status` maps any exception to ``(status, body, headers)``; ``tests/test_router_errors.py``
-fails when a class of the tree has no deliberate entry in :data:`ERROR_MAP`.
+fails when a class of the tree (and so a ``kind`` any producer can send) has no deliberate entry
+in :data:`ERROR_MAP`.
 """
 
 from __future__ import annotations
@@ -22,14 +22,21 @@ from dataclasses import dataclass
 import orjson
 
 from pdserve.errors import (
+    ClientDisconnectedError,
     ConfigError,
     ControlPlaneError,
+    ControlPlaneRestartedError,
     EngineError,
+    InstanceLostError,
     InvalidRequestError,
     MessageError,
     PdserveError,
+    RequestTimeoutError,
     RequestTooLongError,
+    RouterStoppingError,
     TransferError,
+    UnavailableError,
+    class_of_kind,
 )
 from pdserve.scheduler.messages import ErrorInfo
 
@@ -40,6 +47,8 @@ RETRY_AFTER_S = 1
 class ModelNotFoundError(InvalidRequestError):
     """No live instance serves the requested model (OpenAI answers 404 ``model_not_found``)."""
 
+    kind = "model_not_found"
+
     def __init__(self, model: str) -> None:
         super().__init__(
             f"The model `{model}` does not exist or is not served by any live instance.", "model"
@@ -49,6 +58,8 @@ class ModelNotFoundError(InvalidRequestError):
 class BodyTooLargeError(InvalidRequestError):
     """The request body is larger than the router accepts."""
 
+    kind = "request_too_large"
+
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body exceeds the limit of {limit} bytes", None)
 
@@ -56,20 +67,22 @@ class BodyTooLargeError(InvalidRequestError):
 class DuplicateRequestError(InvalidRequestError):
     """The client's ``x-request-id`` names a request that is still running on this router."""
 
+    kind = "duplicate_request_id"
+
 
 class NoCapacityError(PdserveError, RuntimeError):
     """No instance (pair) can take the request now: none registered, all draining, or only prefill."""
 
-
-class RequestTimeoutError(PdserveError, TimeoutError):
-    """The request missed a deadline (first token, or the whole request)."""
+    kind = "no_capacity"
 
 
 class UpstreamError(PdserveError, RuntimeError):
-    """A worker ended the request with an error; ``info.code`` is HTTP-like (e.g. 400 prompt too long)."""
+    """Another process ended the request; ``info.kind`` names the class of the tree it raised."""
+
+    kind = "upstream"  # never sent: its info's kind is what is mapped
 
     def __init__(self, info: ErrorInfo) -> None:
-        super().__init__(info.message)
+        super().__init__(info.message, info.param)
         self.info = info
 
 
@@ -94,10 +107,17 @@ ERROR_MAP: dict[type[BaseException], ErrorKind] = {
     EngineError: ErrorKind(500, "server_error", "engine_error"),
     TransferError: ErrorKind(503, "service_unavailable", "kv_transfer_failed", retry_after=True),
     ControlPlaneError: ErrorKind(503, "service_unavailable", "control_plane_unavailable", retry_after=True),
+    ControlPlaneRestartedError: ErrorKind(
+        503, "service_unavailable", "control_plane_restarted", retry_after=True
+    ),
     MessageError: ErrorKind(502, "bad_gateway", "invalid_message"),
+    UnavailableError: ErrorKind(503, "service_unavailable", "unavailable", retry_after=True),
+    InstanceLostError: ErrorKind(503, "service_unavailable", "instance_unavailable", retry_after=True),
+    RouterStoppingError: ErrorKind(503, "service_unavailable", "router_stopping", retry_after=True),
     NoCapacityError: ErrorKind(503, "service_unavailable", "no_capacity", retry_after=True),
     RequestTimeoutError: ErrorKind(504, "timeout", "timeout"),
-    # UpstreamError: status and type come from the worker's ErrorInfo (see error_status).
+    ClientDisconnectedError: ErrorKind(499, "client_disconnected", "client_disconnected"),
+    # UpstreamError: mapped through the class its ErrorInfo.kind names (see error_status).
     UpstreamError: ErrorKind(500, "server_error"),
 }
 """Every class of the exception tree -> its HTTP status and OpenAI ``type``/``code``."""
@@ -116,9 +136,8 @@ def error_status(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
     Exceptions outside pdserve's tree are bugs: they become a 500 without their text, which is
     logged by the caller instead (it may hold internals).
     """
-    if isinstance(exc, UpstreamError):
-        return _upstream(exc.info)
-    kind = next((ERROR_MAP[c] for c in type(exc).__mro__ if c in ERROR_MAP), None)
+    cls = class_of_kind(exc.info.kind) if isinstance(exc, UpstreamError) else type(exc)
+    kind = kind_of(cls)
     if kind is None:
         return _INTERNAL.status, error_body("internal server error", _INTERNAL.type, None, _INTERNAL.code), {}
     param = getattr(exc, "param", None)
@@ -127,17 +146,14 @@ def error_status(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
     return kind.status, error_body(message, kind.type, param, kind.code), headers
 
 
-def _upstream(info: ErrorInfo) -> tuple[int, dict, dict[str, str]]:
-    status = info.code if 400 <= info.code <= 599 else 500
-    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else {}
-    return status, error_body(info.message, info.type, None, info.type), headers
+def kind_of(cls: type[BaseException]) -> ErrorKind | None:
+    """The table entry of ``cls`` or of its nearest ancestor; None outside pdserve's tree."""
+    return next((ERROR_MAP[c] for c in cls.__mro__ if c in ERROR_MAP), None)
 
 
 def error_event(exc_or_info: BaseException | ErrorInfo) -> bytes:
     """The SSE event that ends a stream which already sent bytes (never a silent cut)."""
-    if isinstance(exc_or_info, ErrorInfo):
-        status, body, _ = _upstream(exc_or_info)
-    else:
-        status, body, _ = error_status(exc_or_info)
+    exc = UpstreamError(exc_or_info) if isinstance(exc_or_info, ErrorInfo) else exc_or_info
+    status, body, _ = error_status(exc)
     body["error"]["status"] = status
     return b"data: " + orjson.dumps(body) + b"\n\n"

@@ -19,10 +19,13 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pdserve.errors import MessageError
+from pdserve.errors import MessageError, PdserveError
 
-SCHEMA_VERSION = 1
-"""The newest message schema (major) version this code reads and writes."""
+SCHEMA_VERSION = 2
+"""The newest message schema (major) version this code reads and writes.
+
+2: ``ErrorInfo`` carries the exception tree's ``kind`` and ``param`` instead of ``code``/``type``.
+"""
 
 ANY_ATTEMPT = -1
 """``RequestDelta.attempt`` of events that end every attempt (e.g. the router lost Redis)."""
@@ -145,12 +148,20 @@ class Usage(_Model):
 
 
 class ErrorInfo(_Model):
-    """A failure the router turns into an OpenAI error body; ``code`` is HTTP-like."""
+    """A failure as it crosses processes: the ``kind`` of its class in :mod:`pdserve.errors`, the
+    message, the request field it concerns, and whether another instance may succeed. The router
+    maps the kind to an HTTP status and OpenAI body in one table; nobody else picks codes."""
 
-    code: int
-    type: str
+    kind: str
     message: str
+    param: str | None = None
     retryable: bool = False
+
+    @classmethod
+    def of(cls, error: PdserveError, *, retryable: bool = False) -> ErrorInfo:
+        return cls(
+            kind=error.kind, message=error.message or str(error), param=error.param, retryable=retryable
+        )
 
 
 class RequestDelta(_Model):
@@ -176,18 +187,11 @@ class RequestDelta(_Model):
 
     @classmethod
     def failure(
-        cls,
-        request_id: str,
-        code: int,
-        type: str,
-        message: str,
-        *,
-        retryable: bool = False,
-        attempt: int = 0,
+        cls, request_id: str, error: PdserveError, *, retryable: bool = False, attempt: int = 0
     ) -> RequestDelta:
-        """The final event of a request that failed."""
-        error = ErrorInfo(code=code, type=type, message=message, retryable=retryable)
-        return cls(request_id=request_id, finish_reason="error", error=error, attempt=attempt)
+        """The final event of a request that failed with ``error``."""
+        info = ErrorInfo.of(error, retryable=retryable)
+        return cls(request_id=request_id, finish_reason="error", error=info, attempt=attempt)
 
 
 # -- stream messages -------------------------------------------------------------------------------

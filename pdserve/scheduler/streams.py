@@ -27,7 +27,13 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, ResponseError
 
-from pdserve.errors import MessageError
+from pdserve.errors import (
+    ControlPlaneError,
+    ControlPlaneRestartedError,
+    MessageError,
+    PdserveError,
+    RouterStoppingError,
+)
 from pdserve.scheduler.connection import redis_errors, require_bytes_responses
 from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
 from pdserve.scheduler.messages import (
@@ -272,7 +278,7 @@ class Inbox:
         attempt = raw.get("attempt", 0)
         if not isinstance(attempt, int):
             attempt = ANY_ATTEMPT
-        delta = RequestDelta.failure(request_id, 400, "invalid_message", str(error), attempt=attempt)
+        delta = RequestDelta.failure(request_id, error, attempt=attempt)
         _stage_publish(pipe, key, StepOutput(instance_id=self.instance_id, items=[delta]))
 
 
@@ -395,7 +401,7 @@ class OutboxReader:
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
-        self._fail_all(503, "router_stopping", "the router is shutting down")
+        self._fail_all(RouterStoppingError("the router is shutting down"))
 
     async def __aenter__(self) -> OutboxReader:
         await self.start()
@@ -466,7 +472,7 @@ class OutboxReader:
             run_id = ""
         if self._run_id is not None and run_id != self._run_id:
             logger.error("Redis restarted (run_id changed); failing %d requests in flight", len(self._queues))
-            self._fail_all(503, "control_plane_restarted", "Redis restarted; results in flight may be lost")
+            self._fail_all(ControlPlaneRestartedError("Redis restarted; results in flight may be lost"))
         self._run_id = run_id
 
     def _lost(self, error: BaseException, failures: int) -> None:
@@ -479,7 +485,7 @@ class OutboxReader:
         )
         if down_s >= self.fail_after_s and not self._outage_reported:
             self._outage_reported = True
-            self._fail_all(503, "control_plane_unavailable", f"lost contact with Redis for {down_s:.1f} s")
+            self._fail_all(ControlPlaneError(f"lost contact with Redis for {down_s:.1f} s"))
 
     def _recovered(self, failures: int) -> None:
         if failures:
@@ -489,20 +495,13 @@ class OutboxReader:
 
     def _outage_delta(self, request_id: str) -> RequestDelta:
         return RequestDelta.failure(
-            request_id,
-            503,
-            "control_plane_unavailable",
-            "Redis is unreachable",
-            retryable=True,
-            attempt=ANY_ATTEMPT,
+            request_id, ControlPlaneError("Redis is unreachable"), retryable=True, attempt=ANY_ATTEMPT
         )
 
-    def _fail_all(self, code: int, type_: str, message: str) -> None:
+    def _fail_all(self, error: PdserveError) -> None:
         queues, self._queues = self._queues, {}
         for request_id, queue in queues.items():
-            queue.put_nowait(
-                RequestDelta.failure(request_id, code, type_, message, retryable=True, attempt=ANY_ATTEMPT)
-            )
+            queue.put_nowait(RequestDelta.failure(request_id, error, retryable=True, attempt=ANY_ATTEMPT))
 
 
 def _check_block(redis: aioredis.Redis, block_ms: int) -> None:

@@ -38,7 +38,9 @@ from pdserve.errors import (
     EngineError,
     InvalidRequestError,
     PdserveError,
+    RequestTimeoutError,
     TransferError,
+    UnavailableError,
 )
 from pdserve.scheduler import (
     Abort,
@@ -305,10 +307,12 @@ class WorkerService:
         owner = _Owner(msg.router_id, msg.request_id, msg.attempt)
         if self.draining:
             return await self._fail(
-                owner, 503, "unavailable", f"instance {self.id} is draining", retryable=True
+                owner, UnavailableError(f"instance {self.id} is draining"), retryable=True
             )
         if time.time() > msg.deadline:
-            return await self._fail(owner, 504, "timeout", "the request's deadline passed before it started")
+            return await self._fail(
+                owner, RequestTimeoutError("the request's deadline passed before it started")
+            )
         if not await self._router_alive(msg.router_id):
             log.info("dropping %s: router %s is gone", msg.request_id, msg.router_id)
             return None
@@ -317,7 +321,9 @@ class WorkerService:
             params = self._sampling(msg.sampling, len(ids))
             self.engine.validate(ids, params)
         except InvalidRequestError as e:
-            return await self._fail(owner, 400, "invalid_request_error", str(e))
+            if msg.messages is not None and e.param == "prompt":
+                e.param = "messages"  # the field the client sent
+            return await self._fail(owner, e)
         key = engine_key(msg.request_id, msg.attempt)
         info = msg.disaggregate_info
         if info is not None and self.settings.role == "prefill" and info.decode.id != self.id:
@@ -392,7 +398,7 @@ class WorkerService:
             split.next_reserve_at = time.monotonic() + msg.retry_after_ms / 1000
         else:
             await self._abort_split(
-                split, 503, "unavailable", msg.error or "decode instance refused", retryable=True
+                split, UnavailableError(msg.error or "decode instance refused"), retryable=True
             )
 
     async def _on_prefilled(self, msg: Prefilled) -> None:
@@ -472,7 +478,7 @@ class WorkerService:
             delta.finish_reason = out.finish_reason
             delta.usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens)
             if out.error:
-                delta.error = ErrorInfo(code=500, type="engine_error", message=out.error)
+                delta.error = ErrorInfo.of(EngineError(out.error))
         return delta
 
     def _logprob(self, lp) -> TokenLogprob:
@@ -504,28 +510,23 @@ class WorkerService:
             self._transports.pop(info.decode.id, None)
             self.splits.pop(key, None)
             await self._call(self.engine.release_prefilled, key)
-            await self._tell_decode(split, error=str(e))
-            return await self._fail(
-                _Owner(m.router_id, m.request_id, m.attempt),
-                502,
-                "kv_transfer_error",
-                f"KV transfer to {info.decode.id} failed: {e}",
-                retryable=True,
-            )
+            failure = TransferError(f"KV transfer to {info.decode.id} failed: {e}")
+            await self._tell_decode(split, error=failure)
+            return await self._fail(_Owner(m.router_id, m.request_id, m.attempt), failure, retryable=True)
         first = split.first
         await self.outbox.publish(m.router_id, self._step([self._delta(first, m.request_id, m.attempt)]))
         await self._tell_decode(split)
         self.splits.pop(key, None)
         await self._call(self.engine.release_prefilled, key)
 
-    async def _tell_decode(self, split: _Split, error: str | None = None) -> None:
+    async def _tell_decode(self, split: _Split, error: TransferError | None = None) -> None:
         m, first = split.msg, split.first
         msg = Prefilled(
             request_id=m.request_id,
             first_token=first.token_ids[0] if first else 0,
             prompt_token_ids=split.prompt_ids,
             attempt=m.attempt,
-            error=ErrorInfo(code=502, type="kv_transfer_error", message=error) if error else None,
+            error=ErrorInfo.of(error) if error else None,
         )
         await send_to_inbox(self.redis, self.keys, m.disaggregate_info.decode.id, msg)
 
@@ -536,15 +537,13 @@ class WorkerService:
             transport = self._transports[peer_id] = open_transport(protocol, transfer.get("endpoint"))
         return transport
 
-    async def _abort_split(self, split: _Split, code: int, type_: str, message: str, retryable: bool) -> None:
+    async def _abort_split(self, split: _Split, error: PdserveError, retryable: bool) -> None:
         split.done = True
         self.splits.pop(split.key, None)
         await self._call(self.engine.abort, split.key, "failed")
-        await self._send_abort(split, message)
+        await self._send_abort(split, error.message)
         m = split.msg
-        await self._fail(
-            _Owner(m.router_id, m.request_id, m.attempt), code, type_, message, retryable=retryable
-        )
+        await self._fail(_Owner(m.router_id, m.request_id, m.attempt), error, retryable=retryable)
 
     async def _send_abort(self, split: _Split, reason: str) -> None:
         m = split.msg
@@ -570,14 +569,12 @@ class WorkerService:
                 else:
                     await self._abort_split(
                         split,
-                        503,
-                        "unavailable",
-                        "no decode instance could reserve KV blocks before the deadline",
+                        UnavailableError("no decode instance could reserve KV blocks before the deadline"),
                         True,
                     )
             elif split.dst_blocks is None and now > dl.reserve:
                 await self._abort_split(
-                    split, 504, "timeout", "the decode instance did not answer in time", True
+                    split, RequestTimeoutError("the decode instance did not answer in time"), True
                 )
         for key, lease in list(self.leases.items()):
             if now > lease.expires_at:  # the prefill never came: a lease, not a leak
@@ -628,13 +625,13 @@ class WorkerService:
         failures: dict[str, list[RequestDelta]] = collections.defaultdict(list)
         for owner in self.owners.values():
             failures[owner.router_id].append(
-                RequestDelta.failure(owner.request_id, 503, "unavailable", message, attempt=owner.attempt)
+                RequestDelta.failure(owner.request_id, UnavailableError(message), attempt=owner.attempt)
             )
         for split in self.splits.values():
             m = split.msg
             failures[m.router_id].append(
                 RequestDelta.failure(
-                    m.request_id, 503, "unavailable", message, retryable=True, attempt=m.attempt
+                    m.request_id, UnavailableError(message), retryable=True, attempt=m.attempt
                 )
             )
         self.owners.clear()
@@ -645,12 +642,8 @@ class WorkerService:
             except ControlPlaneError as e:
                 log.error("could not tell routers about %d failed requests: %s", len(failures), e)
 
-    async def _fail(
-        self, owner: _Owner, code: int, type_: str, message: str, retryable: bool = False
-    ) -> None:
-        delta = RequestDelta.failure(
-            owner.request_id, code, type_, message, retryable=retryable, attempt=owner.attempt
-        )
+    async def _fail(self, owner: _Owner, error: PdserveError, retryable: bool = False) -> None:
+        delta = RequestDelta.failure(owner.request_id, error, retryable=retryable, attempt=owner.attempt)
         await self.outbox.publish(owner.router_id, self._step([delta]))
 
     def _step(self, items: list[RequestDelta]) -> StepOutput:
