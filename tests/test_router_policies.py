@@ -91,6 +91,24 @@ def test_splitwise_pair_and_protocol() -> None:
     assert route.entry.id == "p0" and route.instance_ids == ("p0", "d0")
 
 
+def test_instances_with_different_kv_geometry_are_never_paired(caplog) -> None:
+    sel = Selector("round_robin", "round_robin")
+    p0 = instance("p0", "prefill", host="a")
+    d16 = instance("d0", "decode", host="a")
+    d32 = instance("d1", "decode", host="a")
+    d32.kv.block_size = 32
+    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+        routes = [sel.route([p0, d32], "tiny") for _ in range(3)]
+    assert all(r.prefill is None and r.decode.id == "d1" for r in routes)  # d1 serves it alone
+    assert "not pairing p0 with d1: different KV caches (block_size 16 vs 32)" in caplog.text
+    assert caplog.text.count("not pairing") == 1  # said once, not per request
+    for _ in range(4):
+        route = sel.route([p0, d16, d32], "tiny")
+        assert (route.prefill.id, route.decode.id) == ("p0", "d0")  # only the compatible partner
+    d32.kv.block_size, d32.kv.dtype = 16, "bfloat16"
+    assert sel.route([p0, d32], "tiny").prefill is None
+
+
 def test_pairs_without_a_common_protocol_are_skipped() -> None:
     sel = Selector("round_robin", "round_robin")
     lonely = instance("p0", "prefill", host="a", protocols=("shm",))

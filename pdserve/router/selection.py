@@ -56,6 +56,20 @@ def transfer_protocol(prefill: InstanceInfo, decode: InstanceInfo) -> str | None
     return next((p for p in prefill.transfer.protocols if p != SHM and p in offered), None)
 
 
+def kv_mismatch(prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
+    """Why ``prefill``'s KV bytes cannot go into ``decode``'s blocks, or None when they can.
+
+    The prefill side computes the decode side's byte offsets from its own KV geometry, so a pair
+    whose block size, dtype or layout differ would move wrong bytes: such a pair is never made.
+    """
+    diffs = [
+        f"{name} {getattr(prefill.kv, name)} vs {getattr(decode.kv, name)}"
+        for name in ("block_size", "dtype", "layout")
+        if getattr(prefill.kv, name) != getattr(decode.kv, name)
+    ]
+    return f"{prefill.id} with {decode.id}: different KV caches ({', '.join(diffs)})" if diffs else None
+
+
 def resolve_model(live: Sequence[InstanceInfo], model: str | None) -> str:
     """The model a request names, checked against the live set (404 if nobody serves it).
 
@@ -89,6 +103,7 @@ class Selector:
         )
         self.in_flight: dict[str, int] = {}
         self._warned_at = float("-inf")
+        self._mismatch_warned: dict[str, float] = {}  # reason -> when it was last logged
         self._live: Sequence[InstanceInfo] | None = None
         self._live_by_id: Sequence[InstanceInfo] = ()
 
@@ -130,18 +145,35 @@ class Selector:
     def _pair(self, prefills: list[InstanceInfo], decodes: list[InstanceInfo]) -> Route | None:
         while prefills:
             prefill = self.prefill_policy.pick(prefills, self.in_flight)
-            usable = {d.id: p for d in decodes if d.id != prefill.id and (p := transfer_protocol(prefill, d))}
+            usable = {
+                d.id: p
+                for d in decodes
+                if d.id != prefill.id
+                and self._kv_compatible(prefill, d)
+                and (p := transfer_protocol(prefill, d))
+            }
             if usable:
                 decode = self.decode_policy.pick([d for d in decodes if d.id in usable], self.in_flight)
                 return Route(decode=decode, prefill=prefill, protocol=usable[decode.id])
             prefills = [p for p in prefills if p is not prefill]  # no partner: skip this prefill
         return None
 
+    def _kv_compatible(self, prefill: InstanceInfo, decode: InstanceInfo) -> bool:
+        reason = kv_mismatch(prefill, decode)
+        if reason is not None:
+            now = time.monotonic()
+            if now - self._mismatch_warned.get(reason, -_WARN_EVERY_S) >= _WARN_EVERY_S:
+                self._mismatch_warned[reason] = now
+                logger.warning("not pairing %s; its KV bytes would land in the wrong places", reason)
+        return reason is None
+
     def _warn_no_pair(self) -> None:
         now = time.monotonic()
         if now - self._warned_at >= _WARN_EVERY_S:
             self._warned_at = now
-            logger.warning("no prefill/decode pair shares a KV transfer protocol; serving without prefill")
+            logger.warning(
+                "no prefill/decode pair shares a KV transfer protocol and KV geometry; serving without prefill"
+            )
 
 
 def no_route_reason(live: Sequence[InstanceInfo], model: str) -> str:
