@@ -8,7 +8,7 @@ import orjson
 import pytest
 from pydantic import BaseModel
 
-from pdserve.errors import EngineError, MessageError, RequestTooLongError
+from pdserve.errors import EngineError, MessageError, RequestTooLongError, TransferError
 from pdserve.scheduler import (
     SCHEMA_VERSION,
     Abort,
@@ -25,8 +25,6 @@ from pdserve.scheduler import (
     ReserveReply,
     RouterInfo,
     StepOutput,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     decode,
     decode_as,
@@ -64,7 +62,6 @@ MESSAGES: list[BaseModel] = [
         deadline=NOW + 30,
         attempt=1,
         disaggregate_info=_disagg(),
-        arrival_time=NOW,
     ),
     GenerateRequest(request_id="req-2", router_id="r1", prompt_token_ids=[1, 2, 3], deadline=NOW + 30),
     ReserveBlocks(
@@ -77,15 +74,13 @@ MESSAGES: list[BaseModel] = [
         sampling={"max_tokens": 8},
         prompt_token_ids=[1, 2, 3],
     ),
-    ReserveReply(request_id="req-1", ok=True, block_ids=[4, 9], num_cached_tokens=0),
+    ReserveReply(request_id="req-1", ok=True, block_ids=[4, 9]),
     ReserveReply(request_id="req-1", ok=False, error="no free blocks", retry_after_ms=50),
     Prefilled(
         request_id="req-1",
         first_token=42,
-        first_logprobs=TokenLogprob(
-            token_id=42, token="a", logprob=-0.1, top=[TopLogprob(token_id=7, token="b", logprob=-2.5)]
-        ),
         prompt_token_ids=[1, 2, 3],
+        error=ErrorInfo.of(TransferError("segment gone"), retryable=True),
     ),
     Abort(request_id="req-1", reason="client disconnected"),
     StepOutput(

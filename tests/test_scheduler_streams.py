@@ -15,7 +15,6 @@ from redis_support import run
 
 from pdserve.scheduler import (
     ANY_ATTEMPT,
-    Abort,
     GenerateRequest,
     Inbox,
     Keys,
@@ -89,25 +88,6 @@ def test_pending_entries_are_re_read_after_restart_but_not_after_ack(
 
         again = Inbox(r, KEYS, "p0", consumer="p0-w")
         assert await again.read(count=10, block_ms=50) == []
-
-    run(redis_url, main)
-
-
-def test_claim_stale_takes_over_a_dead_consumers_entries(redis_url: str, redis_client: redis.Redis) -> None:
-    async def main(r: aioredis.Redis) -> None:
-        dead = Inbox(r, KEYS, "d0", consumer="d0-old")
-        await dead.ensure_group()
-        await send_to_inbox(r, KEYS, "d0", Abort(request_id="a", reason="x"))
-        await send_to_inbox(r, KEYS, "d0", gen("b"))
-        assert len(await dead.read(block_ms=100)) == 2
-        heir = Inbox(r, KEYS, "d0", consumer="d0-new")
-        assert await heir.claim_stale(min_idle_ms=60_000) == []  # not idle long enough
-        await asyncio.sleep(0.06)
-        claimed = await heir.claim_stale(min_idle_ms=50)
-        assert [m.request_id for _, m in claimed] == ["a", "b"]
-        assert await Inbox(r, KEYS, "d0", consumer="d0-old").read(block_ms=50) == []  # ownership moved
-        await heir.ack([e for e, _ in claimed])
-        assert await heir.pending() == 0
 
     run(redis_url, main)
 

@@ -124,7 +124,7 @@ class Dispatcher:
         gens: list[Generation] = []
         try:
             for rid, sampling in zip(ids, parsed.samplings):
-                gen = Generation(self, rid, parsed, sampling, model, now, deadline)
+                gen = Generation(self, rid, parsed, sampling, model, deadline)
                 gens.append(gen)
             if len(gens) == 1:
                 await gens[0].start()
@@ -199,7 +199,6 @@ class Generation:
         parsed: ParsedRequest,
         sampling: dict[str, Any],
         model: str,
-        arrival: float,
         deadline: float,
     ) -> None:
         self.dispatcher = dispatcher
@@ -207,7 +206,6 @@ class Generation:
         self.parsed = parsed
         self.sampling = sampling
         self.model = model
-        self.arrival = arrival
         self.deadline = deadline
         self.attempt = 0
         self.route: Route | None = None
@@ -357,7 +355,7 @@ class Generation:
         return GenerateRequest(
             request_id=self.request_id, router_id=d.router_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids,
             messages=p.messages, sampling=self.sampling, deadline=self.deadline, attempt=self.attempt,
-            disaggregate_info=info, arrival_time=self.arrival,
+            disaggregate_info=info,
         )  # fmt: skip
 
     def _may_retry(self, error: ErrorInfo) -> bool:

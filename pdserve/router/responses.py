@@ -162,16 +162,12 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
 
     A final delta without usage (should not happen) counts the tokens the router saw.
     """
-    prompt = completion = cached = 0
+    prompt = completion = 0
     for i, c in enumerate(choices):
         if c.usage is not None:
             completion += c.usage.completion_tokens
             if i == 0:
-                prompt, cached = c.usage.prompt_tokens, c.usage.num_cached_tokens
+                prompt = c.usage.prompt_tokens
         else:
             completion += c.num_tokens
-    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                           "total_tokens": prompt + completion}  # fmt: skip
-    if cached:
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
-    return out
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -24,7 +24,9 @@ from pdserve.errors import MessageError, PdserveError
 SCHEMA_VERSION = 2
 """The newest message schema (major) version this code reads and writes.
 
-2: ``ErrorInfo`` carries the exception tree's ``kind`` and ``param`` instead of ``code``/``type``.
+2: ``ErrorInfo`` carries the exception tree's ``kind`` and ``param`` instead of ``code``/``type``;
+fields nothing produced or read are gone (``detokenize``, ``arrival_time``, ``first_logprobs``,
+``num_cached_tokens``).
 """
 
 ANY_ATTEMPT = -1
@@ -144,7 +146,6 @@ class TokenLogprob(_Model):
 class Usage(_Model):
     prompt_tokens: int
     completion_tokens: int
-    num_cached_tokens: int = 0
 
 
 class ErrorInfo(_Model):
@@ -219,8 +220,6 @@ class GenerateRequest(_Message):
     deadline: float
     attempt: int = 0
     disaggregate_info: DisaggregateInfo | None = None
-    detokenize: bool = True
-    arrival_time: float | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -247,20 +246,15 @@ class ReserveBlocks(_Message):
     sampling: dict[str, Any] = Field(default_factory=dict)
     prompt_token_ids: list[int]
     attempt: int = 0
-    detokenize: bool = True
 
 
 class ReserveReply(_Message):
-    """Decode -> prefill inbox: the reserved block ids, or a refusal (``retry_after_ms`` when worth it).
-
-    ``num_cached_tokens`` prompt tokens already sit in decode's prefix cache and need no transfer.
-    """
+    """Decode -> prefill inbox: the reserved block ids, or a refusal (``retry_after_ms`` when worth it)."""
 
     type: Literal["reserve_reply"] = "reserve_reply"
     request_id: str
     ok: bool
     block_ids: list[int] = Field(default_factory=list)
-    num_cached_tokens: int = 0
     error: str | None = None
     retry_after_ms: int | None = None
     attempt: int = 0
@@ -272,9 +266,7 @@ class Prefilled(_Message):
     type: Literal["prefilled"] = "prefilled"
     request_id: str
     first_token: int
-    first_logprobs: TokenLogprob | None = None
     prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
     error: ErrorInfo | None = None
     attempt: int = 0
 

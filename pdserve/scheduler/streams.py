@@ -96,7 +96,7 @@ class Inbox:
 
     Ack an entry as soon as the engine has taken the message over: entries still pending are
     exactly those a crash would lose, and they are re-read by a restart under the same consumer
-    name or claimed by another consumer with :meth:`claim_stale`. Entries that cannot be decoded
+    name (``--instance-id``); the inbox of an id that never comes back expires with its TTL. Entries that cannot be decoded
     go to the dead-letter stream (and, when they name a request and a router, that router gets
     an error event), so a bad message is never re-delivered forever.
     """
@@ -161,37 +161,6 @@ class Inbox:
         if pipeline is None:
             with redis_errors(f"acknowledging {len(ids)} entries of {self.key}"):
                 await pipe.execute()
-
-    async def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
-        """Take over up to ``count`` entries pending for over ``min_idle_ms`` with ANY consumer of
-        the group (a dead one, or this one after a lost reply), via XAUTOCLAIM; return them decoded.
-        """
-        claimed: list[tuple[Any, Any]] = []
-        cursor: bytes | str = "0-0"
-        with redis_errors(f"claiming stale entries of {self.key}"):
-            while len(claimed) < count:
-                try:
-                    reply = await self.redis.xautoclaim(
-                        self.key,
-                        INBOX_GROUP,
-                        self.consumer,
-                        min_idle_ms,
-                        start_id=cursor,
-                        count=count - len(claimed),
-                    )
-                except ResponseError as e:
-                    if "NOGROUP" in str(e):
-                        return []
-                    raise
-                cursor, entries = reply[0], reply[1]
-                claimed.extend(
-                    entry for entry in entries if entry[0] is not None
-                )  # 6.2 returns deleted ones as nil
-                if cursor in (b"0-0", "0-0"):
-                    break
-        if claimed:
-            logger.warning("%s: consumer %s claimed %d stale entries", self.key, self.consumer, len(claimed))
-        return await self._accept(claimed)
 
     async def pending(self) -> int:
         """Entries delivered to some consumer of the group but not acked yet."""
