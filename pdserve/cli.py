@@ -184,18 +184,31 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 # ---- pdserve worker -----------------------------------------------------------------------------
 def add_control_plane_flags(p: argparse.ArgumentParser) -> None:
+    from pdserve.scheduler.connection import DEFAULT_URL
+    from pdserve.worker.settings import default
+
     g = p.add_argument_group("control plane")
     add_flag(
         g,
         "--redis-url",
         str,
-        "redis://127.0.0.1:6379/0",
+        DEFAULT_URL,
         "Redis URL: redis:// or rediss:// (TLS), with user:password@ and /db (default %(default)s)",
     )
     add_flag(
-        g, "--cluster", str, "default", "namespace of this deployment inside Redis (default %(default)s)"
+        g,
+        "--cluster",
+        str,
+        default("cluster"),
+        "namespace of this deployment inside Redis (default %(default)s)",
     )
-    add_flag(g, "--ttl", float, 6.0, "registration TTL in seconds; heartbeats renew it every ttl/3")
+    add_flag(
+        g,
+        "--ttl",
+        float,
+        default("ttl_s"),
+        "registration TTL in seconds; heartbeats renew it every ttl/3 (default %(default)s)",
+    )
 
 
 def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -203,7 +216,8 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("--model is required (or set PDSERVE_MODEL)")
     from pathlib import Path
 
-    from pdserve.worker.service import WorkerSettings, run_worker
+    from pdserve.worker.service import run_worker
+    from pdserve.worker.settings import WorkerSettings
 
     try:
         settings = WorkerSettings(
@@ -277,18 +291,22 @@ def cmd_redis(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from pdserve.scheduler.connection import DEFAULT_URL
+    from pdserve.scheduler.keys import DEFAULT_CLUSTER
     from pdserve.stack import running_stack
     from pdserve.status import run_status
 
     stack = running_stack() if args.redis_url is None else None
     redis_url = args.redis_url or (stack or {}).get("redis_url") or DEFAULT_URL
-    cluster = args.cluster or (stack or {}).get("cluster") or "default"
+    cluster = args.cluster or (stack or {}).get("cluster") or DEFAULT_CLUSTER
     return run_status(redis_url, cluster, args.json)
 
 
 # ---- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.worker.cpu import KERNEL_MODES  # here: importing pdserve.cli loads no worker code
+    # here, not at the top: importing pdserve.cli loads no worker code (both modules are light)
+    from pdserve.worker.cpu import KERNEL_MODES
+    from pdserve.worker.settings import ROLES
+    from pdserve.worker.settings import default as worker_default
 
     parser = argparse.ArgumentParser(
         prog="pdserve",
@@ -377,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
         str,
         "mixed",
         "prefill: prompts to KV cache; decode: KV cache to tokens; mixed: both (default %(default)s)",
-        choices=("prefill", "decode", "mixed"),
+        choices=ROLES,
     )
     add_flag(worker, "--model", str, None, "model folder (Hugging Face layout)")
     add_flag(worker, "--served-model-name", str, None, "model name clients use (default: the folder name)")
@@ -395,7 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
         None,
         "host identity: prefill and decode with the same one move KV through shared memory (default: this machine's hostname)",
     )
-    add_flag(worker, "--drain-timeout", float, 30.0, "seconds SIGTERM waits for in-flight requests")
+    add_flag(
+        worker,
+        "--drain-timeout",
+        float,
+        worker_default("drain_timeout_s"),
+        "seconds SIGTERM waits for in-flight requests (default %(default)s)",
+    )
     add_control_plane_flags(worker)
     add_engine_flags(worker)
     worker.set_defaults(func=lambda a: cmd_worker(a, worker))
@@ -428,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--prefill", int, 1, "prefill instances (default %(default)s)")
     add_flag(up, "--decode", int, 1, "decode instances (default %(default)s)")
     add_flag(up, "--mixed", int, 0, "mixed instances (default %(default)s)")
-    add_flag(up, "--cluster", str, "default", "namespace inside Redis (default %(default)s)")
+    add_flag(up, "--cluster", str, worker_default("cluster"), "namespace inside Redis (default %(default)s)")
     add_flag(up, "--threads", int, None, "CPU threads per worker (default: cores / workers)")
     for flag, kind, text in (
         ("--kv-cache-gb", float, "KV cache per worker in GiB"),

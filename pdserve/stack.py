@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.scheduler.embedded import EmbeddedRedis
+from pdserve.scheduler.keys import DEFAULT_CLUSTER
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polling is not news
@@ -39,7 +40,7 @@ class StackSpec:
     prefill: int = 1
     decode: int = 1
     mixed: int = 0
-    cluster: str = "default"
+    cluster: str = DEFAULT_CLUSTER
     threads: int | None = None
     extra_worker_args: list[str] = dataclasses.field(default_factory=list)
     ready_timeout_s: float = 120.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -79,3 +80,52 @@ def test_redis_command_refuses_a_taken_port() -> None:
             timeout=60,
         )
     assert out.returncode == 2 and "try --port" in out.stderr and "Traceback" not in out.stderr
+
+
+def readme_flag_table() -> list[tuple[list[str], list[str], list[str]]]:
+    """(variables, flags, commands) per row of the README's flag table."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = text[text.index("## Flags and environment variables") :].split("\n## ")[0]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`PDSERVE_"):
+            continue
+        variables = re.findall(r"`(PDSERVE_\w+)`", cells[0])
+        if cells[1] == "same":
+            flags = ["--" + v.removeprefix("PDSERVE_").lower().replace("_", "-") for v in variables]
+        else:
+            flags = re.findall(r"`(--[\w-]+)`", cells[1])
+        commands = list(COMMANDS) if cells[2] == "all" else [c.strip() for c in cells[2].split(",")]
+        rows.append((variables, flags, commands))
+    return rows
+
+
+def command_helps() -> dict[str, str]:
+    subs = subcommands(build_parser())
+    helps = {name: " ".join(subs[name].format_help().split()) for name in COMMANDS}
+    helps["model"] += " " + " ".join(subcommands(subs["model"])["init"].format_help().split())
+    return helps
+
+
+def test_readme_flag_table_matches_help() -> None:
+    """Each README row's flags exist, with their variable, on the commands it names; and every
+    PDSERVE_* variable that some --help mentions has a README row naming that command."""
+    helps = command_helps()
+    documented: set[tuple[str, str]] = set()
+    for variables, flags, commands in readme_flag_table():
+        if not flags:
+            continue  # variables read outside argparse (PDSERVE_CACHE_DIR, PDSERVE_TEST_REDIS_URL)
+        for command in commands:
+            for flag, var in zip(flags, variables, strict=True):
+                assert re.search(rf"{re.escape(flag)}\b", helps[command]), f"{command} has no {flag}"
+                documented.add((command, var))
+    missing = sorted(
+        f"{var} for `pdserve {command}`"
+        for command, text in helps.items()
+        for var in set(re.findall(r"\[env (PDSERVE_\w+)\]", text))
+        if (command, var) not in documented
+    )
+    assert not missing, f"README's flag table lacks {missing}"

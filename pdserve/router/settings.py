@@ -15,12 +15,12 @@ from typing import Any
 from pdserve.errors import ConfigError
 from pdserve.flags import add_flag, boolean, env
 from pdserve.router.policies import POLICIES as POLICY_NAMES
+from pdserve.scheduler.connection import DEFAULT_URL
 from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 MIB = 1024 * 1024
 
 
@@ -32,7 +32,7 @@ class RouterSettings:
     ``router-<hostname>-<port>-<random>`` so replicas on one host never collide.
     """
 
-    redis_url: str = dataclasses.field(default=DEFAULT_REDIS_URL, repr=False)  # may hold a password
+    redis_url: str = dataclasses.field(default=DEFAULT_URL, repr=False)  # may hold a password
     cluster: str = DEFAULT_CLUSTER
     host: str = "127.0.0.1"
     port: int = 8000
@@ -100,9 +100,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``pdserve router`` flags; each defaults from ``PDSERVE_<FLAG>``."""
     d = RouterSettings.__dataclass_fields__
     g = parser.add_argument_group("router")
-    add_flag(
-        g, "--redis-url", str, DEFAULT_REDIS_URL, f"Redis of the control plane (default {DEFAULT_REDIS_URL})"
-    )
+    add_flag(g, "--redis-url", str, DEFAULT_URL, f"Redis of the control plane (default {DEFAULT_URL})")
     add_flag(g, "--cluster", str, DEFAULT_CLUSTER, "cluster namespace inside Redis (default %(default)s)")
     add_flag(g, "--host", str, d["host"].default, "address to listen on (default %(default)s)")
     add_flag(g, "--port", int, d["port"].default, "port to listen on (default %(default)s)")
@@ -112,7 +110,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
             g,
             f"--{stage}-policy",
             str,
-            "least_load",
+            d[f"{stage}_policy"].default,
             f"how to pick the {stage} instance (default %(default)s)",
             choices=POLICY_NAMES,
         )

@@ -23,11 +23,8 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from pdserve.cache_transfer.base import KVTransport
@@ -70,33 +67,12 @@ from pdserve.scheduler import (
 )
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.tasks import cancel_and_wait
-from pdserve.worker.engine import EngineConfig, LLMEngine, RequestOutput
+from pdserve.worker.engine import LLMEngine, RequestOutput
+from pdserve.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 RESERVE_RETRY_MS = 200  # a decode instance without free blocks asks to be asked again after this
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerSettings:
-    role: str
-    model_dir: Path
-    redis_url: str
-    engine: EngineConfig
-    instance_id: str = ""
-    served_model_name: str = ""
-    cluster: str = "default"
-    host: str = dataclasses.field(default_factory=socket.gethostname)
-    ttl_s: float = 6.0
-    drain_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "mixed"):
-            raise ValueError(f"--role must be prefill, decode or mixed, got {self.role!r}")
-        if not self.instance_id:
-            object.__setattr__(self, "instance_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
-        if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", Path(self.model_dir).resolve().name)
 
 
 @dataclasses.dataclass
