@@ -304,6 +304,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 # ---- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     # here, not at the top: importing pdserve.cli loads no worker code (both modules are light)
+    from pdserve.scheduler.connection import DEFAULT_URL
     from pdserve.worker.cpu import KERNEL_MODES
     from pdserve.worker.settings import ROLES
     from pdserve.worker.settings import default as worker_default
@@ -489,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-url",
         str,
         None,
-        "Redis URL (default: that of the `pdserve up` running here, else redis://127.0.0.1:6379/0)",
+        f"Redis URL (default: that of the `pdserve up` running here, else {DEFAULT_URL})",
     )
     add_flag(status, "--cluster", str, None, "namespace inside Redis (default: that stack's, else default)")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")

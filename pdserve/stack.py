@@ -110,7 +110,6 @@ class Stack:
         self.instance_ids: list[str] = []
         self.routers: list[tuple[str, subprocess.Popen]] = []
         self.redis_url = ""  # set by start()
-        self._recorded = False
 
     @property
     def urls(self) -> list[str]:
@@ -158,7 +157,6 @@ class Stack:
         path = record_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record | {"routers": self.urls}))
-        self._recorded = True
 
     def _spawn(self, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
@@ -211,7 +209,7 @@ class Stack:
                     killed.append(name)
         if self.redis is not None:
             self.redis.close()
-        if self._recorded and (running_stack() or {}).get("pid") == os.getpid():
+        if (running_stack() or {}).get("pid") == os.getpid():  # the record is ours: remove it
             with contextlib.suppress(OSError):
                 record_path().unlink()
         return killed

@@ -125,12 +125,13 @@ def rows(rng: np.random.Generator, m: int, h: int) -> paddle.Tensor:
 @pytest.mark.parametrize("m", [1, 5, 64])
 def test_fused_and_composed_rms_norm_agree(m: int) -> None:
     from pdserve.worker.model import Model
+    from pdserve.worker.model_config import ModelConfig
 
+    cfg = ModelConfig("LlamaForCausalLM", 16, 256, 1, 4, 2, 64, 256, 8, rms_norm_eps=1e-6)
+    model = Model(cfg, {"embed": np.zeros((16, 256), np.float32)}, 8, cpu.choose_kernels("auto", HOST))
     rng = np.random.default_rng(m)
     x, w = rows(rng, m, 256), paddle.to_tensor(rng.standard_normal(256, dtype=np.float32))
-    cfg = type("Cfg", (), {"rms_norm_eps": 1e-6})()
-    fused = Model._fused_norm(type("M", (), {"cfg": cfg})(), x, w).numpy()
-    composed = Model._composed_norm(type("M", (), {"cfg": cfg})(), x, w).numpy()
+    fused, composed = model._fused_norm(x, w).numpy(), model._composed_norm(x, w).numpy()
     assert np.abs(fused - composed).max() <= 1e-5
 
 

@@ -96,8 +96,8 @@ class Inbox:
 
     Ack an entry as soon as the engine has taken the message over: entries still pending are
     exactly those a crash would lose, and they are re-read by a restart under the same consumer
-    name (``--instance-id``); the inbox of an id that never comes back expires with its TTL. Entries that cannot be decoded
-    go to the dead-letter stream (and, when they name a request and a router, that router gets
+    name (``--instance-id``); the inbox of an id that never comes back expires with its TTL.
+    Entries that cannot be decoded go to the dead-letter stream (and, when they name a request and a router, that router gets
     an error event), so a bad message is never re-delivered forever.
     """
 

@@ -65,7 +65,6 @@ class Model:
         self, cfg: ModelConfig, weights: dict[str, np.ndarray], max_len: int, kernels: Kernels
     ) -> None:
         self.cfg = cfg
-        self.kernels = kernels
         self._norm = self._fused_norm if kernels.rms_norm == "fused" else self._composed_norm
         self._swiglu = F.swiglu if kernels.swiglu == "fused" else self._composed_swiglu
         self.w = {k: paddle.to_tensor(v) for k, v in weights.items()}
