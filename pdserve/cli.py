@@ -5,64 +5,28 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import socket
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import orjson
 
-from pdserve.errors import PdserveError
-from pdserve.flags import add_flag, env
+from pdserve.errors import ConfigError, PdserveError
+from pdserve.flags import add_flag, add_flags, env, from_args
 
 log = logging.getLogger("pdserve")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from pdserve.worker.cpu import KERNEL_MODES  # here: importing pdserve.cli loads no worker code
+    from pdserve.worker.settings import EngineConfig  # here: importing pdserve.cli loads no worker code
 
-    g = p.add_argument_group("engine")
-    add_flag(g, "--kv-cache-gb", float, 1.0, "KV cache size in GiB (default %(default)s)")
-    add_flag(g, "--num-blocks", int, None, "KV cache size in blocks (overrides --kv-cache-gb)")
-    add_flag(g, "--block-size", int, 16, "tokens per KV block (default %(default)s)")
-    add_flag(g, "--max-num-seqs", int, 64, "most sequences running at once (default %(default)s)")
-    add_flag(
-        g,
-        "--max-num-batched-tokens",
-        int,
-        None,
-        "token budget of one step (default: chunk size + max-num-seqs)",
-    )
-    add_flag(g, "--prefill-chunk-size", int, 512, "long prompts are prefilled in chunks of this many tokens")
-    add_flag(g, "--max-model-len", int, None, "context limit (default: the model's max_position_embeddings)")
-    add_flag(g, "--threads", int, None, "CPU threads for Paddle (default: all cores)")
-    add_flag(
-        g,
-        "--kernels",
-        str,
-        "auto",
-        "fused Paddle ops where this CPU runs them (auto), plain composed ops everywhere (composed), "
-        "or fused or fail (fused) (default %(default)s)",
-        choices=KERNEL_MODES,
-    )
+    add_flags(p.add_argument_group("engine"), EngineConfig)
 
 
-def engine_config(args: argparse.Namespace, **extra: Any):
-    from pdserve.worker.engine import EngineConfig
+def engine_config(args: argparse.Namespace):
+    from pdserve.worker.settings import EngineConfig
 
-    return EngineConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_gb=args.kv_cache_gb,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=args.prefill_chunk_size,
-        max_model_len=args.max_model_len,
-        threads=args.threads,
-        kernels=args.kernels,
-        **extra,
-    )
+    return from_args(EngineConfig, args)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -183,93 +147,24 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 
 # ---- pdserve worker -----------------------------------------------------------------------------
-def add_control_plane_flags(p: argparse.ArgumentParser) -> None:
-    from pdserve.scheduler.connection import DEFAULT_URL
-    from pdserve.worker.settings import default
-
-    g = p.add_argument_group("control plane")
-    add_flag(
-        g,
-        "--redis-url",
-        str,
-        DEFAULT_URL,
-        "Redis URL: redis:// or rediss:// (TLS), with user:password@ and /db (default %(default)s)",
-    )
-    add_flag(
-        g,
-        "--cluster",
-        str,
-        default("cluster"),
-        "namespace of this deployment inside Redis (default %(default)s)",
-    )
-    add_flag(
-        g,
-        "--ttl",
-        float,
-        default("ttl_s"),
-        "registration TTL in seconds; heartbeats renew it every ttl/3 (default %(default)s)",
-    )
-
-
 def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if not args.model:
-        parser.error("--model is required (or set PDSERVE_MODEL)")
-    from pathlib import Path
-
     from pdserve.worker.service import run_worker
     from pdserve.worker.settings import WorkerSettings
 
     try:
-        settings = WorkerSettings(
-            role=args.role,
-            model_dir=Path(args.model),
-            redis_url=args.redis_url,
-            engine=engine_config(args),
-            instance_id=args.instance_id or "",
-            served_model_name=args.served_model_name or "",
-            cluster=args.cluster,
-            host=args.hostname or socket.gethostname(),
-            ttl_s=args.ttl,
-            drain_timeout_s=args.drain_timeout,
-        )
-    except ValueError as e:
+        settings = from_args(WorkerSettings, args, engine=engine_config(args))
+    except ConfigError as e:
         parser.error(str(e))
     return run_worker(settings)
 
 
 # ---- pdserve up / status -----------------------------------------------------------------------
 def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pathlib import Path
-
     from pdserve.stack import StackSpec, run_stack
 
-    extra = []
-    for flag in (
-        "kv_cache_gb",
-        "num_blocks",
-        "max_num_seqs",
-        "max_model_len",
-        "prefill_chunk_size",
-        "kernels",
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            extra += [f"--{flag.replace('_', '-')}", str(value)]
     try:
-        spec = StackSpec(
-            model=Path(args.model) if args.model else None,
-            redis_url=args.redis_url,
-            host=args.host,
-            port=args.port,
-            routers=args.routers,
-            prefill=args.prefill,
-            decode=args.decode,
-            mixed=args.mixed,
-            cluster=args.cluster,
-            threads=args.threads,
-            extra_worker_args=extra,
-        )
-    except ValueError as e:
+        spec = from_args(StackSpec, args, engine=engine_config(args))
+    except ConfigError as e:
         parser.error(str(e))
     return run_stack(spec)
 
@@ -305,9 +200,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     # here, not at the top: importing pdserve.cli loads no worker code (both modules are light)
     from pdserve.scheduler.connection import DEFAULT_URL
-    from pdserve.worker.cpu import KERNEL_MODES
-    from pdserve.worker.settings import ROLES
-    from pdserve.worker.settings import default as worker_default
+    from pdserve.stack import StackSpec
+    from pdserve.worker.settings import WorkerSettings
 
     parser = argparse.ArgumentParser(
         prog="pdserve",
@@ -390,38 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one inference instance. It registers in Redis with a TTL key, takes requests from "
         "its inbox stream and publishes tokens to the routers' outbox streams. SIGTERM drains it.",
     )
-    add_flag(
-        worker,
-        "--role",
-        str,
-        "mixed",
-        "prefill: prompts to KV cache; decode: KV cache to tokens; mixed: both (default %(default)s)",
-        choices=ROLES,
-    )
-    add_flag(worker, "--model", str, None, "model folder (Hugging Face layout)")
-    add_flag(worker, "--served-model-name", str, None, "model name clients use (default: the folder name)")
-    add_flag(
-        worker,
-        "--instance-id",
-        str,
-        None,
-        "stable id; a restart with the same id re-reads its unacknowledged inbox entries (default: random)",
-    )
-    add_flag(
-        worker,
-        "--hostname",
-        str,
-        None,
-        "host identity: prefill and decode with the same one move KV through shared memory (default: this machine's hostname)",
-    )
-    add_flag(
-        worker,
-        "--drain-timeout",
-        float,
-        worker_default("drain_timeout_s"),
-        "seconds SIGTERM waits for in-flight requests (default %(default)s)",
-    )
-    add_control_plane_flags(worker)
+    add_flags(worker.add_argument_group("instance"), WorkerSettings)
     add_engine_flags(worker)
     worker.set_defaults(func=lambda a: cmd_worker(a, worker))
 
@@ -443,29 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a whole local stack as child processes and print how to reach it. "
         "Ctrl-C stops every child it started.",
     )
-    add_flag(up, "--model", str, None, "model folder (default: the tiny preset, created in ~/.cache/pdserve)")
-    add_flag(up, "--redis-url", str, None, "use this Redis instead of starting an embedded one")
-    add_flag(up, "--host", str, "127.0.0.1", "router bind address (default %(default)s)")
-    add_flag(
-        up, "--port", int, 8000, "first router's port; more routers take the next ports (default %(default)s)"
-    )
-    add_flag(up, "--routers", int, 1, "number of routers (default %(default)s)")
-    add_flag(up, "--prefill", int, 1, "prefill instances (default %(default)s)")
-    add_flag(up, "--decode", int, 1, "decode instances (default %(default)s)")
-    add_flag(up, "--mixed", int, 0, "mixed instances (default %(default)s)")
-    add_flag(up, "--cluster", str, worker_default("cluster"), "namespace inside Redis (default %(default)s)")
-    add_flag(up, "--threads", int, None, "CPU threads per worker (default: cores / workers)")
-    for flag, kind, text in (
-        ("--kv-cache-gb", float, "KV cache per worker in GiB"),
-        ("--num-blocks", int, "KV cache per worker in blocks"),
-        ("--max-num-seqs", int, "most sequences running at once per worker"),
-        ("--max-model-len", int, "context limit"),
-        ("--prefill-chunk-size", int, "prefill chunk size"),
-    ):
-        up.add_argument(flag, type=kind, default=None, help=f"{text} (passed to every worker)")
-    up.add_argument(
-        "--kernels", choices=KERNEL_MODES, default=None, help="kernel choice (passed to every worker)"
-    )
+    add_flags(up.add_argument_group("stack"), StackSpec)
+    add_engine_flags(up)  # passed to every worker
     up.set_defaults(func=lambda a: cmd_up(a, up))
 
     redis = add_command(

@@ -23,38 +23,47 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.errors import ConfigError
+from pdserve.flags import setting, to_argv
+from pdserve.router.settings import RouterSettings
 from pdserve.scheduler.embedded import EmbeddedRedis
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
+from pdserve.scheduler.registry import DEFAULT_TTL_S
+from pdserve.worker.settings import EngineConfig, WorkerSettings
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polling is not news
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StackSpec:
-    model: Path | None
-    redis_url: str | None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    routers: int = 1
-    prefill: int = 1
-    decode: int = 1
-    mixed: int = 0
-    cluster: str = DEFAULT_CLUSTER
-    threads: int | None = None
-    extra_worker_args: list[str] = dataclasses.field(default_factory=list)
+    """What ``pdserve up`` runs; the flags of ``up`` are generated from these fields."""
+
+    model: Path | None = setting(
+        None, "model folder (default: the tiny preset, created in ~/.cache/pdserve)", kind=Path
+    )
+    redis_url: str | None = setting(None, "use this Redis instead of starting an embedded one", kind=str)
+    host: str = setting("127.0.0.1", "router bind address (default %(default)s)")
+    port: int = setting(8000, "first router's port; more routers take the next ports (default %(default)s)")
+    routers: int = setting(1, "number of routers (default %(default)s)")
+    prefill: int = setting(1, "prefill instances (default %(default)s)")
+    decode: int = setting(1, "decode instances (default %(default)s)")
+    mixed: int = setting(0, "mixed instances (default %(default)s)")
+    cluster: str = setting(DEFAULT_CLUSTER, "namespace inside Redis (default %(default)s)")
+    ttl_s: float = setting(DEFAULT_TTL_S, "registration TTL of every worker and router (default %(default)s)")
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # every worker's
     ready_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("routers", "prefill", "decode", "mixed"):
             if getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be >= 0")
+                raise ConfigError(f"--{name} must be >= 0")
         if self.routers < 1:
-            raise ValueError("--routers must be >= 1")
+            raise ConfigError("--routers must be >= 1")
         if self.prefill + self.decode + self.mixed < 1:
-            raise ValueError("at least one of --prefill, --decode, --mixed must be >= 1")
+            raise ConfigError("at least one of --prefill, --decode, --mixed must be >= 1")
         if self.prefill and not self.decode and not self.mixed:
-            raise ValueError(
+            raise ConfigError(
                 "--prefill needs --decode (or --mixed): a prefill instance cannot finish a request"
             )
 
@@ -126,29 +135,31 @@ class Stack:
             redis_url = self.redis.url
             print(f"embedded Redis at {redis_url}", flush=True)
         n_workers = spec.prefill + spec.decode + spec.mixed
-        threads = spec.threads or max(1, (os.cpu_count() or 1) // n_workers)
-        common = ["--redis-url", redis_url, "--cluster", spec.cluster]
+        threads = spec.engine.threads or max(1, (os.cpu_count() or 1) // n_workers)
+        engine = dataclasses.replace(spec.engine, threads=threads)
         for role, count in (("decode", spec.decode), ("prefill", spec.prefill), ("mixed", spec.mixed)):
             for i in range(count):
                 name = f"{role}-{i}"
-                self.instance_ids.append(f"{name}-{uuid.uuid4().hex[:6]}")
-                args = [
-                    "worker",
-                    "--role",
-                    role,
-                    "--model",
-                    str(model),
-                    "--instance-id",
-                    self.instance_ids[-1],
-                    "--threads",
-                    str(threads),
-                    *common,
-                    *spec.extra_worker_args,
-                ]
-                self.workers.append((name, self._spawn(args)))
+                worker = WorkerSettings(
+                    model_dir=model,
+                    role=role,
+                    instance_id=f"{name}-{uuid.uuid4().hex[:6]}",
+                    redis_url=redis_url,
+                    cluster=spec.cluster,
+                    ttl_s=spec.ttl_s,
+                    engine=engine,
+                )
+                self.instance_ids.append(worker.instance_id)
+                self.workers.append((name, self._spawn(["worker", *to_argv(worker)])))
         for i in range(spec.routers):
-            args = ["router", "--host", spec.host, "--port", str(spec.port + i), *common]
-            self.routers.append((f"router-{i}", self._spawn(args)))
+            router = RouterSettings(
+                redis_url=redis_url,
+                cluster=spec.cluster,
+                host=spec.host,
+                port=spec.port + i,
+                ttl_s=spec.ttl_s,
+            )
+            self.routers.append((f"router-{i}", self._spawn(["router", *to_argv(router)])))
         self.redis_url = redis_url
 
     def record(self) -> None:

@@ -129,3 +129,47 @@ def test_readme_flag_table_matches_help() -> None:
         if (command, var) not in documented
     )
     assert not missing, f"README's flag table lacks {missing}"
+
+
+def parse_worker(argv: list[str]):
+    from pdserve.flags import from_args
+    from pdserve.worker.settings import EngineConfig, WorkerSettings
+
+    args = build_parser().parse_args(["worker", *argv])
+    return from_args(WorkerSettings, args, engine=from_args(EngineConfig, args))
+
+
+def test_settings_survive_the_trip_through_a_child_command_line(tmp_path, monkeypatch) -> None:
+    """What `pdserve up` decides reaches each child exactly, whatever the child's environment says."""
+    from pdserve.flags import to_argv
+    from pdserve.router.settings import RouterSettings, settings_from_args
+    from pdserve.worker.settings import EngineConfig, WorkerSettings
+
+    engine = EngineConfig(num_blocks=64, block_size=8, max_model_len=512, threads=2, kernels="composed")
+    worker = WorkerSettings(
+        model_dir=tmp_path, role="decode", redis_url="redis://h:1/2", ttl_s=3.0, engine=engine
+    )
+    router = RouterSettings(port=9001, reserve_timeout_s=2.5, access_log=True, prefill_policy="random")
+    for name, value in (
+        ("BLOCK_SIZE", "32"),
+        ("TTL", "9"),
+        ("ROLE", "prefill"),
+        ("ACCESS_LOG", "0"),
+        ("PORT", "1"),
+    ):
+        monkeypatch.setenv(f"PDSERVE_{name}", value)
+    assert parse_worker(to_argv(worker)) == worker
+    assert settings_from_args(build_parser().parse_args(["router", *to_argv(router)])) == router
+    assert parse_worker(["--model", str(tmp_path)]).engine.block_size == 32  # the environment is the default
+
+
+def test_a_bad_setting_is_a_cli_error_naming_the_flag(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["worker", "--model", str(tmp_path), "--ttl", "0"])
+    assert exc.value.code == 2 and "--ttl must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["up", "--prefill", "1", "--decode", "0"])
+    assert "--prefill needs --decode" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["worker"])
+    assert "--model is required" in capsys.readouterr().err

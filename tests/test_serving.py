@@ -18,6 +18,7 @@ import redis
 
 from pdserve.scheduler.embedded import free_port
 from pdserve.stack import Stack, StackSpec
+from pdserve.worker.settings import EngineConfig
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,8 +35,8 @@ def start_stack(tiny_model_dir, redis_url: str, **counts) -> Stack:
         redis_url=redis_url,
         port=free_port(),
         cluster=f"t{uuid.uuid4().hex[:8]}",
-        threads=1,
-        extra_worker_args=["--num-blocks", "1024", "--max-model-len", "1024", "--ttl", "3"],
+        ttl_s=3.0,
+        engine=EngineConfig(num_blocks=1024, max_model_len=1024, threads=1),
         ready_timeout_s=90,
         **{"routers": 1, "prefill": 0, "decode": 0, "mixed": 0, **counts},
     )

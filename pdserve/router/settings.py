@@ -13,7 +13,7 @@ import socket
 from typing import Any
 
 from pdserve.errors import ConfigError
-from pdserve.flags import add_flag, boolean, env
+from pdserve.flags import add_flags, from_args, setting
 from pdserve.router.policies import POLICIES as POLICY_NAMES
 from pdserve.scheduler.connection import DEFAULT_URL
 from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
@@ -32,31 +32,42 @@ class RouterSettings:
     ``router-<hostname>-<port>-<random>`` so replicas on one host never collide.
     """
 
-    redis_url: str = dataclasses.field(default=DEFAULT_URL, repr=False)  # may hold a password
-    cluster: str = DEFAULT_CLUSTER
-    host: str = "127.0.0.1"
-    port: int = 8000
-    router_id: str = ""
-    prefill_policy: str = "least_load"
-    decode_policy: str = "least_load"
-    request_timeout_s: float = 600.0
+    redis_url: str = setting(
+        DEFAULT_URL, "Redis of the control plane (default %(default)s)", repr=False
+    )  # may hold a password
+    cluster: str = setting(DEFAULT_CLUSTER, "cluster namespace inside Redis (default %(default)s)")
+    host: str = setting("127.0.0.1", "address to listen on (default %(default)s)")
+    port: int = setting(8000, "port to listen on (default %(default)s)")
+    router_id: str = setting("", "this router's id (default router-<hostname>-<port>-<random>)")
+    prefill_policy: str = setting(
+        "least_load", "how to pick the prefill instance (default %(default)s)", choices=POLICY_NAMES
+    )
+    decode_policy: str = setting(
+        "least_load", "how to pick the decode instance (default %(default)s)", choices=POLICY_NAMES
+    )
+    request_timeout_s: float = setting(600.0, "seconds a request may take in all (default %(default)s)")
     """Every request ends (with a 504 ``timeout`` error at worst) this long after it arrived."""
-    first_token_timeout_s: float = 60.0
+    first_token_timeout_s: float = setting(
+        60.0, "seconds to wait for the first token (queueing included) (default %(default)s)"
+    )
     """Longest wait for the first token of an attempt, queueing included."""
-    reserve_timeout_s: float = 10.0
-    """Splitwise phase deadline: decode must have reserved KV blocks by then."""
-    transfer_timeout_s: float = 30.0
-    """Splitwise phase deadline: prefill must have written the KV cache into decode by then."""
-    max_body_bytes: int = 8 * MIB
-    retry_attempts: int = 2
-    """Re-submissions to a fresh pair when an attempt fails before any byte reached the client."""
-    ttl_s: float = DEFAULT_TTL_S
+    reserve_timeout_s: float = setting(
+        10.0, "splitwise: seconds decode has to reserve KV blocks for a prefill (default %(default)s)"
+    )
+    transfer_timeout_s: float = setting(
+        30.0, "splitwise: seconds prefill has to write the KV cache into decode (default %(default)s)"
+    )
+    max_body_bytes: int = setting(8 * MIB, "largest request body accepted (413 above) (default %(default)s)")
+    retry_attempts: int = setting(
+        2, "re-submissions to a fresh pair when an attempt fails before the first byte (default %(default)s)"
+    )
+    ttl_s: float = setting(DEFAULT_TTL_S, "registration TTL in seconds (default %(default)s)")
     live_set_max_age_s: float = 0.5
     watch_interval_s: float = 0.5
     """How often the watcher compares in-flight requests with the live set."""
     redis_wait_s: float = 30.0
     """How long startup waits for Redis before giving up."""
-    access_log: bool = False
+    access_log: bool = setting(False, "log every HTTP request (default off)")
 
     def __post_init__(self) -> None:
         if not self.router_id:
@@ -97,69 +108,13 @@ class RouterSettings:
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``pdserve router`` flags; each defaults from ``PDSERVE_<FLAG>``."""
-    d = RouterSettings.__dataclass_fields__
-    g = parser.add_argument_group("router")
-    add_flag(g, "--redis-url", str, DEFAULT_URL, f"Redis of the control plane (default {DEFAULT_URL})")
-    add_flag(g, "--cluster", str, DEFAULT_CLUSTER, "cluster namespace inside Redis (default %(default)s)")
-    add_flag(g, "--host", str, d["host"].default, "address to listen on (default %(default)s)")
-    add_flag(g, "--port", int, d["port"].default, "port to listen on (default %(default)s)")
-    add_flag(g, "--router-id", str, "", "this router's id (default router-<hostname>-<port>-<random>)")
-    for stage in ("prefill", "decode"):
-        add_flag(
-            g,
-            f"--{stage}-policy",
-            str,
-            d[f"{stage}_policy"].default,
-            f"how to pick the {stage} instance (default %(default)s)",
-            choices=POLICY_NAMES,
-        )
-    add_flag(
-        g, "--request-timeout", float, d["request_timeout_s"].default, "seconds a request may take in all"
-    )
-    add_flag(
-        g,
-        "--first-token-timeout",
-        float,
-        d["first_token_timeout_s"].default,
-        "seconds to wait for the first token (queueing included)",
-    )
-    add_flag(
-        g, "--max-body-bytes", int, d["max_body_bytes"].default, "largest request body accepted (413 above)"
-    )
-    add_flag(
-        g,
-        "--retry-attempts",
-        int,
-        d["retry_attempts"].default,
-        "re-submissions to a fresh pair when an attempt fails before the first byte (default %(default)s)",
-    )
-    add_flag(g, "--ttl", float, d["ttl_s"].default, "registration TTL in seconds (default %(default)s)")
-    g.add_argument(
-        "--access-log",
-        action=argparse.BooleanOptionalAction,
-        default=env("ACCESS_LOG", False, boolean),
-        help="log every HTTP request (default off) [env PDSERVE_ACCESS_LOG]",
-    )
+    """Add the ``pdserve router`` flags, generated from RouterSettings; each defaults from ``PDSERVE_<FLAG>``."""
+    add_flags(parser.add_argument_group("router"), RouterSettings)
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     """Build (and validate) RouterSettings from parsed ``pdserve router`` flags."""
-    return RouterSettings(
-        redis_url=args.redis_url,
-        cluster=args.cluster,
-        host=args.host,
-        port=args.port,
-        router_id=args.router_id or "",
-        prefill_policy=args.prefill_policy,
-        decode_policy=args.decode_policy,
-        request_timeout_s=args.request_timeout,
-        first_token_timeout_s=args.first_token_timeout,
-        max_body_bytes=args.max_body_bytes,
-        retry_attempts=args.retry_attempts,
-        ttl_s=args.ttl,
-        access_log=args.access_log,
-    )
+    return from_args(RouterSettings, args)
 
 
 def uvicorn_config(settings: RouterSettings, app: Any) -> Any:

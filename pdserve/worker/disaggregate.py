@@ -19,8 +19,9 @@ from pdserve.cache_transfer.regions import pair_regions
 from pdserve.cache_transfer.shm import ShmWriter
 from pdserve.errors import EngineError
 from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.worker.engine import EngineConfig, LLMEngine, RequestOutput
+from pdserve.worker.engine import EngineConfig, LLMEngine
 from pdserve.worker.llm import Generation, Prompt
+from pdserve.worker.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 TRANSFERS = ("shm", "bytes")

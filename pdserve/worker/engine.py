@@ -29,68 +29,15 @@ from pdserve.worker.kv_cache import KVCache, block_bytes
 from pdserve.worker.model import Model
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.model_runner import ModelRunner
+from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
 from pdserve.worker.paddle_setup import HOST, TUNING, paddle
 from pdserve.worker.sampler import Sample, Sampler, make_rng
 from pdserve.worker.sequence import Sequence, SequenceStatus
+from pdserve.worker.settings import EngineConfig
 from pdserve.worker.tokenizer import Tokenizer
 from pdserve.worker.weights import load_weights
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine sizing. ``num_blocks`` wins over ``kv_cache_gb``; ``max_num_batched_tokens`` defaults
-    to one prefill chunk plus one token per running sequence."""
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_gb: float = 1.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    prefill_chunk_size: int = 512
-    max_model_len: int | None = None
-    threads: int | None = None
-    shared_kv: bool = False  # decode cache in POSIX shared memory (same-host prefill writes into it)
-    shm_name: str | None = None
-    keep_logits: bool = False  # attach each sampled row's raw logits to its output (exactness tests)
-    # Same bits for a sequence alone or in any batch; None: on when MKL_CBWR asks for STRICT mode.
-    batch_invariant: bool | None = None
-    # Fused or composed Paddle ops (cpu.choose_kernels); None: PDSERVE_KERNELS, else "auto".
-    kernels: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "prefill_chunk_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
-        if self.num_blocks is None and self.kv_cache_gb <= 0:
-            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
-
-
-@dataclasses.dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """What one step produced for one request (a delta, not the whole output so far)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    prefilled: bool = False  # prefill-only request: KV is ready for hand-off
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-    logits: np.ndarray | None = None  # only with EngineConfig.keep_logits
 
 
 @dataclasses.dataclass
@@ -170,7 +117,39 @@ class LLMEngine:
             time.perf_counter() - t0,
         )
 
+    def facts(self) -> EngineFacts:
+        return EngineFacts(
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_blocks=self.blocks.num_blocks,
+            block_bytes=self.cache.block_bytes,
+            shm_name=self.cache.shm_name,
+        )
+
+    def load(self) -> EngineLoad:
+        waiting = self.batcher.waiting
+        return EngineLoad(
+            running=len(self.batcher.running),
+            waiting=len(waiting),
+            waiting_prefill_tokens=sum(s.num_prompt_tokens for s in waiting),
+            free_blocks=self.blocks.num_free,
+        )
+
     # ---- requests ---------------------------------------------------------------------------
+    def prompt_ids(
+        self,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> list[int]:
+        """The prompt as token ids: given ids as they are, chat messages rendered by the template."""
+        if prompt_token_ids is not None:
+            return list(prompt_token_ids)
+        tok = self.tokenizer
+        if messages is not None:
+            return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), False)
+        return tok.encode(prompt or "")
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise if this request can never run here (checked before anything is queued)."""
         n = len(prompt_token_ids)
@@ -260,7 +239,13 @@ class LLMEngine:
         seq.output_token_ids.append(token)
         logprobs = None
         if p.logprobs is not None:
-            logprobs = [TokenLogprob(token, sample.logprob, sample.top_logprobs)]
+            text_of = self.tokenizer.token_text
+            top = sample.top_logprobs
+            logprobs = [
+                TokenLogprob(
+                    token, sample.logprob, top, text_of(token), [text_of(t) for t, _ in top] if top else None
+                )
+            ]
         text, reason = self._advance_text(req, token)
         if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
@@ -332,6 +317,10 @@ class LLMEngine:
         if seq is None:
             raise EngineError(f"request {request_id!r} is not a prefilled sequence on this engine")
         return seq.block_table[: blocks_for(seq.num_prompt_tokens, self.config.block_size)]
+
+    def kv_view(self) -> np.ndarray:
+        """The whole cache as bytes (zero-copy; the KV transport reads prefilled blocks from it)."""
+        return self.cache.raw_view()
 
     def export_kv(self, request_id: str) -> bytes:
         return self.cache.read_blocks(self.prefilled_blocks(request_id))

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.worker.engine import EngineConfig, LLMEngine, RequestOutput, TokenLogprob
+from pdserve.worker.engine import EngineConfig, LLMEngine
+from pdserve.worker.outputs import RequestOutput, TokenLogprob
 
 Prompt = str | list[int]
 

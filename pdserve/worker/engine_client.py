@@ -1,0 +1,162 @@
+"""The engine behind its one thread: the only way the service reaches the engine.
+
+The engine's state (batcher, block tables, reservations) is touched by one thread only, the one
+this client owns; the asyncio loop awaits each call and never reads engine attributes itself. The
+load the heartbeat reports is a snapshot taken on that thread after every step. Any object with
+the engine's methods can sit behind the client (tests use a small stub engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from pdserve.cache_transfer.regions import Region, block_regions
+from pdserve.scheduler.messages import GenerateRequest
+from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput
+
+T = TypeVar("T")
+
+
+class Engine(Protocol):
+    """What the service needs from an engine (``LLMEngine`` is the real one)."""
+
+    def facts(self) -> EngineFacts: ...
+    def load(self) -> EngineLoad: ...
+    def prompt_ids(
+        self, prompt: str | None, messages: list[dict] | None, prompt_token_ids: list[int] | None
+    ) -> list[int]: ...
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        *,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+    ) -> Any: ...
+    def add_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams
+    ) -> Any: ...
+    def has_unfinished(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def abort(self, request_id: str, reason: str = "abort") -> bool: ...
+    def can_reserve(self, num_prompt_tokens: int) -> bool: ...
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]: ...
+    def cancel_reservation(self, request_id: str) -> bool: ...
+    def prefilled_blocks(self, request_id: str) -> list[int]: ...
+    def release_prefilled(self, request_id: str) -> bool: ...
+    def kv_view(self) -> np.ndarray: ...
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A generate request made ready for the engine: its prompt ids and full sampling params."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class EngineClient:
+    def __init__(self, engine: Engine, executor: ThreadPoolExecutor) -> None:
+        self._engine = engine
+        self._exec = executor
+        self.facts = engine.facts()
+        self.load = engine.load()
+        self.unfinished = False  # as of the last call: the engine has work to step
+
+    @classmethod
+    async def start(cls, factory: Callable[[], Engine]) -> EngineClient:
+        """Build the engine on its own new thread (the thread that will run every later call)."""
+        executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        engine = await asyncio.get_running_loop().run_in_executor(executor, factory)
+        return await asyncio.get_running_loop().run_in_executor(executor, cls, engine, executor)
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        def call() -> T:
+            try:
+                return fn()
+            finally:
+                self.unfinished = self._engine.has_unfinished()
+
+        return await asyncio.get_running_loop().run_in_executor(self._exec, call)
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def prepare(self, msg: GenerateRequest) -> Prepared:
+        """Tokenize and validate; ``max_tokens`` None (chat without a limit) means up to the model length."""
+
+        def prepare() -> Prepared:
+            ids = self._engine.prompt_ids(msg.prompt, msg.messages, msg.prompt_token_ids)
+            fields = dict(msg.sampling)
+            if fields.get("max_tokens") is None:
+                fields["max_tokens"] = max(1, self.facts.max_model_len - len(ids))
+            params = SamplingParams.from_dict(fields)
+            self._engine.validate(ids, params)
+            return Prepared(ids, params)
+
+        return await self._run(prepare)
+
+    async def add(self, key: str, prepared: Prepared, prefill_only: bool = False) -> None:
+        await self._run(
+            lambda: self._engine.add_request(
+                key, prompt_token_ids=prepared.prompt_ids, params=prepared.params, prefill_only=prefill_only
+            )
+        )
+
+    async def add_prefilled(
+        self, key: str, prompt_ids: list[int], first_token: int, params: SamplingParams
+    ) -> None:
+        await self._run(lambda: self._engine.add_prefilled(key, prompt_ids, first_token, params))
+
+    async def step(self) -> list[RequestOutput]:
+        def step() -> list[RequestOutput]:
+            outputs = self._engine.step()
+            self.load = self._engine.load()
+            return outputs
+
+        return await self._run(step)
+
+    async def abort(self, key: str, reason: str) -> bool:
+        return await self._run(lambda: self._engine.abort(key, reason))
+
+    # ---- KV hand-off -------------------------------------------------------------------------------
+    async def try_reserve(self, key: str, num_tokens: int) -> list[int] | None:
+        """Blocks for an incoming prompt's KV, or None when they are not free now."""
+
+        def reserve() -> list[int] | None:
+            if not self._engine.can_reserve(num_tokens):
+                return None
+            blocks = self._engine.reserve(key, num_tokens)
+            self.load = self._engine.load()
+            return blocks
+
+        return await self._run(reserve)
+
+    async def cancel_reservation(self, key: str) -> bool:
+        return await self._run(lambda: self._engine.cancel_reservation(key))
+
+    async def prefilled_blocks(self, key: str) -> list[int]:
+        """Blocks holding a prefilled prompt's KV, in block-table order."""
+        return await self._run(lambda: self._engine.prefilled_blocks(key))
+
+    def kv_view(self) -> np.ndarray:
+        """The whole cache as bytes: its memory, not engine state (the transport reads pinned blocks)."""
+        return self._engine.kv_view()
+
+    def regions(self, block_ids: list[int]) -> list[Region]:
+        """Byte regions of blocks in a cache of this engine's geometry."""
+        return block_regions(block_ids, self.facts.block_bytes)
+
+    async def release_prefilled(self, key: str) -> bool:
+        return await self._run(lambda: self._engine.release_prefilled(key))
+
+    async def close(self) -> None:
+        await self._run(self._engine.close)
+        self._exec.shutdown(wait=True)

@@ -1,0 +1,170 @@
+"""What an instance does with each inbox message and each engine output (docs/design.md, "Request flow").
+
+Roles:
+
+* ``mixed`` (and ``decode`` when asked to serve a whole request): generate, publish every step's
+  tokens to the routers' outboxes (one XADD per router per step).
+* ``prefill``: the prefill side of the splitwise hand-off (splitwise.py).
+* ``decode``: the decode side: reserve blocks on request, take the prefilled sequence over and
+  decode it as an ordinary request of this instance.
+
+Requests whose router is gone are dropped; every other request ends with an event in its router's
+outbox. The instance's lifecycle (Redis, heartbeat, loops, drain) is service.py's job.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable
+
+from pdserve.errors import ControlPlaneError, InvalidRequestError, RequestTimeoutError, UnavailableError
+from pdserve.scheduler import (
+    Abort,
+    GenerateRequest,
+    InboxMessage,
+    Prefilled,
+    RequestDelta,
+    ReserveBlocks,
+    ReserveReply,
+    RouterRegistry,
+)
+from pdserve.worker.messenger import Owner, engine_key, to_delta
+from pdserve.worker.outputs import RequestOutput
+from pdserve.worker.splitwise import Context, Splitwise
+
+log = logging.getLogger(__name__)
+
+ROUTER_CHECK_S = 1.0  # how often the liveness of the routers we serve is checked
+
+
+class RequestHandler:
+    def __init__(self, ctx: Context, role: str, routers: RouterRegistry) -> None:
+        self.ctx = ctx
+        self.role = role
+        self.routers = routers
+        self.owners: dict[str, Owner] = {}  # engine key -> router request, for requests this engine decodes
+        self.splitwise = Splitwise(ctx)
+        self.draining = False
+        self._routers_seen: dict[str, float] = {}  # router id -> monotonic time its key was last seen
+        self._routers_checked_at = float("-inf")
+
+    def in_flight(self) -> int:
+        return len(self.owners) + len(self.splitwise)
+
+    def handing_off(self) -> int:
+        """Prefills waiting for their hand-off (counted as waiting in the load report)."""
+        return len(self.splitwise.prefills)
+
+    async def handle(self, msg: InboxMessage) -> None:
+        if isinstance(msg, GenerateRequest):
+            await self.on_generate(msg)
+        elif isinstance(msg, ReserveBlocks):
+            await self.splitwise.on_reserve(msg, accepting=not self.draining)
+        elif isinstance(msg, ReserveReply):
+            await self.splitwise.on_reserve_reply(msg)
+        elif isinstance(msg, Prefilled):
+            owner = await self.splitwise.on_prefilled(msg)
+            if owner is not None:
+                self.owners[engine_key(msg.request_id, msg.attempt)] = owner
+        elif isinstance(msg, Abort):
+            await self.on_abort(msg)
+
+    async def on_generate(self, msg: GenerateRequest) -> None:
+        owner = Owner(msg.router_id, msg.request_id, msg.attempt)
+        messenger = self.ctx.messenger
+        if self.draining:
+            error = UnavailableError(f"instance {self.ctx.instance_id} is draining")
+            return await messenger.fail(owner, error, retryable=True)
+        if self.ctx.clock.time() > msg.deadline:
+            return await messenger.fail(
+                owner, RequestTimeoutError("the request's deadline passed before it started")
+            )
+        if not await self._router_alive(msg.router_id):
+            log.info("dropping %s: router %s is gone", msg.request_id, msg.router_id)
+            return None
+        try:
+            prepared = await self.ctx.engine.prepare(msg)
+        except InvalidRequestError as e:
+            if msg.messages is not None and e.param == "prompt":
+                e.param = "messages"  # the field the client sent
+            return await messenger.fail(owner, e)
+        info = msg.disaggregate_info
+        if info is not None and self.role == "prefill" and info.decode.id != self.ctx.instance_id:
+            await self.splitwise.start_prefill(msg, prepared)
+        else:
+            key = engine_key(msg.request_id, msg.attempt)
+            self.owners[key] = owner
+            await self.ctx.engine.add(key, prepared)
+
+    async def on_abort(self, msg: Abort) -> None:
+        prefix = f"{msg.request_id}/"
+        keys = [k for k in {*self.owners, *self.splitwise.keys()} if k.startswith(prefix)]
+        if msg.attempt is not None:
+            keys = [k for k in keys if k == engine_key(msg.request_id, msg.attempt)]
+        for key in keys:
+            if self.owners.pop(key, None) is not None:
+                await self.ctx.engine.abort(key, msg.reason)
+            await self.splitwise.abort(key, msg.reason)
+        if keys:
+            log.info("aborted %s (%s)", msg.request_id, msg.reason)
+
+    async def on_outputs(self, outputs: Iterable[RequestOutput]) -> None:
+        """One step's outputs: tokens to routers (one entry per router), hand-offs to their machines."""
+        deltas: dict[str, list[RequestDelta]] = collections.defaultdict(list)
+        handoffs = []
+        for out in outputs:
+            if out.request_id in self.splitwise.prefills:
+                handoffs.append(out)
+                continue
+            owner = self.owners.get(out.request_id)
+            if owner is None:
+                continue  # aborted meanwhile
+            if out.finished:
+                del self.owners[out.request_id]
+            deltas[owner.router_id].append(to_delta(out, owner))
+        await self.ctx.messenger.publish(deltas)
+        for out in handoffs:
+            await self.splitwise.on_output(out)
+
+    async def tick(self) -> None:
+        """Timers of the hand-offs; once a second, drop the work of routers that are gone."""
+        await self.splitwise.tick()
+        now = self.ctx.clock.monotonic()
+        if now - self._routers_checked_at >= ROUTER_CHECK_S:
+            self._routers_checked_at = now
+            await self._drop_orphans()
+
+    async def _drop_orphans(self) -> None:
+        routers = {o.router_id for o in self.owners.values()} | self.splitwise.router_ids()
+        if not routers:
+            return
+        gone = routers - await self.routers.alive(routers)
+        for key, owner in list(self.owners.items()):
+            if owner.router_id in gone:
+                log.info("router %s is gone: aborting %s", owner.router_id, owner.request_id)
+                del self.owners[key]
+                await self.ctx.engine.abort(key, "router gone")
+        if gone:
+            await self.splitwise.drop_routers(gone)
+
+    async def _router_alive(self, router_id: str) -> bool:
+        """Checked at most once a second per router: new work of a router that is gone is dropped."""
+        now = self.ctx.clock.monotonic()
+        if now - self._routers_seen.get(router_id, float("-inf")) < ROUTER_CHECK_S:
+            return True
+        try:
+            alive = router_id in await self.routers.alive([router_id])
+        except ControlPlaneError:
+            return True  # Redis trouble is not evidence that the router died
+        if alive:
+            self._routers_seen[router_id] = now
+        return alive
+
+    async def fail_all(self, message: str) -> None:
+        """Every request still here gets a clear final event (retryable if no token went out yet)."""
+        owners = [(owner, False) for owner in self.owners.values()]
+        owners += [(owner, True) for owner in self.splitwise.take_all()]
+        self.owners.clear()
+        if owners:
+            await self.ctx.messenger.fail_many(owners, UnavailableError(message))

@@ -1,0 +1,57 @@
+"""What the engine hands out, as plain data (no Paddle): per-step request outputs, its load, its
+fixed KV facts. The service and its tests use these without loading the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    token: str = ""  # the token's text, for display
+    top_tokens: list[str] | None = None  # texts of top_logprobs, same order
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta, not the whole output so far)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prefilled: bool = False  # prefill-only request: KV is ready for hand-off
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    logits: np.ndarray | None = None  # only with EngineConfig.keep_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot taken on the engine thread after a step (the heartbeat reports it)."""
+
+    running: int = 0
+    waiting: int = 0
+    waiting_prefill_tokens: int = 0
+    free_blocks: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What does not change while the engine lives (registered with the instance)."""
+
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    block_bytes: int  # bytes of one block (all layers, K and V)
+    shm_name: str | None = None  # the shared-memory segment holding the KV cache, if shared
+    dtype: str = "float32"
+    layout: str = "block_major"
