@@ -29,7 +29,8 @@ from pdserve.router.settings import RouterSettings
 from pdserve.scheduler.embedded import EmbeddedRedis
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
-from pdserve.worker.settings import EngineConfig, WorkerSettings
+from pdserve.worker.settings import KV_TRANSFERS, EngineConfig, WorkerSettings
+from pdserve.worker.settings import default as worker_default
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polling is not news
@@ -51,6 +52,11 @@ class StackSpec:
     mixed: int = setting(0, "mixed instances (default %(default)s)")
     cluster: str = setting(DEFAULT_CLUSTER, "namespace inside Redis (default %(default)s)")
     ttl_s: float = setting(DEFAULT_TTL_S, "registration TTL of every worker and router (default %(default)s)")
+    kv_transfer: str = setting(
+        worker_default("kv_transfer"),
+        "KV transports of every prefill/decode worker (as `pdserve worker --kv-transfer`; default %(default)s)",
+        choices=KV_TRANSFERS,
+    )
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # every worker's
     ready_timeout_s: float = 120.0
 
@@ -147,6 +153,7 @@ class Stack:
                     redis_url=redis_url,
                     cluster=spec.cluster,
                     ttl_s=spec.ttl_s,
+                    kv_transfer=spec.kv_transfer,
                     engine=engine,
                 )
                 self.instance_ids.append(worker.instance_id)

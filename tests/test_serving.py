@@ -64,6 +64,14 @@ def mixed(tiny_model_dir, redis_url):
     assert stack.stop(grace_s=15) == []
 
 
+@pytest.fixture(scope="module")
+def splitwise_mooncake(tiny_model_dir, redis_url, mooncake_ready):
+    """Prefill and decode that offer only mooncake: the KV crosses loopback TCP, not shared memory."""
+    stack = start_stack(tiny_model_dir, redis_url, prefill=1, decode=1, kv_transfer="mooncake")
+    yield stack
+    assert stack.stop(grace_s=15) == []
+
+
 @pytest.fixture(params=["splitwise", "mixed"])
 def stack(request) -> Stack:
     return request.getfixturevalue(request.param)
@@ -215,6 +223,36 @@ def test_greedy_tokens_identical_everywhere(splitwise, mixed, tiny_model_dir) ->
     for prompt, want in zip(PROMPTS, offline, strict=True):
         assert tokens(splitwise, prompt) == want
         assert tokens(mixed, prompt) == want
+
+
+def test_greedy_tokens_identical_over_mooncake(splitwise_mooncake, mixed, redis_url) -> None:
+    from pdserve.scheduler import Keys
+
+    stack, keys = splitwise_mooncake, Keys(splitwise_mooncake.spec.cluster)
+    prefill_id = next(i for i in stack.instance_ids if i.startswith("prefill"))
+    decode_id = next(i for i in stack.instance_ids if i.startswith("decode"))
+    r = redis.Redis.from_url(redis_url)
+    info = orjson.loads(r.get(keys.member("instance", decode_id)))
+    assert info["transfer"]["protocols"] == ["mooncake"] and set(info["transfer"]["endpoint"]) == {"mooncake"}
+
+    def last_added(instance_id: str) -> tuple[int, ...]:
+        """The id of the last entry ever added to the inbox (entries are deleted once handled)."""
+        key = keys.inbox(instance_id)
+        last = r.xinfo_stream(key)["last-generated-id"] if r.exists(key) else b"0-0"
+        return tuple(int(part) for part in last.split(b"-"))
+
+    for prompt in PROMPTS:
+        before = last_added(prefill_id), last_added(decode_id)
+        body = {"model": model_name(stack), "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        body |= {"ignore_eos": True, "logprobs": 2}
+        got = [
+            httpx.post(s.urls[0] + "/v1/completions", json=body, timeout=60).json() for s in (stack, mixed)
+        ]
+        assert got[0]["choices"][0]["text"] == got[1]["choices"][0]["text"]
+        assert got[0]["choices"][0]["logprobs"] == got[1]["choices"][0]["logprobs"]  # batch-invariant bits
+        # the prefill instance took the request and the decode instance got its hand-off messages
+        assert last_added(prefill_id) > before[0] and last_added(decode_id) > before[1]
+    r.close()
 
 
 # ---- acceptance 4: routers share nothing but Redis ---------------------------------------------------

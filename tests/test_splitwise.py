@@ -282,7 +282,7 @@ def test_abort_while_transferring_frees_after_the_write(redis_url) -> None:
     async def main() -> None:
         async with pair(redis_url) as (p, prefill, decode):
             gated = GatedTransport(decode.engine.facts.shm_name)
-            p.transports._open["decode"] = gated
+            p.transports.opener = lambda protocol, endpoint, agent: gated
             await to_blocks_ready(p, prefill, decode)
             stepping = asyncio.create_task(prefill.step())
             await asyncio.to_thread(gated.entered.wait, 5)

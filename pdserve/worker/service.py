@@ -15,7 +15,10 @@ import dataclasses
 import logging
 import os
 import signal
+from typing import Any
 
+from pdserve.cache_transfer import mooncake
+from pdserve.cache_transfer.mooncake import MooncakeAgent
 from pdserve.errors import ConfigError, ControlPlaneError, EngineError
 from pdserve.scheduler import (
     Heartbeat,
@@ -53,6 +56,8 @@ class WorkerService:
         self.inbox = Inbox(self.redis, self.keys, self.id)
         self.heartbeat = Heartbeat(self.registry, self.info)
         self.transports = Transports()
+        self.protocols: list[str] = []  # the KV transports this instance offers (run() decides)
+        self.agent: MooncakeAgent | None = None
         self.engine: EngineClient | None = None  # built by run(), on the engine thread
         self.handler: RequestHandler | None = None  # built by run(), once the engine is up
         self._drain_deadline = float("inf")
@@ -68,6 +73,7 @@ class WorkerService:
                     f"--instance-id {self.id} is registered by a live instance; pick another id"
                 )
             self.engine = await EngineClient.start(self._build_engine)
+            self.protocols = await self._start_transfer()
             messenger = Messenger(self.redis, self.keys, self.id)
             ctx = Context(self.id, self.engine, messenger, self.clock, self.transports)
             routers = RouterRegistry(self.redis, self.keys, ttl_s=self.settings.ttl_s)
@@ -87,6 +93,25 @@ class WorkerService:
             self.settings.engine, shared_kv=shared, shm_name=f"pdserve-{self.id}" if shared else None
         )
         return LLMEngine(self.settings.model_dir, config)
+
+    async def _start_transfer(self) -> list[str]:
+        """The KV transports to offer, and this process's Mooncake engine when one of them is mooncake."""
+        s = self.settings
+        if s.role == "mixed":
+            return []
+        choice = s.kv_transfer
+        protocols = {"shm": ["shm"], "mooncake": ["mooncake"], "both": ["shm", "mooncake"]}.get(
+            choice, ["shm"]
+        )
+        if choice == "auto" and mooncake.available():
+            protocols.append("mooncake")
+        if "mooncake" in protocols:
+            address = s.transfer_address or mooncake.default_address()
+            self.agent = await asyncio.to_thread(MooncakeAgent, address, s.mooncake_protocol)
+            self.agent.register(self.engine.kv_view())
+            self.transports.agent = self.agent
+        log.info("KV transfer: %s%s", ", ".join(protocols), "" if choice != "auto" else " (auto)")
+        return protocols
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -139,6 +164,8 @@ class WorkerService:
             await self.handler.fail_all("instance is shutting down")
         self.transports.close()
         await self.heartbeat.stop(deregister=True)  # only what it registered: not a live id we were refused
+        if self.agent is not None:
+            self.agent.close()  # before the cache's memory goes
         if self.engine is not None:
             await self.engine.close()
         await self.redis.aclose()
@@ -174,12 +201,21 @@ class WorkerService:
                 waiting=load.waiting + self.handler.handing_off(),
                 waiting_prefill_tokens=load.waiting_prefill_tokens,
             ),
-            transfer=TransferInfo(
-                protocols=["shm"], endpoint={"shm": facts.shm_name} if facts.shm_name else None
-            ),
+            transfer=TransferInfo(protocols=self.protocols, endpoint=self._endpoint() or None),
             max_model_len=facts.max_model_len,
             draining=self.handler.draining,
         )
+
+    def _endpoint(self) -> dict[str, Any]:
+        """Where peers write into this instance's cache: only a decode instance is written into."""
+        if self.settings.role != "decode":
+            return {}
+        endpoint: dict[str, Any] = {}
+        if "shm" in self.protocols and self.engine.facts.shm_name:
+            endpoint["shm"] = self.engine.facts.shm_name
+        if self.agent is not None:
+            endpoint["mooncake"] = self.agent.endpoint
+        return endpoint
 
     # ---- loops -----------------------------------------------------------------------------------
     async def _inbox_loop(self) -> None:

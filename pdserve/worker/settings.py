@@ -9,6 +9,7 @@ import socket
 import uuid
 from pathlib import Path
 
+from pdserve.cache_transfer.mooncake import MOONCAKE_PROTOCOLS
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
 from pdserve.scheduler.connection import DEFAULT_URL
@@ -17,6 +18,7 @@ from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.worker.cpu import KERNEL_MODES
 
 ROLES = ("prefill", "decode", "mixed")
+KV_TRANSFERS = ("auto", "shm", "mooncake", "both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,22 @@ class WorkerSettings:
     cluster: str = setting(DEFAULT_CLUSTER, "namespace of this deployment inside Redis (default %(default)s)")
     ttl_s: float = setting(
         DEFAULT_TTL_S, "registration TTL in seconds; heartbeats renew it every ttl/3 (default %(default)s)"
+    )
+    kv_transfer: str = setting(
+        "auto",
+        "KV transports a prefill/decode instance offers: shm (same host, one copy), mooncake (across "
+        "hosts), both; auto: shm, plus mooncake when it is installed (default %(default)s)",
+        choices=KV_TRANSFERS,
+    )
+    mooncake_protocol: str = setting(
+        "tcp",
+        "mooncake's wire: tcp, or rdma where the NICs exist (default %(default)s)",
+        choices=MOONCAKE_PROTOCOLS,
+    )
+    transfer_address: str = setting(
+        "",
+        "address other hosts reach this instance's mooncake engine at (default: the address of the "
+        "default route's interface)",
     )
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 

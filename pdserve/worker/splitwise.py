@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.cache_transfer.base import KVTransport
@@ -79,22 +80,29 @@ class Context:
 
 
 class Transports:
-    """One open transport per decode peer, dropped after a failure (the next hand-off reopens it)."""
+    """One open transport per decode peer, reopened when the peer's registration changes (a restart)
+    and dropped after a failure (the next hand-off reopens it)."""
 
-    def __init__(self) -> None:
-        self._open: dict[str, KVTransport] = {}
+    def __init__(self, agent: Any = None, opener: Callable[..., KVTransport] = open_transport) -> None:
+        self._open: dict[str, tuple[tuple[str, Any], KVTransport]] = {}
+        self.agent = agent  # this process's MooncakeAgent, when it offers mooncake
+        self.opener = opener
 
     def get(self, protocol: str, peer_id: str, transfer: dict[str, Any]) -> KVTransport:
         """``transfer`` is the peer's registered TransferInfo."""
-        transport = self._open.get(peer_id)
-        if transport is None:
-            transport = self._open[peer_id] = open_transport(protocol, transfer.get("endpoint"))
+        endpoint = transfer.get("endpoint")
+        cached = self._open.get(peer_id)
+        if cached is not None and cached[0] == (protocol, endpoint):
+            return cached[1]
+        self.drop(peer_id)
+        transport = self.opener(protocol, endpoint, self.agent)
+        self._open[peer_id] = ((protocol, endpoint), transport)
         return transport
 
     def drop(self, peer_id: str) -> None:
-        transport = self._open.pop(peer_id, None)
-        if transport is not None:
-            transport.close()
+        cached = self._open.pop(peer_id, None)
+        if cached is not None:
+            cached[1].close()
 
     def close(self) -> None:
         for peer_id in list(self._open):

@@ -1,0 +1,165 @@
+"""Cross-host KV transfer over the Mooncake transfer engine (TCP, or RDMA where the NICs exist).
+
+Each instance that offers ``mooncake`` runs one :class:`MooncakeAgent`: a transfer engine started
+with ``P2PHANDSHAKE`` (no metadata service; ``redis://`` metadata is not compiled into the CPU
+wheel and would abort the process) that binds a random RPC port and has the instance's whole KV
+cache registered. A decode instance publishes :attr:`MooncakeAgent.endpoint` (its ``ip:port``
+session, the registered buffer's address and length) in its registration; a prefill instance
+writes its blocks straight into those addresses, adjacent blocks merged, one batch call per
+hand-off. The optional extra ``pip install 'pdserve[mooncake]'`` brings the CPU-only wheel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.cache_transfer.base import KVTransport
+from pdserve.cache_transfer.regions import Segment
+from pdserve.errors import ConfigError, TransferError
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "mooncake"
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+SYSTEM_LIBRARIES = ("libibverbs1", "libnuma1", "libcurl4")  # what the wheel's engine.so links against
+RETRY_DELAY_S = 0.05
+
+
+def load_engine_class() -> Any:
+    """The wheel's ``TransferEngine`` class, or a ConfigError that says what to install."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # its INFO lines are one per transfer
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:
+        missing = "pip install 'pdserve[mooncake]'"
+        if "shared object" in str(e):  # the wheel is there; a system library its engine.so needs is not
+            missing = f"apt-get install {' '.join(SYSTEM_LIBRARIES)}"
+        raise ConfigError(f"the mooncake KV transport cannot load ({e}); {missing}") from None
+    return TransferEngine
+
+
+def available() -> bool:
+    """Whether this host can run the Mooncake transport (wheel and system libraries present)."""
+    try:
+        load_engine_class()
+    except ConfigError:
+        return False
+    return True
+
+
+def rdma_devices() -> list[str]:
+    """The host's RDMA devices (HCAs), as the kernel lists them."""
+    root = Path("/sys/class/infiniband")
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+class MooncakeAgent:
+    """This process's transfer engine, with one local buffer (the KV cache) registered."""
+
+    def __init__(self, host: str, protocol: str = "tcp") -> None:
+        if protocol not in MOONCAKE_PROTOCOLS:
+            raise ConfigError(
+                f"--mooncake-protocol must be one of {', '.join(MOONCAKE_PROTOCOLS)}, got {protocol!r}"
+            )
+        if protocol == "rdma" and not rdma_devices():
+            # the engine would fall back to TCP without saying so: say it, and ask for TCP outright
+            log.warning("--mooncake-protocol rdma, but this host has no RDMA device: using tcp")
+            protocol = "tcp"
+        self.host = host
+        self.protocol = protocol
+        self._engine = load_engine_class()()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise TransferError(f"mooncake transfer engine did not start on {host} ({protocol}): error {rc}")
+        self.session = f"{host}:{self._engine.get_rpc_port()}"
+        self._buffer: np.ndarray | None = None
+        self._lock = threading.Lock()  # one batch at a time per agent: the engine's sessions are shared
+        log.info("mooncake transfer engine (%s) listening at %s", protocol, self.session)
+
+    def register(self, buffer: np.ndarray) -> None:
+        """Register the KV cache (a uint8 view that stays alive and never moves)."""
+        if self._buffer is not None:
+            raise TransferError("a mooncake agent registers one buffer")
+        rc = self._engine.register_memory(buffer.ctypes.data, buffer.nbytes)
+        if rc != 0:
+            raise TransferError(f"mooncake could not register {buffer.nbytes} bytes of KV cache: error {rc}")
+        self._buffer = buffer
+
+    @property
+    def endpoint(self) -> dict[str, Any]:
+        """What peers need to write into the registered buffer (``transfer.endpoint.mooncake``)."""
+        assert self._buffer is not None, "register the KV cache first"
+        return {
+            "session": self.session,
+            "addr": self._buffer.ctypes.data,
+            "length": self._buffer.nbytes,
+            "protocol": self.protocol,
+        }
+
+    def write(self, peer: dict[str, Any], src: np.ndarray, segments: list[Segment]) -> int:
+        """One batch write of ``segments`` from ``src`` (the registered buffer) into ``peer``."""
+        if self._buffer is None or src.ctypes.data != self._buffer.ctypes.data:
+            raise TransferError("mooncake writes only from the registered KV cache")
+        base, remote, length = src.ctypes.data, int(peer["addr"]), int(peer["length"])
+        for _, d, n in segments:
+            if d + n > length:
+                raise TransferError(f"segment {d}+{n} exceeds peer cache of {length} bytes")
+        local = [base + s for s, _, _ in segments]
+        dst = [remote + d for _, d, _ in segments]
+        sizes = [n for _, _, n in segments]
+        with self._lock:
+            rc = self._engine.batch_transfer_sync_write(peer["session"], local, dst, sizes)
+            if rc != 0:
+                # Mooncake 0.3.13 can reject the first batch after an idle gap (lane queue-full,
+                # upstream #4209): one retry, then the request fails and the router retries it.
+                log.warning("mooncake write to %s failed (%d); retrying once", peer["session"], rc)
+                time.sleep(RETRY_DELAY_S)
+                rc = self._engine.batch_transfer_sync_write(peer["session"], local, dst, sizes)
+        if rc != 0:
+            raise TransferError(f"mooncake write to {peer['session']} failed: error {rc}")
+        return sum(sizes)
+
+    def close(self) -> None:
+        """Unregister the buffer (before the cache's memory goes away: no peer may write into it after)."""
+        if self._buffer is not None:
+            self._engine.unregister_memory(self._buffer.ctypes.data)
+            self._buffer = None
+
+
+def default_address() -> str:
+    """The address peers most likely reach this host at: that of the default route's interface."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent, the kernel only picks a route
+            return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class MooncakeWriter(KVTransport):
+    """Writes into one peer's registered KV cache through this process's agent."""
+
+    protocol = PROTOCOL
+
+    def __init__(self, agent: MooncakeAgent, peer: dict[str, Any]) -> None:
+        missing = [k for k in ("session", "addr", "length") if k not in peer]
+        if missing:
+            raise TransferError(f"peer's mooncake endpoint lacks {', '.join(missing)}")
+        self.agent = agent
+        self.peer = peer
+
+    def write(self, src: np.ndarray, segments: list[Segment]) -> int:
+        return self.agent.write(self.peer, src, segments)

@@ -1,0 +1,104 @@
+"""The Mooncake KV transport: two transfer engines in this process, real bytes over real TCP."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pdserve.cache_transfer.connect import open_transport
+from pdserve.cache_transfer.mooncake import MooncakeAgent
+from pdserve.cache_transfer.regions import block_regions
+from pdserve.errors import TransferError
+
+pytestmark = pytest.mark.usefixtures("mooncake_ready")
+
+BLOCK = 4096
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def agents():
+    """A prefill-side and a decode-side agent on loopback, each with a registered 'KV cache'."""
+    src = np.random.default_rng(0).integers(0, 256, NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    dst = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    prefill, decode = MooncakeAgent("127.0.0.1"), MooncakeAgent("127.0.0.1")
+    prefill.register(src)
+    decode.register(dst)
+    yield prefill, decode, src, dst
+    prefill.close()
+    decode.close()
+
+
+def hand_off(prefill, decode, src, src_blocks, dst_blocks) -> int:
+    writer = open_transport("mooncake", {"mooncake": decode.endpoint}, prefill)
+    return writer.write_blocks(src, block_regions(src_blocks, BLOCK), block_regions(dst_blocks, BLOCK))
+
+
+def assert_moved(src, dst, src_blocks, dst_blocks) -> None:
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
+        assert np.array_equal(dst[d * BLOCK : (d + 1) * BLOCK], src[s * BLOCK : (s + 1) * BLOCK]), (s, d)
+
+
+def test_scattered_blocks_arrive_in_block_table_order(agents) -> None:
+    prefill, decode, src, dst = agents
+    src_blocks = [5, 6, 7, 40, 2, 3, 63]  # runs merge into one descriptor each
+    dst_blocks = [10, 11, 30, 31, 32, 0, 1]
+    assert hand_off(prefill, decode, src, src_blocks, dst_blocks) == len(src_blocks) * BLOCK
+    assert_moved(src, dst, src_blocks, dst_blocks)
+
+
+def test_the_endpoint_says_where_to_write(agents) -> None:
+    _prefill, decode, _src, dst = agents
+    ep = decode.endpoint
+    assert ep["session"].startswith("127.0.0.1:") and 15000 <= int(ep["session"].split(":")[1]) <= 17000
+    assert (ep["addr"], ep["length"], ep["protocol"]) == (dst.ctypes.data, dst.nbytes, "tcp")
+
+
+def test_a_write_past_the_peer_cache_is_refused_before_it_is_sent(agents) -> None:
+    prefill, decode, src, _dst = agents
+    with pytest.raises(TransferError, match="exceeds peer cache"):
+        hand_off(prefill, decode, src, [0], [NUM_BLOCKS])
+
+
+def test_an_unreachable_peer_is_a_transfer_error(agents) -> None:
+    prefill, decode, src, _dst = agents
+    gone = {**decode.endpoint, "session": "127.0.0.1:1"}
+    writer = open_transport("mooncake", {"mooncake": gone}, prefill)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match=r"mooncake write to 127\.0\.0\.1:1 failed"):
+        writer.write_blocks(src, block_regions([0], BLOCK), block_regions([0], BLOCK))
+    assert time.monotonic() - t0 < 5
+
+
+def test_transfers_after_idle_gaps_longer_than_five_seconds(agents) -> None:
+    """Mooncake 0.3.13 may fail the first batch after ~5 s idle (upstream #4209); the agent retries."""
+    prefill, decode, src, dst = agents
+    for gap in range(3):
+        time.sleep(5.5)
+        blocks = [gap * 8 + i for i in range(8)]
+        src[blocks[0] * BLOCK : (blocks[-1] + 1) * BLOCK] = gap + 1  # new bytes each time
+        assert hand_off(prefill, decode, src, blocks, blocks[::-1]) == 8 * BLOCK
+        assert_moved(src, dst, blocks, blocks[::-1])
+
+
+def test_without_an_agent_or_an_endpoint_there_is_no_mooncake(agents) -> None:
+    _prefill, decode, _src, _dst = agents
+    with pytest.raises(TransferError, match="does not offer the mooncake transport"):
+        open_transport("mooncake", {"mooncake": decode.endpoint}, None)
+    with pytest.raises(TransferError, match="no mooncake endpoint"):
+        open_transport("mooncake", {"shm": "x"}, decode)
+
+
+def test_a_missing_wheel_names_what_to_install() -> None:
+    code = (
+        "import sys; sys.modules['mooncake'] = None\n"
+        "from pdserve.cache_transfer.mooncake import load_engine_class\n"
+        "from pdserve.errors import ConfigError\n"
+        "try:\n    load_engine_class()\nexcept ConfigError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "pip install 'pdserve[mooncake]'" in out.stdout, out
