@@ -8,6 +8,7 @@ Needs root and iproute2 (`ip`); skips with the reason elsewhere (CI runs it as r
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -128,57 +129,144 @@ def last_added(client, key: str) -> tuple[int, ...]:
     return tuple(int(part) for part in last.split(b"-"))
 
 
-def completion(url: str, model: str, prompt: str) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+def completion(url: str, model: str, prompt: str | list[int], max_tokens: int = 12) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     body |= {"logprobs": 2, "return_token_ids": True}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    return httpx.post(url + "/v1/completions", json=body, timeout=90)
+
+
+def choice(r: httpx.Response) -> dict:
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
 
-def test_kv_crosses_hosts_over_mooncake_and_output_equals_mixed(hosts, tiny_model_dir, tmp_path) -> None:
-    from redis import Redis
+@pytest.fixture(scope="module")
+def redis_server(hosts, tmp_path_factory):
+    """Redis in the root namespace, reachable from each host over its control-plane link."""
+    server = EmbeddedRedis(
+        workdir=tmp_path_factory.mktemp("redis"), bind=("127.0.0.1", "10.231.1.1", "10.231.2.1")
+    )
+    server.start()
+    yield server
+    server.close()
 
-    def redis_client(url: str) -> Redis:
-        return Redis.from_url(url)
 
-    redis = EmbeddedRedis(workdir=tmp_path, bind=("127.0.0.1", "10.231.1.1", "10.231.2.1"))
-    redis.start()
-    procs = Procs()
-    engine = ["--num-blocks", "256", "--max-model-len", "1024", "--threads", "1"]
-    try:
-        split, solo = f"split{uuid.uuid4().hex[:6]}", f"solo{uuid.uuid4().hex[:6]}"
+class Cluster:
+    """A prefill instance on host P, a decode instance on host D, a router on the root namespace."""
+
+    def __init__(self, hosts, redis: EmbeddedRedis, model, prefill_args=(), ttl: float = 6.0) -> None:
+        self.name = f"c{uuid.uuid4().hex[:6]}"
+        self.keys = Keys(self.name)
+        self.procs = Procs()
+        self.ids = {"P": f"prefill-{self.name}", "D": f"decode-{self.name}"}
+        engine = ["--num-blocks", "256", "--max-model-len", "1024", "--threads", "1"]
         for side, i, last in (("P", 1, 1), ("D", 2, 2)):
             role = "prefill" if side == "P" else "decode"
-            procs.start(
-                "worker", "--role", role, "--model", str(tiny_model_dir), "--instance-id", f"{role}-{split}",
-                "--redis-url", f"redis://10.231.{i}.1:{redis.port}/0", "--cluster", split,
+            extra = list(prefill_args) if side == "P" else []
+            self.procs.start(
+                "worker", "--role", role, "--model", str(model), "--instance-id", self.ids[side],
+                "--redis-url", f"redis://10.231.{i}.1:{redis.port}/0", "--cluster", self.name, "--ttl", str(ttl),
                 "--hostname", f"host-{side}", "--kv-transfer", "both", "--transfer-address", f"{KV_NET}.{last}",
-                *engine, netns=hosts[side],
+                *engine, *extra, netns=hosts[side],
             )  # fmt: skip
-        procs.start("worker", "--role", "mixed", "--model", str(tiny_model_dir), "--instance-id", f"mixed-{solo}",
-                    "--redis-url", redis.url, "--cluster", solo, *engine)  # fmt: skip
-        urls = {}
-        for cluster in (split, solo):
-            port = free_port()
-            procs.start("router", "--port", str(port), "--redis-url", redis.url, "--cluster", cluster)
-            urls[cluster] = f"http://127.0.0.1:{port}"
-        live = wait_for_instances(urls[split], {f"prefill-{split}", f"decode-{split}"}, procs)
-        wait_for_instances(urls[solo], {f"mixed-{solo}"}, procs)
-        decode = next(i for i in live if i["role"] == "decode")
+        port = free_port()
+        self.router = self.procs.start(
+            "router", "--port", str(port), "--redis-url", redis.url, "--cluster", self.name, "--ttl", str(ttl)
+        )
+        self.url = f"http://127.0.0.1:{port}"
+        self.live = {i["id"]: i for i in wait_for_instances(self.url, set(self.ids.values()), self.procs)}
+
+    def free_blocks(self, side: str) -> int:
+        return instance(self.url, self.ids[side])["kv"]["free_blocks"]
+
+    def wait_idle(self, *sides: str) -> None:
+        """Until the registrations say every block is free again on each side."""
+        for side in sides:
+            idle = self.live[self.ids[side]]["kv"]["free_blocks"]
+            wait_until(lambda side=side, idle=idle: self.free_blocks(side) == idle)
+
+
+def test_kv_crosses_hosts_over_mooncake_and_output_equals_mixed(hosts, redis_server, tiny_model_dir) -> None:
+    from redis import Redis
+
+    cluster = Cluster(hosts, redis_server, tiny_model_dir)
+    solo = f"solo{uuid.uuid4().hex[:6]}"
+    engine = ["--num-blocks", "256", "--max-model-len", "1024", "--threads", "1"]
+    cluster.procs.start("worker", "--role", "mixed", "--model", str(tiny_model_dir), "--instance-id",
+                        f"mixed-{solo}", "--redis-url", redis_server.url, "--cluster", solo, *engine)  # fmt: skip
+    port = free_port()
+    cluster.procs.start("router", "--port", str(port), "--redis-url", redis_server.url, "--cluster", solo)
+    mixed = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_instances(mixed, {f"mixed-{solo}"}, cluster.procs)
+        decode = cluster.live[cluster.ids["D"]]
         assert decode["transfer"]["endpoint"]["mooncake"]["session"].startswith(f"{KV_NET}.2:")
-        client, inbox = redis_client(redis.url), Keys(split).inbox(f"prefill-{split}")
+        client, inbox = Redis.from_url(redis_server.url), cluster.keys.inbox(cluster.ids["P"])
         model = tiny_model_dir.name
         for prompt in PROMPTS:
             before = last_added(client, inbox)
-            got, want = completion(urls[split], model, prompt), completion(urls[solo], model, prompt)
+            got, want = (
+                choice(completion(cluster.url, model, prompt)),
+                choice(completion(mixed, model, prompt)),
+            )
             assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
             assert got["logprobs"] == want["logprobs"]
             assert last_added(client, inbox) > before  # prefilled on P, not served by D alone
         client.close()
-        idle = decode["kv"]["free_blocks"]
-        wait_until(lambda: instance(urls[split], f"decode-{split}")["kv"]["free_blocks"] == idle)
+        cluster.wait_idle("P", "D")
     finally:
-        bad = procs.stop()
-        redis.close()
+        bad = cluster.procs.stop()
+    assert bad == []
+
+
+def test_an_unreachable_decode_is_a_clear_error_and_the_link_coming_back_serves_again(
+    hosts, redis_server, tiny_model_dir
+) -> None:
+    cluster = Cluster(hosts, redis_server, tiny_model_dir)
+    link = f"kvP{hosts['P'][3:]}"
+    try:
+        sh("ip", "-n", hosts["P"], "link", "set", link, "down")
+        t0 = time.monotonic()
+        r = completion(cluster.url, tiny_model_dir.name, "Hello there")
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["code"] == "kv_transfer_failed" and "mooncake write" in error["message"], error
+        assert time.monotonic() - t0 < 30
+        cluster.wait_idle("P", "D")  # every attempt freed its blocks on both sides
+        sh("ip", "-n", hosts["P"], "link", "set", link, "up")
+        assert (
+            choice(completion(cluster.url, tiny_model_dir.name, "Hello there"))["finish_reason"] == "length"
+        )
+        cluster.wait_idle("P", "D")
+    finally:
+        subprocess.run(["ip", "-n", hosts["P"], "link", "set", link, "up"], capture_output=True, timeout=30)
+        bad = cluster.procs.stop()
+    assert bad == []
+
+
+def test_decode_killed_during_the_hand_off_gives_a_clear_error_and_frees_prefill(
+    hosts, redis_server, tiny_model_dir
+) -> None:
+    # a 900-token prompt in 4-token chunks keeps P prefilling for seconds after D reserved its blocks
+    cluster = Cluster(
+        hosts, redis_server, tiny_model_dir, prefill_args=["--prefill-chunk-size", "4"], ttl=2.0
+    )
+    decode = cluster.procs.procs[1]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            pending = pool.submit(completion, cluster.url, tiny_model_dir.name, list(range(5, 905)), 4)
+            time.sleep(1.0)
+            os.killpg(decode.pid, signal.SIGKILL)
+            decode.wait()
+            r = pending.result(timeout=60)
+        assert r.status_code == 503, r.text  # the only decode instance is gone: no retry can succeed
+        assert r.json()["error"]["code"] in ("kv_transfer_failed", "instance_unavailable", "no_capacity"), (
+            r.text
+        )
+        assert time.monotonic() - t0 < 60
+        cluster.wait_idle("P")
+    finally:
+        cluster.procs.procs.remove(decode)
+        bad = cluster.procs.stop()
     assert bad == []

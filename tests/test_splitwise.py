@@ -28,10 +28,12 @@ PROMPT = list(range(1, 11))  # 10 tokens: 3 blocks of 4
 
 
 def all_free(inst: Instance) -> bool:
-    """Nothing held: no request, prefilled sequence, reservation or table entry; every block free."""
+    """Nothing held: no request, prefilled sequence, reservation or table entry; every block free,
+    and the load snapshot the heartbeat reports says so too."""
     stub, handler = inst.stub, inst.handler
     held = stub.requests or stub.prefilled or stub.reserved or handler.owners or len(handler.splitwise)
-    return not held and sorted(stub.free) == list(range(stub.num_blocks))
+    free = sorted(stub.free) == list(range(stub.num_blocks))
+    return not held and free and inst.engine.load.free_blocks == stub.num_blocks
 
 
 async def to_blocks_ready(p: Pair, prefill: Instance, decode: Instance, **kw) -> None:

@@ -2,7 +2,7 @@
 
 The engine's state (batcher, block tables, reservations) is touched by one thread only, the one
 this client owns; the asyncio loop awaits each call and never reads engine attributes itself. The
-load the heartbeat reports is a snapshot taken on that thread after every step. Any object with
+load the heartbeat reports is a snapshot taken on that thread after every call. Any object with
 the engine's methods can sit behind the client (tests use a small stub engine).
 """
 
@@ -83,8 +83,9 @@ class EngineClient:
         def call() -> T:
             try:
                 return fn()
-            finally:
+            finally:  # every call may change the blocks in use (a step, an abort, a release)
                 self.unfinished = self._engine.has_unfinished()
+                self.load = self._engine.load()
 
         return await asyncio.get_running_loop().run_in_executor(self._exec, call)
 
@@ -116,12 +117,7 @@ class EngineClient:
         await self._run(lambda: self._engine.add_prefilled(key, prompt_ids, first_token, params))
 
     async def step(self) -> list[RequestOutput]:
-        def step() -> list[RequestOutput]:
-            outputs = self._engine.step()
-            self.load = self._engine.load()
-            return outputs
-
-        return await self._run(step)
+        return await self._run(self._engine.step)
 
     async def abort(self, key: str, reason: str) -> bool:
         return await self._run(lambda: self._engine.abort(key, reason))
@@ -133,9 +129,7 @@ class EngineClient:
         def reserve() -> list[int] | None:
             if not self._engine.can_reserve(num_tokens):
                 return None
-            blocks = self._engine.reserve(key, num_tokens)
-            self.load = self._engine.load()
-            return blocks
+            return self._engine.reserve(key, num_tokens)
 
         return await self._run(reserve)
 
