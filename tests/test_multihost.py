@@ -142,7 +142,7 @@ def choice(r: httpx.Response) -> dict:
 
 @pytest.fixture(scope="module")
 def redis_server(hosts, tmp_path_factory):
-    """Redis in the root namespace, reachable from each host over its control-plane link."""
+    """Redis in the root namespace with a password, reachable from each host over its own link."""
     server = EmbeddedRedis(
         workdir=tmp_path_factory.mktemp("redis"), bind=("127.0.0.1", "10.231.1.1", "10.231.2.1")
     )
@@ -165,7 +165,7 @@ class Cluster:
             extra = list(prefill_args) if side == "P" else []
             self.procs.start(
                 "worker", "--role", role, "--model", str(model), "--instance-id", self.ids[side],
-                "--redis-url", f"redis://10.231.{i}.1:{redis.port}/0", "--cluster", self.name, "--ttl", str(ttl),
+                "--redis-url", f"redis://:multi%20host@10.231.{i}.1:{redis.port}/0", "--cluster", self.name, "--ttl", str(ttl),
                 "--hostname", f"host-{side}", "--kv-transfer", "both", "--transfer-address", f"{KV_NET}.{last}",
                 *engine, *extra, netns=hosts[side],
             )  # fmt: skip

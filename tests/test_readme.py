@@ -31,6 +31,7 @@ AFTER_UP, PIECES, OFFLINE = "curl http://127.0.0.1:8000", "pdserve redis --port"
 NOT_RUN = {
     "make test": "the two commands: this test runs what `make up` runs, and `make test` runs this test",
     "benchmarks/engine_bench.py": "a benchmark of about 15 minutes, run by hand",
+    "# host B": "needs two hosts: tests/test_multihost.py runs these commands in two network namespaces",
 }
 
 

