@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -184,6 +185,7 @@ def cmd_redis(args: argparse.Namespace) -> int:
         raise PdserveError(f"{e} (is the port taken? try --port)") from None
     shown = RedisSettings.from_url(server.url).display_url
     log.info("Redis (%s) serving at %s; Ctrl-C stops it, nothing is kept on disk", server.binary, shown)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the server too, not only this process
     try:
         return server.proc.wait() if server.proc else 1
     finally:
@@ -199,7 +201,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     stack = running_stack() if args.redis_url is None else None
     redis_url = args.redis_url or (stack or {}).get("redis_url") or DEFAULT_URL
     cluster = args.cluster or (stack or {}).get("cluster") or DEFAULT_CLUSTER
-    return run_status(redis_url, cluster, args.json)
+    return run_status(redis_url, cluster, args.json, args.check)
 
 
 # ---- parser -------------------------------------------------------------------------------------
@@ -351,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(status, "--cluster", str, None, "namespace inside Redis (default: that stack's, else default)")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
+    status.add_argument(
+        "--check",
+        metavar="INSTANCE_ID",
+        default=None,
+        help="health check: exit 0 if that instance is registered and not draining, else 1 (says why)",
+    )
     status.set_defaults(func=cmd_status)
     return parser
 

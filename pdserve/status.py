@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from typing import Any
 
@@ -117,7 +118,24 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-def run_status(redis_url: str, cluster: str, as_json: bool) -> int:
+def run_status(redis_url: str, cluster: str, as_json: bool, check: str | None = None) -> int:
     status = asyncio.run(collect(redis_url, cluster))
+    if check is not None:
+        return check_instance(status, check)
     print(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() if as_json else render(status))
+    return 0
+
+
+def check_instance(status: dict[str, Any], instance_id: str) -> int:
+    """A health check: 0 when the instance is registered (its TTL key alive) and not draining."""
+    found = next((i for i in status["instances"] if i["id"] == instance_id), None)
+    if found is None:
+        print(f"{instance_id}: not registered in cluster {status['cluster']}", file=sys.stderr)
+        return 1
+    if found["draining"]:
+        print(f"{instance_id}: draining", file=sys.stderr)
+        return 1
+    print(
+        f"{instance_id}: ready ({found['running']} running, {found['free_blocks']}/{found['num_blocks']} KV blocks free)"
+    )
     return 0

@@ -82,6 +82,28 @@ def test_redis_command_refuses_a_taken_port() -> None:
     assert out.returncode == 2 and "try --port" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_redis_command_stops_its_server_on_sigterm_and_wants_a_password_beyond_loopback() -> None:
+    import signal
+    import socket
+    import time
+
+    from pdserve.scheduler.embedded import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "redis", "--port", str(port), "--password", "pw"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while "serving at redis://:***@127.0.0.1" not in (line := proc.stderr.readline()):
+        assert line and time.monotonic() < deadline, "no startup line"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass  # the redis-server child went with it
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "redis", "--bind", "0.0.0.0"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "give it a --password" in out.stderr
+
+
 def readme_flag_table() -> list[tuple[list[str], list[str], list[str]]]:
     """(variables, flags, commands) per row of the README's flag table."""
     from pathlib import Path
@@ -173,3 +195,23 @@ def test_a_bad_setting_is_a_cli_error_naming_the_flag(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["worker"])
     assert "--model is required" in capsys.readouterr().err
+
+
+def test_status_check_is_a_health_check(redis_url, capsys) -> None:
+    import asyncio
+
+    from test_router_support import instance
+
+    from pdserve.scheduler import InstanceRegistry, Keys, RedisSettings
+
+    async def register(info) -> None:
+        redis = RedisSettings.from_url(redis_url).connect()
+        await InstanceRegistry(redis, Keys("health"), ttl_s=30).register(info)
+        await redis.aclose()
+
+    asyncio.run(register(instance("decode-a", "decode")))
+    asyncio.run(register(instance("decode-b", "decode", draining=True)))
+    base = ["status", "--redis-url", redis_url, "--cluster", "health", "--check"]
+    assert main([*base, "decode-a"]) == 0 and "decode-a: ready" in capsys.readouterr().out
+    assert main([*base, "decode-b"]) == 1 and "draining" in capsys.readouterr().err
+    assert main([*base, "decode-c"]) == 1 and "not registered" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -270,3 +271,55 @@ def test_decode_killed_during_the_hand_off_gives_a_clear_error_and_frees_prefill
         cluster.procs.procs.remove(decode)
         bad = cluster.procs.stop()
     assert bad == []
+
+
+def group_lingers(pgid: int, grace_s: float = 10) -> bool:
+    """Whether a process group still has members ``grace_s`` after its leader exited (then killed).
+
+    The grace covers multiprocessing's resource tracker, which leaves a moment after its parent."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.2)
+    os.killpg(pgid, signal.SIGKILL)
+    return True
+
+
+def test_the_two_hosts_example_serves_across_the_link(hosts, tiny_model_dir, tmp_path) -> None:
+    """examples/two-hosts.sh as documented: `a` on host P (Redis, prefill, router), `b` on host D."""
+    env = {**os.environ, "HOST_A": f"{KV_NET}.1", "HOST_B": f"{KV_NET}.2", "REDIS_PASSWORD": "two hosts",
+           "MODEL": str(tiny_model_dir), "PORT": "8000"}  # fmt: skip
+    script = str(Path(__file__).resolve().parent.parent / "examples" / "two-hosts.sh")
+    sides = {}
+    try:
+        for side, arg in (("P", "a"), ("D", "b")):
+            log = (tmp_path / f"{arg}.log").open("w")
+            sides[side] = subprocess.Popen(["ip", "netns", "exec", hosts[side], "bash", script, arg], env=env,
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        url = f"http://{KV_NET}.1:8000"
+        ask = (
+            "import httpx, sys, time\n"
+            "for _ in range(240):\n"
+            "    try:\n"
+            "        ids = [i['role'] for i in httpx.get(sys.argv[1] + '/v1/instances').json()['instances']]\n"
+            "        if sorted(ids) == ['decode', 'prefill']: break\n"
+            "    except (httpx.HTTPError, KeyError, ValueError): pass\n"
+            "    time.sleep(0.5)\n"
+            "body = {'model': sys.argv[2], 'prompt': 'two hosts', 'max_tokens': 8, 'temperature': 0}\n"
+            "r = httpx.post(sys.argv[1] + '/v1/completions', json=body, timeout=60)\n"
+            "print(r.status_code, r.json()['choices'][0]['finish_reason'])\n"
+        )
+        out = subprocess.run(["ip", "netns", "exec", hosts["P"], sys.executable, "-c", ask, url, tiny_model_dir.name],
+                             capture_output=True, text=True, timeout=180, check=False)  # fmt: skip
+        assert out.stdout.split() == ["200", "length"], (
+            out.stdout + out.stderr + (tmp_path / "a.log").read_text()
+        )
+    finally:
+        for proc in sides.values():
+            proc.send_signal(signal.SIGTERM)  # the script only: its trap stops what it started
+        codes = [proc.wait(60) for proc in sides.values()]
+        left = [proc.args[-1] for proc in sides.values() if group_lingers(proc.pid)]
+    assert codes == [130, 130] and left == [], [(tmp_path / f"{a}.log").read_text() for a in "ab"]

@@ -11,10 +11,12 @@ hand-off. The optional extra ``pip install 'pdserve[mooncake]'`` brings the CPU-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,20 @@ def available() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the duration (the engine's C++ logging writes there)."""
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def rdma_devices() -> list[str]:
     """The host's RDMA devices (HCAs), as the kernel lists them."""
     root = Path("/sys/class/infiniband")
@@ -75,7 +91,8 @@ class MooncakeAgent:
         self.host = host
         self.protocol = protocol
         self._engine = load_engine_class()()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+        with _quiet_stderr():  # glog's pre-init warning and a benign "segment descriptor not found"
+            rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
         if rc != 0:
             raise TransferError(f"mooncake transfer engine did not start on {host} ({protocol}): error {rc}")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
