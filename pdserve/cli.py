@@ -170,6 +170,65 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run_stack(spec)
 
 
+def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import asyncio
+    import random
+
+    import httpx
+    from tqdm import tqdm
+
+    from pdserve import bench
+
+    base = args.base_url.rstrip("/")
+    model = args.model
+    if model is None:
+        try:
+            model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            parser.error(f"--model not given and {base}/v1/models did not name one ({e})")
+    chat = args.endpoint.endswith("/chat/completions")
+    rng = random.Random(args.seed)
+    try:
+        if args.dataset == "jsonl":
+            if not args.dataset_path:
+                parser.error("--dataset jsonl needs --dataset-path FILE")
+            prompts = bench.jsonl_prompts(args.dataset_path, args.num_prompts, args.output_len, chat)
+        else:
+            tokenizer = None
+            if args.tokenizer:
+                from pdserve.worker.tokenizer import Tokenizer
+
+                tokenizer = Tokenizer.from_dir(args.tokenizer)
+            prompts = bench.random_prompts(
+                args.num_prompts, args.input_len, args.output_len, args.range_ratio, chat, rng, tokenizer
+            )
+        percentiles = tuple(float(p) for p in args.percentiles.split(","))
+    except ValueError as e:
+        parser.error(str(e))
+    with tqdm(
+        total=len(prompts), desc="requests", unit="req", file=sys.stderr, disable=args.no_progress
+    ) as bar:
+        results, duration = asyncio.run(
+            bench.run(base, args.endpoint, model, prompts, args.max_concurrency, args.request_rate,
+                      args.ignore_eos, args.seed, bar)
+        )  # fmt: skip
+    summary = bench.summarize(results, duration, percentiles)
+    print(bench.render(summary))
+    if args.save_result:
+        config = {k: str(v) for k, v in vars(args).items() if k not in ("func",)}
+        args.save_result.write_text(
+            orjson.dumps({"config": config, **summary}, option=orjson.OPT_INDENT_2).decode()
+        )
+        log.info("wrote %s", args.save_result)
+    if args.plot:
+        try:
+            bench.plot(results, args.plot)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        log.info("wrote %s", args.plot)
+    return 0 if summary["successful_requests"] else 1
+
+
 def cmd_redis(args: argparse.Namespace) -> int:
     from pdserve.scheduler.connection import RedisSettings
     from pdserve.scheduler.embedded import EmbeddedRedis
@@ -317,6 +376,57 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(up.add_argument_group("stack"), StackSpec)
     add_engine_flags(up)  # passed to every worker
     up.set_defaults(func=lambda a: cmd_up(a, up))
+
+    from pathlib import Path
+
+    bench = add_command(
+        "bench",
+        help="load-test any OpenAI-compatible server and print latency and throughput percentiles",
+        description="Send --num-prompts streaming requests to an OpenAI-compatible server (pdserve, vLLM, "
+        "SGLang, their routers, FastDeploy) at --request-rate (Poisson) with at most --max-concurrency in "
+        "flight, and print successful/failed requests, throughput, and the mean, median and percentiles "
+        "of decode speed, TTFT, S_TTFT (the server's own, where it reports it), TPOT, ITL and end-to-end "
+        "latency.",
+    )
+    bench.add_argument("--base-url", default="http://127.0.0.1:8000", help="server (default %(default)s)")
+    bench.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        choices=["/v1/completions", "/v1/chat/completions"],
+        help="API to load (default %(default)s)",
+    )
+    bench.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    bench.add_argument("--dataset", choices=["random", "jsonl"], default="random", help="prompt source")
+    bench.add_argument(
+        "--dataset-path", type=Path, default=None, help="jsonl: one {messages, max_tokens?} a line"
+    )
+    bench.add_argument(
+        "--tokenizer", default=None, help="random: a local model folder, for prompts of exact length"
+    )
+    bench.add_argument(
+        "--input-len", type=int, default=256, help="random: prompt tokens (default %(default)s)"
+    )
+    bench.add_argument("--output-len", type=int, default=64, help="tokens to generate (default %(default)s)")
+    bench.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by this fraction")
+    bench.add_argument("--num-prompts", type=int, default=100, help="requests to send (default %(default)s)")
+    bench.add_argument("--max-concurrency", type=int, default=16, help="requests in flight at most")
+    bench.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s, Poisson (default inf: all at once)",
+    )
+    bench.add_argument("--seed", type=int, default=0, help="prompt and arrival seed (default %(default)s)")
+    bench.add_argument("--ignore-eos", action="store_true", help="ask the server to generate past EOS")
+    bench.add_argument(
+        "--percentiles",
+        default=",".join(f"{p:g}" for p in (80, 95, 99, 99.9, 99.95, 99.99)),
+        help="comma-separated (default %(default)s)",
+    )
+    bench.add_argument("--save-result", type=Path, default=None, help="write the summary as JSON")
+    bench.add_argument("--plot", type=Path, default=None, help="write latency distributions as a PNG")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(func=lambda a: cmd_bench(a, bench))
 
     redis = add_command(
         "redis",

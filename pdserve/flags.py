@@ -129,7 +129,7 @@ def to_argv(settings: Any) -> list[str]:
             argv += to_argv(value)
     for f, _, name in flag_fields(type(settings)):
         value = getattr(settings, f.name)
-        if value is None:
+        if value is None or value == "":  # unset: the child works it out as the parent would have
             continue
         if isinstance(value, bool):
             argv.append(name if value else "--no-" + name[2:])

@@ -255,6 +255,40 @@ def test_greedy_tokens_identical_over_mooncake(splitwise_mooncake, mixed, redis_
     r.close()
 
 
+def test_responses_carry_the_servers_time_to_first_token(stack) -> None:
+    body = {"model": model_name(stack), "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
+    timing = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=60).json()["timing"]
+    assert 0 < timing["s_ttft_ms"] < 60_000
+    splitwise = stack.spec.prefill > 0
+    assert (timing["kv_transfer_ms"] is not None) == splitwise  # only a hand-off has a KV write
+    with httpx.stream(
+        "POST", stack.urls[0] + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
+        chunks = [orjson.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c.get("timing") is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_pdserve_bench_prints_the_table_and_writes_json_and_png(splitwise, tmp_path) -> None:
+    result, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--base-url", splitwise.urls[0], "--num-prompts", "12",
+           "--input-len", "24", "--output-len", "6", "--max-concurrency", "4", "--ignore-eos", "--no-progress",
+           "--save-result", str(result), "--plot", str(png)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert out.returncode == 0, out.stderr
+    for line in ("Successful requests:                     12", "Failed requests:                         0",
+                 "Mean TTFT (ms):", "P99.99 S_TTFT (ms):", "Median TPOT (ms):", "P80 ITL (ms):",
+                 "P95 E2E (ms):", "Mean Decode:"):  # fmt: skip
+        assert line in out.stdout, out.stdout
+    summary = orjson.loads(result.read_text())
+    assert summary["successful_requests"] == 12 and summary["total_output_tokens"] == 12 * 6
+    assert summary["metrics"]["s_ttft_ms"]["median"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    chat = subprocess.run([*cmd[:6], "--endpoint", "/v1/chat/completions", "--num-prompts", "4", "--no-progress",
+                           "--output-len", "4", "--ignore-eos"], capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert "Successful requests:                     4" in chat.stdout, chat.stdout + chat.stderr
+
+
 # ---- acceptance 4: routers share nothing but Redis ---------------------------------------------------
 def test_two_routers_and_one_dies(tiny_model_dir, redis_url) -> None:
     stack = start_stack(tiny_model_dir, redis_url, routers=2, mixed=1)

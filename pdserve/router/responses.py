@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from pdserve.scheduler.messages import RequestDelta, TokenLogprob, Usage
+from pdserve.scheduler.messages import RequestDelta, Timing, TokenLogprob, Usage
 
 DONE = b"data: [DONE]\n\n"
 
@@ -18,7 +18,16 @@ DONE = b"data: [DONE]\n\n"
 class Choice:
     """What a non-stream response accumulates for one choice (reset when its attempt changes)."""
 
-    __slots__ = ("attempt", "finish_reason", "logprobs", "num_tokens", "texts", "token_ids", "usage")
+    __slots__ = (
+        "attempt",
+        "finish_reason",
+        "logprobs",
+        "num_tokens",
+        "texts",
+        "timing",
+        "token_ids",
+        "usage",
+    )
 
     def __init__(self, attempt: int = 0) -> None:
         self.attempt = attempt
@@ -28,10 +37,12 @@ class Choice:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
+        self.timing: Timing | None = None
 
     def note(self, delta: RequestDelta) -> None:
-        """Count a streamed delta (its text went to the client): tokens, finish, usage."""
+        """Count a streamed delta (its text went to the client): tokens, finish, usage, timing."""
         self.num_tokens += len(delta.token_ids)
+        self.timing = delta.timing or self.timing
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.usage = delta.usage
@@ -43,6 +54,7 @@ class Choice:
             self.logprobs.extend(delta.logprobs)
         self.token_ids.extend(delta.token_ids)
         self.num_tokens += len(delta.token_ids)
+        self.timing = delta.timing or self.timing
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.usage = delta.usage
@@ -92,6 +104,8 @@ class ResponseBuilder:
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.model, "choices": out, "usage": usage(choices),
         }  # fmt: skip
+        if choices and choices[0].timing is not None:
+            body["timing"] = timing(choices[0].timing)
         return orjson.dumps(body)
 
     # -- stream ------------------------------------------------------------------------------------
@@ -101,8 +115,8 @@ class ResponseBuilder:
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})  # fmt: skip
 
-    def delta_chunk(self, index: int, delta: RequestDelta) -> bytes:
-        """One chunk per delta; the last one carries ``finish_reason`` (with or without text)."""
+    def delta_chunk(self, index: int, delta: RequestDelta, choice_timing: Timing | None = None) -> bytes:
+        """One chunk per delta; the last one carries ``finish_reason`` (and the choice's ``timing``)."""
         lp = None
         if self.logprobs and delta.logprobs:
             lp = self._logprobs(delta.logprobs, self._text_offsets.get(index, 0))
@@ -120,7 +134,10 @@ class ResponseBuilder:
             choice = {"index": index, "delta": content, "logprobs": lp, "finish_reason": delta.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
-        return self._chunk(choice)
+        extra = (
+            {"timing": timing(choice_timing)} if delta.finish_reason is not None and choice_timing else None
+        )
+        return self._chunk(choice, extra)
 
     def usage_chunk(self, choices: list[Choice]) -> bytes:
         """The extra last chunk of ``stream_options.include_usage``: no choices, the request's usage."""
@@ -128,10 +145,12 @@ class ResponseBuilder:
             b"data: " + orjson.dumps({**self._chunk_head, "choices": [], "usage": usage(choices)}) + b"\n\n"
         )
 
-    def _chunk(self, choice: dict[str, Any]) -> bytes:
+    def _chunk(self, choice: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes:
         body = {**self._chunk_head, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
+        if extra:
+            body |= extra
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
     def _logprobs(self, items: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -155,6 +174,14 @@ def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
         "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.token.encode())}
                          for top in t.top],
     }  # fmt: skip
+
+
+def timing(t: Timing) -> dict[str, float | None]:
+    """pdserve's extra ``timing`` field (docs/design.md): the server's own time to the first token."""
+    return {
+        "s_ttft_ms": round(t.s_ttft_s * 1e3, 3),
+        "kv_transfer_ms": None if t.kv_transfer_s is None else round(t.kv_transfer_s * 1e3, 3),
+    }
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:

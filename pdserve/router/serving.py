@@ -237,8 +237,8 @@ async def _stream(send: Send, rid: str, gens: list[Generation], builder: Respons
             out += builder.role_chunk(i)
     try:
         for i, delta in enumerate(firsts):
-            out += builder.delta_chunk(i, delta)
             choices[i].note(delta)
+            out += builder.delta_chunk(i, delta, choices[i].timing)
         if len(gens) == 1:
             error = await _relay_one(send, out, gens[0], choices[0], builder)
         else:
@@ -269,8 +269,8 @@ async def _relay_one(
             delta = await gen.next()
         if delta.error is not None:
             break
-        out += builder.delta_chunk(0, delta)
         choice.note(delta)
+        out += builder.delta_chunk(0, delta, choice.timing)
     if out:
         await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
     return delta.error if delta is not None and delta.error is not None else None
@@ -303,7 +303,7 @@ async def _relay_many(
             if delta.error is not None:
                 return delta.error
             choices[index].note(delta)
-            chunk = builder.delta_chunk(index, delta)
+            chunk = builder.delta_chunk(index, delta, choices[index].timing)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             remaining -= delta.is_final
         return None

@@ -48,6 +48,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Role",
         "RouterInfo",
         "StepOutput",
+        "Timing",
         "TokenLogprob",
         "TopLogprob",
         "TransferInfo",

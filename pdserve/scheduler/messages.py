@@ -26,7 +26,7 @@ SCHEMA_VERSION = 2
 
 2: ``ErrorInfo`` carries the exception tree's ``kind`` and ``param`` instead of ``code``/``type``;
 fields nothing produced or read are gone (``detokenize``, ``arrival_time``, ``first_logprobs``,
-``num_cached_tokens``).
+``num_cached_tokens``). Additive since: ``RequestDelta.timing`` (older readers ignore it).
 """
 
 ANY_ATTEMPT = -1
@@ -165,6 +165,17 @@ class ErrorInfo(_Model):
         )
 
 
+class Timing(_Model):
+    """Where the first token's time went, measured by the instance that produced it (its own clock).
+
+    ``s_ttft_s``: from the ``generate`` reaching that instance to the engine sampling the first
+    token (queueing in its engine included); ``kv_transfer_s``: the splitwise KV write that followed.
+    """
+
+    s_ttft_s: float
+    kv_transfer_s: float | None = None
+
+
 class RequestDelta(_Model):
     """What happened to one request: new tokens, its finish, or its failure.
 
@@ -181,6 +192,7 @@ class RequestDelta(_Model):
     usage: Usage | None = None
     error: ErrorInfo | None = None
     attempt: int = 0
+    timing: Timing | None = None  # on the delta that carries the first token
 
     @property
     def is_final(self) -> bool:

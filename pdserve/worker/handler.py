@@ -28,6 +28,7 @@ from pdserve.scheduler import (
     ReserveBlocks,
     ReserveReply,
     RouterRegistry,
+    Timing,
 )
 from pdserve.worker.messenger import Owner, engine_key, to_delta
 from pdserve.worker.outputs import RequestOutput
@@ -46,6 +47,9 @@ class RequestHandler:
         self.owners: dict[str, Owner] = {}  # engine key -> router request, for requests this engine decodes
         self.splitwise = Splitwise(ctx)
         self.draining = False
+        self._started: dict[
+            str, float
+        ] = {}  # engine key -> monotonic time its generate arrived, until token 1
         self._routers_seen: dict[str, float] = {}  # router id -> monotonic time its key was last seen
         self._routers_checked_at = float("-inf")
 
@@ -71,6 +75,7 @@ class RequestHandler:
             await self.on_abort(msg)
 
     async def on_generate(self, msg: GenerateRequest) -> None:
+        received = self.ctx.clock.monotonic()
         owner = Owner(msg.router_id, msg.request_id, msg.attempt)
         messenger = self.ctx.messenger
         if self.draining:
@@ -95,6 +100,7 @@ class RequestHandler:
         else:
             key = engine_key(msg.request_id, msg.attempt)
             self.owners[key] = owner
+            self._started[key] = received
             await self.ctx.engine.add(key, prepared)
 
     async def on_abort(self, msg: Abort) -> None:
@@ -103,6 +109,7 @@ class RequestHandler:
         if msg.attempt is not None:
             keys = [k for k in keys if k == engine_key(msg.request_id, msg.attempt)]
         for key in keys:
+            self._started.pop(key, None)
             if self.owners.pop(key, None) is not None:
                 await self.ctx.engine.abort(key, msg.reason)
             await self.splitwise.abort(key, msg.reason)
@@ -122,7 +129,11 @@ class RequestHandler:
                 continue  # aborted meanwhile
             if out.finished:
                 del self.owners[out.request_id]
-            deltas[owner.router_id].append(to_delta(out, owner))
+            delta = to_delta(out, owner)
+            started = self._started.pop(out.request_id, None)
+            if started is not None:
+                delta.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - started)
+            deltas[owner.router_id].append(delta)
         await self.ctx.messenger.publish(deltas)
         for out in handoffs:
             await self.splitwise.on_output(out)
@@ -144,6 +155,7 @@ class RequestHandler:
             if owner.router_id in gone:
                 log.info("router %s is gone: aborting %s", owner.router_id, owner.request_id)
                 del self.owners[key]
+                self._started.pop(key, None)
                 await self.ctx.engine.abort(key, "router gone")
         if gone:
             await self.splitwise.drop_routers(gone)
@@ -166,5 +178,6 @@ class RequestHandler:
         owners = [(owner, False) for owner in self.owners.values()]
         owners += [(owner, True) for owner in self.splitwise.take_all()]
         self.owners.clear()
+        self._started.clear()
         if owners:
             await self.ctx.messenger.fail_many(owners, UnavailableError(message))

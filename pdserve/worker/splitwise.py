@@ -38,6 +38,7 @@ from pdserve.scheduler import (
     Prefilled,
     ReserveBlocks,
     ReserveReply,
+    Timing,
 )
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.clock import Clock
@@ -122,6 +123,8 @@ class PrefillHandoff:
         self.dst_blocks: list[int] | None = None
         self.first: RequestOutput | None = None
         self.retry_at: float | None = None  # monotonic time to ask for blocks again
+        self.received_at = ctx.clock.monotonic()
+        self.timing: Timing | None = None  # set when the first token is sampled; completed by the write
         self._abort_reason: str | None = None  # an abort that came while transferring
 
     @property
@@ -173,13 +176,17 @@ class PrefillHandoff:
             return
         if out.prefilled:
             self.first = out
+            self.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - self.received_at)
             if self.state is PrefillState.BLOCKS_READY:
                 await self._transfer()
             else:
                 self.state = PrefillState.FIRST_TOKEN_READY
         elif out.finished:  # finished on its first token (EOS, stop, max_tokens=1), or the engine failed it
             self.state = PrefillState.DONE
-            await self.ctx.messenger.deliver(self.owner, to_delta(out, self.owner))
+            delta = to_delta(out, self.owner)
+            if out.token_ids:
+                delta.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - self.received_at)
+            await self.ctx.messenger.deliver(self.owner, delta)
             await self._tell_decode_abort("finished on prefill")
 
     async def tick(self) -> None:
@@ -224,7 +231,9 @@ class PrefillHandoff:
             await self.ctx.engine.release_prefilled(self.key)
             return await self._tell_decode_abort(self._abort_reason)
         self.state = PrefillState.DONE
-        await self.ctx.messenger.deliver(self.owner, to_delta(self.first, self.owner))
+        first = to_delta(self.first, self.owner)
+        first.timing = self.timing
+        await self.ctx.messenger.deliver(self.owner, first)
         await self._tell_decode()
         await self.ctx.engine.release_prefilled(self.key)
 
@@ -237,7 +246,10 @@ class PrefillHandoff:
         if len(src) != len(dst_blocks):
             raise TransferError(f"decode reserved {len(dst_blocks)} blocks for {len(src)}")
         cache, src_regions, dst_regions = engine.kv_view(), engine.regions(src), engine.regions(dst_blocks)
+        t0 = self.ctx.clock.monotonic()
         moved = await asyncio.to_thread(transport.write_blocks, cache, src_regions, dst_regions)
+        if self.timing is not None:
+            self.timing.kv_transfer_s = self.ctx.clock.monotonic() - t0
         log.debug("%s: %d KV bytes -> %s", self.key, moved, self.decode_id)
 
     # ---- the one way to fail -------------------------------------------------------------------------

@@ -1,0 +1,35 @@
+"""pdserve bench's arithmetic and table, on results it did not measure (the server runs are in
+test_serving.py): percentiles, failures by kind, and no S_TTFT section for servers that do not say it."""
+
+from __future__ import annotations
+
+import random
+
+from pdserve.bench import Result, random_prompts, render, stats, summarize
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    values = [float(i) for i in range(1, 101)]
+    s = stats(values, (80, 99, 99.99))
+    assert (s["mean"], s["median"], s["p80"], s["p99"], s["p99.99"]) == (50.5, 50.5, 80.0, 99.0, 100.0)
+
+
+def test_failures_are_counted_by_kind_and_peers_get_no_s_ttft_row() -> None:
+    ok = [
+        Result(ok=True, prompt_tokens=10, output_tokens=5, ttft=0.1, e2e=0.5, itl=[0.1] * 4) for _ in range(3)
+    ]
+    bad = [Result(ok=False, error_kind="no_capacity", error="nothing to serve it") for _ in range(2)]
+    summary = summarize(ok + bad, duration=2.0, percentiles=(99,))
+    assert (summary["successful_requests"], summary["failed_requests"]) == (3, 2)
+    assert summary["errors"] == {"no_capacity": 2} and summary["total_output_tokens"] == 15
+    assert summary["output_throughput"] == 7.5
+    assert abs(summary["metrics"]["decode_tok_s"]["mean"] - 10.0) < 1e-9  # 4 tokens in 0.4 s
+    table = render(summary)
+    assert "failed: no_capacity:" in table and "S_TTFT" not in table and "Mean TTFT (ms):" in table
+
+
+def test_random_prompts_respect_lengths() -> None:
+    prompts = random_prompts(20, input_len=50, output_len=8, range_ratio=0.0, chat=True, rng=random.Random(1))
+    assert all(
+        len(p.body["messages"][0]["content"].split()) == 50 and p.body["max_tokens"] == 8 for p in prompts
+    )
