@@ -29,7 +29,7 @@ from pdserve.router.settings import RouterSettings
 from pdserve.scheduler.embedded import EmbeddedRedis
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
-from pdserve.worker.settings import KV_TRANSFERS, EngineConfig, WorkerSettings
+from pdserve.worker.settings import ENGINES, KV_TRANSFERS, EngineConfig, WorkerSettings
 from pdserve.worker.settings import default as worker_default
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,12 @@ class StackSpec:
         worker_default("kv_transfer"),
         "KV transports of every prefill/decode worker (as `pdserve worker --kv-transfer`; default %(default)s)",
         choices=KV_TRANSFERS,
+    )
+    engine_kind: str = setting(
+        worker_default("engine_kind"),
+        "what computes tokens in every worker (as `pdserve worker --engine`; default %(default)s)",
+        name="--engine",
+        choices=ENGINES,
     )
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # every worker's
     ready_timeout_s: float = 120.0
@@ -154,6 +160,7 @@ class Stack:
                     cluster=spec.cluster,
                     ttl_s=spec.ttl_s,
                     kv_transfer=spec.kv_transfer,
+                    engine_kind=spec.engine_kind,
                     engine=engine,
                 )
                 self.instance_ids.append(worker.instance_id)

@@ -1,8 +1,8 @@
 """Two in-process instances (prefill and decode) on a real Redis, for driving the splitwise hand-off.
 
-``StubEngine`` is the one test double: it stands in for the model (a token is a function of the
-prompt, KV bytes are a function of the prompt and the block), while its block bookkeeping, the
-KV cache bytes (the decode side's in real POSIX shared memory), the shm transport, the Redis
+``StubEngine`` (pdserve's echo engine with tiny sizes) stands in for the model: a token is a
+function of the prompt, KV bytes are a function of the prompt and the block; its block bookkeeping,
+the KV cache bytes (the decode side's in real POSIX shared memory), the shm transport, the Redis
 streams and the message handling are the real ones. The clock is a ``ManualClock`` that tests move.
 """
 
@@ -15,11 +15,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
 import redis.asyncio as aioredis
 
-from pdserve.cache_transfer import shm
-from pdserve.errors import InvalidRequestError, RequestTooLongError
 from pdserve.scheduler import (
     DisaggregateInfo,
     GenerateRequest,
@@ -36,13 +33,14 @@ from pdserve.scheduler import (
     send_to_inbox,
 )
 from pdserve.scheduler.messages import decode_as
-from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.streams import FIELD
 from pdserve.worker.clock import Clock
+from pdserve.worker.echo import EchoEngine
 from pdserve.worker.engine_client import EngineClient
 from pdserve.worker.handler import RequestHandler
 from pdserve.worker.messenger import Messenger
-from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput
+from pdserve.worker.outputs import RequestOutput
+from pdserve.worker.settings import EngineConfig
 from pdserve.worker.splitwise import Context, Transports
 
 BLOCK_SIZE = 4
@@ -78,151 +76,36 @@ def kv_byte(prompt: list[int], block: int) -> int:
     return (sum(prompt) * 31 + block + 1) % 251
 
 
-@dataclasses.dataclass
-class _StubRequest:
-    key: str
-    prompt: list[int]
-    params: SamplingParams
-    blocks: list[int]
-    prefill_only: bool
-    out: list[int] = dataclasses.field(default_factory=list)
+class StubEngine(EchoEngine):
+    """The echo engine (pdserve's benchmarking engine: real block bookkeeping, no model) with this
+    file's token and KV-byte functions, tiny sizes, and a way to make a step fail."""
 
-
-class StubEngine:
-    """Test double for ``LLMEngine``: the engine's methods the service uses, with real block bookkeeping."""
+    block_bytes_per_block = BLOCK_BYTES
 
     def __init__(self, num_blocks: int = 16, shared: bool = False) -> None:
-        self.num_blocks = num_blocks
-        self.segment = None
-        if shared:
-            self.segment = shm.create_segment(
-                f"pdserve-test-{uuid.uuid4().hex[:10]}", num_blocks * BLOCK_BYTES
-            )
-            self.cache = np.ndarray((num_blocks * BLOCK_BYTES,), dtype=np.uint8, buffer=self.segment.buf)
-        else:
-            self.cache = np.zeros(num_blocks * BLOCK_BYTES, dtype=np.uint8)
-        self.free = list(range(num_blocks))
-        self.requests: dict[str, _StubRequest] = {}
-        self.prefilled: dict[str, _StubRequest] = {}
-        self.reserved: dict[str, list[int]] = {}
-        self.pending: list[RequestOutput] = []
+        name = f"pdserve-test-{uuid.uuid4().hex[:10]}" if shared else None
+        config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN,
+                              shared_kv=shared, shm_name=name)  # fmt: skip
+        super().__init__(None, config)
         self.fail_next_step: str | None = None  # the next step fails every running request with this
 
-    # ---- what the client reads --------------------------------------------------------------------
-    def facts(self) -> EngineFacts:
-        name = self.segment.name if self.segment else None
-        return EngineFacts(MAX_MODEL_LEN, BLOCK_SIZE, self.num_blocks, BLOCK_BYTES, shm_name=name)
+    def token(self, req) -> int:
+        return token_for(req.prompt, len(req.out))
 
-    def load(self) -> EngineLoad:
-        return EngineLoad(running=len(self.requests), free_blocks=len(self.free))
-
-    def kv_view(self) -> np.ndarray:
-        return self.cache
-
-    def block_bytes(self, block: int) -> bytes:
-        return self.cache[block * BLOCK_BYTES : (block + 1) * BLOCK_BYTES].tobytes()
-
-    # ---- requests ---------------------------------------------------------------------------------
-    def prompt_ids(self, prompt, messages, prompt_token_ids) -> list[int]:
-        if prompt_token_ids is not None:
-            return list(prompt_token_ids)
-        return [ord(c) % 100 for c in (prompt or "")]
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if len(prompt_token_ids) + params.max_tokens > MAX_MODEL_LEN:
-            raise RequestTooLongError(
-                f"this model's maximum context length is {MAX_MODEL_LEN} tokens", "prompt"
-            )
-
-    def _allocate(self, n: int) -> list[int]:
-        taken, self.free = self.free[:n], self.free[n:]
-        return taken
-
-    def add_request(self, request_id, *, prompt_token_ids, params, prefill_only=False) -> None:
-        blocks = self._allocate(-(-len(prompt_token_ids) // BLOCK_SIZE))
-        self.requests[request_id] = _StubRequest(request_id, prompt_token_ids, params, blocks, prefill_only)
-
-    def add_prefilled(self, request_id, prompt_token_ids, first_token, params) -> None:
-        blocks = self.reserved.pop(request_id)
-        req = _StubRequest(request_id, list(prompt_token_ids), params, blocks, False, [first_token])
-        self.requests[request_id] = req
-
-    def has_unfinished(self) -> bool:
-        return bool(self.requests or self.pending)
+    def kv_byte(self, req, block: int) -> int:
+        return kv_byte(req.prompt, block)
 
     def step(self) -> list[RequestOutput]:
+        if self.fail_next_step is None:
+            return super().step()
         outputs, self.pending = self.pending, []
         for req in list(self.requests.values()):
-            if self.fail_next_step:
-                outputs.append(self._finish(req, "error", error=self.fail_next_step))
-                continue
-            if not req.out:  # the prompt's step: write its KV
-                for i, b in enumerate(req.blocks):
-                    self.cache[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES] = kv_byte(req.prompt, i)
-            req.out.append(token_for(req.prompt, len(req.out)))
-            token = req.out[-1]
-            if len(req.out) >= req.params.max_tokens:
-                outputs.append(self._finish(req, "length", [token]))
-            elif req.prefill_only:
-                del self.requests[req.key]
-                self.prefilled[req.key] = req
-                outputs.append(self._output(req, [token], prefilled=True))
-            else:
-                outputs.append(self._output(req, [token]))
+            outputs.append(self._finish(req, "error", error=self.fail_next_step))
         self.fail_next_step = None
         return outputs
 
-    def _output(self, req: _StubRequest, tokens: list[int], **kw: Any) -> RequestOutput:
-        text = "".join(f"<{t}>" for t in tokens)
-        return RequestOutput(req.key, tokens, text, len(req.prompt), len(req.out), **kw)
-
-    def _finish(
-        self, req: _StubRequest, reason: str, tokens: list[int] | None = None, **kw: Any
-    ) -> RequestOutput:
-        del self.requests[req.key]
-        self.free += req.blocks
-        return self._output(req, tokens or [], finished=True, finish_reason=reason, **kw)
-
-    def abort(self, request_id: str, reason: str = "abort") -> bool:
-        req = self.requests.get(request_id)
-        if req is None:
-            return self.release_prefilled(request_id) or self.cancel_reservation(request_id)
-        self.pending.append(self._finish(req, reason))
-        return True
-
-    # ---- hand-off ---------------------------------------------------------------------------------
-    def can_reserve(self, num_prompt_tokens: int) -> bool:
-        return len(self.free) >= -(-num_prompt_tokens // BLOCK_SIZE)
-
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
-        self.reserved[request_id] = self._allocate(-(-num_prompt_tokens // BLOCK_SIZE))
-        return self.reserved[request_id]
-
-    def cancel_reservation(self, request_id: str) -> bool:
-        blocks = self.reserved.pop(request_id, None)
-        if blocks is None:
-            return False
-        self.free += blocks
-        return True
-
-    def prefilled_blocks(self, request_id: str) -> list[int]:
-        return self.prefilled[request_id].blocks
-
-    def release_prefilled(self, request_id: str) -> bool:
-        req = self.prefilled.pop(request_id, None)
-        if req is None:
-            return False
-        self.free += req.blocks
-        return True
-
-    def close(self) -> None:
-        if self.segment is not None:
-            del self.cache
-            self.segment.close()
-            self.segment.unlink()
-            self.segment = None
+    def block_bytes(self, block: int) -> bytes:
+        return self.cache[block * BLOCK_BYTES : (block + 1) * BLOCK_BYTES].tobytes()
 
 
 @dataclasses.dataclass

@@ -255,6 +255,20 @@ def test_greedy_tokens_identical_over_mooncake(splitwise_mooncake, mixed, redis_
     r.close()
 
 
+def test_the_echo_engine_goes_through_the_whole_hand_off(tiny_model_dir, redis_url) -> None:
+    """`--engine echo`: no model, the prompt's tokens cycled, over the same splitwise protocol."""
+    stack = start_stack(tiny_model_dir, redis_url, prefill=1, decode=1, engine_kind="echo")
+    try:
+        prompt = [11, 12, 13]
+        body = {"model": model_name(stack), "prompt": prompt, "max_tokens": 7, "return_token_ids": True}
+        r = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=60).json()
+        assert r["choices"][0]["token_ids"] == [11, 12, 13, 11, 12, 13, 11]
+        assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+        assert r["timing"]["kv_transfer_ms"] is not None  # handed off from P to D
+    finally:
+        assert stack.stop(grace_s=15) == []
+
+
 def test_responses_carry_the_servers_time_to_first_token(stack) -> None:
     body = {"model": model_name(stack), "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
     timing = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=60).json()["timing"]

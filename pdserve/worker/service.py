@@ -86,12 +86,16 @@ class WorkerService:
 
     def _build_engine(self):
         """On the engine thread: a decode instance's cache lives in shm, so same-host prefills write into it."""
-        from pdserve.worker.engine import LLMEngine
-
         shared = self.settings.role == "decode"
         config = dataclasses.replace(
             self.settings.engine, shared_kv=shared, shm_name=f"pdserve-{self.id}" if shared else None
         )
+        if self.settings.engine_kind == "echo":
+            from pdserve.worker.echo import EchoEngine
+
+            return EchoEngine(self.settings.model_dir, config)
+        from pdserve.worker.engine import LLMEngine
+
         return LLMEngine(self.settings.model_dir, config)
 
     async def _start_transfer(self) -> list[str]:

@@ -19,6 +19,7 @@ from pdserve.worker.cpu import KERNEL_MODES
 
 ROLES = ("prefill", "decode", "mixed")
 KV_TRANSFERS = ("auto", "shm", "mooncake", "both")
+ENGINES = ("model", "echo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,13 @@ class WorkerSettings:
     cluster: str = setting(DEFAULT_CLUSTER, "namespace of this deployment inside Redis (default %(default)s)")
     ttl_s: float = setting(
         DEFAULT_TTL_S, "registration TTL in seconds; heartbeats renew it every ttl/3 (default %(default)s)"
+    )
+    engine_kind: str = setting(
+        "model",
+        "what computes tokens: model (the Paddle engine), or echo (no model: returns the prompt's tokens, "
+        "cycled; a benchmarking aid for the router and control plane) (default %(default)s)",
+        name="--engine",
+        choices=ENGINES,
     )
     kv_transfer: str = setting(
         "auto",
