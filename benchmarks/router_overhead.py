@@ -1,0 +1,253 @@
+"""The router alone, side by side: SGLang's router, vLLM's router and pdserve's, in one invocation.
+
+Each router runs in PD mode in front of workers that cost next to nothing: mock OpenAI engines
+(benchmarks/mock_openai_worker.py) for the two peers, `pdserve worker --engine echo` for pdserve
+(same protocol, Redis traffic and hand-off as with a model). The same workload goes through each:
+--requests streaming chat requests of 16 output tokens, at each --concurrency, driven by
+pdserve.bench from this process. Reported per system and concurrency: req/s, p50/p99 TTFT and
+end-to-end latency, the router's CPU time per request (user+system of all its processes and
+threads, from /proc) and, for pdserve, Redis's too; ratios are to the fastest peer. The load
+generator's own CPU share is printed, to show it is not the bottleneck. Everything binds to
+127.0.0.1; the peers' wheels go into a virtual environment this script creates (--peers-venv);
+it stops every process it started, by pid.
+
+    python benchmarks/router_overhead.py [--requests 2000] [--concurrency 32,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+PEERS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """user+system CPU of a process (all its threads) and of its live descendants."""
+    total = 0.0
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / TICK
+    return total
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def free_port() -> int:
+    from pdserve.scheduler.embedded import free_port as fp
+
+    return fp()
+
+
+class Procs:
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = (self.logs / f"{name}.log").open("w")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                start_new_session=True)  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+
+
+def ensure_peers(venv: Path) -> Path:
+    if not (venv / "bin" / "vllm-router").exists() or not (venv / "bin" / "smg").exists():
+        print(f"installing {', '.join(PEERS)} into {venv} ...", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *PEERS], check=True)
+    return venv
+
+
+def wait_serving(url: str, model: str, timeout_s: float = 90) -> None:
+    """Until one chat request goes through end to end."""
+    deadline = time.monotonic() + timeout_s
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.post(url + "/v1/chat/completions", json=body, timeout=5).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise SystemExit(f"{url} did not serve within {timeout_s:.0f} s")
+
+
+def start_mocks(procs: Procs, model: str, model_dir: Path) -> tuple[int, int, int]:
+    p, boot, d = free_port(), free_port(), free_port()
+    mock = [
+        sys.executable,
+        str(HERE / "mock_openai_worker.py"),
+        "--model",
+        model,
+        "--model-path",
+        str(model_dir),
+    ]
+    procs.start("mock-prefill", [*mock, "--port", str(p), "--role", "prefill", "--bootstrap-port", str(boot)])
+    procs.start("mock-decode", [*mock, "--port", str(d), "--role", "decode"])
+    return p, boot, d
+
+
+def start_system(
+    name: str, procs: Procs, venv: Path, model: str, model_dir: Path
+) -> tuple[str, list[int], int | None]:
+    """Start one system; returns its URL, the router pids to meter, and Redis's pid (pdserve)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if name == "pdserve":
+        from pdserve.scheduler.embedded import EmbeddedRedis
+
+        redis = EmbeddedRedis()
+        redis.start()
+        procs.procs.append(redis.proc)
+        cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
+        for role in ("prefill", "decode"):
+            procs.start(f"pdserve-{role}", [*cli, "worker", "--engine", "echo", "--role", role, "--model",
+                                            str(model_dir), "--redis-url", redis.url, "--kv-transfer", "shm"])  # fmt: skip
+        router = procs.start(
+            "pdserve-router", [*cli, "router", "--port", str(port), "--redis-url", redis.url]
+        )
+        return url, [router.pid], redis.proc.pid
+    p, boot, d = start_mocks(procs, model, model_dir)
+    prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    if name == "sglang":
+        args = [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                "--prefill", f"http://127.0.0.1:{p}", str(boot), "--decode", f"http://127.0.0.1:{d}",
+                "--host", "127.0.0.1", "--port", str(port), *prom]  # fmt: skip
+    else:
+        args = [str(venv / "bin" / "vllm-router"), "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{p}",
+                "--decode", f"http://127.0.0.1:{d}", "--host", "127.0.0.1", "--port", str(port), *prom]  # fmt: skip
+    router = procs.start(f"{name}-router", args, env={"HF_HUB_OFFLINE": "1"})
+    return url, [router.pid], None
+
+
+def measure(
+    url: str, model: str, n: int, concurrency: int, router_pids: list[int], redis_pid: int | None
+) -> dict:
+    from pdserve import bench
+
+    rng = __import__("random").Random(0)
+    warm = bench.random_prompts(min(100, n), 32, 16, 0.0, True, rng)
+    asyncio.run(bench.run(url, "/v1/chat/completions", model, warm, concurrency, float("inf"), True, 0))
+    prompts = bench.random_prompts(n, 32, 16, 0.0, True, rng)
+    cpu0 = [cpu_seconds(p) for p in router_pids]
+    redis0 = cpu_seconds(redis_pid) if redis_pid else 0.0
+    me0 = time.process_time()
+    results, duration = asyncio.run(
+        bench.run(url, "/v1/chat/completions", model, prompts, concurrency, float("inf"), True, 0)
+    )
+    me = time.process_time() - me0
+    router_cpu = sum(cpu_seconds(p) for p in router_pids) - sum(cpu0)
+    redis_cpu = (cpu_seconds(redis_pid) - redis0) if redis_pid else None
+    s = bench.summarize(results, duration, (50, 99))
+    ok = max(1, s["successful_requests"])
+    m = s["metrics"]
+    return {
+        "ok": s["successful_requests"], "failed": s["failed_requests"], "errors": s["errors"],
+        "req_s": s["request_throughput"],
+        "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"],
+        "e2e_p50_ms": m["e2e_ms"]["p50"], "e2e_p99_ms": m["e2e_ms"]["p99"],
+        "router_cpu_ms_per_req": router_cpu / ok * 1e3,
+        "redis_cpu_ms_per_req": None if redis_cpu is None else redis_cpu / ok * 1e3,
+        "loadgen_cpu_share": me / duration,
+    }  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--requests", type=int, default=2000, help="measured requests per run (default %(default)s)"
+    )
+    ap.add_argument("--concurrency", default="32,8", help="comma-separated (default %(default)s)")
+    ap.add_argument("--systems", default="sglang,vllm,pdserve", help="which to run (default %(default)s)")
+    ap.add_argument("--peers-venv", type=Path, default=Path.home() / ".cache" / "pdserve" / "peers-venv")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "router_overhead.json")
+    args = ap.parse_args()
+    from pdserve.stack import default_model
+
+    model_dir = default_model()
+    model = model_dir.name
+    systems = args.systems.split(",")
+    venv = ensure_peers(args.peers_venv) if {"sglang", "vllm"} & set(systems) else args.peers_venv
+    logs = args.out.parent / "router_overhead_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in systems:
+        procs = Procs(logs)
+        try:
+            url, pids, redis_pid = start_system(name, procs, venv, model, model_dir)
+            wait_serving(url, model)
+            for c in (int(x) for x in args.concurrency.split(",")):
+                print(f"{name}: {args.requests} requests at concurrency {c} ...", file=sys.stderr, flush=True)
+                rows.append(
+                    {
+                        "system": name,
+                        "concurrency": c,
+                        **measure(url, model, args.requests, c, pids, redis_pid),
+                    }
+                )
+        finally:
+            procs.stop()
+    print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"cores": os.cpu_count(), "requests": args.requests, "rows": rows}, indent=2)
+    )
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{os.cpu_count()} cores; streaming chat, 16 output tokens; CPU ms per request")
+    head = f"{'system':<8} {'conc':>4} {'ok':>5} {'req/s':>8} {'TTFT p50':>9} {'p99':>8} {'E2E p50':>8} {'p99':>8} "
+    print(head + f"{'router CPU':>10} {'+Redis':>7} {'loadgen':>7} {'req/s vs best peer':>19}")
+    for r in rows:
+        peers = [
+            x["req_s"] for x in rows if x["concurrency"] == r["concurrency"] and x["system"] != "pdserve"
+        ]
+        ratio = f"{r['req_s'] / max(peers):.2f}x" if peers else "-"
+        redis = f"{r['redis_cpu_ms_per_req']:.2f}" if r["redis_cpu_ms_per_req"] is not None else "-"
+        print(f"{r['system']:<8} {r['concurrency']:>4} {r['ok']:>5} {r['req_s']:>8.1f} {r['ttft_p50_ms']:>9.2f} "
+              f"{r['ttft_p99_ms']:>8.2f} {r['e2e_p50_ms']:>8.2f} {r['e2e_p99_ms']:>8.2f} "
+              f"{r['router_cpu_ms_per_req']:>10.2f} {redis:>7} {r['loadgen_cpu_share']:>6.0%} {ratio:>19}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
