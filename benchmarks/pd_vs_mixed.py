@@ -1,0 +1,87 @@
+"""The seed's comparison on the tiny model: 1 prefill + 1 decode instance against 2 mixed instances,
+behind the same router, under a prefill-heavy and a decode-heavy workload, measured with pdserve bench.
+
+Prefill-heavy: prompts of ~1000 tokens, 2 output tokens (like the seed's run). Decode-heavy: ~100
+tokens in, 128 out. Prompts are token ids of exact length (built from the model's tokenizer).
+Prints one table (throughput, TTFT, S_TTFT and decode-speed percentiles), writes JSON.
+
+    python benchmarks/pd_vs_mixed.py [--num-prompts 40] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {"prefill-heavy": (1000, 2), "decode-heavy": (100, 128)}
+LAYOUTS = {"1P+1D": {"prefill": 1, "decode": 1}, "2 mixed": {"mixed": 2}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=40, help="requests per workload (default %(default)s)")
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight (default %(default)s)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "pd_vs_mixed.json")
+    args = ap.parse_args()
+
+    from pdserve import bench
+    from pdserve.scheduler.embedded import free_port
+    from pdserve.stack import Stack, StackSpec, default_model
+    from pdserve.worker.settings import EngineConfig
+    from pdserve.worker.tokenizer import Tokenizer
+
+    model_dir = default_model()
+    tokenizer = Tokenizer.from_dir(model_dir)
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    rows = []
+    for layout, counts in LAYOUTS.items():
+        spec = StackSpec(
+            model=model_dir, redis_url=None, port=free_port(), **counts,
+            engine=EngineConfig(max_model_len=2048, num_blocks=2048, threads=threads),
+        )  # fmt: skip
+        stack = Stack(spec)
+        try:
+            stack.start()
+            stack.wait_ready()
+            for workload, (n_in, n_out) in WORKLOADS.items():
+                rng = random.Random(0)
+                prompts = bench.random_prompts(args.num_prompts, n_in, n_out, 0.0, False, rng, tokenizer)
+                print(f"{layout}, {workload}: {len(prompts)} requests ...", file=sys.stderr, flush=True)
+                results, duration = asyncio.run(
+                    bench.run(stack.urls[0], "/v1/completions", model_dir.name, prompts, args.concurrency,
+                              float("inf"), True, 0)
+                )  # fmt: skip
+                s = bench.summarize(results, duration, (50, 99))
+                rows.append({"layout": layout, "workload": workload, **s})
+        finally:
+            stack.stop()
+    print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\ntiny model, {os.cpu_count()} cores; ms unless noted")
+    print(f"{'workload':<14} {'layout':<8} {'ok':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'p99':>8} "
+          f"{'S_TTFT p50':>10} {'p99':>8} {'decode tok/s p50':>16}")  # fmt: skip
+    for r in sorted(rows, key=lambda r: (r["workload"], r["layout"])):
+        m = r["metrics"]
+
+        def get(key: str, stat: str, m=m) -> str:
+            return f"{m[key][stat]:.1f}" if key in m else "-"
+
+        print(f"{r['workload']:<14} {r['layout']:<8} {r['successful_requests']:>4} {r['request_throughput']:>7.2f} "
+              f"{r['output_throughput']:>9.1f} {get('ttft_ms', 'p50'):>9} {get('ttft_ms', 'p99'):>8} "
+              f"{get('s_ttft_ms', 'p50'):>10} {get('s_ttft_ms', 'p99'):>8} {get('decode_tok_s', 'p50'):>16}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
