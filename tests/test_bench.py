@@ -4,8 +4,17 @@ test_serving.py): percentiles, failures by kind, and no S_TTFT section for serve
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 
 from pdserve.bench import Result, random_prompts, render, stats, summarize
+from pdserve.scheduler.embedded import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_percentiles_are_nearest_rank() -> None:
@@ -33,3 +42,30 @@ def test_random_prompts_respect_lengths() -> None:
     assert all(
         len(p.body["messages"][0]["content"].split()) == 50 and p.body["max_tokens"] == 8 for p in prompts
     )
+
+
+def test_against_a_server_without_timing_the_table_has_no_s_ttft(tmp_path) -> None:
+    """Any OpenAI-compatible server: here the peers' mock engine (benchmarks/mock_openai_worker.py)."""
+    port = free_port()
+    mock = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "mock_openai_worker.py"), "--port", str(port),
+                             "--model", "mock"])  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(url + "/health", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "mock did not start"
+                time.sleep(0.2)
+        for endpoint in ("/v1/completions", "/v1/chat/completions"):
+            out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--base-url", url, "--endpoint",
+                                  endpoint, "--num-prompts", "6", "--output-len", "5", "--no-progress"],
+                                 capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+            assert out.returncode == 0, out.stderr
+            assert "Successful requests:                     6" in out.stdout and "S_TTFT" not in out.stdout
+            assert "Total generated tokens:                  30" in out.stdout  # the model: from /v1/models
+    finally:
+        mock.terminate()
+        mock.wait(10)

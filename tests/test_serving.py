@@ -271,8 +271,11 @@ def test_the_echo_engine_goes_through_the_whole_hand_off(tiny_model_dir, redis_u
 
 def test_responses_carry_the_servers_time_to_first_token(stack) -> None:
     body = {"model": model_name(stack), "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}
-    timing = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=60).json()["timing"]
+    r = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=60)
+    timing = r.json()["timing"]
     assert 0 < timing["s_ttft_ms"] < 60_000
+    assert float(r.headers["x-pdserve-s-ttft-ms"]) == pytest.approx(timing["s_ttft_ms"], abs=0.001)
+    assert ("x-pdserve-kv-transfer-ms" in r.headers) == (stack.spec.prefill > 0)
     splitwise = stack.spec.prefill > 0
     assert (timing["kv_transfer_ms"] is not None) == splitwise  # only a hand-off has a KV write
     with httpx.stream(

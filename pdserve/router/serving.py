@@ -24,7 +24,7 @@ from pdserve.router.errors import BodyTooLargeError, UpstreamError, error_event,
 from pdserve.router.protocol import ParsedRequest
 from pdserve.router.responses import DONE, Choice, ResponseBuilder
 from pdserve.router.selection import resolve_model
-from pdserve.scheduler.messages import ErrorInfo, RequestDelta
+from pdserve.scheduler.messages import ErrorInfo, RequestDelta, Timing
 
 if TYPE_CHECKING:
     from pdserve.router.app import RouterState
@@ -205,7 +205,17 @@ async def _complete(send: Send, rid: str, gens: list[Generation], builder: Respo
     except Exception as e:
         await send_error(send, e, rid)
         return
-    await send_json(send, 200, builder.response(choices), rid)
+    await send_json(send, 200, builder.response(choices), rid, timing_headers(choices[0].timing))
+
+
+def timing_headers(timing: Timing | None) -> dict[str, str] | None:
+    """The ``timing`` field as headers too (non-stream responses: a stream's headers go before it)."""
+    if timing is None:
+        return None
+    headers = {"x-pdserve-s-ttft-ms": f"{timing.s_ttft_s * 1e3:.3f}"}
+    if timing.kv_transfer_s is not None:
+        headers["x-pdserve-kv-transfer-ms"] = f"{timing.kv_transfer_s * 1e3:.3f}"
+    return headers
 
 
 async def _gather(coros: list[Awaitable[Choice]]) -> list[Choice]:
