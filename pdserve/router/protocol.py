@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pdserve.errors import InvalidRequestError
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import MAX_TOKEN_ID, SamplingParams
 
 MAX_N = 16
 """Most choices per request (``n``); each is an independent request to the cluster."""
@@ -200,6 +200,9 @@ def _prompt(prompt: str | list[Any]) -> tuple[str | None, list[int] | None]:
         raise InvalidRequestError("prompt must not be empty", "prompt")
     first = prompt[0]
     if isinstance(first, int):
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token ids must be in 0..{MAX_TOKEN_ID}, got {bad}", "prompt")
         return None, prompt
     if len(prompt) != 1:
         raise InvalidRequestError("batched prompts are not supported: send one prompt per request", "prompt")

@@ -10,6 +10,9 @@ from pdserve.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 256  # characters of one stop string: stop matching holds back up to this much text
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; bigger ids would not fit the engine's int tensors
 
 
 @dataclasses.dataclass
@@ -76,8 +79,16 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop sequences must be non-empty strings", "stop")
+            if len(s) > MAX_STOP_LENGTH:
+                raise InvalidRequestError(
+                    f"a stop sequence may be at most {MAX_STOP_LENGTH} characters, got {len(s)}", "stop"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", "stop_token_ids"
+            )
         for t in self.stop_token_ids:
-            _integer("stop_token_ids", t, lo=0)
+            _integer("stop_token_ids", t, lo=0, hi=MAX_TOKEN_ID)
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
 

@@ -64,6 +64,7 @@ class WorkerService:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.failed: str | None = None  # the loop that died, if one did (the process then exits 1)
 
     async def run(self) -> None:
         try:
@@ -142,6 +143,7 @@ class WorkerService:
         if task.cancelled() or task.exception() is None:
             return
         log.error("%s loop failed; stopping", task.get_name(), exc_info=task.exception())
+        self.failed = task.get_name()
         self._stop.set()
 
     def begin_drain(self) -> None:
@@ -270,16 +272,19 @@ class WorkerService:
 
 
 def run_worker(settings: WorkerSettings) -> int:
-    """Entry point of ``pdserve worker``: run until SIGTERM/SIGINT has drained the instance."""
+    """Entry point of ``pdserve worker``: run until SIGTERM/SIGINT has drained the instance.
+
+    Exits 1 when a loop died (a supervisor should restart the instance), 0 after a drain."""
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         pass
+    service = WorkerService(settings)
     try:
-        asyncio.run(WorkerService(settings).run())
+        asyncio.run(service.run())
     except EngineError as e:
         log.error("%s", e)
         return 1
-    return 0
+    return 1 if service.failed else 0

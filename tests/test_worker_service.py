@@ -1,0 +1,125 @@
+"""The worker service in this process (echo engine, real Redis): what happens when Redis refuses a
+command, and how a loop that dies ends the instance."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import redis as redis_sync
+
+from pdserve.scheduler import (
+    GenerateRequest,
+    InstanceRegistry,
+    Keys,
+    RedisSettings,
+    RouterInfo,
+    RouterRegistry,
+    StepOutput,
+    send_to_inbox,
+)
+from pdserve.scheduler.messages import decode_as
+from pdserve.scheduler.streams import FIELD
+from pdserve.worker.service import WorkerService
+from pdserve.worker.settings import EngineConfig, WorkerSettings
+
+ROUTER = "router-svc"
+
+
+def settings(redis_url: str, tmp_path, cluster: str) -> WorkerSettings:
+    return WorkerSettings(
+        model_dir=tmp_path, role="mixed", redis_url=redis_url, cluster=cluster, ttl_s=3.0, engine_kind="echo",
+        instance_id=f"mixed-{uuid.uuid4().hex[:6]}", engine=EngineConfig(num_blocks=64),
+    )  # fmt: skip
+
+
+async def started(service: WorkerService) -> asyncio.Task:
+    task = asyncio.create_task(service.run())
+    deadline = time.monotonic() + 20
+    while await service.registry.get(service.id) is None:
+        assert not task.done(), task.exception()
+        assert time.monotonic() < deadline, "the worker did not register"
+        await asyncio.sleep(0.05)
+    return task
+
+
+async def ask(redis, keys: Keys, instance_id: str, request_id: str, n: int) -> list[int]:
+    """One generate straight into the inbox; the tokens of its final event from the router's outbox."""
+    msg = GenerateRequest(request_id=request_id, router_id=ROUTER, prompt_token_ids=[7, 8], deadline=time.time() + 30,
+                          sampling={"max_tokens": n, "temperature": 0.0})  # fmt: skip
+    await send_to_inbox(redis, keys, instance_id, msg)
+    tokens, last = [], b"0-0"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        reply = await redis.xread({keys.outbox(ROUTER): last}, block=500)
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                last = entry_id
+                for delta in decode_as(StepOutput, fields[FIELD]).items:
+                    if delta.request_id == request_id:
+                        tokens += delta.token_ids
+                        if delta.is_final:
+                            assert delta.error is None, delta.error
+                            return tokens
+    raise AssertionError(f"{request_id} got no final event")
+
+
+@pytest.fixture
+def cluster(redis_url):
+    name = f"svc{uuid.uuid4().hex[:6]}"
+    client = redis_sync.Redis.from_url(redis_url)
+    yield name
+    for key in client.scan_iter(f"pdserve:{name}:*"):
+        client.delete(key)
+    client.close()
+
+
+def test_a_redis_user_denied_xdel_does_not_stop_the_worker(redis_url, tmp_path, cluster) -> None:
+    """Acking an inbox entry is XACK+XDEL: when Redis refuses, the worker logs it and keeps serving."""
+    admin = redis_sync.Redis.from_url(redis_url)
+    admin.execute_command("ACL", "SETUSER", "nodel", "on", ">nodel-pw", "~*", "&*", "+@all", "-xdel")
+    limited = redis_url.replace("redis://", "redis://nodel:nodel-pw@")
+
+    async def main() -> None:
+        service = WorkerService(settings(limited, tmp_path, cluster))
+        redis = RedisSettings.from_url(redis_url).connect()
+        keys = Keys(cluster)
+        await RouterRegistry(redis, keys, ttl_s=30).register(
+            RouterInfo(id=ROUTER, host="h", pid=1, port=1, started_at=0.0)
+        )
+        task = await started(service)
+        try:
+            assert await ask(redis, keys, service.id, "r1", 5) == [7, 8, 7, 8, 7]
+            assert await ask(redis, keys, service.id, "r2", 3) == [7, 8, 7]  # still serving
+            assert service.failed is None and not task.done()
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+            await redis.aclose()
+        assert service.failed is None
+
+    try:
+        asyncio.run(main())
+    finally:
+        admin.execute_command("ACL", "DELUSER", "nodel")
+        admin.close()
+
+
+def test_a_loop_that_dies_stops_the_instance_and_says_which(redis_url, tmp_path, cluster) -> None:
+    async def main() -> None:
+        service = WorkerService(settings(redis_url, tmp_path, cluster))
+        task = await started(service)
+
+        async def broken() -> None:
+            raise RuntimeError("a bug in housekeeping")
+
+        service.handler.tick = broken  # the next housekeeping round dies
+        await asyncio.wait_for(task, 30)
+        assert service.failed == "housekeeping"  # run_worker turns this into exit status 1
+        redis = RedisSettings.from_url(redis_url).connect()
+        assert await InstanceRegistry(redis, Keys(cluster)).get(service.id) is None  # deregistered
+        await redis.aclose()
+
+    asyncio.run(main())
