@@ -117,3 +117,44 @@ def test_router_registers_and_deregisters(redis_url: str, redis_client: redis.Re
 
     run(main())
     assert redis_client.exists(f"pdserve:{{{CLUSTER}}}:router:{ROUTER_ID}") == 0
+
+
+def test_api_keys_guard_every_v1_route_and_leave_probes_open(
+    redis_url: str, redis_client: redis.Redis, tmp_path
+) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# one per line\nfrom-file\n")
+
+    async def main() -> None:
+        async with router(redis_url, api_key="k1, k2", api_key_file=str(keys_file)) as client:
+            for path in ("/v1/models", "/v1/instances"):
+                r = await client.get(path)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+                assert (await client.get(path, headers={"authorization": "Bearer wrong"})).status_code == 401
+                assert (await client.get(path, headers={"authorization": "Basic k1"})).status_code == 401
+                for key in ("k1", "k2", "from-file"):
+                    assert (
+                        await client.get(path, headers={"authorization": f"Bearer {key}"})
+                    ).status_code == 200
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+            r = await client.post("/v1/completions", json=body, headers={"authorization": "Bearer k2"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_capacity"  # past the key check
+            assert (await client.get("/health")).status_code == 200  # probes stay open
+            assert (await client.get("/ready")).status_code in (200, 503)
+
+    run(main())
+
+
+def test_an_api_key_file_that_cannot_be_read_is_a_config_error(tmp_path) -> None:
+    import pytest
+
+    from pdserve.errors import ConfigError
+    from pdserve.router import RouterSettings
+
+    with pytest.raises(ConfigError, match="--api-key-file"):
+        RouterSettings(api_key_file=str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n# nothing\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        RouterSettings(api_key_file=str(tmp_path / "empty"))

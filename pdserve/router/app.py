@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import socket
@@ -27,9 +28,9 @@ from starlette.routing import Route
 from pdserve import __version__
 from pdserve.errors import PdserveError
 from pdserve.router.dispatch import Dispatcher
-from pdserve.router.errors import NoCapacityError, error_body, error_status
+from pdserve.router.errors import AuthenticationError, NoCapacityError, error_body, error_status
 from pdserve.router.protocol import parse_chat, parse_completion
-from pdserve.router.serving import GenerateEndpoint
+from pdserve.router.serving import GenerateEndpoint, send_error
 from pdserve.router.settings import RouterSettings
 from pdserve.scheduler.connection import RedisSettings, wait_for_redis
 from pdserve.scheduler.keys import Keys
@@ -103,11 +104,26 @@ class RouterApp(FastAPI):
     middleware stack and route matching (measurably cheaper per request); everything else, and
     every other method on those paths, goes through FastAPI as usual."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, api_keys: frozenset[str] = frozenset(), **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fast_routes: dict[str, GenerateEndpoint] = {}
+        self.api_keys = [k.encode() for k in api_keys]
+
+    def authorized(self, scope: MutableMapping[str, Any]) -> bool:
+        """Open when no keys are set; else /v1/* needs ``Authorization: Bearer <one of the keys>``."""
+        if not self.api_keys or not scope["path"].startswith("/v1/"):
+            return True
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        # compare with every key (constant time each), so timing says nothing about which one is close
+        return sum(hmac.compare_digest(token.strip(), key) for key in self.api_keys) > 0
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and not self.authorized(scope):
+            await send_error(send, AuthenticationError(), uuid.uuid4().hex)
+            return
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.fast_routes.get(scope["path"])
             if endpoint is not None:
@@ -128,7 +144,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
         finally:
             await state.stop()
 
-    app = RouterApp(title="pdserve router", version=__version__, lifespan=lifespan)
+    app = RouterApp(
+        api_keys=settings.api_keys, title="pdserve router", version=__version__, lifespan=lifespan
+    )
     app.state.router = state
     for path, parse in (("/v1/completions", parse_completion), ("/v1/chat/completions", parse_chat)):
         endpoint = GenerateEndpoint(state, parse)

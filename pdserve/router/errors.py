@@ -70,6 +70,18 @@ class DuplicateRequestError(InvalidRequestError):
     kind = "duplicate_request_id"
 
 
+class AuthenticationError(InvalidRequestError):
+    """The request did not carry one of the router's API keys (OpenAI answers 401 ``invalid_api_key``)."""
+
+    kind = "invalid_api_key"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "Incorrect or missing API key: send one of this router's keys as 'Authorization: Bearer KEY'",
+            None,
+        )
+
+
 class NoCapacityError(PdserveError, RuntimeError):
     """No instance (pair) can take the request now: none registered, all draining, or only prefill."""
 
@@ -104,6 +116,7 @@ ERROR_MAP: dict[type[BaseException], ErrorKind] = {
     ModelNotFoundError: ErrorKind(404, "invalid_request_error", "model_not_found"),
     BodyTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
     DuplicateRequestError: ErrorKind(409, "invalid_request_error", "duplicate_request_id"),
+    AuthenticationError: ErrorKind(401, "invalid_request_error", "invalid_api_key"),
     EngineError: ErrorKind(500, "server_error", "engine_error"),
     TransferError: ErrorKind(503, "service_unavailable", "kv_transfer_failed", retry_after=True),
     ControlPlaneError: ErrorKind(503, "service_unavailable", "control_plane_unavailable", retry_after=True),

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import secrets
 import socket
+from pathlib import Path
 from typing import Any
 
 from pdserve.errors import ConfigError
@@ -68,8 +69,26 @@ class RouterSettings:
     redis_wait_s: float = 30.0
     """How long startup waits for Redis before giving up."""
     access_log: bool = setting(False, "log every HTTP request (default off)")
+    api_key: str = setting(
+        "",
+        "API keys clients must send as 'Authorization: Bearer KEY' on /v1/* (comma-separated; default: "
+        "none, the router is open); /health and /ready stay open",
+        repr=False,
+    )
+    api_key_file: str = setting("", "a file of API keys, one per line (added to --api-key)")
+    api_keys: frozenset[str] = dataclasses.field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
+        keys = {k.strip() for k in self.api_key.split(",") if k.strip()}
+        if self.api_key_file:
+            try:
+                text = Path(self.api_key_file).read_text()
+            except OSError as e:
+                raise ConfigError(f"--api-key-file {self.api_key_file}: {e.strerror}") from None
+            keys |= {line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")}
+            if not keys:
+                raise ConfigError(f"--api-key-file {self.api_key_file} holds no key")
+        object.__setattr__(self, "api_keys", frozenset(keys))
         if not self.router_id:
             host = socket.gethostname().split(".")[0][:64] or "host"
             object.__setattr__(self, "router_id", f"router-{host}-{self.port}-{secrets.token_hex(3)}")
