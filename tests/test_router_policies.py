@@ -132,6 +132,25 @@ def test_fallbacks_without_prefill() -> None:
         sel.route([instance("p0", "prefill")], "tiny")
 
 
+def test_aggregated_fallback_is_said_and_can_be_turned_off(caplog) -> None:
+    decode, prefill_elsewhere = (
+        instance("d0", "decode", host="a"),
+        instance("p0", "prefill", host="b", protocols=("shm",)),
+    )
+    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+        route = Selector("round_robin", "round_robin").route([decode], "tiny")
+    assert route.mode == "aggregated" and route.headers() == {"x-pdserve-mode": "aggregated",
+                                                              "x-pdserve-decode-instance": "d0"}  # fmt: skip
+    assert "no prefill instance is live: decode instances serve whole requests (degraded" in caplog.text
+    strict = Selector("round_robin", "round_robin", aggregated_fallback=False)
+    for live in ([decode], [decode, prefill_elsewhere]):
+        with pytest.raises(NoCapacityError, match="--no-aggregated-fallback"):
+            strict.route(live, "tiny")
+    assert strict.route([decode, instance("m0", "mixed")], "tiny").mode == "mixed"  # mixed is not a fallback
+    pair = strict.route([decode, instance("p1", "prefill", host="a")], "tiny")
+    assert pair.mode == "splitwise" and pair.headers()["x-pdserve-prefill-instance"] == "p1"
+
+
 def test_draining_is_never_picked() -> None:
     sel = Selector("round_robin", "round_robin")
     live = [instance("p0", "prefill", draining=True), instance("p1", "prefill"),

@@ -276,6 +276,10 @@ def test_responses_carry_the_servers_time_to_first_token(stack) -> None:
     assert 0 < timing["s_ttft_ms"] < 60_000
     assert float(r.headers["x-pdserve-s-ttft-ms"]) == pytest.approx(timing["s_ttft_ms"], abs=0.001)
     assert ("x-pdserve-kv-transfer-ms" in r.headers) == (stack.spec.prefill > 0)
+    mode = "splitwise" if stack.spec.prefill > 0 else "mixed"
+    assert r.headers["x-pdserve-mode"] == mode and r.headers["x-pdserve-decode-instance"].startswith(
+        ("decode", "mixed")
+    )
     splitwise = stack.spec.prefill > 0
     assert (timing["kv_transfer_ms"] is not None) == splitwise  # only a hand-off has a KV write
     with httpx.stream(

@@ -92,7 +92,9 @@ class Dispatcher:
         self.settings = settings
         self.router_id = settings.router_id
         self.clock = clock
-        self.selector = Selector(settings.prefill_policy, settings.decode_policy)
+        self.selector = Selector(
+            settings.prefill_policy, settings.decode_policy, settings.aggregated_fallback
+        )
         self.in_flight = self.selector.in_flight
         """This router's open requests per instance id (prefill counts until the first token)."""
         self.generations: dict[str, Generation] = {}

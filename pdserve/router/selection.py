@@ -47,6 +47,20 @@ class Route:
     def instance_ids(self) -> tuple[str, ...]:
         return (self.decode.id,) if self.prefill is None else (self.prefill.id, self.decode.id)
 
+    @property
+    def mode(self) -> str:
+        """``splitwise``, ``mixed``, or ``aggregated`` (a decode instance serving a whole request)."""
+        if self.prefill is not None:
+            return "splitwise"
+        return "mixed" if self.decode.role == "mixed" else "aggregated"
+
+    def headers(self) -> dict[str, str]:
+        """Response headers that say how the request was served (degraded service is visible)."""
+        out = {"x-pdserve-mode": self.mode, "x-pdserve-decode-instance": self.decode.id}
+        if self.prefill is not None:
+            out["x-pdserve-prefill-instance"] = self.prefill.id
+        return out
+
 
 def transfer_protocol(prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
     """How KV moves from ``prefill`` to ``decode``, or None when they share no usable protocol."""
@@ -94,7 +108,10 @@ class Selector:
     which keeps it current; least_load reads it.
     """
 
-    def __init__(self, prefill_policy: str | Policy, decode_policy: str | Policy) -> None:
+    def __init__(
+        self, prefill_policy: str | Policy, decode_policy: str | Policy, aggregated_fallback: bool = True
+    ) -> None:
+        self.aggregated_fallback = aggregated_fallback
         self.prefill_policy = (
             make_policy(prefill_policy, "prefill") if isinstance(prefill_policy, str) else prefill_policy
         )
@@ -119,7 +136,7 @@ class Selector:
                 return route
         route = self._route(candidates)
         if route is None:
-            raise NoCapacityError(no_route_reason(live, model))
+            raise NoCapacityError(no_route_reason(live, model, self.aggregated_fallback))
         return route
 
     def _by_id(self, live: Sequence[InstanceInfo]) -> Sequence[InstanceInfo]:
@@ -136,11 +153,13 @@ class Selector:
             route = self._pair(prefills, decodes)
             if route is not None:
                 return route
-            self._warn_no_pair()
-        whole = [info for info in candidates if info.role == "mixed"] or decodes
-        if not whole:
+        mixed = [info for info in candidates if info.role == "mixed"]
+        if mixed:
+            return Route(decode=self.decode_policy.pick(mixed, self.in_flight))
+        if not decodes or not self.aggregated_fallback:
             return None
-        return Route(decode=self.decode_policy.pick(whole, self.in_flight))
+        self._warn_aggregated(bool(prefills))
+        return Route(decode=self.decode_policy.pick(decodes, self.in_flight))
 
     def _pair(self, prefills: list[InstanceInfo], decodes: list[InstanceInfo]) -> Route | None:
         while prefills:
@@ -167,17 +186,28 @@ class Selector:
                 logger.warning("not pairing %s; its KV bytes would land in the wrong places", reason)
         return reason is None
 
-    def _warn_no_pair(self) -> None:
+    def _warn_aggregated(self, prefills_live: bool) -> None:
         now = time.monotonic()
         if now - self._warned_at >= _WARN_EVERY_S:
             self._warned_at = now
+            why = (
+                "no prefill/decode pair shares a KV transfer protocol and KV geometry"
+                if prefills_live
+                else "no prefill instance is live"
+            )
             logger.warning(
-                "no prefill/decode pair shares a KV transfer protocol and KV geometry; serving without prefill"
+                "%s: decode instances serve whole requests (degraded; --no-aggregated-fallback fails them)",
+                why,
             )
 
 
-def no_route_reason(live: Sequence[InstanceInfo], model: str) -> str:
+def no_route_reason(live: Sequence[InstanceInfo], model: str, aggregated_fallback: bool = True) -> str:
     serving = [info for info in live if info.model == model]
+    if not aggregated_fallback and any(i.role == "decode" and not i.draining for i in serving):
+        return (
+            f"model {model!r} has no usable prefill/decode pair now, and serving whole requests on decode "
+            "instances is off (--no-aggregated-fallback)"
+        )
     if serving and all(info.draining for info in serving):
         return f"every instance of model {model!r} is draining"
     if serving and all(info.role == "prefill" for info in serving if not info.draining):

@@ -205,7 +205,13 @@ async def _complete(send: Send, rid: str, gens: list[Generation], builder: Respo
     except Exception as e:
         await send_error(send, e, rid)
         return
-    await send_json(send, 200, builder.response(choices), rid, timing_headers(choices[0].timing))
+    headers = route_headers(gens[0]) | (timing_headers(choices[0].timing) or {})
+    await send_json(send, 200, builder.response(choices), rid, headers)
+
+
+def route_headers(gen: Generation) -> dict[str, str]:
+    """Which instances served the request and how (``x-pdserve-mode``: splitwise, mixed, aggregated)."""
+    return gen.route.headers() if gen.route is not None else {}
 
 
 def timing_headers(timing: Timing | None) -> dict[str, str] | None:
@@ -239,6 +245,7 @@ async def _stream(send: Send, rid: str, gens: list[Generation], builder: Respons
         await send_error(send, UpstreamError(failed), rid)
         return
     headers = [*_SSE_HEADERS, (b"x-request-id", rid.encode())]
+    headers += [(k.encode(), v.encode()) for k, v in route_headers(gens[0]).items()]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     choices = [Choice() for _ in gens]
     out = bytearray()

@@ -63,6 +63,11 @@ class RouterSettings:
         2, "re-submissions to a fresh pair when an attempt fails before the first byte (default %(default)s)"
     )
     ttl_s: float = setting(DEFAULT_TTL_S, "registration TTL in seconds (default %(default)s)")
+    aggregated_fallback: bool = setting(
+        True,
+        "when no prefill/decode pair can serve, run whole requests on a decode instance, saying so in "
+        "x-pdserve-mode: aggregated and the log (default on; --no-aggregated-fallback answers 503 instead)",
+    )
     live_set_max_age_s: float = 0.5
     watch_interval_s: float = 0.5
     """How often the watcher compares in-flight requests with the live set."""
