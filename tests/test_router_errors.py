@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from test_router_support import FakeWorker, instance, redis_conn, router, run, served_router, silent
+from test_router_support import FakeWorker, answer, instance, redis_conn, router, run, served_router, silent
 
 import pdserve
 import pdserve.router.app  # imports every router module that may add classes to the tree
@@ -30,8 +30,8 @@ from pdserve.errors import (
 )
 from pdserve.router.errors import (
     ERROR_MAP,
+    AuthenticationError,
     BodyTooLargeError,
-    DuplicateRequestError,
     ModelNotFoundError,
     NoCapacityError,
     UpstreamError,
@@ -64,7 +64,7 @@ def test_every_class_of_the_tree_is_mapped_deliberately() -> None:
          "prompt"),
         (ModelNotFoundError("gpt-9"), 404, "invalid_request_error", "model_not_found", "model"),
         (BodyTooLargeError(1024), 413, "invalid_request_error", "request_too_large", None),
-        (DuplicateRequestError("busy", None), 409, "invalid_request_error", "duplicate_request_id", None),
+        (AuthenticationError(), 401, "invalid_request_error", "invalid_api_key", None),
         (NoCapacityError("nothing"), 503, "service_unavailable", "no_capacity", None),
         (ControlPlaneError("redis down"), 503, "service_unavailable", "control_plane_unavailable", None),
         (TransferError("rdma"), 503, "service_unavailable", "kv_transfer_failed", None),
@@ -243,17 +243,24 @@ def test_routing_errors(redis_url: str, redis_client: redis.Redis) -> None:
 
 
 def test_request_ids(redis_url: str, redis_client: redis.Redis) -> None:
+    """The client's x-request-id is checked and echoed, never used to route: the same id twice at
+    once gets two independent answers."""
+
     async def main() -> None:
         async with router(redis_url) as client, redis_conn(redis_url) as r:
-            worker = await FakeWorker(r, instance("m0"), silent).start()
+            worker = await FakeWorker(r, instance("m0"), answer).start()
             bad = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "x" * 200})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
-            first = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT,
-                                                      headers={"x-request-id": "same"}))  # fmt: skip
-            await worker.wait_for(lambda w: len(w.requests()) == 1)
-            dup = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "same"})
-            assert dup.status_code == 409 and dup.json()["error"]["code"] == "duplicate_request_id"
-            first.cancel()
+            same = {"x-request-id": "same"}
+            first, second = await asyncio.gather(
+                client.post("/v1/chat/completions", json=CHAT, headers=same),
+                client.post("/v1/chat/completions", json=CHAT, headers=same),
+            )
+            assert first.status_code == second.status_code == 200, (first.text, second.text)
+            assert first.headers["x-request-id"] == second.headers["x-request-id"] == "same"
+            routed = {m.request_id for m in worker.requests()}
+            assert len(routed) == 2 and "same" not in routed  # two router-owned ids
+            assert {first.json()["id"], second.json()["id"]} == {f"chatcmpl-{i}" for i in routed}
             await worker.stop()
 
     run(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -51,15 +52,16 @@ def test_completion_non_stream(redis_url: str, redis_client: redis.Redis) -> Non
                                      json={"model": "tiny", "prompt": "hi", "max_tokens": 5, "temperature": 0})  # fmt: skip
             assert resp.status_code == 200 and resp.headers["x-request-id"] == "abc"
             body = resp.json()
+            [msg] = worker.received
             assert body == {
-                "id": "cmpl-abc", "object": "text_completion", "created": body["created"], "model": "tiny",
+                "id": f"cmpl-{msg.request_id}", "object": "text_completion", "created": body["created"], "model": "tiny",
                 "choices": [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
             }  # fmt: skip
             assert abs(body["created"] - time.time()) < 5
-            [msg] = worker.received
             assert isinstance(msg, GenerateRequest)
-            assert (msg.request_id, msg.router_id, msg.attempt) == ("abc", ROUTER_ID, 0)
+            assert re.fullmatch("[0-9a-f]{32}", msg.request_id)  # the router's id, not x-request-id
+            assert (msg.router_id, msg.attempt) == (ROUTER_ID, 0)
             assert (msg.prompt, msg.prompt_token_ids, msg.messages) == ("hi", None, None)
             assert msg.sampling == SamplingParams(max_tokens=5, temperature=0.0).to_dict()
             assert msg.disaggregate_info is None
@@ -103,7 +105,9 @@ def test_splitwise_sends_one_message_to_prefill(redis_url: str, redis_client: re
             resp = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "sw"})
             assert resp.status_code == 200, resp.text
             body = resp.json()
-            assert body["id"] == "chatcmpl-sw" and body["object"] == "chat.completion"
+            assert (
+                body["id"] == f"chatcmpl-{p.received[0].request_id}" and body["object"] == "chat.completion"
+            )
             assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello world!"},
                                         "logprobs": None, "finish_reason": "stop"}]  # fmt: skip
             assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
@@ -111,7 +115,7 @@ def test_splitwise_sends_one_message_to_prefill(redis_url: str, redis_client: re
             assert isinstance(msg, GenerateRequest) and msg.messages == CHAT["messages"]
             info = msg.disaggregate_info
             assert info is not None
-            assert (info.request_id, info.router_id, info.protocol) == ("sw", ROUTER_ID, "shm")
+            assert (info.request_id, info.router_id, info.protocol) == (msg.request_id, ROUTER_ID, "shm")
             assert (info.prefill.id, info.prefill.host, info.decode.id, info.decode.host) == (
                 "p0",
                 "h1",
@@ -149,8 +153,13 @@ def test_chat_stream_shapes(redis_url: str, redis_client: redis.Redis) -> None:
             events = sse_events(resp.text)
             assert events[-1] == "[DONE]"
             chunks = events[:-1]
+            rid = p.requests()[0].request_id
             for c in chunks:
-                assert (c["id"], c["object"], c["model"]) == ("chatcmpl-s1", "chat.completion.chunk", "tiny")
+                assert (c["id"], c["object"], c["model"]) == (
+                    f"chatcmpl-{rid}",
+                    "chat.completion.chunk",
+                    "tiny",
+                )
             assert [c["choices"] for c in chunks] == [
                 [
                     {
@@ -218,10 +227,11 @@ def test_n_fans_out_seeded_requests(redis_url: str, redis_client: redis.Redis) -
             assert all(c["text"] == "Hello world" for c in body["choices"])
             assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
             reqs = worker.requests()
+            rid = reqs[0].request_id.rsplit("-", 1)[0]
             assert sorted((m.request_id, m.sampling["seed"]) for m in reqs) == [
-                ("nn-0", 7),
-                ("nn-1", 8),
-                ("nn-2", 9),
+                (f"{rid}-0", 7),
+                (f"{rid}-1", 8),
+                (f"{rid}-2", 9),
             ]
             resp = await client.post("/v1/chat/completions", json={**CHAT, "n": 2, "stream": True})
             events = sse_events(resp.text)
@@ -450,7 +460,7 @@ def test_client_disconnect_aborts_prefill_and_decode(redis_url: str, redis_clien
                         break  # the client walks away mid-stream
             await p.wait_for(lambda w: len(w.aborts()) == 1)
             await d.wait_for(lambda w: len(w.aborts()) == 1)
-            assert p.aborts()[0].request_id == "gone" and d.aborts()[0].attempt == 0
+            assert p.aborts()[0].request_id == p.requests()[0].request_id and d.aborts()[0].attempt == 0
             assert "disconnected" in d.aborts()[0].reason
             assert dispatcher(client).generations == {} and dispatcher(client).in_flight == {}
             await p.stop()

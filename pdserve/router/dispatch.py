@@ -12,8 +12,8 @@ What the router relies on from workers (the contract):
 
 - Per attempt the router XADDs exactly ONE :class:`GenerateRequest`: to the prefill instance's
   inbox with ``disaggregate_info`` (splitwise), or to a mixed/decode instance's inbox without it
-  (that instance serves the whole request, prefill included). ``request_id`` is the client's
-  ``x-request-id`` (``<id>-<i>`` per choice when ``n > 1``) or a uuid4 hex; ``router_id`` names the
+  (that instance serves the whole request, prefill included). ``request_id`` is the router's
+  own uuid4 hex (``<id>-<i>`` per choice when ``n > 1``), never the client's ``x-request-id``; ``router_id`` names the
   outbox to publish to; exactly one of ``prompt``/``prompt_token_ids``/``messages`` is set (messages
   are ``{role, content: str[, name]}``; the worker tokenizes and applies the chat template);
   ``sampling`` holds SamplingParams fields, where ``max_tokens = None`` means "up to the model
@@ -49,7 +49,6 @@ from pdserve.errors import (
     PdserveError,
     RequestTimeoutError,
 )
-from pdserve.router.errors import DuplicateRequestError
 from pdserve.router.protocol import ParsedRequest
 from pdserve.router.selection import Route, Selector
 from pdserve.router.sender import InboxSender
@@ -227,12 +226,7 @@ class Generation:
         self._cancelled = False
         self._timers: list[asyncio.TimerHandle] = []
         self._first_token_timer: asyncio.TimerHandle | None = None
-        try:
-            self.queue = dispatcher.reader.subscribe(request_id)
-        except ValueError:
-            raise DuplicateRequestError(
-                f"a request with id {request_id!r} is already in flight on this router", None
-            ) from None
+        self.queue = dispatcher.reader.subscribe(request_id)  # the router's own id: never in use
         dispatcher.generations[request_id] = self
 
     async def start(self) -> None:

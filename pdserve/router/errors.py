@@ -6,7 +6,7 @@ The router adds a few leaves to the tree of :mod:`pdserve.errors` (HTTP-only sit
     ├── InvalidRequestError
     │   ├── ModelNotFoundError     the requested model is not served by any live instance -> 404
     │   ├── BodyTooLargeError      the request body exceeds --max-body-bytes -> 413
-    │   └── DuplicateRequestError  the client's x-request-id is already in flight here -> 409
+    │   └── AuthenticationError    no valid API key (--api-key) -> 401
     ├── NoCapacityError            nothing can serve the request now -> 503 + Retry-After
     └── UpstreamError              a worker's ErrorInfo: mapped by its ``kind``, like a local error
 
@@ -64,12 +64,6 @@ class BodyTooLargeError(InvalidRequestError):
         super().__init__(f"request body exceeds the limit of {limit} bytes", None)
 
 
-class DuplicateRequestError(InvalidRequestError):
-    """The client's ``x-request-id`` names a request that is still running on this router."""
-
-    kind = "duplicate_request_id"
-
-
 class AuthenticationError(InvalidRequestError):
     """The request did not carry one of the router's API keys (OpenAI answers 401 ``invalid_api_key``)."""
 
@@ -115,7 +109,6 @@ ERROR_MAP: dict[type[BaseException], ErrorKind] = {
     RequestTooLongError: ErrorKind(400, "invalid_request_error", "context_length_exceeded"),
     ModelNotFoundError: ErrorKind(404, "invalid_request_error", "model_not_found"),
     BodyTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
-    DuplicateRequestError: ErrorKind(409, "invalid_request_error", "duplicate_request_id"),
     AuthenticationError: ErrorKind(401, "invalid_request_error", "invalid_api_key"),
     EngineError: ErrorKind(500, "server_error", "engine_error"),
     TransferError: ErrorKind(503, "service_unavailable", "kv_transfer_failed", retry_after=True),

@@ -47,7 +47,7 @@ class ClientGone(Exception):
 
 
 def request_id(headers: list[tuple[bytes, bytes]]) -> str:
-    """The client's ``x-request-id`` (checked: 1-128 visible ASCII characters) or a fresh uuid4 hex."""
+    """The client's ``x-request-id`` (checked: 1-128 visible ASCII characters), else a fresh uuid4 hex."""
     for name, value in headers:
         if name == b"x-request-id":
             if (
@@ -122,9 +122,11 @@ class GenerateEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
-        rid = ""
+        # The router's own id routes the tokens; the client's x-request-id is only echoed (and
+        # logged), so the same id sent to two routers, or twice, never mixes two requests up.
+        rid, client_rid = uuid.uuid4().hex, ""
         try:
-            rid = request_id(headers)
+            client_rid = request_id(headers) or rid
             parsed = self.parse(await read_body(headers, receive, self.state.settings.max_body_bytes))
             dispatcher = self.state.dispatcher
             model = resolve_model(await dispatcher.live.get(), parsed.model)
@@ -132,21 +134,23 @@ class GenerateEndpoint:
         except ClientGone:
             return
         except Exception as e:
-            await send_error(send, e, rid or uuid.uuid4().hex)
+            await send_error(send, e, client_rid or rid)
             return
+        if client_rid != rid:
+            logger.debug("x-request-id %s is request %s", client_rid, rid)
         builder = ResponseBuilder(parsed.kind, rid, model, logprobs=parsed.logprobs,
                                   return_token_ids=parsed.return_token_ids,
                                   include_usage=parsed.include_usage)  # fmt: skip
         watch = DisconnectWatch(receive, gens)
         try:
             if parsed.stream:
-                await _stream(send, rid, gens, builder)
+                await _stream(send, client_rid, gens, builder)
             else:
-                await _complete(send, rid, gens, builder)
+                await _complete(send, client_rid, gens, builder)
         except Exception as e:  # a bug; this endpoint runs outside FastAPI's error middleware
-            logger.exception("request %s failed", rid)
+            logger.exception("request %s (x-request-id %s) failed", rid, client_rid)
             with contextlib.suppress(Exception):  # fails if the response had started
-                await send_error(send, e, rid)
+                await send_error(send, e, client_rid)
         finally:
             watch.stop()
             for gen in gens:
