@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from pdserve import __version__
 from pdserve.errors import PdserveError
+from pdserve.router.admission import Admission
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import AuthenticationError, NoCapacityError, error_body, error_status
 from pdserve.router.protocol import parse_chat, parse_completion
@@ -54,6 +55,9 @@ class RouterState:
         self.reader: OutboxReader | None = None
         self.heartbeat: Heartbeat[RouterInfo] | None = None
         self._dispatcher: Dispatcher | None = None
+        self.admission = Admission(
+            settings.max_in_flight, settings.max_queued, settings.first_token_timeout_s
+        )
 
     @property
     def dispatcher(self) -> Dispatcher:

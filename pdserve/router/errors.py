@@ -7,6 +7,7 @@ The router adds a few leaves to the tree of :mod:`pdserve.errors` (HTTP-only sit
     │   ├── ModelNotFoundError     the requested model is not served by any live instance -> 404
     │   ├── BodyTooLargeError      the request body exceeds --max-body-bytes -> 413
     │   └── AuthenticationError    no valid API key (--api-key) -> 401
+    ├── OverloadedError            --max-in-flight running and --max-queued waiting -> 429 + Retry-After
     ├── NoCapacityError            nothing can serve the request now -> 503 + Retry-After
     └── UpstreamError              a worker's ErrorInfo: mapped by its ``kind``, like a local error
 
@@ -76,6 +77,17 @@ class AuthenticationError(InvalidRequestError):
         )
 
 
+class OverloadedError(PdserveError, RuntimeError):
+    """This router runs --max-in-flight requests and --max-queued wait already (OpenAI's 429)."""
+
+    kind = "rate_limit_exceeded"
+
+    def __init__(self, limit: int, queue: int) -> None:
+        super().__init__(
+            f"this router is at its limit ({limit} requests running, {queue} waiting); retry shortly", None
+        )
+
+
 class NoCapacityError(PdserveError, RuntimeError):
     """No instance (pair) can take the request now: none registered, all draining, or only prefill."""
 
@@ -110,6 +122,7 @@ ERROR_MAP: dict[type[BaseException], ErrorKind] = {
     ModelNotFoundError: ErrorKind(404, "invalid_request_error", "model_not_found"),
     BodyTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
     AuthenticationError: ErrorKind(401, "invalid_request_error", "invalid_api_key"),
+    OverloadedError: ErrorKind(429, "requests", "rate_limit_exceeded", retry_after=True),
     EngineError: ErrorKind(500, "server_error", "engine_error"),
     TransferError: ErrorKind(503, "service_unavailable", "kv_transfer_failed", retry_after=True),
     ControlPlaneError: ErrorKind(503, "service_unavailable", "control_plane_unavailable", retry_after=True),

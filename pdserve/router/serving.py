@@ -46,8 +46,9 @@ class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
-def request_id(headers: list[tuple[bytes, bytes]]) -> str:
-    """The client's ``x-request-id`` (checked: 1-128 visible ASCII characters), else a fresh uuid4 hex."""
+def request_id(headers: list[tuple[bytes, bytes]], default: str | None = None) -> str:
+    """The client's ``x-request-id`` (checked: 1-128 visible ASCII characters), else ``default``
+    or a fresh uuid4 hex."""
     for name, value in headers:
         if name == b"x-request-id":
             if (
@@ -59,7 +60,7 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
             raise InvalidRequestError(
                 f"x-request-id must be 1-{MAX_REQUEST_ID_LEN} visible ASCII characters", "x-request-id"
             )
-    return uuid.uuid4().hex
+    return default or uuid.uuid4().hex
 
 
 async def read_body(headers: list[tuple[bytes, bytes]], receive: Receive, limit: int) -> bytes:
@@ -126,15 +127,27 @@ class GenerateEndpoint:
         # logged), so the same id sent to two routers, or twice, never mixes two requests up.
         rid, client_rid = uuid.uuid4().hex, ""
         try:
-            client_rid = request_id(headers) or rid
+            client_rid = request_id(headers, default=rid)
             parsed = self.parse(await read_body(headers, receive, self.state.settings.max_body_bytes))
             dispatcher = self.state.dispatcher
             model = resolve_model(await dispatcher.live.get(), parsed.model)
-            gens = await dispatcher.open(parsed, rid, model)
+            await self.state.admission.enter()
         except ClientGone:
             return
         except Exception as e:
             await send_error(send, e, client_rid or rid)
+            return
+        try:
+            await self._serve(send, receive, parsed, rid, client_rid, model)
+        finally:
+            self.state.admission.leave()
+
+    async def _serve(self, send: Send, receive: Receive, parsed: ParsedRequest, rid: str, client_rid: str,
+                     model: str) -> None:  # fmt: skip
+        try:
+            gens = await self.state.dispatcher.open(parsed, rid, model)
+        except Exception as e:
+            await send_error(send, e, client_rid)
             return
         if client_rid != rid:
             logger.debug("x-request-id %s is request %s", client_rid, rid)

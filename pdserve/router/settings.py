@@ -63,6 +63,14 @@ class RouterSettings:
         2, "re-submissions to a fresh pair when an attempt fails before the first byte (default %(default)s)"
     )
     ttl_s: float = setting(DEFAULT_TTL_S, "registration TTL in seconds (default %(default)s)")
+    max_in_flight: int = setting(
+        0, "requests this router runs at once; beyond, they queue (default 0: no limit)"
+    )
+    max_queued: int = setting(
+        0,
+        "requests that may wait for a slot when --max-in-flight run (up to --first-token-timeout); "
+        "beyond, 429 with Retry-After (default %(default)s)",
+    )
     aggregated_fallback: bool = setting(
         True,
         "when no prefill/decode pair can serve, run whole requests on a decode instance, saying so in "
@@ -120,6 +128,8 @@ class RouterSettings:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_in_flight < 0 or self.max_queued < 0:
+            raise ConfigError("max_in_flight and max_queued must be >= 0")
         if self.retry_attempts < 0:
             raise ConfigError(f"retry_attempts must be >= 0, got {self.retry_attempts}")
         if not 0 < self.port < 65536:
