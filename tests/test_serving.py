@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -643,3 +644,35 @@ def test_restart_with_same_id_serves_its_inbox_and_reclaims_its_segment(tiny_mod
             await r.aclose()
 
     assert len(asyncio.run(main())) == 5
+
+
+def test_up_restarts_a_crashed_worker_and_stops_in_order(tiny_model_dir, redis_url) -> None:
+    """pdserve up supervises: a SIGKILLed worker comes back (same id) while the router keeps its
+    place; at stop the routers go first, so a stream in flight still completes."""
+    stack = start_stack(tiny_model_dir, redis_url, mixed=1)
+    try:
+        name, proc = stack.workers[0]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        body = {"model": model_name(stack), "prompt": "back again", "max_tokens": 4, "temperature": 0}
+        while True:
+            stack.supervise()
+            r = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=30)
+            if r.status_code == 200:
+                break
+            assert time.monotonic() < deadline, f"the worker did not come back: {r.text}"
+            time.sleep(0.5)
+        assert stack.restarts[name] >= 1 and stack.workers[0][1].poll() is None
+        long = {**body, "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", stack.urls[0] + "/v1/completions", json=long, timeout=60) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            stopper = concurrent.futures.ThreadPoolExecutor(1).submit(stack.stop, 30)
+            rest = [x for x in [first, *lines] if x]
+        assert rest[-1] == "data: [DONE]"
+        last = orjson.loads(next(x for x in reversed(rest) if x.startswith("data: {"))[6:])
+        assert last["choices"][0]["finish_reason"] == "length", last  # finished, not cut by the stop
+        assert stopper.result(60) == []
+    finally:
+        stack.stop(grace_s=15)

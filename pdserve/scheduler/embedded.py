@@ -55,7 +55,10 @@ class EmbeddedRedis:
                "--appendonly", "no", "--dir", str(self.workdir), "--loglevel", "warning"]  # fmt: skip
         if self.password:
             cmd += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # its own session: a Ctrl-C meant for `pdserve up` must not stop Redis before the rest
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
             if self._answers_ping():
