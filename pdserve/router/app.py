@@ -30,7 +30,7 @@ from pdserve.errors import PdserveError
 from pdserve.router.admission import Admission
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import AuthenticationError, NoCapacityError, error_body, error_status
-from pdserve.router.protocol import parse_chat, parse_completion
+from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
 from pdserve.router.serving import GenerateEndpoint, send_error
 from pdserve.router.settings import RouterSettings
 from pdserve.scheduler.connection import RedisSettings, wait_for_redis
@@ -159,7 +159,22 @@ def create_app(settings: RouterSettings) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     _add_operator_routes(app, state)
+    _document_generation_routes(app)
     return app
+
+
+def _document_generation_routes(app: FastAPI) -> None:
+    """The generation endpoints in /openapi.json with their request schemas (so clients and fuzzers
+    see them). Only the schema comes from these routes: a POST never reaches them (the raw ASGI
+    endpoint answers first)."""
+
+    @app.post("/v1/completions", summary="Create a completion (OpenAI API)", response_model=None)
+    async def completions(body: CompletionRequest) -> None:  # pragma: no cover - documentation only
+        raise AssertionError("served by the raw endpoint")
+
+    @app.post("/v1/chat/completions", summary="Create a chat completion (OpenAI API)", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest) -> None:  # pragma: no cover - documentation only
+        raise AssertionError("served by the raw endpoint")
 
 
 def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
