@@ -132,6 +132,21 @@ def test_wait_for_redis_on_a_closed_port_fails_fast_and_clearly() -> None:
     assert time.monotonic() - t0 < 2.0
 
 
+def test_tls_against_a_plain_port_names_tls(redis_url: str) -> None:
+    plain = redis_url.replace("redis://", "rediss://")
+
+    async def main() -> None:
+        client = RedisSettings.from_url(plain, retries=0).connect()
+        try:
+            await wait_for_redis(client, timeout_s=1.5)
+        finally:
+            await client.aclose()
+
+    with pytest.raises(ControlPlaneError, match="TLS handshake did not complete") as exc:
+        asyncio.run(main())
+    assert "rediss:// needs one; a plain Redis port takes redis://" in str(exc.value)
+
+
 def test_version_check_and_error_translation(redis_url: str) -> None:
     async def main() -> None:
         client = RedisSettings.from_url(redis_url).connect()

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import ssl
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -148,6 +149,11 @@ def require_bytes_responses(client: aioredis.Redis) -> None:
         raise ValueError("pdserve's scheduler needs a Redis client with decode_responses=False")
 
 
+def uses_tls(client: aioredis.Redis) -> bool:
+    """Whether the client speaks TLS (a ``rediss://`` URL)."""
+    return "SSL" in client.connection_pool.connection_class.__name__
+
+
 def redis_address(client: aioredis.Redis) -> str:
     """Where a client points, for messages (never includes the password)."""
     kw = client.connection_pool.connection_kwargs
@@ -182,6 +188,13 @@ async def wait_for_redis(
             raise ControlPlaneError(f"Redis at {where} refused the connection: {e}") from e
         except (RedisError, OSError, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
+            if uses_tls(client) and (
+                isinstance(e, (asyncio.TimeoutError, TimeoutError, ssl.SSLError)) or "SSL" in reason
+            ):
+                reason = (
+                    f"the TLS handshake did not complete ({reason}): is {where} a TLS port? rediss:// needs "
+                    "one; a plain Redis port takes redis://"
+                )
             if time.monotonic() + delay >= deadline:
                 raise ControlPlaneError(
                     f"Redis at {where} is unreachable after {timeout_s:g} s ({attempts} attempts): {reason}"
