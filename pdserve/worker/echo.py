@@ -19,6 +19,7 @@ import numpy as np
 from pdserve.cache_transfer import shm
 from pdserve.errors import EngineError, InvalidRequestError, RequestTooLongError
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.worker.batcher import blocks_for
 from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
 from pdserve.worker.settings import EngineConfig
 
@@ -37,10 +38,6 @@ class EchoRequest:
     blocks: list[int]
     prefill_only: bool
     out: list[int] = dataclasses.field(default_factory=list)
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class EchoEngine:
