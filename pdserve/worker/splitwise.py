@@ -338,8 +338,16 @@ class Splitwise:
         return {h.owner.router_id for h in self.prefills.values()}
 
     def _reap(self) -> None:
+        """Drop every finished machine (after a sweep over all of them: timers, routers gone)."""
         self.prefills = {k: h for k, h in self.prefills.items() if not h.final}
         self.leases = {k: lease for k, lease in self.leases.items() if not lease.final}
+
+    def _settle(self, key: str) -> None:
+        """Drop the machines of ``key`` if they finished (after an event for that request only)."""
+        if key in self.prefills and self.prefills[key].final:
+            del self.prefills[key]
+        if key in self.leases and self.leases[key].final:
+            del self.leases[key]
 
     # ---- prefill side --------------------------------------------------------------------------------
     async def start_prefill(self, msg: GenerateRequest, prepared: Prepared) -> None:
@@ -351,7 +359,7 @@ class Splitwise:
         handoff = self.prefills.get(engine_key(msg.request_id, msg.attempt))
         if handoff is not None:
             await handoff.on_reserve_reply(msg)
-            self._reap()
+            self._settle(handoff.key)
 
     async def on_output(self, out: RequestOutput) -> bool:
         """Route an engine output to its hand-off; False when it is not one of ours."""
@@ -359,7 +367,7 @@ class Splitwise:
         if handoff is None:
             return False
         await handoff.on_output(out)
-        self._reap()
+        self._settle(handoff.key)
         return True
 
     # ---- decode side ---------------------------------------------------------------------------------
@@ -394,7 +402,7 @@ class Splitwise:
             )
             return None
         owner = await lease.on_prefilled(msg)
-        self._reap()
+        self._settle(lease.key)
         return owner
 
     # ---- both ------------------------------------------------------------------------------------
@@ -403,7 +411,7 @@ class Splitwise:
             await self.prefills[key].abort(reason)
         if key in self.leases:
             await self.leases[key].abort(reason)
-        self._reap()
+        self._settle(key)
 
     async def drop_routers(self, gone: set[str]) -> None:
         """Requests of routers that are gone: free them, and tell their decode instances."""
