@@ -9,7 +9,14 @@ from typing import Any
 
 import orjson
 
-from pdserve.scheduler import InstanceRegistry, Keys, RedisSettings, RouterRegistry, wait_for_redis
+from pdserve.scheduler import (
+    InstanceInfo,
+    InstanceRegistry,
+    Keys,
+    RedisSettings,
+    RouterRegistry,
+    wait_for_redis,
+)
 from pdserve.scheduler.keys import INBOX_GROUP
 
 
@@ -119,23 +126,33 @@ def _age(seconds: float) -> str:
 
 
 def run_status(redis_url: str, cluster: str, as_json: bool, check: str | None = None) -> int:
-    status = asyncio.run(collect(redis_url, cluster))
     if check is not None:
-        return check_instance(status, check)
+        return check_instance(asyncio.run(registration(redis_url, cluster, check)), check, cluster)
+    status = asyncio.run(collect(redis_url, cluster))
     print(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() if as_json else render(status))
     return 0
 
 
-def check_instance(status: dict[str, Any], instance_id: str) -> int:
+async def registration(redis_url: str, cluster: str, instance_id: str) -> InstanceInfo | None:
+    """One instance's live registration (a health check reads this one key, not the whole cluster)."""
+    redis = RedisSettings.from_url(redis_url).connect()
+    try:
+        await wait_for_redis(redis, timeout_s=5)
+        return await InstanceRegistry(redis, Keys(cluster)).get(instance_id)
+    finally:
+        await redis.aclose()
+
+
+def check_instance(info: InstanceInfo | None, instance_id: str, cluster: str) -> int:
     """A health check: 0 when the instance is registered (its TTL key alive) and not draining."""
-    found = next((i for i in status["instances"] if i["id"] == instance_id), None)
-    if found is None:
-        print(f"{instance_id}: not registered in cluster {status['cluster']}", file=sys.stderr)
+    if info is None:
+        print(f"{instance_id}: not registered in cluster {cluster}", file=sys.stderr)
         return 1
-    if found["draining"]:
+    if info.draining:
         print(f"{instance_id}: draining", file=sys.stderr)
         return 1
+    kv = info.kv
     print(
-        f"{instance_id}: ready ({found['running']} running, {found['free_blocks']}/{found['num_blocks']} KV blocks free)"
+        f"{instance_id}: ready ({info.load.running} running, {kv.free_blocks}/{kv.num_blocks} KV blocks free)"
     )
     return 0
