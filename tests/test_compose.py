@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from host_support import need_root_and
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.mooncake.yml"])
@@ -33,12 +33,7 @@ LB_ADDRESS = "127.0.20.2"
 
 
 def need(*tools: str) -> None:
-    missing = [t for t in tools if not shutil.which(t)]
-    reason = f"needs {', '.join(missing)}" if missing else ("needs root" if os.geteuid() != 0 else "")
-    if reason:
-        if os.environ.get("PDSERVE_REQUIRE_COMPOSE"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    need_root_and(*tools, required_by="PDSERVE_REQUIRE_COMPOSE")
 
 
 def compose_config(files: list[str], **env: str) -> dict:

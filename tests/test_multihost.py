@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from host_support import need_root_and
 
 from pdserve.scheduler import Keys
 from pdserve.scheduler.embedded import EmbeddedRedis, free_port
@@ -38,11 +38,7 @@ def sh(*args: str) -> None:
 @pytest.fixture(scope="module")
 def hosts():
     """Namespaces ``P`` and ``D``: a kv link between them, and each linked to the root namespace."""
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        reason = "network namespaces need root and iproute2 (`ip`)"
-        if os.environ.get("PDSERVE_REQUIRE_MULTIHOST"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    need_root_and("ip", required_by="PDSERVE_REQUIRE_MULTIHOST")  # network namespaces
     tag = uuid.uuid4().hex[:6]
     ns = {"P": f"pdP{tag}", "D": f"pdD{tag}"}
     try:

@@ -4,19 +4,14 @@ namespace with an 8 MiB tmpfs on /dev/shm; needs root and `unshare` (CI has both
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 
-import pytest
+from host_support import need_root_and
 
 
 def in_small_shm(*cmd: str, size: str = "8m") -> subprocess.CompletedProcess:
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        if os.environ.get("PDSERVE_REQUIRE_MULTIHOST"):
-            pytest.fail("needs root and unshare")
-        pytest.skip("needs root and unshare (a private mount namespace)")
+    need_root_and("unshare", required_by="PDSERVE_REQUIRE_MULTIHOST")  # a private mount namespace
     script = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"'
     return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *cmd],
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
