@@ -152,6 +152,8 @@ class Pair:
         self.ids = itertools.count()
         self.transports = Transports()
         self.decode_transfer: dict[str, Any] = {}  # the decode instance's registered TransferInfo
+        self.protocol = "shm"  # how requests' KV moves
+        self.agents: dict[str, Any] = {}  # instance id -> its MooncakeAgent (mooncake pairs)
 
     async def instance(self, instance_id: str, role: str, stub: StubEngine) -> Instance:
         engine = await EngineClient.start(lambda: stub)
@@ -189,7 +191,7 @@ class Pair:
             decode=PeerInfo(
                 id=decode_id, host="h", transfer=transfer if transfer is not None else self.decode_transfer
             ),
-            protocol="shm",
+            protocol=self.protocol,
             deadlines=deadlines,
         )
         return GenerateRequest(
@@ -221,8 +223,11 @@ async def settle(*instances: Instance, rounds: int = 50) -> None:
 
 
 @contextlib.asynccontextmanager
-async def pair(redis_url: str, decode_blocks: int = 16) -> AsyncIterator[tuple[Pair, Instance, Instance]]:
-    """A live router registration, a prefill instance and a decode instance (its cache in shm)."""
+async def pair(
+    redis_url: str, decode_blocks: int = 16, mooncake: bool = False
+) -> AsyncIterator[tuple[Pair, Instance, Instance]]:
+    """A live router registration, a prefill instance and a decode instance (its cache in shm);
+    ``mooncake``: each cache registered with its own Mooncake agent, the KV over loopback TCP."""
     redis = RedisSettings.from_url(redis_url).connect()
     keys = Keys(f"splitwise-{uuid.uuid4().hex[:8]}")
     clock = ManualClock()
@@ -231,9 +236,19 @@ async def pair(redis_url: str, decode_blocks: int = 16) -> AsyncIterator[tuple[P
     prefill = await p.instance("prefill", "prefill", StubEngine())
     decode = await p.instance("decode", "decode", StubEngine(decode_blocks, shared=True))
     p.decode_transfer = {"protocols": ["shm"], "endpoint": {"shm": decode.engine.facts.shm_name}}
+    if mooncake:
+        from pdserve.cache_transfer.mooncake import MooncakeAgent
+
+        for inst in (prefill, decode):
+            p.agents[inst.id] = MooncakeAgent("127.0.0.1")
+            p.agents[inst.id].register(inst.stub.cache)
+        p.transports.agent, p.protocol = p.agents["prefill"], "mooncake"
+        p.decode_transfer = {"protocols": ["mooncake"], "endpoint": {"mooncake": p.agents["decode"].endpoint}}
     try:
         yield p, prefill, decode
     finally:
+        for agent in p.agents.values():
+            agent.close()  # before the caches go
         p.transports.close()
         for inst in (prefill, decode):
             await inst.engine.close()

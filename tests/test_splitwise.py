@@ -74,9 +74,7 @@ def test_blocks_then_first_token_moves_the_real_kv_bytes(redis_url) -> None:
             dst = decode.lease.blocks
             await prefill.step()  # the prompt's step: first token, then straight to the transfer
             assert not prefill.handler.splitwise.prefills  # DONE, and out of the table
-            assert [decode.stub.block_bytes(b) for b in dst] == [
-                bytes([kv_byte(PROMPT, i)]) * BLOCK_BYTES for i in range(len(dst))
-            ]
+            assert_kv_arrived(decode, dst)
             await decode.receive()  # prefilled: decode takes the request over
             assert list(decode.handler.owners) == ["req-0/0"]
             await settle(prefill, decode)
@@ -407,69 +405,38 @@ def test_a_full_decode_cache_refuses_with_a_retry_hint(redis_url) -> None:
 
 
 # ---- over mooncake ---------------------------------------------------------------------------------
-@pytest.fixture
-def mooncake_pair(redis_url, mooncake_ready):
-    """The pair, each side's stub cache registered with its own Mooncake agent (loopback TCP)."""
-    from pdserve.cache_transfer.mooncake import MooncakeAgent
-
-    async def open_pair():
-        ctx = pair(redis_url)
-        p, prefill, decode = await ctx.__aenter__()
-        agents = {}
-        for inst in (prefill, decode):
-            agents[inst.id] = MooncakeAgent("127.0.0.1")
-            agents[inst.id].register(inst.stub.cache)
-        p.transports.agent = agents["prefill"]
-        p.decode_transfer = {"protocols": ["mooncake"], "endpoint": {"mooncake": agents["decode"].endpoint}}
-        return ctx, p, prefill, decode, agents
-
-    return open_pair
+def assert_kv_arrived(decode: Instance, dst: list[int]) -> None:
+    """Decode's reserved blocks hold the prompt's KV bytes, block by block."""
+    assert [decode.stub.block_bytes(b) for b in dst] == [
+        bytes([kv_byte(PROMPT, i)]) * BLOCK_BYTES for i in range(len(dst))
+    ]
 
 
-def test_the_hand_off_over_mooncake_moves_the_real_bytes(mooncake_pair) -> None:
+def test_the_hand_off_over_mooncake_moves_the_real_bytes(redis_url, mooncake_ready) -> None:
     async def main() -> None:
-        ctx, p, prefill, decode, agents = await mooncake_pair()
-        try:
-            req = p.request(PROMPT)
-            req.disaggregate_info.protocol = "mooncake"
-            await p.send(prefill, req)
-            await prefill.receive()
-            await decode.receive()
-            await prefill.receive()
+        async with pair(redis_url, mooncake=True) as (p, prefill, decode):
+            await to_blocks_ready(p, prefill, decode)
             dst = decode.lease.blocks
             await prefill.step()
-            assert [decode.stub.block_bytes(b) for b in dst] == [
-                bytes([kv_byte(PROMPT, i)]) * BLOCK_BYTES for i in range(len(dst))
-            ]
+            assert_kv_arrived(decode, dst)
             await settle(prefill, decode)
             assert_completed(await p.events(), PROMPT, 4)
             assert all_free(prefill) and all_free(decode)
-        finally:
-            for agent in agents.values():
-                agent.close()
-            await ctx.__aexit__(None, None, None)
 
     run(main())
 
 
-def test_a_decode_cache_gone_from_mooncake_fails_the_hand_off_and_frees_both(mooncake_pair) -> None:
+def test_a_decode_cache_gone_from_mooncake_fails_the_hand_off_and_frees_both(
+    redis_url, mooncake_ready
+) -> None:
     async def main() -> None:
-        ctx, p, prefill, decode, agents = await mooncake_pair()
-        try:
-            req = p.request(PROMPT)
-            req.disaggregate_info.protocol = "mooncake"
-            await p.send(prefill, req)
-            await prefill.receive()
-            await decode.receive()
-            await prefill.receive()
-            agents["decode"].close()  # the decode side stops accepting writes (as when it goes away)
+        async with pair(redis_url, mooncake=True) as (p, prefill, decode):
+            await to_blocks_ready(p, prefill, decode)
+            p.agents["decode"].close()  # the decode side stops accepting writes (as when it goes away)
             await prefill.step()
             error = assert_failed(await p.events(), "kv_transfer_failed")
             assert "mooncake write" in error.message
             await settle(prefill, decode)
             assert all_free(prefill) and all_free(decode)
-        finally:
-            agents["prefill"].close()
-            await ctx.__aexit__(None, None, None)
 
     run(main())
