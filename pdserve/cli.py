@@ -242,10 +242,10 @@ def cmd_redis(args: argparse.Namespace) -> int:
         server.start()
     except RuntimeError as e:
         raise PdserveError(f"{e} (is the port taken? try --port)") from None
-    shown = RedisSettings.from_url(server.url).display_url
-    log.info("Redis (%s) serving at %s; Ctrl-C stops it, nothing is kept on disk", server.binary, shown)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the server too, not only this process
-    try:
+    try:  # from here on a SIGTERM stops the server too (it runs in a session of its own)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        shown = RedisSettings.from_url(server.url).display_url
+        log.info("Redis (%s) serving at %s; Ctrl-C stops it, nothing is kept on disk", server.binary, shown)
         return server.proc.wait() if server.proc else 1
     finally:
         server.close()
