@@ -118,3 +118,36 @@ def test_generate_cli_disaggregate_prints_the_same_tokens(tiny_model_dir) -> Non
     assert len(a) == 2 and [x["token_ids"] for x in a] == [x["token_ids"] for x in b]
     assert [x["text"] for x in a] == [x["text"] for x in b]
     assert all(x["usage"]["completion_tokens"] == len(x["token_ids"]) for x in a + b)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        GREEDY,
+        SamplingParams(
+            temperature=0.9, top_p=0.9, seed=7, frequency_penalty=0.5, max_tokens=20, ignore_eos=True
+        ),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_a_resumed_request_continues_exactly_where_the_first_left_off(tiny_model_dir, params) -> None:
+    """Migration's worker half: given the tokens an earlier attempt delivered, the engine recomputes
+    prompt + those tokens and continues with the same tokens and text the undisturbed run produced
+    after them (seeded draws, penalties and detokenizer state included); usage counts all of them."""
+    engine = LLMEngine(tiny_model_dir, EngineConfig(num_blocks=64))
+    prompt = "a request that moves to another instance halfway through"
+    engine.add_request("whole", prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    tokens = [t for o in outs for t in o.token_ids]
+    assert len(tokens) == 20
+    for k in (1, 9, 19):
+        engine.add_request(f"resumed{k}", prompt, params, resume_token_ids=tokens[:k])
+        rest = []
+        while engine.has_unfinished():
+            rest += engine.step()
+        assert [t for o in rest for t in o.token_ids] == tokens[k:]
+        assert "".join(o.text for o in rest) == "".join(o.text for o in outs[k:])
+        assert (rest[-1].finish_reason, rest[-1].num_output_tokens) == ("length", 20)
+    assert engine.blocks.num_free == engine.blocks.capacity

@@ -287,24 +287,74 @@ def test_retry_on_a_retryable_error_ignores_the_old_attempt(
     run(main())
 
 
-def test_retry_after_tokens_starts_over_when_not_streaming(redis_url: str, redis_client: redis.Redis) -> None:
+def test_a_failure_after_tokens_migrates_and_continues(redis_url: str, redis_client: redis.Redis) -> None:
+    """Tokens reached the caller, then the instance failed (retryable): the request moves to another
+    instance with the delivered tokens to resume from, and the answer continues with no duplicate
+    or gap, streamed or not. With max_migrations 0 the stream ends with the error instead."""
+
     async def half_then_fail(worker: FakeWorker, msg: InboxMessage) -> None:
         if isinstance(msg, GenerateRequest):
-            await worker.publish(msg.router_id, deltas_for(msg, ["Hel", "lo"])[0], RequestDelta.failure(
+            await worker.publish(msg.router_id, deltas_for(msg, ["Hello", " world"])[0], RequestDelta.failure(
                 msg.request_id, UnavailableError("bye"), retryable=True, attempt=msg.attempt))  # fmt: skip
 
     async def main() -> None:
         async with router(redis_url, decode_policy="round_robin") as client, redis_conn(redis_url) as r:
             m0 = await FakeWorker(r, instance("m0"), half_then_fail).start()
             m1 = await FakeWorker(r, instance("m1")).start()
-            resp = await client.post("/v1/completions", json={"prompt": "x"})
-            assert resp.json()["choices"][0]["text"] == "Hello world"  # not "HelHello world"
-            # streaming: "Hel" reached the client, so no retry: an error event ends the stream
+            resp = await client.post("/v1/completions", json={"prompt": "x", "logprobs": 1})
+            body = resp.json()
+            assert body["choices"][0]["text"] == "Hello world"  # not "HelloHello world"
+            assert body["choices"][0]["logprobs"]["tokens"] == ["Hello", " world"]
+            assert body["usage"]["completion_tokens"] == 2
             resp = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
             events = sse_events(resp.text)
-            assert resp.status_code == 200 and events[0]["choices"][0]["text"] == "Hel"
+            assert resp.status_code == 200 and events[-1] == "[DONE]"
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hello world"
+            assert [m.resume_token_ids for m in m1.requests()] == [[100], [100]]
+            assert [m.disaggregate_info for m in m1.requests()] == [None, None]
+            assert dispatcher(client).num_migrations == 2 and dispatcher(client).num_retries == 0
+            await m0.stop()
+            await m1.stop()
+        async with (
+            router(redis_url, decode_policy="round_robin", max_migrations=0) as client,
+            redis_conn(redis_url) as r,
+        ):
+            m0 = await FakeWorker(r, instance("m0"), half_then_fail).start()
+            m1 = await FakeWorker(r, instance("m1")).start()
+            resp = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+            events = sse_events(resp.text)
+            assert resp.status_code == 200 and events[0]["choices"][0]["text"] == "Hello"
             assert events[-2]["error"]["code"] == "unavailable" and events[-1] == "[DONE]"
             assert events[-2]["error"]["message"] == "bye"
+            assert m1.requests() == []
+            await m0.stop()
+            await m1.stop()
+
+    run(main())
+
+
+def test_an_instance_that_stalls_after_tokens_is_left_and_the_stream_continues(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Alive (its key renewed) but silent after the first token: after stall_timeout_s the request
+    migrates to another instance and the stream completes."""
+
+    async def first_token_only(worker: FakeWorker, msg: InboxMessage) -> None:
+        if isinstance(msg, GenerateRequest):
+            await worker.publish(msg.router_id, deltas_for(msg, ["Hello", " world"])[0])
+
+    async def main() -> None:
+        async with router(redis_url, decode_policy="round_robin", stall_timeout_s=0.5) as client, \
+                redis_conn(redis_url) as r:  # fmt: skip
+            m0 = await FakeWorker(r, instance("m0"), first_token_only).start()
+            m1 = await FakeWorker(r, instance("m1")).start()
+            started = time.monotonic()
+            resp = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+            events = sse_events(resp.text)
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hello world"
+            assert 0.5 <= time.monotonic() - started < 3
+            assert [m.resume_token_ids for m in m1.requests()] == [[100]]
+            await m0.wait_for(lambda w: len(w.aborts()) == 1)  # the stalled attempt is aborted
             await m0.stop()
             await m1.stop()
 

@@ -226,9 +226,11 @@ def deltas_for(msg: GenerateRequest | ReserveBlocks, texts: list[str], *, start:
 
 
 async def answer(worker: FakeWorker, msg: InboxMessage) -> None:
-    """Default worker script: a whole request answered with "Hello world" (two deltas)."""
+    """Default worker script: a whole request answered with "Hello world" (two deltas); a resumed
+    one (a migration) with the deltas after its ``resume_token_ids``."""
     if isinstance(msg, GenerateRequest):
-        for delta in deltas_for(msg, ["Hello", " world"]):
+        done = len(msg.resume_token_ids or ())
+        for delta in deltas_for(msg, ["Hello", " world"][done:], start=done):
             await worker.publish(msg.router_id, delta)
 
 

@@ -228,6 +228,7 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
             "in_flight": sum(in_flight.values()),
             "requests": len(state.dispatcher.generations),
             "retries": state.dispatcher.num_retries,
+            "migrations": state.dispatcher.num_migrations,
         }
         return _json(request, body)
 

@@ -98,6 +98,7 @@ class Dispatcher:
         """This router's open requests per instance id (prefill counts until the first token)."""
         self.generations: dict[str, Generation] = {}
         self.num_retries = 0
+        self.num_migrations = 0
         self.stopping = False
         self._peers: dict[str, tuple[InstanceInfo, PeerInfo]] = {}
         self.sender = InboxSender(redis, keys)
@@ -181,12 +182,17 @@ class Dispatcher:
                 logger.exception("watcher failed; continuing")
 
     def check_instances(self, alive: Collection[str]) -> None:
-        """Fail (or retry) every generation that waits on an instance not in ``alive``."""
+        """Fail (or retry, or migrate) every generation that waits on an instance not in ``alive``,
+        or on one that has sent it nothing for ``stall_timeout_s`` once its tokens flowed."""
+        stalled_before = time.monotonic() - self.settings.stall_timeout_s
         for gen in list(self.generations.values()):
             for instance_id in gen.watched:
                 if instance_id not in alive:
-                    gen.lost(instance_id)
+                    gen.lost(instance_id, "stopped responding")
                     break
+            else:
+                if gen.has_tokens and gen.watched and gen.last_delta_at < stalled_before:
+                    gen.lost(gen.watched[-1], f"sent nothing for {self.settings.stall_timeout_s:g} s")
 
 
 class Generation:
@@ -213,10 +219,15 @@ class Generation:
         self.watched: tuple[str, ...] = ()
         """Instances whose death ends the current attempt (prefill only until the first token)."""
         self.has_tokens = False
+        """The current attempt has produced tokens."""
+        self.last_delta_at = 0.0
+        """time.monotonic() of the current attempt's latest token (the watcher's stall check)."""
+        self.delivered: list[int] = []
+        """Token ids handed to the caller over all attempts: where a migration resumes."""
+        self.retries = 0
+        self.migrations = 0
         self.finished = False
         self.succeeded = False
-        self.retry_after_tokens = not parsed.stream
-        """Non-stream responses may start over after tokens: the client has not seen any yet."""
         self._exclude: set[str] = set()
         self._blamed: tuple[str, ...] = ()
         self._pending_retry: ErrorInfo | None = None
@@ -239,7 +250,7 @@ class Generation:
                 f"the request did not finish within {self.dispatcher.settings.request_timeout_s:g} s",
             )
         )
-        await self._submit()
+        await self._submit(await self._pick())
 
     async def next(self) -> RequestDelta:
         """The next delta of the current attempt. Retryable failures are retried here, so the caller
@@ -247,7 +258,16 @@ class Generation:
         while True:
             if self._pending_retry is not None:
                 error, self._pending_retry = self._pending_retry, None
-                await self._retry(error)
+                try:
+                    await self._retry(error)
+                except PdserveError as e:
+                    if not self.delivered:
+                        raise
+                    logger.warning("request %s could not be migrated: %s", self.request_id, e)
+                    self.finished = True
+                    self._end_reason = f"{error.kind}: {error.message}"
+                    return RequestDelta(request_id=self.request_id, finish_reason="error", error=error,
+                                        attempt=self.attempt)  # fmt: skip
             delta = self._accept(await self.queue.get())
             if delta is not None:
                 return delta
@@ -277,18 +297,20 @@ class Generation:
             self.finished = self.succeeded = True
         elif not (delta.token_ids or delta.text):
             return None  # nothing a client could see
+        self.delivered += delta.token_ids
+        self.last_delta_at = time.monotonic()
         if not self.has_tokens:
             self._first_token()
         return delta
 
-    def lost(self, instance_id: str) -> None:
-        """The watcher saw ``instance_id`` leave the live set while this attempt depends on it."""
+    def lost(self, instance_id: str, why: str = "stopped responding") -> None:
+        """The watcher saw ``instance_id``, which this attempt depends on, leave the live set or stall."""
         if self.finished or instance_id not in self.watched:
             return
         self.watched = ()  # report once per attempt
         self._blamed = (instance_id,)
-        logger.warning("request %s: instance %s left the live set", self.request_id, instance_id)
-        self._inject(InstanceLostError(f"instance {instance_id} stopped responding"), True, self.attempt)
+        logger.warning("request %s: instance %s %s", self.request_id, instance_id, why)
+        self._inject(InstanceLostError(f"instance {instance_id} {why}"), True, self.attempt)
 
     def cancel(self, reason: str) -> None:
         """End the generation from outside (client disconnect): its next delta is a final error."""
@@ -316,9 +338,15 @@ class Generation:
 
     # -- attempts ----------------------------------------------------------------------------------
 
-    async def _submit(self) -> None:
+    async def _pick(self) -> Route:
         d = self.dispatcher
-        route = d.route(await d.live.get(), self.model, self._exclude)
+        live = await d.live.get()
+        if self.delivered:  # a migration: continue on one instance after what the client has
+            return d.selector.route_whole(live, self.model, self._exclude)
+        return d.route(live, self.model, self._exclude)
+
+    async def _submit(self, route: Route) -> None:
+        d = self.dispatcher
         now = d.clock()
         msg = self._message(route, now)
         self.route, self.watched, self._blamed = route, route.instance_ids, ()
@@ -351,30 +379,40 @@ class Generation:
         return GenerateRequest(
             request_id=self.request_id, router_id=d.router_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids,
             messages=p.messages, sampling=self.sampling, deadline=self.deadline, attempt=self.attempt,
-            disaggregate_info=info,
+            disaggregate_info=info, resume_token_ids=list(self.delivered) or None,
         )  # fmt: skip
 
     def _may_retry(self, error: ErrorInfo) -> bool:
-        return (
-            error.retryable
-            and self.attempt < self.dispatcher.settings.retry_attempts
-            and (not self.has_tokens or self.retry_after_tokens)
-            and self.dispatcher.clock() < self.deadline
-            and not (self._closed or self._cancelled or self.dispatcher.stopping)
-        )
+        """Retry before any token (up to retry_attempts), migrate after (up to max_migrations)."""
+        d = self.dispatcher
+        if not error.retryable or self._closed or self._cancelled or d.stopping or d.clock() >= self.deadline:
+            return False
+        if self.delivered:
+            return self.migrations < d.settings.max_migrations
+        return self.retries < d.settings.retry_attempts
 
     async def _retry(self, error: ErrorInfo) -> None:
         d = self.dispatcher
         route = self.route
         assert route is not None
-        logger.warning("request %s attempt %d on %s failed (%s: %s); retrying on a fresh pair",
-                       self.request_id, self.attempt, "/".join(route.instance_ids), error.kind, error.message)  # fmt: skip
-        d.num_retries += 1
+        where = "/".join(route.instance_ids)
+        if self.delivered:
+            self.migrations += 1
+            d.num_migrations += 1
+            logger.warning("request %s attempt %d on %s failed after %d tokens (%s: %s); migrating it",
+                           self.request_id, self.attempt, where, len(self.delivered), error.kind, error.message)  # fmt: skip
+        else:
+            self.retries += 1
+            d.num_retries += 1
+            logger.warning("request %s attempt %d on %s failed (%s: %s); retrying on a fresh pair",
+                           self.request_id, self.attempt, where, error.kind, error.message)  # fmt: skip
+        self._exclude.update(self._blamed or route.instance_ids)
+        d.live.invalidate()
+        next_route = await self._pick()  # raises when nothing can take it: this attempt stays current
         d.abort_soon(route, self.request_id, self.attempt, f"retried elsewhere after {error.kind}")
         self._release_all()
         if self._first_token_timer is not None:
             self._first_token_timer.cancel()
-        self._exclude.update(self._blamed or route.instance_ids)
         self.attempt += 1
         self.has_tokens = False
         old = self.queue
@@ -384,8 +422,7 @@ class Generation:
             delta = old.get_nowait()
             if delta.attempt == ANY_ATTEMPT and delta.error is not None and not delta.error.retryable:
                 self.queue.put_nowait(delta)
-        d.live.invalidate()
-        await self._submit()
+        await self._submit(next_route)
 
     def _first_token(self) -> None:
         self.has_tokens = True

@@ -16,10 +16,9 @@ DONE = b"data: [DONE]\n\n"
 
 
 class Choice:
-    """What a non-stream response accumulates for one choice (reset when its attempt changes)."""
+    """What a response accumulates for one choice, over all its attempts (a migrated one continues)."""
 
     __slots__ = (
-        "attempt",
         "finish_reason",
         "logprobs",
         "num_tokens",
@@ -29,8 +28,7 @@ class Choice:
         "usage",
     )
 
-    def __init__(self, attempt: int = 0) -> None:
-        self.attempt = attempt
+    def __init__(self) -> None:
         self.texts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.num_tokens = 0

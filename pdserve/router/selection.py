@@ -139,6 +139,19 @@ class Selector:
             raise NoCapacityError(no_route_reason(live, model, self.aggregated_fallback))
         return route
 
+    def route_whole(self, live: Sequence[InstanceInfo], model: str, exclude: Collection[str] = ()) -> Route:
+        """Where a migrated request continues: one mixed (preferred) or decode instance, never a
+        pair (it recomputes prompt + delivered tokens itself), avoiding ``exclude`` when it can."""
+        candidates = [
+            info for info in self._by_id(live)
+            if info.model == model and not info.draining and info.role != "prefill"
+        ]  # fmt: skip
+        candidates = [info for info in candidates if info.id not in exclude] or candidates
+        if not candidates:
+            raise NoCapacityError(f"no decode or mixed instance of model {model!r} is live to continue on")
+        mixed = [info for info in candidates if info.role == "mixed"]
+        return Route(decode=self.decode_policy.pick(mixed or candidates, self.in_flight))
+
     def _by_id(self, live: Sequence[InstanceInfo]) -> Sequence[InstanceInfo]:
         """``live`` sorted by id (round robin needs a stable order; the registry lists by expiry),
         sorted once per live-set refresh."""

@@ -201,13 +201,11 @@ class DisconnectWatch:
 
 
 async def _collect(gen: Generation) -> Choice:
-    choice = Choice(gen.attempt)
+    choice = Choice()
     while True:
         delta = await gen.next()
         if delta.error is not None:
             raise UpstreamError(delta.error)
-        if choice.attempt != gen.attempt:  # retried after tokens: start over
-            choice = Choice(gen.attempt)
         choice.add(delta)
         if delta.finish_reason is not None:
             return choice

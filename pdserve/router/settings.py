@@ -62,6 +62,16 @@ class RouterSettings:
     retry_attempts: int = setting(
         2, "re-submissions to a fresh pair when an attempt fails before the first byte (default %(default)s)"
     )
+    max_migrations: int = setting(
+        3,
+        "times one request may move to another instance when its instance dies after tokens reached "
+        "the client; it continues where it stopped (default %(default)s; 0: end it with an error)",
+    )
+    stall_timeout_s: float = setting(
+        30.0,
+        "seconds a request's instance may send nothing once tokens flow before it counts as lost "
+        "(the request then migrates) (default %(default)s)",
+    )
     ttl_s: float = setting(DEFAULT_TTL_S, "registration TTL in seconds (default %(default)s)")
     max_in_flight: int = setting(
         0, "requests this router runs at once; beyond, they queue (default 0: no limit)"
@@ -121,6 +131,7 @@ class RouterSettings:
             "reserve_timeout_s",
             "transfer_timeout_s",
             "ttl_s",
+            "stall_timeout_s",
             "live_set_max_age_s",
             "watch_interval_s",
         ):
@@ -132,6 +143,8 @@ class RouterSettings:
             raise ConfigError("max_in_flight and max_queued must be >= 0")
         if self.retry_attempts < 0:
             raise ConfigError(f"retry_attempts must be >= 0, got {self.retry_attempts}")
+        if self.max_migrations < 0:
+            raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
 

@@ -220,6 +220,11 @@ class GenerateRequest(_Message):
     Exactly one of ``prompt_token_ids``, ``prompt`` and ``messages`` (chat) is set. ``sampling``
     is ``SamplingParams.to_dict()`` (sampling_params.py): validated by the router, re-read by the
     engine with ``SamplingParams.from_dict``, so its fields can change without a schema bump here.
+
+    ``resume_token_ids`` (a migration): the tokens an earlier attempt already delivered to the
+    client. The instance recomputes the prompt plus these and continues after them, as if it had
+    generated them itself (text, stop strings, penalties, seeded draws, usage); always served whole
+    by one instance, never split.
     """
 
     type: Literal["generate"] = "generate"
@@ -232,12 +237,15 @@ class GenerateRequest(_Message):
     deadline: float
     attempt: int = 0
     disaggregate_info: DisaggregateInfo | None = None
+    resume_token_ids: list[int] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
         given = [n for n in ("prompt_token_ids", "prompt", "messages") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError(f"exactly one of prompt_token_ids, prompt, messages must be set, got {given}")
+        if self.resume_token_ids and self.disaggregate_info is not None:
+            raise ValueError("a resumed request (resume_token_ids) is served whole, not split")
         return self
 
 

@@ -128,12 +128,13 @@ class EchoEngine:
         return taken
 
     def add_request(self, request_id: str, *, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> None:  # fmt: skip
+                    prefill_only: bool = False, resume_token_ids: list[int] | None = None) -> None:  # fmt: skip
         if request_id in self.requests or request_id in self.prefilled:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        blocks = self._allocate(blocks_for(len(prompt_token_ids), self.block_size))
+        resume = list(resume_token_ids or ())
+        blocks = self._allocate(blocks_for(len(prompt_token_ids) + len(resume), self.block_size))
         self.requests[request_id] = EchoRequest(
-            request_id, list(prompt_token_ids), params, blocks, prefill_only
+            request_id, list(prompt_token_ids), params, blocks, prefill_only, resume
         )
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,

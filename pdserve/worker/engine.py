@@ -179,7 +179,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         prefill_only: bool = False,
+        resume_token_ids: list[int] | None = None,
     ) -> Sequence:
+        """Queue a request. ``resume_token_ids``: output an earlier attempt already delivered (a
+        migration); they are recomputed with the prompt, like a preempted sequence's, and the
+        request continues after them."""
         if request_id in self.requests or request_id in self.prefilled:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         params = params or SamplingParams()
@@ -188,8 +192,13 @@ class LLMEngine:
                 raise InvalidRequestError("either prompt or prompt_token_ids is required", "prompt")
             prompt_token_ids = self.tokenizer.encode(prompt)
         self.validate(prompt_token_ids, params)
+        resume = list(resume_token_ids or ())
+        if any(not 0 <= t < self.sampler.vocab_limit for t in resume):
+            raise InvalidRequestError(
+                "a token id to resume from is outside the vocabulary", "resume_token_ids"
+            )
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
-        self._track(seq)
+        self._replay(self._track(seq), resume)
         self.batcher.add(seq)
         return seq
 
@@ -372,13 +381,19 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params)
         seq.block_table = blocks
         seq.num_computed_tokens = len(prompt_token_ids)
-        seq.output_token_ids.append(first_token)
-        req = self._track(seq)
-        if not params.is_greedy:
-            seq.rng.random()  # the prefill side drew once for the first token
-        req.stop.feed(req.detok.add(first_token))
+        self._replay(self._track(seq), [first_token])
         self.batcher.add_running(seq)
         return seq
+
+    def _replay(self, req: _Request, tokens: list[int]) -> None:
+        """Take ``tokens`` as generated elsewhere: through the detokenizer, the stop matcher and
+        the sequence's generator (one draw each, as when they were sampled), without output."""
+        seq = req.seq
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            if not seq.params.is_greedy:
+                seq.rng.random()
+            req.stop.feed(req.detok.add(token))
 
     def close(self) -> None:
         self.cache.close()

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from pdserve.cache_transfer.regions import Region, block_regions
+from pdserve.errors import InvalidRequestError
 from pdserve.scheduler.messages import GenerateRequest
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput
@@ -40,6 +41,7 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prefill_only: bool = False,
+        resume_token_ids: list[int] | None = None,
     ) -> Any: ...
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams
@@ -58,10 +60,12 @@ class Engine(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A generate request made ready for the engine: its prompt ids and full sampling params."""
+    """A generate request made ready for the engine: its prompt ids and full sampling params
+    (``resume_ids``: tokens already delivered by an earlier attempt, see GenerateRequest)."""
 
     prompt_ids: list[int]
     params: SamplingParams
+    resume_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 class EngineClient:
@@ -100,14 +104,24 @@ class EngineClient:
                 fields["max_tokens"] = max(1, self.facts.max_model_len - len(ids))
             params = SamplingParams.from_dict(fields)
             self._engine.validate(ids, params)
-            return Prepared(ids, params)
+            resume = list(msg.resume_token_ids or ())
+            if len(resume) >= params.max_tokens:
+                raise InvalidRequestError(
+                    f"{len(resume)} tokens to resume from leave none of max_tokens {params.max_tokens}",
+                    "resume_token_ids",
+                )
+            return Prepared(ids, params, resume)
 
         return await self._run(prepare)
 
     async def add(self, key: str, prepared: Prepared, prefill_only: bool = False) -> None:
         await self._run(
             lambda: self._engine.add_request(
-                key, prompt_token_ids=prepared.prompt_ids, params=prepared.params, prefill_only=prefill_only
+                key,
+                prompt_token_ids=prepared.prompt_ids,
+                params=prepared.params,
+                prefill_only=prefill_only,
+                resume_token_ids=prepared.resume_ids or None,
             )
         )
 

@@ -100,7 +100,8 @@ class RequestHandler:
         else:
             key = engine_key(msg.request_id, msg.attempt)
             self.owners[key] = owner
-            self._started[key] = received
+            if not prepared.resume_ids:  # a resumed request's first token is not its TTFT
+                self._started[key] = received
             await self.ctx.engine.add(key, prepared)
 
     async def on_abort(self, msg: Abort) -> None:
