@@ -170,14 +170,18 @@ class Dispatcher:
         await self.sender.drain()
 
     async def _watch(self) -> None:
+        trust_after = 0.0  # after a Redis outage, instances need one TTL to register again
         while True:
             await asyncio.sleep(self.settings.watch_interval_s)
             if not self.generations:
                 continue
             try:
-                self.check_instances({info.id for info in await self.live.get()})
+                live = await self.live.get()
+                if time.monotonic() >= trust_after:
+                    self.check_instances({info.id for info in live})
             except ControlPlaneError as e:  # the OutboxReader reports a lasting outage to every request
                 logger.debug("watcher could not read the live set: %s", e)
+                trust_after = time.monotonic() + self.settings.ttl_s
             except Exception:
                 logger.exception("watcher failed; continuing")
 

@@ -1,15 +1,20 @@
 """Everything an instance sends: step outputs to routers' outboxes, protocol messages to peers' inboxes.
 
-A Redis failure while sending is logged and reported as ``False``, never raised into the loops:
-the request it concerned then ends at its router's deadline, and the instance keeps serving.
+A send that Redis fails is retried with backoff (50 ms doubling to 1 s) for up to one
+registration TTL, so a Redis blip or restart loses no token: each step's sends complete, in order,
+before the next step's. Past one TTL this instance's key has expired, so routers have moved or
+failed its requests; the send is then logged and reported as ``False``, never raised into the
+loops, and the instance keeps serving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import redis.asyncio as aioredis
 
@@ -29,6 +34,9 @@ from pdserve.worker.outputs import RequestOutput
 from pdserve.worker.outputs import TokenLogprob as EngineLogprob
 
 log = logging.getLogger(__name__)
+
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,22 +75,45 @@ def _logprob(lp: EngineLogprob) -> TokenLogprob:
 
 
 class Messenger:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, instance_id: str) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, instance_id: str, give_up_after_s: float = 6.0
+    ) -> None:
+        """``give_up_after_s``: how long a failing send is retried (the registration TTL)."""
         self.redis = redis
         self.keys = keys
         self.instance_id = instance_id
+        self.give_up_after_s = give_up_after_s
         self.outbox = Outbox(redis, keys)
+        self.num_send_retries = 0
+
+    async def _retrying(self, what: str, send: Callable[[], Awaitable[object]]) -> bool:
+        give_up_at = time.monotonic() + self.give_up_after_s
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                await send()
+            except ControlPlaneError as e:
+                if time.monotonic() + delay > give_up_at:
+                    log.error("could not %s for %g s, giving up: %s", what, self.give_up_after_s, e)
+                    return False
+                if delay == RETRY_FIRST_S:
+                    log.warning("could not %s (%s); retrying until Redis answers", what, e)
+                self.num_send_retries += 1
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+            else:
+                if delay != RETRY_FIRST_S:
+                    log.info("sent after retrying: %s", what)
+                return True
 
     async def publish(self, deltas_by_router: Mapping[str, Sequence[RequestDelta]]) -> bool:
         """One step's events, one outbox entry per router, in one round trip."""
         if not any(deltas_by_router.values()):
             return True
-        try:
-            await self.outbox.publish_many(self.instance_id, deltas_by_router)
-        except ControlPlaneError as e:
-            log.error("could not publish a step to %d routers: %s", len(deltas_by_router), e)
-            return False
-        return True
+        return await self._retrying(
+            f"publish a step to {len(deltas_by_router)} routers",
+            lambda: self.outbox.publish_many(self.instance_id, deltas_by_router),
+        )
 
     async def deliver(self, owner: Owner, *deltas: RequestDelta) -> bool:
         return await self.publish({owner.router_id: list(deltas)})
@@ -103,9 +134,7 @@ class Messenger:
 
     async def send(self, instance_id: str, msg: InboxMessage) -> bool:
         """A protocol message to a peer instance's inbox."""
-        try:
-            await send_to_inbox(self.redis, self.keys, instance_id, msg)
-        except ControlPlaneError as e:
-            log.error("could not send %s %s to %s: %s", msg.type, msg.request_id, instance_id, e)
-            return False
-        return True
+        return await self._retrying(
+            f"send {msg.type} {msg.request_id} to {instance_id}",
+            lambda: send_to_inbox(self.redis, self.keys, instance_id, msg),
+        )

@@ -75,7 +75,7 @@ class WorkerService:
                 )
             self.engine = await EngineClient.start(self._build_engine)
             self.protocols = await self._start_transfer()
-            messenger = Messenger(self.redis, self.keys, self.id)
+            messenger = Messenger(self.redis, self.keys, self.id, give_up_after_s=self.settings.ttl_s)
             ctx = Context(self.id, self.engine, messenger, self.clock, self.transports)
             routers = RouterRegistry(self.redis, self.keys, ttl_s=self.settings.ttl_s)
             self.handler = RequestHandler(ctx, self.settings.role, routers)
