@@ -52,8 +52,7 @@ def decode_side(conn, mooncake: bool) -> None:
     if agent:
         agent.close()
     del cache
-    segment.close()
-    segment.unlink()
+    segment.close()  # and removes it
 
 
 def digest(cache: np.ndarray, blocks: list[int]) -> str:

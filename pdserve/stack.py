@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.cache_transfer import shm
 from pdserve.errors import ConfigError
 from pdserve.flags import setting, to_argv
 from pdserve.router.settings import RouterSettings
@@ -135,6 +136,7 @@ class Stack:
         self.argv: dict[str, list[str]] = {}  # each child's command line, to restart it
         self.restarts: dict[str, int] = {}
         self._restart_at: dict[str, float] = {}
+        self.segment_owners: set[str] = set()  # children with a KV cache in /dev/shm (decode workers)
 
     @property
     def urls(self) -> list[str]:
@@ -143,6 +145,7 @@ class Stack:
     def start(self) -> None:
         spec = self.spec
         model = self.model = spec.model or default_model()
+        shm.sweep_dead_segments()  # what killed stacks left behind
         if spec.redis_url:
             redis_url = spec.redis_url
         else:
@@ -168,6 +171,8 @@ class Stack:
                     engine=engine,
                 )
                 self.instance_ids.append(worker.instance_id)
+                if role == "decode":
+                    self.segment_owners.add(name)
                 self.argv[name] = ["worker", *to_argv(worker)]
                 self.workers.append((name, self._spawn(self.argv[name])))
         for i in range(spec.routers):
@@ -218,7 +223,8 @@ class Stack:
         """Restart every child that exited, after 1, 2, 4 … 30 s (per child); the ones restarted now.
 
         The rest of the stack keeps serving meanwhile. A restarted worker keeps its instance id, so
-        it re-reads its inbox and reclaims its shared memory (it waits out its old registration's TTL).
+        it re-reads its inbox (it waits out its old registration's TTL). A dead decode child's shared
+        memory segment is removed as soon as its exit is seen, not only when it comes back.
         """
         now, restarted = time.monotonic(), []
         for group in (self.workers, self.routers):
@@ -231,6 +237,8 @@ class Stack:
                     log.warning(
                         "%s exited with code %s; restarting it in %.0f s", name, proc.returncode, delay
                     )
+                    if name in self.segment_owners:  # killed, its KV cache may still sit in /dev/shm
+                        shm.sweep_dead_segments()
                     self._restart_at[name] = now + delay
                 elif now >= due:
                     del self._restart_at[name]
@@ -265,6 +273,8 @@ class Stack:
                     proc.kill()
                     proc.wait()
                     killed.append(name)
+        if any(name in self.segment_owners for name in killed):
+            shm.sweep_dead_segments()
         if self.redis is not None:
             self.redis.close()
         if (running_stack() or {}).get("pid") == os.getpid():  # the record is ours: remove it

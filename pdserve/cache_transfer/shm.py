@@ -1,13 +1,19 @@
 """POSIX shared memory for a decode instance's KV cache (same-host transfer: one copy, 5-7 GB/s).
 
 The decode engine allocates its whole cache in a named segment; a prefill process on the same host
-attaches to it and writes its blocks straight into the decode side's blocks.
+attaches to it and writes its blocks straight into the decode side's blocks. Segments are named
+``pdserve-*``; the owner holds a lock on its segment until it exits, so a sweeper can tell (and
+remove) the segments of owners that died without cleaning up (SIGKILL, OOM kill).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import mmap
 import os
+import stat
 import sys
 from multiprocessing import resource_tracker, shared_memory
 
@@ -21,34 +27,150 @@ log = logging.getLogger(__name__)
 
 
 SHM_DIR = "/dev/shm"
+PREFIX = "pdserve-"  # every segment pdserve creates; the sweeper looks at no other name
+_CREATE_TRIES = 5
 
 
-def create_segment(name: str, nbytes: int, reclaim: bool = False) -> shared_memory.SharedMemory:
-    """Create a zero-filled segment owned (and later unlinked) by the calling process, its pages
-    committed now: a /dev/shm too small for it is a clear error here, never a SIGBUS later.
+class OwnedSegment:
+    """A segment this process created: it holds an exclusive ``flock`` on it for as long as it lives.
 
-    ``reclaim``: a segment of that name left by a killed previous run (same instance id) is
-    removed first; the caller has checked that no live instance uses the id.
+    The kernel drops the lock when the process dies however it dies (SIGKILL, OOM), so "nobody
+    holds the lock" is exactly "the owner is dead" for :func:`sweep_dead_segments`, whatever PID
+    namespace owner and sweeper run in, as long as they share /dev/shm. Peers that attach
+    (:func:`attach_segment`) never lock. ``close`` removes the name while the lock still proves it
+    is ours, so a late close can never remove a newer owner's segment of the same name.
+    """
+
+    def __init__(self, name: str, fd: int, size: int) -> None:
+        self.name, self.size, self._fd = name, size, fd
+        self._mmap = mmap.mmap(fd, size)  # MAP_SHARED; its dup of fd shares our lock
+        self.buf = memoryview(self._mmap)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(SHM_DIR, self.name)
+
+    def close(self) -> None:
+        """Unlink the segment, then unmap it (every view of ``buf`` must be gone by now)."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.buf.release()
+        self._mmap.close()
+        os.close(self._fd)  # the lock goes with the last descriptor
+        self._fd = -1
+
+
+def create_segment(name: str, nbytes: int, reclaim: bool = False) -> OwnedSegment:
+    """Create a zero-filled segment owned (and later removed) by the calling process, locked before
+    anything else happens to it, its pages committed now: a /dev/shm too small for it is a clear
+    error here, never a SIGBUS later.
+
+    Between our create and our lock a sweeper may find the file unlocked and remove it; we notice
+    (once locked, the name no longer leads to our file) and create it again. So no grace period
+    by age is needed, and the sweeper may remove anything it can lock.
+
+    ``reclaim``: a segment of that name left by a dead previous run (same instance id) is removed
+    first; one whose owner is still alive is refused.
+    """
+    path = os.path.join(SHM_DIR, name)
+    for _ in range(_CREATE_TRIES):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            if not reclaim:
+                raise TransferError(
+                    f"shared memory segment {name!r} already exists (another instance with this id?)"
+                ) from None
+            if _remove_if_dead(path) is not None:
+                log.warning("removed shared memory segment %s left by a previous run of this instance", name)
+            elif os.path.lexists(path):
+                raise TransferError(
+                    f"shared memory segment {name!r} is held by a live process (another instance with this id?)"
+                ) from None
+            continue
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a sweeper holds it: microseconds
+        if _names(path, fd):
+            break
+        os.close(fd)  # a sweeper removed it before we locked it: make a new one
+    else:
+        raise TransferError(f"could not create shared memory segment {name!r}: it kept vanishing")
+    try:
+        try:
+            os.posix_fallocate(
+                fd, 0, nbytes
+            )  # tmpfs reserves the pages (and sets the size), or says ENOSPC now
+        except OSError as e:
+            raise ConfigError(_too_small(nbytes, e)) from None
+        return OwnedSegment(name, fd, nbytes)
+    except BaseException:
+        os.unlink(path)  # still ours: we hold the lock
+        os.close(fd)
+        raise
+
+
+def sweep_dead_segments(prefix: str = PREFIX) -> list[str]:
+    """Remove every segment in /dev/shm named ``prefix*`` whose owner is dead; their names.
+
+    A worker runs it before it creates its segment and ``pdserve up`` when it starts and when a
+    decode child dies, so a killed instance's cache does not hold /dev/shm's memory for good.
+    A segment made by a pdserve without the ownership lock would look dead: every process that
+    shares this /dev/shm must run a pdserve that locks.
     """
     try:
-        segment = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-    except FileExistsError:
-        if not reclaim:
-            raise TransferError(
-                f"shared memory segment {name!r} already exists (another instance with this id?)"
-            ) from None
-        log.warning("removing shared memory segment %s left by a previous run of this instance", name)
-        stale = attach_segment(name)
-        stale.close()
-        stale.unlink()
-        segment = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-    try:
-        os.posix_fallocate(segment._fd, 0, nbytes)  # tmpfs reserves the pages, or says ENOSPC now
+        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
     except OSError as e:
-        segment.close()
-        segment.unlink()
-        raise ConfigError(_too_small(nbytes, e)) from None
-    return segment
+        log.warning("cannot list %s to sweep dead segments: %s", SHM_DIR, e)
+        return []
+    removed = []
+    for name in names:
+        size = _remove_if_dead(os.path.join(SHM_DIR, name))
+        if size is not None:
+            log.warning("removed shared memory segment %s (%.1f MiB): its owner is gone", name, size / 2**20)
+            removed.append(name)
+    return removed
+
+
+def _remove_if_dead(path: str) -> int | None:
+    """Unlink ``path`` when nobody holds its lock: its size; None when kept or already gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # another user's, a symlink: not ours to judge
+        log.debug("not sweeping %s: %s", path, e)
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # its owner is alive
+        if not _names(path, fd):
+            return None  # removed (and perhaps made again) while we waited for it
+        try:
+            os.unlink(path)  # nobody can make a new one here while this one still has the name
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("cannot remove dead shared memory segment %s: %s", path, e)
+            return None
+        return st.st_size
+    finally:
+        os.close(fd)
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` still leads to the file open as ``fd``."""
+    try:
+        a = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    b = os.fstat(fd)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _too_small(nbytes: int, error: OSError) -> str:

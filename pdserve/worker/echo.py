@@ -222,6 +222,5 @@ class EchoEngine:
     def close(self) -> None:
         if self.segment is not None:
             del self.cache
-            self.segment.close()
-            self.segment.unlink()
+            self.segment.close()  # the owner's close removes the segment
             self.segment = None

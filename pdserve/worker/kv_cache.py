@@ -116,6 +116,5 @@ class KVCache:
     def close(self) -> None:
         if self.shm is not None:
             del self.rows, self.chunks, self.tensor, self._array
-            self.shm.close()
-            self.shm.unlink()
+            self.shm.close()  # the owner's close removes the segment
             self.shm = None

@@ -17,7 +17,7 @@ import os
 import signal
 from typing import Any
 
-from pdserve.cache_transfer import mooncake
+from pdserve.cache_transfer import mooncake, shm
 from pdserve.cache_transfer.mooncake import MooncakeAgent
 from pdserve.errors import ConfigError, ControlPlaneError, EngineError
 from pdserve.scheduler import (
@@ -86,8 +86,11 @@ class WorkerService:
             await self._shutdown()
 
     def _build_engine(self):
-        """On the engine thread: a decode instance's cache lives in shm, so same-host prefills write into it."""
+        """On the engine thread: a decode instance's cache lives in shm, so same-host prefills write
+        into it; first it removes the segments of dead instances, whose memory its own may need."""
         shared = self.settings.role == "decode"
+        if shared:
+            shm.sweep_dead_segments()
         config = dataclasses.replace(
             self.settings.engine, shared_kv=shared, shm_name=f"pdserve-{self.id}" if shared else None
         )
