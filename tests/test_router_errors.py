@@ -163,6 +163,10 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
         ("/v1/completions", b'{"prompt": [5, 18446744073709551616]}', 400, "prompt", "token ids must be in"),
         ("/v1/completions", b'{"prompt": [5, -1]}', 400, "prompt", "token ids must be in"),
         ("/v1/completions", b'{"prompt": "x", "stop": "' + b"s" * 257 + b'"}', 400, "stop", "at most 256 characters"),
+        ("/v1/completions", b'{"prompt": "x", "stop": ["a", "' + b"s" * 100_000 + b'"]}', 400, "stop",
+         "at most 256 characters, got 100000"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stop": ["s"' + b', "s"' * 1024 + b']}',
+         400, "stop", "at most 1024 stop strings are allowed, got 1025"),
         ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [' + b"1," * 256 + b'1]}', 400, "stop_token_ids",
          "at most 256"),
         ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [4294967296]}', 400, "stop_token_ids", "<= 2147483647"),
@@ -203,6 +207,26 @@ def test_invalid_bodies(
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert text in error["message"]
+
+
+def test_stop_limits_are_the_router_settings(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main() -> None:
+        async with router(
+            redis_url, max_stop_strings=2, max_stop_string_len=4, max_stop_token_ids=1
+        ) as client:
+            for body, param, text in (
+                ({"prompt": "x", "stop": ["a", "b", "c"]}, "stop", "at most 2 stop strings"),
+                ({"prompt": "x", "stop": "abcde"}, "stop", "at most 4 characters, got 5"),
+                ({"prompt": "x", "stop_token_ids": [1, 2]}, "stop_token_ids", "at most 1 stop_token_ids"),
+            ):
+                resp = await client.post("/v1/completions", json=body)
+                assert resp.status_code == 400, resp.text
+                assert resp.json()["error"]["param"] == param and text in resp.json()["error"]["message"]
+            # within the limits the request gets past validation (to routing: nothing is registered)
+            ok = {"prompt": "x", "stop": ["a", "abcd"], "stop_token_ids": [1]}
+            assert (await client.post("/v1/completions", json=ok)).status_code == 503
+
+    run(main())
 
 
 def test_routing_errors(redis_url: str, redis_client: redis.Redis) -> None:

@@ -96,6 +96,48 @@ def test_prompt_forms_and_chat_max_tokens(redis_url: str, redis_client: redis.Re
     run(main())
 
 
+def test_token_ids_are_checked_against_the_smallest_vocabulary_of_the_model(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    async def main() -> None:
+        async with router(redis_url) as client, redis_conn(redis_url) as r:
+            workers = [await FakeWorker(r, info).start() for info in (
+                instance("m0", vocab_size=100), instance("m1", vocab_size=50),
+                instance("o0", model="other", vocab_size=10))]  # fmt: skip
+            for body, param in (
+                ({"model": "tiny", "prompt": [1, 50, 2]}, "prompt"),
+                ({"model": "tiny", "prompt": [[7, 99]]}, "prompt"),
+                ({"model": "tiny", "prompt": "hi", "stop_token_ids": [3, 50]}, "stop_token_ids"),
+                ({"model": "other", "prompt": [10]}, "prompt"),
+            ):
+                resp = await client.post("/v1/completions", json=body)
+                assert resp.status_code == 400, resp.text
+                error = resp.json()["error"]
+                assert (error["type"], error["param"]) == ("invalid_request_error", param)
+                assert "vocabulary of" in error["message"]
+            # the bound is the smallest vocabulary of the model asked for, not of the cluster
+            ok = {"model": "tiny", "prompt": [0, 49], "stop_token_ids": [49], "max_tokens": 2}
+            assert (await client.post("/v1/completions", json=ok)).status_code == 200
+            chat = {**CHAT, "stop_token_ids": [49]}
+            assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+            assert sorted(str(m.prompt_token_ids) for w in workers for m in w.requests()) == [
+                "None",
+                "[0, 49]",
+            ]
+            assert not workers[2].requests()
+            for w in workers:
+                await w.stop()
+            # instances that do not say their vocabulary size: nothing to check against
+            old = await FakeWorker(r, instance("m2")).start()
+            await asyncio.sleep(0.1)  # the live set is cached for 50 ms in tests
+            big = {"model": "tiny", "prompt": [10**6], "stop_token_ids": [10**6]}
+            assert (await client.post("/v1/completions", json=big)).status_code == 200
+            assert old.requests()[0].prompt_token_ids == [10**6]
+            await old.stop()
+
+    run(main())
+
+
 def test_splitwise_sends_one_message_to_prefill(redis_url: str, redis_client: redis.Redis) -> None:
     async def main() -> None:
         async with router(redis_url) as client, redis_conn(redis_url) as r:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,6 +45,9 @@ def test_defaults_and_router_id() -> None:
         ("router_id", "has:colon", "invalid router id"),
         ("cluster", "{x}", "invalid cluster name"),
         ("port", 0, "port"),
+        ("max_stop_strings", 0, "max_stop_strings must be >= 1"),
+        ("max_stop_string_len", 0, "max_stop_string_len"),
+        ("max_stop_token_ids", -1, "max_stop_token_ids"),
     ],
 )
 def test_invalid_settings(field: str, value: object, message: str) -> None:
@@ -70,6 +74,20 @@ def test_flags_default_from_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert "PDSERVE_MAX_BODY_BYTES" in parser.format_help()
     with pytest.raises(SystemExit):
         parser.parse_args(["--prefill-policy", "fastest"])
+
+
+def test_input_limit_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = RouterSettings(port=9000)
+    assert (s.max_stop_strings, s.max_stop_string_len, s.max_stop_token_ids) == (1024, 256, 256)
+    monkeypatch.setenv("PDSERVE_MAX_STOP_STRINGS", "7")
+    parser = argparse.ArgumentParser()
+    add_router_arguments(parser)
+    s = settings_from_args(parser.parse_args(["--max-stop-string-len", "64", "--max-stop-token-ids", "3"]))
+    assert (s.max_stop_strings, s.max_stop_string_len, s.max_stop_token_ids) == (7, 64, 3)
+    help_text = " ".join(parser.format_help().split())
+    for flag in ("--max-stop-strings", "--max-stop-string-len", "--max-stop-token-ids"):
+        var = "PDSERVE_" + flag[2:].upper().replace("-", "_")
+        assert re.search(rf"{flag} {var[8:]} [^\[]*\[env {var}\]", help_text), flag
 
 
 def test_uvicorn_config_uses_uvloop_httptools_and_sets_tcp_nodelay() -> None:

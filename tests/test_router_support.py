@@ -58,6 +58,7 @@ def instance(
     waiting: int = 0,
     waiting_prefill_tokens: int = 0,
     free_blocks: int = 100,
+    vocab_size: int | None = None,
 ) -> InstanceInfo:
     """A registration value as a worker would write it."""
     return InstanceInfo(
@@ -65,6 +66,7 @@ def instance(
         kv=KVInfo(block_size=16, num_blocks=128, free_blocks=free_blocks, dtype="float32", layout="block-major"),
         load=LoadInfo(running=running, waiting=waiting, waiting_prefill_tokens=waiting_prefill_tokens),
         transfer=TransferInfo(protocols=list(protocols)), max_model_len=2048, draining=draining,
+        vocab_size=vocab_size,
     )  # fmt: skip
 
 

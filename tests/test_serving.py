@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -639,6 +640,46 @@ def test_a_too_long_prompt_is_refused_as_offline(stack, tiny_model_dir) -> None:
     r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert r.json()["error"]["param"] == "messages"
+
+
+def test_input_limits_are_checked_at_the_router(stack, tiny_model_dir) -> None:
+    """Token ids against the vocabulary the workers registered, and the stop limits (default flags):
+    refused by the router with the field named; 1024 stop strings of 256 characters are served."""
+    from pdserve.worker.model_config import ModelConfig
+
+    url, model = stack.urls[0], model_name(stack)
+    vocab = ModelConfig.from_dir(tiny_model_dir).vocab_size
+    instances = httpx.get(url + "/v1/instances", timeout=30).json()["instances"]
+    assert [i["vocab_size"] for i in instances] == [vocab] * len(instances)
+
+    def post(**body: object) -> httpx.Response:
+        body = {
+            "model": model,
+            "prompt": [5, 6, 7],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            **body,
+        }
+        return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+    for body, param, text in (
+        ({"prompt": [5, vocab]}, "prompt", f"vocabulary of {vocab} tokens"),
+        ({"stop_token_ids": [vocab + 7]}, "stop_token_ids", f"vocabulary of {vocab} tokens"),
+        ({"stop": "x" * 100_000}, "stop", "at most 256 characters"),
+        ({"stop": ["x"] * 1025}, "stop", "at most 1024 stop strings"),
+    ):
+        r = post(**body)
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["type"]) == (param, "invalid_request_error")
+        assert text in r.json()["error"]["message"]
+    plain = post(prompt=[5, vocab - 1])
+    assert plain.status_code == 200, plain.text
+    rng = random.Random(3)
+    stops = ["".join(rng.choices("qwertyuiop", k=256)) for _ in range(1024)]  # never generated
+    stopped = post(prompt=[5, vocab - 1], stop=stops)
+    assert stopped.status_code == 200, stopped.text
+    assert stopped.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
 
 
 # ---- restarts with the same instance id ----------------------------------------------------------------

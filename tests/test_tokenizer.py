@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
+import string
 from pathlib import Path
 
 import pytest
@@ -275,3 +278,97 @@ def test_stop_strings_over_streamed_tokens(tok: Tokenizer) -> None:
     ids = tok.encode("The answer is 中文也可以 and more")
     detok, m = IncrementalDetokenizer(tok), StopStringMatcher(["也可"])
     assert _feed_all(m, [detok.add(i) for i in ids]) == ("The answer is 中文", True)
+
+
+def _chunkings(text: str) -> list[list[str]]:
+    """Every way of splitting ``text`` into consecutive non-empty chunks."""
+    out = []
+    for cuts in itertools.product((False, True), repeat=max(len(text) - 1, 0)):
+        chunks, start = [], 0
+        for i, cut in enumerate(cuts, 1):
+            if cut:
+                chunks.append(text[start:i])
+                start = i
+        out.append([*chunks, text[start:]])
+    return out
+
+
+def _reference(stops: list[str], text: str, include: bool) -> tuple[str, str | None]:
+    """What the matcher must produce, by brute force: at the first position where some stop string
+    ends, the longest one ending there (it starts earliest) cuts the text."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if s and text[:end].endswith(s)]
+        if ending:
+            stop = max(ending, key=len)
+            return text[: end if include else end - len(stop)], stop
+    return text, None
+
+
+def _held_back(stops: list[str], text: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@pytest.mark.parametrize(
+    ("stops", "text", "include", "expected", "stop"),
+    [
+        (["bc", "abcd"], "xabcdy", False, "xa", "bc"),  # completed first wins over the longer one
+        (["abcd", "bc"], "xabcdy", True, "xabc", "bc"),
+        (["b", "ab"], "xaby", False, "x", "ab"),  # same end: the one that starts earlier
+        (["b", "ab"], "xaby", True, "xab", "ab"),
+        (["aab"], "aaaab", False, "aa", "aab"),  # a failed partial match restarts inside itself
+        (["abab", "bac"], "ababac", False, "", "abab"),
+        (["abc", "bcd"], "abbcd", False, "ab", "bcd"),
+        (["xyz"], "xyxyx", False, "xyxyx", None),  # held back to the end, then flushed
+    ],
+)  # fmt: skip
+def test_stop_semantics_hold_for_every_chunking(
+    stops: list[str], text: str, include: bool, expected: str, stop: str | None
+) -> None:
+    for chunks in _chunkings(text):
+        m = StopStringMatcher(stops, include_stop_str_in_output=include)
+        assert _feed_all(m, chunks) == (expected, stop is not None), chunks
+        assert m.matched_stop == stop
+
+
+def test_matcher_agrees_with_a_naive_reference() -> None:
+    """Random stop sets and texts over small alphabets (many overlaps), fed in random chunks: the cut,
+    the matched string, and after every chunk exactly the text that cannot begin a stop string."""
+    rng = random.Random(1234)
+    for _ in range(3000):
+        alphabet = "abc"[: rng.randint(1, 3)]
+        stops = ["".join(rng.choices(alphabet, k=rng.randint(1, 6))) for _ in range(rng.randint(1, 6))]
+        text = "".join(rng.choices(alphabet, k=rng.randint(0, 40)))
+        include = rng.random() < 0.5
+        expected, stop = _reference(stops, text, include)
+        m = StopStringMatcher(stops, include_stop_str_in_output=include)
+        emitted, pos = "", 0
+        while pos < len(text) and not m.matched:
+            step = rng.randint(1, 5)
+            out, matched = m.feed(text[pos : pos + step])
+            pos += step
+            emitted += out
+            if not matched:
+                seen = text[:pos]
+                assert emitted == seen[: len(seen) - _held_back(stops, seen)], (stops, text)
+        if not m.matched:
+            emitted += m.flush()
+        assert (emitted, m.matched_stop) == (expected, stop), (stops, text, include)
+
+
+def test_many_and_long_stop_strings() -> None:
+    rng = random.Random(7)
+    alphabet = string.ascii_letters + string.digits + " "
+    stops = ["".join(rng.choices(alphabet, k=256)) for _ in range(1000)]
+    text = "".join(rng.choices(alphabet, k=3000))
+    m = StopStringMatcher(stops)
+    pieces = [m.feed(text[i : i + 4])[0] for i in range(0, len(text), 4)]
+    assert not m.matched and "".join(pieces) + m.flush() == text
+    m = StopStringMatcher(stops)
+    assert _feed_all(m, [text[:1000], stops[500][:100], stops[500][100:] + "tail"]) == (text[:1000], True)
+    assert m.matched_stop == stops[500]
+    # failure links are computed without recursion: a stop string far longer than the recursion limit
+    long_stop = "a" * 4999 + "b"
+    m = StopStringMatcher([long_stop, "a" * 3000 + "c"])
+    assert _feed_all(m, ["a"] * 6000 + ["b!"]) == ("a" * 1001, True)
+    assert m.matched_stop == long_stop

@@ -4,6 +4,7 @@ command, and how a loop that dies ends the instance."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -74,6 +75,26 @@ def cluster(redis_url):
     for key in client.scan_iter(f"pdserve:{name}:*"):
         client.delete(key)
     client.close()
+
+
+def test_the_registration_says_the_vocabulary_size(redis_url, tmp_path, tiny_model_dir, cluster) -> None:
+    """The router bounds token ids by it: the echo engine says its tokenizer's size, or nothing
+    without one (it takes any id)."""
+    from pdserve.worker.tokenizer import Tokenizer
+
+    async def registered(model_dir) -> int | None:
+        service = WorkerService(
+            dataclasses.replace(settings(redis_url, tmp_path, cluster), model_dir=model_dir)
+        )
+        task = await started(service)
+        try:
+            return (await service.registry.get(service.id)).vocab_size
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+
+    assert asyncio.run(registered(tiny_model_dir)) == Tokenizer.from_dir(tiny_model_dir).vocab_size > 0
+    assert asyncio.run(registered(tmp_path)) is None
 
 
 def test_a_redis_user_denied_xdel_does_not_stop_the_worker(redis_url, tmp_path, cluster) -> None:

@@ -1,8 +1,11 @@
 """OpenAI request bodies: parsing, type checks, and conversion into what a worker runs.
 
 pydantic checks only types (strict: ``"5"`` or ``true`` is not a number); value ranges are checked
-by :class:`~pdserve.scheduler.sampling_params.SamplingParams` so they live in one place. Unknown
-fields are ignored. Every problem raises :class:`InvalidRequestError` whose ``param`` names the field.
+by :class:`~pdserve.scheduler.sampling_params.SamplingParams` so they live in one place, except the
+sizes of ``stop`` and ``stop_token_ids``, which are router settings (:class:`InputLimits`), and token
+ids against the vocabulary, which only the live instances know (:meth:`ParsedRequest.check_vocab`).
+Unknown fields are ignored. Every problem raises :class:`InvalidRequestError` whose ``param`` names
+the field.
 
 Chat requests without ``max_tokens``/``max_completion_tokens`` (and completions with an explicit
 ``"max_tokens": null``) send ``sampling["max_tokens"] = None``: the worker then generates up to
@@ -12,12 +15,15 @@ Chat requests without ``max_tokens``/``max_completion_tokens`` (and completions 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pdserve.errors import InvalidRequestError
 from pdserve.scheduler.sampling_params import MAX_TOKEN_ID, SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.router.settings import RouterSettings
 
 MAX_N = 16
 """Most choices per request (``n``); each is an independent request to the cluster."""
@@ -97,6 +103,37 @@ _SAMPLING_FIELDS = (
 )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class InputLimits:
+    """Sizes of request fields that the router bounds (from ``--max-stop-strings`` and friends)."""
+
+    max_stop_strings: int
+    max_stop_string_len: int
+    max_stop_token_ids: int
+
+    @classmethod
+    def of(cls, settings: RouterSettings) -> InputLimits:
+        return cls(settings.max_stop_strings, settings.max_stop_string_len, settings.max_stop_token_ids)
+
+    def check(self, stop: str | list[str] | None, stop_token_ids: list[int] | None) -> None:
+        """Raise InvalidRequestError naming ``stop`` or ``stop_token_ids`` when one is too large."""
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > self.max_stop_strings:
+            raise InvalidRequestError(
+                f"at most {self.max_stop_strings} stop strings are allowed, got {len(stops)}", "stop"
+            )
+        longest = max(map(len, stops), default=0)
+        if longest > self.max_stop_string_len:
+            raise InvalidRequestError(
+                f"a stop string may be at most {self.max_stop_string_len} characters, got {longest}", "stop"
+            )
+        if stop_token_ids is not None and len(stop_token_ids) > self.max_stop_token_ids:
+            raise InvalidRequestError(
+                f"at most {self.max_stop_token_ids} stop_token_ids are allowed, got {len(stop_token_ids)}",
+                "stop_token_ids",
+            )
+
+
 @dataclasses.dataclass(slots=True)
 class ParsedRequest:
     """A validated request, ready to be sent ``n`` times (one GenerateRequest per choice)."""
@@ -117,10 +154,25 @@ class ParsedRequest:
     def n(self) -> int:
         return len(self.samplings)
 
+    def check_vocab(self, vocab_size: int | None) -> None:
+        """Raise InvalidRequestError naming ``prompt`` or ``stop_token_ids`` when a token id is not
+        below ``vocab_size`` (None: no instance said, nothing to check). Parsing already checked >= 0."""
+        if vocab_size is None:
+            return
+        for name, ids in (
+            ("prompt", self.prompt_token_ids),
+            ("stop_token_ids", self.samplings[0]["stop_token_ids"]),
+        ):
+            if ids and (bad := max(ids)) >= vocab_size:
+                raise InvalidRequestError(
+                    f"token id {bad} in {name} is outside the model's vocabulary of {vocab_size} tokens", name
+                )
 
-def parse_completion(body: bytes) -> ParsedRequest:
+
+def parse_completion(body: bytes, limits: InputLimits) -> ParsedRequest:
     """Validate a completions body; raise InvalidRequestError naming the bad field."""
     req = _validate(CompletionRequest, body)
+    limits.check(req.stop, req.stop_token_ids)
     prompt, token_ids = _prompt(req.prompt)
     if req.echo:
         raise InvalidRequestError("echo is not supported", "echo")
@@ -129,9 +181,10 @@ def parse_completion(body: bytes) -> ParsedRequest:
                    logprobs=req.logprobs is not None)  # fmt: skip
 
 
-def parse_chat(body: bytes) -> ParsedRequest:
+def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
     """Validate a chat completions body; raise InvalidRequestError naming the bad field."""
     req = _validate(ChatCompletionRequest, body)
+    limits.check(req.stop, req.stop_token_ids)
     if not req.messages:
         raise InvalidRequestError("messages must be a non-empty list", "messages")
     messages = [_message(i, m) for i, m in enumerate(req.messages)]

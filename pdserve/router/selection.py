@@ -101,6 +101,12 @@ def resolve_model(live: Sequence[InstanceInfo], model: str | None) -> str:
     return model
 
 
+def vocab_size(live: Sequence[InstanceInfo], model: str) -> int | None:
+    """The vocabulary every live instance of ``model`` accepts: the smallest one registered (None
+    when none registers one, e.g. workers older than the field)."""
+    return min((info.vocab_size for info in live if info.model == model and info.vocab_size), default=None)
+
+
 class Selector:
     """Applies the rules with one policy for prefill and one for decode (mixed uses decode's).
 

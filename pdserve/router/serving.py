@@ -21,9 +21,9 @@ import orjson
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.router.dispatch import Generation
 from pdserve.router.errors import BodyTooLargeError, UpstreamError, error_event, error_status
-from pdserve.router.protocol import ParsedRequest
+from pdserve.router.protocol import InputLimits, ParsedRequest
 from pdserve.router.responses import DONE, Choice, ResponseBuilder
-from pdserve.router.selection import resolve_model
+from pdserve.router.selection import resolve_model, vocab_size
 from pdserve.scheduler.messages import ErrorInfo, RequestDelta, Timing
 
 if TYPE_CHECKING:
@@ -117,9 +117,10 @@ async def send_error(send: Send, exc: BaseException, rid: str) -> None:
 class GenerateEndpoint:
     """``POST /v1/completions`` (``parse`` = parse_completion) or ``/v1/chat/completions``."""
 
-    def __init__(self, state: RouterState, parse: Callable[[bytes], ParsedRequest]) -> None:
+    def __init__(self, state: RouterState, parse: Callable[[bytes, InputLimits], ParsedRequest]) -> None:
         self.state = state
         self.parse = parse
+        self.limits = InputLimits.of(state.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = scope["headers"]
@@ -128,9 +129,13 @@ class GenerateEndpoint:
         rid, client_rid = uuid.uuid4().hex, ""
         try:
             client_rid = request_id(headers, default=rid)
-            parsed = self.parse(await read_body(headers, receive, self.state.settings.max_body_bytes))
+            parsed = self.parse(
+                await read_body(headers, receive, self.state.settings.max_body_bytes), self.limits
+            )
             dispatcher = self.state.dispatcher
-            model = resolve_model(await dispatcher.live.get(), parsed.model)
+            live = await dispatcher.live.get()
+            model = resolve_model(live, parsed.model)
+            parsed.check_vocab(vocab_size(live, model))
             await self.state.admission.enter()
         except ClientGone:
             return

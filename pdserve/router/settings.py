@@ -59,6 +59,15 @@ class RouterSettings:
         30.0, "splitwise: seconds prefill has to write the KV cache into decode (default %(default)s)"
     )
     max_body_bytes: int = setting(8 * MIB, "largest request body accepted (413 above) (default %(default)s)")
+    max_stop_strings: int = setting(1024, "most stop strings per request (400 above) (default %(default)s)")
+    max_stop_string_len: int = setting(
+        256,
+        "most characters of one stop string (400 above); a worker holds back up to this much text of a "
+        "stream (default %(default)s)",
+    )
+    max_stop_token_ids: int = setting(
+        256, "most stop_token_ids per request (400 above) (default %(default)s)"
+    )
     retry_attempts: int = setting(
         2, "re-submissions to a fresh pair when an attempt fails before the first byte (default %(default)s)"
     )
@@ -139,6 +148,9 @@ class RouterSettings:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_in_flight < 0 or self.max_queued < 0:
             raise ConfigError("max_in_flight and max_queued must be >= 0")
         if self.retry_attempts < 0:

@@ -85,6 +85,8 @@ class InstanceInfo(_Model):
     transfer: TransferInfo = Field(default_factory=TransferInfo)
     max_model_len: int
     draining: bool = False
+    vocab_size: int | None = None
+    """Token ids below this are valid prompts (None: not said; the router checks nothing)."""
 
 
 class RouterInfo(_Model):

@@ -9,9 +9,6 @@ from typing import Any
 from pdserve.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
-MAX_STOP_SEQUENCES = 16
-MAX_STOP_LENGTH = 256  # characters of one stop string: stop matching holds back up to this much text
-MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; bigger ids would not fit the engine's int tensors
 
 
@@ -20,7 +17,9 @@ class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` means greedy.
 
     ``top_k <= 0`` disables top-k; ``logprobs`` is None (off) or the number of top alternatives
-    (0..20) returned with each sampled token's own logprob.
+    (0..20) returned with each sampled token's own logprob. How many ``stop`` strings (and how long)
+    and ``stop_token_ids`` a request may carry is a router setting (``--max-stop-strings`` ...), checked
+    by the router's parser: the worker's stop matching costs the same per token whatever they are.
     """
 
     temperature: float = 1.0
@@ -74,19 +73,9 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
             )
-        if len(self.stop) > MAX_STOP_SEQUENCES:
-            raise InvalidRequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", "stop")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop sequences must be non-empty strings", "stop")
-            if len(s) > MAX_STOP_LENGTH:
-                raise InvalidRequestError(
-                    f"a stop sequence may be at most {MAX_STOP_LENGTH} characters, got {len(s)}", "stop"
-                )
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError(
-                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", "stop_token_ids"
-            )
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t, lo=0, hi=MAX_TOKEN_ID)
         if self.logprobs is not None:

@@ -94,6 +94,7 @@ class EchoEngine:
             num_blocks=self.num_blocks,
             block_bytes=self.block_bytes_per_block,
             shm_name=self.segment.name if self.segment else None,
+            vocab_size=self.tokenizer.vocab_size if self.tokenizer is not None else None,
         )
 
     def load(self) -> EngineLoad:

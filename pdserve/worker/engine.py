@@ -124,6 +124,7 @@ class LLMEngine:
             num_blocks=self.blocks.num_blocks,
             block_bytes=self.cache.block_bytes,
             shm_name=self.cache.shm_name,
+            vocab_size=self.model_config.vocab_size,
         )
 
     def load(self) -> EngineLoad:

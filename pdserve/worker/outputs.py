@@ -55,3 +55,4 @@ class EngineFacts:
     shm_name: str | None = None  # the shared-memory segment holding the KV cache, if shared
     dtype: str = "float32"
     layout: str = "block_major"
+    vocab_size: int | None = None  # valid token ids are below it (the router refuses others)

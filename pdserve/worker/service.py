@@ -213,6 +213,7 @@ class WorkerService:
             transfer=TransferInfo(protocols=self.protocols, endpoint=self._endpoint() or None),
             max_model_len=facts.max_model_len,
             draining=self.handler.draining,
+            vocab_size=facts.vocab_size,
         )
 
     def _endpoint(self) -> dict[str, Any]:
