@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -336,6 +338,98 @@ def test_two_routers_and_one_dies(tiny_model_dir, redis_url) -> None:
             c0.completions.create(**ask)
     finally:
         assert stack.stop(grace_s=15) == []  # every child still running drains and exits on SIGTERM
+
+
+def test_the_same_request_id_on_two_routers_gives_two_independent_answers(tiny_model_dir, redis_url) -> None:
+    """20 trials: client A to router 0 and client B to router 1 at once, both with the same
+    x-request-id and different prompts: each always receives its own reference text (the router's
+    own id routes tokens; the client's is only echoed)."""
+    stack = start_stack(tiny_model_dir, redis_url, routers=2, prefill=1, decode=1)
+    ask = {"model": model_name(stack), "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+    prompts = ("the first client asks this", "and the second one something else entirely")
+    try:
+        url = [u + "/v1/completions" for u in stack.urls]
+        reference = [
+            httpx.post(url[0], json={**ask, "prompt": p, "stream": False}, timeout=60).json()["choices"][0][
+                "text"
+            ]
+            for p in prompts
+        ]
+        assert reference[0] != reference[1]
+
+        async def one(hc: httpx.AsyncClient, i: int, rid: str) -> tuple[str, str]:
+            async with hc.stream(
+                "POST", url[i], json={**ask, "prompt": prompts[i]}, headers={"x-request-id": rid}
+            ) as resp:
+                assert resp.status_code == 200
+                texts = [
+                    orjson.loads(line[6:])["choices"][0]["text"]
+                    async for line in resp.aiter_lines()
+                    if line.startswith("data: {")
+                ]
+                return resp.headers["x-request-id"], "".join(texts)
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=60) as hc:
+                for trial in range(20):
+                    rid = f"shared-{trial}"
+                    got = await asyncio.gather(one(hc, 0, rid), one(hc, 1, rid))
+                    assert got == [(rid, reference[0]), (rid, reference[1])], trial
+
+        asyncio.run(main())
+    finally:
+        assert stack.stop(grace_s=15) == []
+
+
+def test_workers_drop_a_dead_routers_work_within_one_ttl(tiny_model_dir, redis_url) -> None:
+    """SIGKILL a router with 16 long streams running: once its key expires (one TTL), the workers
+    abort its requests (checked once a second) instead of generating them to the end."""
+    stack = start_stack(tiny_model_dir, redis_url, routers=2, mixed=1)
+    ask = {
+        "model": model_name(stack),
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    ttl = stack.spec.ttl_s
+
+    def running() -> int:
+        live = httpx.get(stack.urls[1] + "/v1/instances", timeout=10).json()["instances"]
+        return sum(i["load"]["running"] + i["load"]["waiting"] for i in live)
+
+    try:
+        started = threading.Event()
+
+        def stream(i: int) -> None:
+            with (
+                contextlib.suppress(httpx.HTTPError),
+                httpx.stream(
+                    "POST",
+                    stack.urls[0] + "/v1/completions",
+                    json={**ask, "prompt": f"long {i}"},
+                    timeout=120,
+                ) as resp,
+            ):
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        started.set()
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(16)]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        time.sleep(0.5)
+        stack.routers[0][1].kill()
+        killed_at = time.monotonic()
+        while running() > 0:
+            assert time.monotonic() - killed_at < 30, "the dead router's requests kept running"
+            time.sleep(0.1)
+        dropped_after = time.monotonic() - killed_at
+        # the key expires within ttl; the workers check once a second; heartbeats report load every ttl/3
+        assert dropped_after < ttl + 1.0 + ttl / 3 + 0.5, dropped_after
+    finally:
+        stack.stop(grace_s=15)
 
 
 # ---- acceptance 5: dead or silent workers -------------------------------------------------------------
@@ -767,3 +861,64 @@ def test_up_restarts_a_crashed_worker_and_stops_in_order(tiny_model_dir, redis_u
         assert stopper.result(60) == []
     finally:
         stack.stop(grace_s=15)
+
+
+def test_pdserve_up_restarts_a_killed_decode_and_stops_cleanly_on_ctrl_c(tiny_model_dir, tmp_path) -> None:
+    """`pdserve up` with 2 decode instances: SIGKILL one; the 8 requests sent right after all
+    succeed and it is serving again within 10 s. Ctrl-C with a stream in flight: the stream
+    completes, up exits 0, and nothing logged an ERROR."""
+    port = free_port()
+    log = (tmp_path / "up.log").open("w+b")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny_model_dir), "--prefill", "1",
+         "--decode", "2", "--port", str(port), "--ttl", "3", "--num-blocks", "512", "--max-model-len", "1024",
+         "--threads", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": tiny_model_dir.name, "prompt": "after the kill", "max_tokens": 8, "temperature": 0}
+
+    def decodes() -> dict[str, int]:
+        live = httpx.get(url + "/v1/instances", timeout=5).json()["instances"]
+        return {i["id"]: i["pid"] for i in live if i["role"] == "decode"}
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert up.poll() is None, log.seek(0) or log.read().decode()[-3000:]
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                if len(decodes()) == 2:
+                    break
+            assert time.monotonic() < deadline, "pdserve up did not become ready"
+            time.sleep(0.5)
+        victim, pid = sorted(decodes().items())[0]
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            codes = list(
+                pool.map(
+                    lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60).status_code, range(8)
+                )
+            )
+        assert codes == [200] * 8
+        while decodes().get(victim) in (None, pid):  # the same id comes back with a new process
+            assert time.monotonic() - killed_at < 10, "the killed decode was not restarted within 10 s"
+            time.sleep(0.2)
+        long = {**body, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            up.send_signal(signal.SIGINT)  # Ctrl-C
+            rest = [x for x in [first, *lines] if x]
+        assert rest[-1] == "data: [DONE]"
+        last = orjson.loads(next(x for x in reversed(rest) if x.startswith("data: {"))[6:])
+        assert last["choices"][0]["finish_reason"] == "length", last
+        assert up.wait(60) == 0
+        log.seek(0)
+        out = log.read().decode()
+        assert "restarting it" in out and "stopped." in out
+        assert [line for line in out.splitlines() if " ERROR " in line or "Traceback" in line] == []
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.wait(60)
