@@ -279,6 +279,10 @@ def test_responses_carry_the_servers_time_to_first_token(stack) -> None:
     timing = r.json()["timing"]
     assert 0 < timing["s_ttft_ms"] < 60_000
     assert float(r.headers["x-pdserve-s-ttft-ms"]) == pytest.approx(timing["s_ttft_ms"], abs=0.001)
+    # the phases: the wait in the engine's queue, then the prefill (both inside the server's TTFT)
+    assert 0 <= timing["queue_ms"] < timing["s_ttft_ms"] and 0 < timing["prefill_ms"] <= timing["s_ttft_ms"]
+    assert float(r.headers["x-pdserve-queue-ms"]) == pytest.approx(timing["queue_ms"], abs=0.001)
+    assert float(r.headers["x-pdserve-prefill-ms"]) == pytest.approx(timing["prefill_ms"], abs=0.001)
     assert ("x-pdserve-kv-transfer-ms" in r.headers) == (stack.spec.prefill > 0)
     mode = "splitwise" if stack.spec.prefill > 0 else "mixed"
     assert r.headers["x-pdserve-mode"] == mode and r.headers["x-pdserve-decode-instance"].startswith(

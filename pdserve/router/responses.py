@@ -175,11 +175,18 @@ def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
 
 
 def timing(t: Timing) -> dict[str, float | None]:
-    """pdserve's extra ``timing`` field (docs/design.md): the server's own time to the first token."""
+    """pdserve's extra ``timing`` field (docs/design.md): the server's own time to the first token,
+    and its phases (engine queue, prefill, splitwise KV transfer; null where not measured)."""
     return {
-        "s_ttft_ms": round(t.s_ttft_s * 1e3, 3),
-        "kv_transfer_ms": None if t.kv_transfer_s is None else round(t.kv_transfer_s * 1e3, 3),
+        "s_ttft_ms": _ms(t.s_ttft_s),
+        "queue_ms": _ms(t.queue_s),
+        "prefill_ms": _ms(None if t.queue_s is None else t.s_ttft_s - t.queue_s),
+        "kv_transfer_ms": _ms(t.kv_transfer_s),
     }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pdserve.router.dispatch import Generation
 from pdserve.router.errors import BodyTooLargeError, UpstreamError, error_event, error_status
 from pdserve.router.protocol import InputLimits, ParsedRequest
 from pdserve.router.responses import DONE, Choice, ResponseBuilder
+from pdserve.router.responses import timing as timing_fields
 from pdserve.router.selection import resolve_model, vocab_size
 from pdserve.scheduler.messages import ErrorInfo, RequestDelta, Timing
 
@@ -238,10 +239,8 @@ def timing_headers(timing: Timing | None) -> dict[str, str] | None:
     """The ``timing`` field as headers too (non-stream responses: a stream's headers go before it)."""
     if timing is None:
         return None
-    headers = {"x-pdserve-s-ttft-ms": f"{timing.s_ttft_s * 1e3:.3f}"}
-    if timing.kv_transfer_s is not None:
-        headers["x-pdserve-kv-transfer-ms"] = f"{timing.kv_transfer_s * 1e3:.3f}"
-    return headers
+    return {f"x-pdserve-{name[:-3].replace('_', '-')}-ms": f"{ms:.3f}" for name, ms in timing_fields(timing).items()
+            if ms is not None}  # fmt: skip
 
 
 async def _gather(coros: list[Awaitable[Choice]]) -> list[Choice]:

@@ -171,10 +171,13 @@ class Timing(_Model):
     """Where the first token's time went, measured by the instance that produced it (its own clock).
 
     ``s_ttft_s``: from the ``generate`` reaching that instance to the engine sampling the first
-    token (queueing in its engine included); ``kv_transfer_s``: the splitwise KV write that followed.
+    token (queueing in its engine included); ``queue_s``: the part of it the request waited in the
+    engine before its first prefill chunk ran (the rest is prefill); ``kv_transfer_s``: the
+    splitwise KV write that followed.
     """
 
     s_ttft_s: float
+    queue_s: float | None = None
     kv_transfer_s: float | None = None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 
 from pdserve.worker.block_manager import BlockManager
@@ -123,6 +124,8 @@ class Batcher:
             self.waiting.popleft()
             seq.block_table = self.blocks.allocate(need)
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_at is None:  # not again after a preemption: queue time is the first wait
+                seq.scheduled_at = time.monotonic()
             self.running.append(seq)
             prefills.append(chunk)
             budget -= chunk.end - chunk.start

@@ -262,16 +262,19 @@ class LLMEngine:
             tail, matched = req.stop.feed(req.detok.flush())
             text += tail if matched else tail + req.stop.flush()
             reason = "stop" if matched else reason
+        queued = {}
+        if seq.num_output_tokens == 1 and seq.scheduled_at is not None:
+            queued["queue_s"] = seq.scheduled_at - seq.arrival_time
         if reason is not None:
             self._finish(req)
-            return self._output(req, [token], text, logprobs, finish_reason=reason)
+            return self._output(req, [token], text, logprobs, finish_reason=reason, **queued)
         if seq.prefill_only:
             self.batcher.running.remove(seq)
             seq.status = SequenceStatus.PREFILLED
             self.prefilled[seq.request_id] = seq
             del self.requests[seq.request_id]
-            return self._output(req, [token], text, logprobs, prefilled=True)
-        return self._output(req, [token], text, logprobs)
+            return self._output(req, [token], text, logprobs, prefilled=True, **queued)
+        return self._output(req, [token], text, logprobs, **queued)
 
     def _advance_text(self, req: _Request, token: int) -> tuple[str, str | None]:
         """Detokenize one token and apply EOS / stop-token / stop-string rules."""

@@ -133,7 +133,7 @@ class RequestHandler:
             delta = to_delta(out, owner)
             started = self._started.pop(out.request_id, None)
             if started is not None:
-                delta.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - started)
+                delta.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - started, queue_s=out.queue_s)
             deltas[owner.router_id].append(delta)
         await self.ctx.messenger.publish(deltas)
         for out in handoffs:

@@ -32,6 +32,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     logits: np.ndarray | None = None  # only with EngineConfig.keep_logits
+    queue_s: float | None = None  # on the first token: arrival in the engine -> first prefill chunk
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     rng: np.random.Generator | None = None
+    scheduled_at: float | None = None  # time.monotonic() of its first prefill chunk (queue time)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -176,7 +176,7 @@ class PrefillHandoff:
             return
         if out.prefilled:
             self.first = out
-            self.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - self.received_at)
+            self.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - self.received_at, queue_s=out.queue_s)
             if self.state is PrefillState.BLOCKS_READY:
                 await self._transfer()
             else:
@@ -185,7 +185,9 @@ class PrefillHandoff:
             self.state = PrefillState.DONE
             delta = to_delta(out, self.owner)
             if out.token_ids:
-                delta.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - self.received_at)
+                delta.timing = Timing(
+                    s_ttft_s=self.ctx.clock.monotonic() - self.received_at, queue_s=out.queue_s
+                )
             await self.ctx.messenger.deliver(self.owner, delta)
             await self._tell_decode_abort("finished on prefill")
 
