@@ -24,9 +24,11 @@ What the router relies on from workers (the contract):
   publishes the first token, then decode publishes the rest. ``text`` is the new text (the pieces
   concatenate to the completion); ``logprobs`` has one entry per token when asked. The final
   delta has ``finish_reason`` and ``usage`` (the OpenAI usage comes from it). A failure is a final
-  ``RequestDelta.failure`` with an HTTP-like ``code``; ``retryable=True`` (nothing generated,
-  another pair may succeed, e.g. no KV blocks) lets the router re-submit to a fresh pair with
-  ``attempt + 1``. Empty non-final deltas are ignored; ``ANY_ATTEMPT`` applies to the current one.
+  ``RequestDelta.failure`` with an HTTP-like ``code``; ``retryable=True`` (another instance may
+  succeed, e.g. no KV blocks, or the instance died) lets the router re-submit with ``attempt + 1``:
+  to a fresh pair before any token, or, once tokens were delivered, to ONE mixed/decode instance
+  with ``resume_token_ids`` (a migration: it continues after them). Empty non-final deltas are
+  ignored; ``ANY_ATTEMPT`` applies to the current one.
 - :class:`Abort` ``{request_id, reason, attempt}`` goes to every instance of an attempt the router
   gives up on (client gone, deadline, instance gone, before a retry); it may name a request the
   instance no longer (or never) had.
