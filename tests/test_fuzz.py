@@ -15,14 +15,14 @@ from tests.test_serving import start_stack
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_schemathesis_finds_no_server_error(tiny_model_dir, redis_url) -> None:
+def test_schemathesis_finds_no_server_error(tiny_model_dir, redis_url, tmp_path) -> None:
     stack = start_stack(tiny_model_dir, redis_url, prefill=1, decode=1, engine_kind="echo")
     try:
         st = Path(sys.executable).parent / "st"
         run = subprocess.run(
             [str(st), "run", stack.urls[0] + "/openapi.json", "--checks", "not_a_server_error",
              "--max-examples", "100", "--seed", "1", "--request-timeout", "30", "--generation-database", "none"],
-            capture_output=True, text=True, timeout=240,
+            capture_output=True, text=True, timeout=240, cwd=tmp_path,  # its cache goes there, not here
         )  # fmt: skip
         out = run.stdout + run.stderr
         assert run.returncode == 0, out[-4000:]
