@@ -31,6 +31,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     rng: np.random.Generator | None = None
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = (
+        None  # params.logit_bias as (ids, biases), by the sampler
+    )
 
     @property
     def num_prompt_tokens(self) -> int:
