@@ -186,6 +186,7 @@ class PrefillHandoff:
             delta = to_delta(out, self.owner)
             if out.token_ids:
                 delta.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - self.received_at)
+                delta.prompt_text = self.prepared.prompt_text
             await self.ctx.messenger.deliver(self.owner, delta)
             await self._tell_decode_abort("finished on prefill")
 
@@ -233,6 +234,7 @@ class PrefillHandoff:
         self.state = PrefillState.DONE
         first = to_delta(self.first, self.owner)
         first.timing = self.timing
+        first.prompt_text = self.prepared.prompt_text
         await self.ctx.messenger.deliver(self.owner, first)
         await self._tell_decode()
         await self.ctx.engine.release_prefilled(self.key)
