@@ -267,7 +267,12 @@ def test_the_echo_engine_goes_through_the_whole_hand_off(tiny_model_dir, redis_u
         body = {"model": model_name(stack), "prompt": prompt, "max_tokens": 7, "return_token_ids": True}
         r = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=60).json()
         assert r["choices"][0]["token_ids"] == [11, 12, 13, 11, 12, 13, 11]
-        assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+        assert r["usage"] == {
+            "prompt_tokens": 3,
+            "completion_tokens": 7,
+            "total_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         assert r["timing"]["kv_transfer_ms"] is not None  # handed off from P to D
     finally:
         assert stack.stop(grace_s=15) == []
