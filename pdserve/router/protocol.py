@@ -226,8 +226,8 @@ class InputLimits:
     max_stop_strings: int
     max_stop_string_len: int
     max_stop_token_ids: int
-    max_logit_bias: int = 300
-    max_prompts: int = 64
+    max_logit_bias: int
+    max_prompts: int
     """Most choices (prompts x n) one request fans out to."""
 
     @classmethod
