@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import orjson
 
+from pdserve import __version__
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.flags import add_flag, add_flags, env, from_args
 
@@ -281,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     if level not in levels:
         raise SystemExit(f"pdserve: error: PDSERVE_LOG_LEVEL={level!r} is not one of {', '.join(levels)}")
     parser.add_argument("--log-level", type=str.upper, choices=levels, default=level, help=log_help)
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     # Every command takes --log-level after its name too; SUPPRESS keeps the value given before it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(

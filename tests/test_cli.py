@@ -42,6 +42,14 @@ def test_log_level_goes_before_or_after_the_command(argv: list[str], level: str)
     assert build_parser().parse_args(argv).log_level == level
 
 
+def test_version(capsys) -> None:
+    import pdserve
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out == f"pdserve {pdserve.__version__}\n"
+
+
 def test_role_lists_its_choices(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["worker", "--role", "prefil"])

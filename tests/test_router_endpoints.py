@@ -17,6 +17,7 @@ from test_router_support import (
     silent,
 )
 
+import pdserve
 from pdserve.scheduler import InstanceRegistry, RouterInfo, RouterRegistry
 
 
@@ -69,6 +70,22 @@ def test_health_ready_models_instances(redis_url: str, redis_client: redis.Redis
                     "max_model_len": 2048,
                 },
             ]
+
+            one = await client.get("/v1/models/tiny")
+            assert one.status_code == 200 and one.json() == models["data"][1]
+            missing = await client.get("/v1/models/nope", headers={"x-request-id": "m1"})
+            assert missing.status_code == 404 and missing.headers["x-request-id"] == "m1"
+            assert missing.json()["error"] == {
+                "message": "The model `nope` does not exist or is not served by any live instance.",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found",
+            }  # fmt: skip
+            await reg.register(instance("x1", "mixed", model="org/m"))  # an id may hold a slash
+            await asyncio.sleep(0.1)
+            assert (await client.get("/v1/models/org/m")).json()["id"] == "org/m"
+            await reg.deregister("x1")
+            await asyncio.sleep(0.1)
+            version = await client.get("/version")
+            assert version.status_code == 200 and version.json() == {"version": pdserve.__version__}
 
             body = (await client.get("/v1/instances")).json()
             assert body["router_id"] == ROUTER_ID

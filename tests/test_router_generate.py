@@ -37,6 +37,7 @@ from pdserve.scheduler import (
 from pdserve.scheduler.sampling_params import SamplingParams
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+CACHED = {"prompt_tokens_details": {"cached_tokens": 0}}  # no prefix cache: always 0
 
 
 def dispatcher(client: httpx.AsyncClient):
@@ -56,7 +57,8 @@ def test_completion_non_stream(redis_url: str, redis_client: redis.Redis) -> Non
             assert body == {
                 "id": f"cmpl-{msg.request_id}", "object": "text_completion", "created": body["created"], "model": "tiny",
                 "choices": [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                          "prompt_tokens_details": {"cached_tokens": 0}},
             }  # fmt: skip
             assert abs(body["created"] - time.time()) < 5
             assert isinstance(msg, GenerateRequest)
@@ -152,7 +154,7 @@ def test_splitwise_sends_one_message_to_prefill(redis_url: str, redis_client: re
             )
             assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello world!"},
                                         "logprobs": None, "finish_reason": "stop"}]  # fmt: skip
-            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, **CACHED}
             [msg] = p.received
             assert isinstance(msg, GenerateRequest) and msg.messages == CHAT["messages"]
             info = msg.disaggregate_info
@@ -217,7 +219,12 @@ def test_chat_stream_shapes(redis_url: str, redis_client: redis.Redis) -> None:
                 [],
             ]
             assert [c["usage"] for c in chunks[:-1]] == [None] * 4
-            assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+            assert chunks[-1]["usage"] == {
+                "prompt_tokens": 3,
+                "completion_tokens": 3,
+                "total_tokens": 6,
+                **CACHED,
+            }
             # without include_usage: no usage key and no usage chunk
             resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
             events = sse_events(resp.text)
@@ -267,7 +274,7 @@ def test_n_fans_out_seeded_requests(redis_url: str, redis_client: redis.Redis) -
             body = resp.json()
             assert [c["index"] for c in body["choices"]] == [0, 1, 2]
             assert all(c["text"] == "Hello world" for c in body["choices"])
-            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9, **CACHED}
             reqs = worker.requests()
             rid = reqs[0].request_id.rsplit("-", 1)[0]
             assert sorted((m.request_id, m.sampling["seed"]) for m in reqs) == [
@@ -288,6 +295,94 @@ def test_n_fans_out_seeded_requests(redis_url: str, redis_client: redis.Redis) -
                 assert choices[-1]["finish_reason"] == "stop"
             assert all(m.sampling["seed"] is None for m in worker.requests()[3:])
             await worker.stop()
+
+    run(main())
+
+
+def test_batched_prompts_fan_out_in_openai_choice_order(redis_url: str, redis_client: redis.Redis) -> None:
+    """A list of prompts with n = 2: choice index = prompt * n + i, each generation gets its own
+    prompt (seeded choice i of every prompt: seed + i), usage counts each prompt once."""
+
+    async def prompt_sized(worker: FakeWorker, msg: InboxMessage) -> None:
+        if isinstance(msg, GenerateRequest):
+            size = len(msg.prompt) if msg.prompt is not None else len(msg.prompt_token_ids)
+            text = msg.prompt if msg.prompt is not None else str(msg.prompt_token_ids)
+            for delta in deltas_for(msg, [f"<{text}>", "."], prompt_tokens=size):
+                await worker.publish(msg.router_id, delta)
+
+    async def main() -> None:
+        async with router(redis_url) as client, redis_conn(redis_url) as r:
+            worker = await FakeWorker(r, instance("m0"), prompt_sized).start()
+            body = {"prompt": ["a", "bcd", "efghij"], "n": 2, "seed": 5, "max_tokens": 4}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            out = resp.json()
+            assert [(c["index"], c["text"]) for c in out["choices"]] == [
+                (0, "<a>."), (1, "<a>."), (2, "<bcd>."), (3, "<bcd>."), (4, "<efghij>."), (5, "<efghij>.")]  # fmt: skip
+            assert out["usage"] == {"prompt_tokens": 1 + 3 + 6, "completion_tokens": 12, "total_tokens": 22,
+                                    **CACHED}  # fmt: skip
+            reqs = sorted(worker.requests(), key=lambda m: int(m.request_id.rsplit("-", 1)[1]))
+            rid = reqs[0].request_id.rsplit("-", 1)[0]
+            assert [(m.request_id, m.prompt, m.sampling["seed"]) for m in reqs] == [
+                (f"{rid}-{i}", p, 5 + i % 2) for i, p in enumerate(["a", "a", "bcd", "bcd", "efghij", "efghij"])]  # fmt: skip
+            ids = await client.post("/v1/completions", json={"prompt": [[1, 2], [3]], "stream": True,
+                                                             "stream_options": {"include_usage": True}})  # fmt: skip
+            events = sse_events(ids.text)
+            texts: dict[int, str] = {0: "", 1: ""}
+            for e in events[:-2]:
+                texts[e["choices"][0]["index"]] += e["choices"][0]["text"]
+            assert texts == {0: "<[1, 2]>.", 1: "<[3]>."}
+            assert events[-2]["usage"]["prompt_tokens"] == 3 and events[-1] == "[DONE]"
+            assert [m.prompt_token_ids for m in worker.requests()[6:]] == [[1, 2], [3]]
+            await worker.stop()
+
+    run(main())
+
+
+def test_echo_prefixes_the_prompt_once(redis_url: str, redis_client: redis.Redis) -> None:
+    """A text prompt is echoed by the router; a token-id prompt's text comes from the worker
+    (``echo`` asked, ``prompt_text`` on the first token's delta), never again after a migration."""
+
+    async def with_prompt_text(worker: FakeWorker, msg: InboxMessage) -> None:
+        if isinstance(msg, GenerateRequest):
+            done = len(msg.resume_token_ids or ())
+            deltas = deltas_for(msg, ["Hello", " world"][done:], start=done)
+            if msg.echo:
+                deltas[0].prompt_text = "".join(f"[{t}]" for t in msg.prompt_token_ids)
+            for delta in deltas:
+                await worker.publish(msg.router_id, delta)
+
+    async def half_then_fail(worker: FakeWorker, msg: InboxMessage) -> None:
+        if isinstance(msg, GenerateRequest):
+            first = deltas_for(msg, ["Hello", " world"])[0]
+            first.prompt_text = "[7]" if msg.echo else None
+            await worker.publish(msg.router_id, first, RequestDelta.failure(
+                msg.request_id, UnavailableError("bye"), retryable=True, attempt=msg.attempt))  # fmt: skip
+
+    async def main() -> None:
+        async with router(redis_url) as client, redis_conn(redis_url) as r:
+            worker = await FakeWorker(r, instance("m0"), with_prompt_text).start()
+            for body, texts in (
+                ({"prompt": "Say:", "echo": True}, ["Say:Hello world"]),
+                ({"prompt": [[7, 8], [9]], "echo": True, "n": 2}, ["[7][8]Hello world"] * 2 + ["[9]Hello world"] * 2),
+                ({"prompt": ["a", "b"], "echo": False}, ["Hello world"] * 2),
+            ):  # fmt: skip
+                resp = await client.post("/v1/completions", json=body)
+                assert [c["text"] for c in resp.json()["choices"]] == texts, resp.text
+                streamed = sse_events(
+                    (await client.post("/v1/completions", json={**body, "stream": True})).text
+                )
+                assert streamed[0]["choices"][0]["text"] == texts[streamed[0]["choices"][0]["index"]][:-6]
+            assert [m.echo for m in worker.requests()] == [None, None] + [True] * 8 + [None] * 4
+            await worker.stop()
+        async with router(redis_url, decode_policy="round_robin") as client, redis_conn(redis_url) as r:
+            m0 = await FakeWorker(r, instance("m0"), half_then_fail).start()
+            m1 = await FakeWorker(r, instance("m1"), with_prompt_text).start()
+            resp = await client.post("/v1/completions", json={"prompt": [7], "echo": True})
+            assert resp.json()["choices"][0]["text"] == "[7]Hello world"
+            assert [(m.echo, m.resume_token_ids) for m in m1.requests()] == [(None, [100])]
+            await m0.stop()
+            await m1.stop()
 
     run(main())
 

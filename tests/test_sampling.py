@@ -120,6 +120,46 @@ def test_logprobs(llm, baseline) -> None:
         assert sum(np.exp(values)) <= 1.0 + 1e-5
 
 
+def test_logit_bias_forces_bans_and_nudges(llm, baseline) -> None:
+    """+100 on one token makes greedy output it every time; -100 bans the greedy choice (the
+    baseline's first token); a bias in a batch applies to its own sequence only."""
+    forced = baseline.token_ids[7]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={str(forced): 100})
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            logit_bias={baseline.token_ids[0]: -100})  # fmt: skip
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    gens = llm.generate([PROMPT] * 3, [params, banned, plain])
+    assert gens[0].token_ids == [forced] * 6
+    assert gens[1].token_ids[0] != baseline.token_ids[0]
+    assert gens[2].token_ids == baseline.token_ids[:6]
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, logit_bias={forced: 100})
+    assert llm.generate(PROMPT, seeded)[0].token_ids == [forced] * 6  # sampling too, not only greedy
+
+
+def test_logit_bias_is_validated_and_crosses_the_wire_as_json() -> None:
+    from pdserve.errors import InvalidRequestError
+    from pdserve.scheduler.messages import GenerateRequest, decode, encode
+
+    params = SamplingParams(logit_bias={"17": 5, 3: -100.0})
+    assert params.logit_bias == {17: 5, 3: -100.0}
+    msg = GenerateRequest(request_id="r", router_id="x", prompt="p", deadline=1.0, sampling=params.to_dict())
+    wire = decode(encode(msg)).sampling
+    assert wire["logit_bias"] == {"17": 5, "3": -100.0}  # JSON keys are strings
+    assert SamplingParams.from_dict(wire) == params
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad, text in (
+        ({"x": 1}, "keys must be token ids"),
+        ({"-1": 1}, "keys must be token ids"),
+        ({5: 100.5}, "logit_bias must be <= 100.0"),
+        ({5: -101}, "logit_bias must be >= -100.0"),
+        ({5: "1"}, "logit_bias must be a number"),
+        ([5], "must map token ids"),
+    ):
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(logit_bias=bad)
+        assert e.value.param == "logit_bias" and text in e.value.message
+
+
 # ---- sampler unit checks on hand-made logits -------------------------------------------------------
 def _seq(**params) -> Sequence:
     seq = Sequence("r", [1, 2, 3], SamplingParams(**params))
@@ -147,6 +187,20 @@ def test_penalties_change_the_choice() -> None:
     assert sampler(logits, [seq])[0].token_id == 4
     rep = _seq(temperature=0, repetition_penalty=1.5)  # prompt [1, 2, 3] contains 3
     assert sampler(logits, [rep])[0].token_id == 4
+
+
+def test_logit_bias_comes_before_penalties_and_is_not_the_greedy_fast_path() -> None:
+    logits = np.zeros((2, 10), np.float32)
+    logits[:, 3] = 2.0
+    sampler = Sampler(10, eos_token_ids=[0])
+    biased = _seq(temperature=0, logit_bias={5: 1.5, 12: 100})  # 12: a padding row, ignored
+    assert [s.token_id for s in sampler(logits, [_seq(temperature=0), biased])] == [3, 3]
+    nudged = _seq(temperature=0, logit_bias={5: 2.5})
+    assert [s.token_id for s in sampler(logits, [nudged, _seq(temperature=0)])] == [5, 3]
+    # the bias, then the penalty: 5 has 2.5 - 1.0 after being generated once, below 3's 2.0
+    penalised = _seq(temperature=0, logit_bias={5: 2.5}, presence_penalty=1.0)
+    penalised.output_token_ids.append(5)
+    assert sampler(logits[:1], [penalised])[0].token_id == 3
 
 
 def test_vocab_padding_rows_are_never_sampled() -> None:

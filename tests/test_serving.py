@@ -184,6 +184,100 @@ def test_stop_and_max_tokens_honoured(stack) -> None:
     assert r.usage.completion_tokens < 30
 
 
+# ---- the OpenAI surface: models.retrieve, prompt forms, echo, logit_bias ----------------------------
+def tokenizer(tiny_model_dir):
+    from pdserve.worker.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_model_dir)
+
+
+def test_models_retrieve_and_usage_details(stack) -> None:
+    c = client(stack)
+    m = c.models.retrieve(model_name(stack))
+    assert (m.id, m.object, m.owned_by) == (model_name(stack), "model", "pdserve")
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("no-such-model")
+    assert e.value.code == "model_not_found"
+    r = c.completions.create(model=model_name(stack), prompt=PROMPTS[0], max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(c.chat.completions.create(
+        model=model_name(stack), messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True,
+        stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_every_prompt_form_gives_the_same_choices(stack, tiny_model_dir) -> None:
+    """A string, a list of strings, token ids and a list of token-id lists: one choice per prompt
+    (n each, index = prompt * n + i), the same greedy text as one prompt per request; usage sums."""
+    c, tok = client(stack), tokenizer(tiny_model_dir)
+    kw = {"model": model_name(stack), "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    single = [c.completions.create(prompt=p, **kw) for p in PROMPTS[:2]]
+    texts = [r.choices[0].text for r in single]
+    ids = [tok.encode(p) for p in PROMPTS[:2]]
+    for prompt in (PROMPTS[:2], ids):
+        r = c.completions.create(prompt=prompt, n=2, **kw)
+        assert [(ch.index, ch.text) for ch in r.choices] == [(0, texts[0]), (1, texts[0]), (2, texts[1]),
+                                                             (3, texts[1])]  # fmt: skip
+        assert (
+            r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single) == len(ids[0]) + len(ids[1])
+        )
+        assert r.usage.completion_tokens == 4 * 6
+    assert c.completions.create(prompt=ids[1], **kw).choices[0].text == texts[1]
+    streamed = c.completions.create(prompt=ids, stream=True, **kw)
+    got = {0: "", 1: ""}
+    for chunk in streamed:
+        got[chunk.choices[0].index] += chunk.choices[0].text
+    assert got == {0: texts[0], 1: texts[1]}
+
+
+def test_echo_puts_the_prompt_before_the_completion(stack, tiny_model_dir) -> None:
+    c, tok = client(stack), tokenizer(tiny_model_dir)
+    kw = {"model": model_name(stack), "max_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = c.completions.create(prompt=PROMPTS[1], **kw).choices[0].text
+    r = c.completions.create(prompt=PROMPTS[1], echo=True, **kw)
+    assert r.choices[0].text == PROMPTS[1] + plain and r.usage.completion_tokens == 5
+    ids = tok.encode(PROMPTS[1])
+    as_text = tok.decode(ids, skip_special_tokens=False)  # the worker's text of the token ids
+    r = c.completions.create(prompt=[ids, ids[:3]], echo=True, **kw)
+    assert r.choices[0].text == as_text + plain
+    assert r.choices[1].text.startswith(tok.decode(ids[:3], skip_special_tokens=False))
+    chunks = list(c.completions.create(prompt=ids, echo=True, stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks) == as_text + plain
+    assert chunks[0].choices[0].text.startswith(as_text)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(prompt=ids, echo=True, logprobs=1, **kw)
+    assert e.value.param == "echo"
+
+
+def test_logit_bias_steers_greedy_output(stack, tiny_model_dir) -> None:
+    """+100 on a token makes greedy output only that token (in splitwise the prefill samples the
+    first one and the decode the rest: both apply it); -100 bans the token greedy would pick."""
+    from pdserve.worker.model_config import ModelConfig
+
+    c, tok = client(stack), tokenizer(tiny_model_dir)
+    kw = {"model": model_name(stack), "max_tokens": 6, "temperature": 0}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    base = c.completions.create(prompt=PROMPTS[1], extra_body=extra, **kw).choices[0]
+    forced = tok.encode(" the")[-1]
+    r = c.completions.create(prompt=PROMPTS[1], logit_bias={str(forced): 100}, extra_body=extra, **kw)
+    assert r.choices[0].token_ids == [forced] * 6
+    banned = c.completions.create(prompt=PROMPTS[1], logit_bias={str(base.token_ids[0]): -100},
+                                  extra_body=extra, **kw).choices[0]  # fmt: skip
+    assert banned.token_ids[0] != base.token_ids[0]
+    chat = c.chat.completions.create(
+        messages=[{"role": "user", "content": "Hello!"}],
+        logit_bias={str(forced): 100},
+        extra_body=extra,
+        **kw,
+    )
+    assert chat.choices[0].token_ids == [forced] * 6
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(
+            prompt="x", logit_bias={str(ModelConfig.from_dir(tiny_model_dir).vocab_size): 1}, **kw
+        )
+    assert e.value.param == "logit_bias" and "vocabulary" in e.value.message
+
+
 # ---- acceptance 3: splitwise == mixed == pdserve generate, token for token ------------------------
 def test_greedy_tokens_identical_everywhere(splitwise, mixed, tiny_model_dir) -> None:
     def tokens(stack: Stack, prompt: str) -> list[int]:
@@ -267,7 +361,12 @@ def test_the_echo_engine_goes_through_the_whole_hand_off(tiny_model_dir, redis_u
         body = {"model": model_name(stack), "prompt": prompt, "max_tokens": 7, "return_token_ids": True}
         r = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=60).json()
         assert r["choices"][0]["token_ids"] == [11, 12, 13, 11, 12, 13, 11]
-        assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+        assert r["usage"] == {
+            "prompt_tokens": 3,
+            "completion_tokens": 7,
+            "total_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         assert r["timing"]["kv_transfer_ms"] is not None  # handed off from P to D
     finally:
         assert stack.stop(grace_s=15) == []

@@ -440,3 +440,54 @@ def test_a_decode_cache_gone_from_mooncake_fails_the_hand_off_and_frees_both(
             assert all_free(prefill) and all_free(decode)
 
     run(main())
+
+
+def test_echo_sends_the_prompt_text_with_the_first_token_only(redis_url) -> None:
+    """``echo``: the delta with the first token carries the prompt's text, from prefill in a
+    hand-off (also when it ends on that token) and from the instance serving a whole request."""
+
+    async def main() -> None:
+        async with pair(redis_url) as (p, prefill, decode):
+            text = "".join(f"<{t}>" for t in PROMPT)  # the stub engine's text of a token
+            for max_tokens in (4, 1):
+                msg = p.request(PROMPT, max_tokens)
+                msg.echo = True
+                await p.send(prefill, msg)
+                await settle(prefill, decode)
+            whole = p.request(PROMPT, 3).model_copy(update={"disaggregate_info": None, "echo": True})
+            await p.send(decode, whole)
+            await settle(decode)
+            events = await p.events()
+            by_request: dict[str, list] = {}
+            for e in events:
+                by_request.setdefault(e.request_id, []).append(e.prompt_text)
+            assert by_request == {
+                "req-0": [text, None, None, None],
+                "req-1": [text],
+                "req-2": [text, None, None],
+            }
+            assert all_free(prefill) and all_free(decode)
+
+    run(main())
+
+
+def test_decode_continues_with_the_logit_bias_prefill_sampled_with(redis_url) -> None:
+    """The bias crosses to decode in ReserveBlocks' sampling (JSON: string keys) and is what
+    decode's engine request runs with, so both sides sample the same way."""
+
+    async def main() -> None:
+        async with pair(redis_url) as (p, prefill, decode):
+            msg = p.request(PROMPT)
+            msg.sampling["logit_bias"] = {7: 100.0, 9: -3}
+            await p.send(prefill, msg)
+            await prefill.receive()
+            assert prefill.stub.requests["req-0/0"].params.logit_bias == {7: 100.0, 9: -3}
+            await decode.receive()
+            await prefill.receive()
+            await prefill.step()  # first token, KV written, prefilled sent
+            await decode.receive()
+            assert decode.stub.requests["req-0/0"].params.logit_bias == {7: 100.0, 9: -3}
+            await settle(prefill, decode)
+            assert_completed(await p.events(), PROMPT, 4)
+
+    run(main())

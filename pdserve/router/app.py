@@ -2,8 +2,9 @@
 small operator endpoints. The generation endpoints are raw ASGI apps from :mod:`.serving`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (the process is up), ``GET /ready`` (Redis answers and something can generate),
-``GET /v1/instances`` (the live set plus this router's in-flight counts, for operators).
+``GET /v1/models/{id}``, ``GET /health`` (the process is up), ``GET /ready`` (Redis answers and
+something can generate), ``GET /version``, ``GET /v1/instances`` (the live set plus this router's
+in-flight counts, for operators).
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from pdserve import __version__
 from pdserve.errors import PdserveError
 from pdserve.router.admission import Admission
 from pdserve.router.dispatch import Dispatcher
-from pdserve.router.errors import AuthenticationError, NoCapacityError, error_body, error_status
+from pdserve.router.errors import (
+    AuthenticationError,
+    ModelNotFoundError,
+    NoCapacityError,
+    error_body,
+    error_status,
+)
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
 from pdserve.router.serving import GenerateEndpoint, send_error
 from pdserve.router.settings import RouterSettings
@@ -210,6 +217,22 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
         except PdserveError as e:
             return _error(request, e)
         return _json(request, {"object": "list", "data": models_list(live)})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        """One model of the live set as an OpenAI model object; 404 ``model_not_found`` when no live
+        instance serves it."""
+        try:
+            live = await _live(state)
+        except PdserveError as e:
+            return _error(request, e)
+        found = models_list([i for i in live if i.model == model_id])
+        return _json(request, found[0]) if found else _error(request, ModelNotFoundError(model_id))
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        """The pdserve version this router runs."""
+        return _json(request, {"version": __version__})
 
     @app.get("/v1/instances")
     async def instances(request: Request) -> Response:

@@ -13,9 +13,11 @@ What the router relies on from workers (the contract):
 - Per attempt the router XADDs exactly ONE :class:`GenerateRequest`: to the prefill instance's
   inbox with ``disaggregate_info`` (splitwise), or to a mixed/decode instance's inbox without it
   (that instance serves the whole request, prefill included). ``request_id`` is the router's
-  own uuid4 hex (``<id>-<i>`` per choice when ``n > 1``), never the client's ``x-request-id``; ``router_id`` names the
+  own uuid4 hex (``<id>-<i>`` per choice when a request has several: ``i = prompt * n + choice``),
+  never the client's ``x-request-id``; ``router_id`` names the
   outbox to publish to; exactly one of ``prompt``/``prompt_token_ids``/``messages`` is set (messages
   are ``{role, content: str[, name]}``; the worker tokenizes and applies the chat template);
+  ``echo`` asks for the prompt's text in the first token's delta (``prompt_text``);
   ``sampling`` holds SamplingParams fields, where ``max_tokens = None`` means "up to the model
   length minus the prompt length"; ``deadline`` ends the whole request (unix s); ``attempt``
   counts from 0.
@@ -51,7 +53,7 @@ from pdserve.errors import (
     PdserveError,
     RequestTimeoutError,
 )
-from pdserve.router.protocol import ParsedRequest
+from pdserve.router.protocol import ParsedRequest, Prompt
 from pdserve.router.selection import Route, Selector
 from pdserve.router.sender import InboxSender
 from pdserve.router.settings import RouterSettings
@@ -121,14 +123,16 @@ class Dispatcher:
     # -- requests ----------------------------------------------------------------------------------
 
     async def open(self, parsed: ParsedRequest, request_id: str, model: str) -> list[Generation]:
-        """Start one generation per choice (each sends its message); on failure none stays open."""
+        """Start one generation per choice, in OpenAI's choice order (``n`` per prompt), each
+        sending its message; on failure none stays open."""
         now = self.clock()
         deadline = now + self.settings.request_timeout_s
-        ids = [request_id] if parsed.n == 1 else [f"{request_id}-{i}" for i in range(parsed.n)]
+        choices = parsed.choices()
+        ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
         gens: list[Generation] = []
         try:
-            for rid, sampling in zip(ids, parsed.samplings):
-                gen = Generation(self, rid, parsed, sampling, model, deadline)
+            for rid, (prompt, sampling) in zip(ids, choices):
+                gen = Generation(self, rid, parsed, prompt, sampling, model, deadline)
                 gens.append(gen)
             if len(gens) == 1:
                 await gens[0].start()
@@ -210,6 +214,7 @@ class Generation:
         dispatcher: Dispatcher,
         request_id: str,
         parsed: ParsedRequest,
+        prompt: Prompt,
         sampling: dict[str, Any],
         model: str,
         deadline: float,
@@ -217,7 +222,10 @@ class Generation:
         self.dispatcher = dispatcher
         self.request_id = request_id
         self.parsed = parsed
+        self.prompt = prompt
         self.sampling = sampling
+        self._echo = parsed.echo
+        """Still to prefix the first text with the prompt's (``echo``); done once over all attempts."""
         self.model = model
         self.deadline = deadline
         self.attempt = 0
@@ -303,6 +311,12 @@ class Generation:
             self.finished = self.succeeded = True
         elif not (delta.token_ids or delta.text):
             return None  # nothing a client could see
+        if self._echo:
+            self._echo = False
+            echo = self.prompt.text if self.prompt.text is not None else delta.prompt_text
+            if echo is None:
+                logger.warning("request %s: the worker sent no prompt text to echo", self.request_id)
+            delta.text = (echo or "") + delta.text
         self.delivered += delta.token_ids
         self.last_delta_at = time.monotonic()
         if not self.has_tokens:
@@ -379,13 +393,14 @@ class Generation:
                 request_id=self.request_id, router_id=d.router_id, prefill=d.peer(route.prefill),
                 decode=d.peer(route.decode), protocol=route.protocol or "", deadlines=deadlines,
             )  # fmt: skip
-        p = self.parsed
+        p = self.prompt
         # sampling["max_tokens"] is None when the client gave none (chat): the worker then fills
         # in "model length - prompt length", which only it knows after tokenizing.
         return GenerateRequest(
-            request_id=self.request_id, router_id=d.router_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids,
+            request_id=self.request_id, router_id=d.router_id, prompt=p.text, prompt_token_ids=p.token_ids,
             messages=p.messages, sampling=self.sampling, deadline=self.deadline, attempt=self.attempt,
             disaggregate_info=info, resume_token_ids=list(self.delivered) or None,
+            echo=True if self._echo and p.token_ids is not None else None,
         )  # fmt: skip
 
     def _may_retry(self, error: ErrorInfo) -> bool:

@@ -4,8 +4,8 @@ pydantic checks only types (strict: ``"5"`` or ``true`` is not a number); value 
 by :class:`~pdserve.scheduler.sampling_params.SamplingParams` so they live in one place, except the
 sizes of ``stop`` and ``stop_token_ids``, which are router settings (:class:`InputLimits`), and token
 ids against the vocabulary, which only the live instances know (:meth:`ParsedRequest.check_vocab`).
-Unknown fields are ignored. Every problem raises :class:`InvalidRequestError` whose ``param`` names
-the field.
+Every field is accounted for (:class:`FieldPolicy`: honoured, advisory, rejected); an unknown one is
+refused. Every problem raises :class:`InvalidRequestError` whose ``param`` names the field.
 
 Chat requests without ``max_tokens``/``max_completion_tokens`` (and completions with an explicit
 ``"max_tokens": null``) send ``sampling["max_tokens"] = None``: the worker then generates up to
@@ -15,9 +15,11 @@ Chat requests without ``max_tokens``/``max_completion_tokens`` (and completions 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.json_schema import SkipJsonSchema
 
 from pdserve.errors import InvalidRequestError
 from pdserve.scheduler.sampling_params import MAX_TOKEN_ID, SamplingParams
@@ -26,20 +28,96 @@ if TYPE_CHECKING:
     from pdserve.router.settings import RouterSettings
 
 MAX_N = 16
-"""Most choices per request (``n``); each is an independent request to the cluster."""
+"""Most choices per prompt (``n``); each is an independent request to the cluster."""
 _UNBOUNDED = 2**31 - 1  # stands for "no max_tokens" while SamplingParams validates
 _SEED_SPAN = 2**64
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+@dataclasses.dataclass(frozen=True)
+class FieldPolicy:
+    """What one request object does with each of its fields: every field of OpenAI's request
+    models (and of pdserve's vLLM-style extras) is in exactly one class.
+
+    ``honoured``: accepted and acted on. ``advisory``: accepted, type-checked and ignored, only where
+    OpenAI documents the field as a hint or as bookkeeping on its side that changes no output
+    (``user``, ``metadata``, ``store``: pdserve stores nothing, ``service_tier``: there is one tier,
+    the prompt-cache hints). ``rejected``: a non-null value is a 400 naming the field, with the
+    reason given here (``None``/``null`` means "not given"). A field in none of them is a 400 too.
+    """
+
+    honoured: frozenset[str]
+    advisory: frozenset[str] = frozenset()
+    rejected: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def fields(self) -> frozenset[str]:
+        return self.honoured | self.advisory | frozenset(self.rejected)
+
+
+EXTRAS = frozenset({
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+    "include_stop_str_in_output", "return_token_ids",
+})  # fmt: skip
+"""pdserve's vLLM-style extensions (honoured; OpenAI clients send them through ``extra_body``)."""
+_COMMON = frozenset({
+    "model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "presence_penalty",
+    "frequency_penalty", "stop", "logit_bias",
+})  # fmt: skip
+_STRUCTURED = "pdserve does not constrain the output to a format yet"
+_GUIDED = {name: _STRUCTURED for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+_TOOLS = "pdserve does not do tool or function calling"
+
+COMPLETION_FIELDS = FieldPolicy(
+    honoured=_COMMON | EXTRAS | {"prompt", "echo", "logprobs", "best_of"},
+    advisory=frozenset({"user"}),
+    rejected={"suffix": "pdserve does not fill in text before a suffix", **_GUIDED},
+)
+_CHAT_ADVISORY = frozenset({
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options",
+})  # fmt: skip
+_CHAT_REJECTED = {
+    "response_format": _STRUCTURED + ' (only {"type": "text"}, the default, is accepted)',
+    "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS, "parallel_tool_calls": _TOOLS,
+    "audio": "the model produces text only", "modalities": 'the model produces text only (["text"] is accepted)',
+    "prediction": "pdserve does not use predicted outputs", "web_search_options": "pdserve does not search the web",
+    "reasoning_effort": "the model does not reason", "verbosity": "pdserve does not steer verbosity",
+    "moderation": "pdserve runs no moderation", **_GUIDED,
+}  # fmt: skip
+CHAT_FIELDS = FieldPolicy(
+    honoured=_COMMON | EXTRAS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+    advisory=_CHAT_ADVISORY,
+    rejected=_CHAT_REJECTED,
+)
+MESSAGE_FIELDS = FieldPolicy(
+    honoured=frozenset({"role", "content", "name"}),
+    rejected={"tool_calls": _TOOLS, "function_call": _TOOLS, "tool_call_id": _TOOLS,
+              "audio": "the model takes text only", "refusal": "the model takes text content only"},
+)  # fmt: skip
+STREAM_OPTIONS_FIELDS = FieldPolicy(
+    honoured=frozenset({"include_usage"}), advisory=frozenset({"include_obfuscation"})
+)
+TEXT_PART_FIELDS = FieldPolicy(
+    honoured=frozenset({"type", "text"}), advisory=frozenset({"prompt_cache_breakpoint"})
+)
+_DEFAULTS: dict[str, Any] = {"response_format": {"type": "text"}, "modalities": ["text"]}
+"""Rejected fields whose value here means "the default" and is accepted."""
+
+Rejected = SkipJsonSchema[Any]
+"""A field that is refused when given (kept out of /openapi.json: clients should not send it)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None
 
 
-class _Common(BaseModel):
+class _Common(_Strict):
     """Fields shared by both endpoints (OpenAI's plus vLLM-style extras). ``None`` = default."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     temperature: float | None = None
@@ -51,6 +129,8 @@ class _Common(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    """Token id (a string, as JSON keys are) -> bias in [-100, 100], added to the logits."""
     user: str | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -62,28 +142,44 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None
     """Extension (as vLLM's): each choice also carries the generated ``token_ids``."""
+    guided_json: Rejected = None
+    guided_regex: Rejected = None
+    guided_choice: Rejected = None
+    guided_grammar: Rejected = None
 
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``. ``prompt``: a string, token ids, or a list holding one of those."""
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, token ids, or a list of
+    token-id lists; each prompt gets ``n`` choices."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = None
+    """The completion's text starts with the prompt's (not with logprobs: prompt logprobs are not computed)."""
+    best_of: int | None = None
+    """Accepted when it equals ``n`` (the default): choosing the best of more samples is not done."""
+    suffix: Rejected = None
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """One part of a message's content; only ``text`` parts are taken (other types: a 400)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)  # other part types have other fields
     type: str
     text: str | None = None
+    prompt_cache_breakpoint: Any = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Rejected = None
+    function_call: Rejected = None
+    tool_call_id: Rejected = None
+    audio: Rejected = None
+    refusal: Rejected = None
 
 
 class ChatCompletionRequest(_Common):
@@ -94,12 +190,32 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    response_format: Rejected = None
+    tools: Rejected = None
+    tool_choice: Rejected = None
+    functions: Rejected = None
+    function_call: Rejected = None
+    parallel_tool_calls: Rejected = None
+    audio: Rejected = None
+    modalities: Rejected = None
+    prediction: Rejected = None
+    web_search_options: Rejected = None
+    reasoning_effort: Rejected = None
+    verbosity: Rejected = None
+    moderation: Rejected = None
 
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "logit_bias",
 )  # fmt: skip
 
 
@@ -110,13 +226,18 @@ class InputLimits:
     max_stop_strings: int
     max_stop_string_len: int
     max_stop_token_ids: int
+    max_logit_bias: int
+    max_prompts: int
+    """Most choices (prompts x n) one request fans out to."""
 
     @classmethod
     def of(cls, settings: RouterSettings) -> InputLimits:
-        return cls(settings.max_stop_strings, settings.max_stop_string_len, settings.max_stop_token_ids)
+        return cls(settings.max_stop_strings, settings.max_stop_string_len, settings.max_stop_token_ids,
+                   settings.max_logit_bias, settings.max_prompts_per_request)  # fmt: skip
 
-    def check(self, stop: str | list[str] | None, stop_token_ids: list[int] | None) -> None:
-        """Raise InvalidRequestError naming ``stop`` or ``stop_token_ids`` when one is too large."""
+    def check(self, req: _Common) -> None:
+        """Raise InvalidRequestError naming ``stop``, ``stop_token_ids`` or ``logit_bias`` when one is too large."""
+        stop, stop_token_ids = req.stop, req.stop_token_ids
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > self.max_stop_strings:
             raise InvalidRequestError(
@@ -132,36 +253,67 @@ class InputLimits:
                 f"at most {self.max_stop_token_ids} stop_token_ids are allowed, got {len(stop_token_ids)}",
                 "stop_token_ids",
             )
+        if req.logit_bias is not None and len(req.logit_bias) > self.max_logit_bias:
+            raise InvalidRequestError(
+                f"at most {self.max_logit_bias} logit_bias entries are allowed, got {len(req.logit_bias)}",
+                "logit_bias",
+            )
+
+    def check_choices(self, num_prompts: int, n: int) -> None:
+        """Raise InvalidRequestError naming ``prompt`` (or ``n``) when prompts x n is above the bound."""
+        if num_prompts * n > self.max_prompts:
+            what = f"{num_prompts} prompts x n = {n}" if num_prompts > 1 else f"n = {n}"
+            raise InvalidRequestError(
+                f"a request may ask for at most {self.max_prompts} choices (prompts x n), got {what}",
+                "prompt" if num_prompts > 1 else "n",
+            )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt as a worker takes it: exactly one of the three is set."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
 
 
 @dataclasses.dataclass(slots=True)
 class ParsedRequest:
-    """A validated request, ready to be sent ``n`` times (one GenerateRequest per choice)."""
+    """A validated request: ``n`` choices (one GenerateRequest each) for each of its prompts."""
 
     kind: Literal["completion", "chat"]
     model: str | None
-    prompt: str | None
-    prompt_token_ids: list[int] | None
-    messages: list[dict[str, Any]] | None
+    prompts: list[Prompt]
     samplings: list[dict[str, Any]]
-    """One ``SamplingParams`` dict per choice (seeded choices get ``seed + i``)."""
+    """One ``SamplingParams`` dict per choice of a prompt (seeded choices get ``seed + i``)."""
     stream: bool
     include_usage: bool
     logprobs: bool
     return_token_ids: bool = False
+    echo: bool = False
+    """Each choice's text starts with its prompt's text."""
 
     @property
     def n(self) -> int:
+        """Choices per prompt."""
         return len(self.samplings)
 
+    def choices(self) -> list[tuple[Prompt, dict[str, Any]]]:
+        """Every choice in OpenAI's order: choice ``i`` of prompt ``p`` has index ``p * n + i``."""
+        return [(prompt, sampling) for prompt in self.prompts for sampling in self.samplings]
+
     def check_vocab(self, vocab_size: int | None) -> None:
-        """Raise InvalidRequestError naming ``prompt`` or ``stop_token_ids`` when a token id is not
-        below ``vocab_size`` (None: no instance said, nothing to check). Parsing already checked >= 0."""
+        """Raise InvalidRequestError naming ``prompt``, ``stop_token_ids`` or ``logit_bias`` when a token
+        id is not below ``vocab_size`` (None: no instance said, nothing to check). Parsing already
+        checked >= 0."""
         if vocab_size is None:
             return
+        sampling = self.samplings[0]
         for name, ids in (
-            ("prompt", self.prompt_token_ids),
-            ("stop_token_ids", self.samplings[0]["stop_token_ids"]),
+            *(("prompt", p.token_ids) for p in self.prompts),
+            ("stop_token_ids", sampling["stop_token_ids"]),
+            ("logit_bias", sampling["logit_bias"]),
         ):
             if ids and (bad := max(ids)) >= vocab_size:
                 raise InvalidRequestError(
@@ -171,20 +323,28 @@ class ParsedRequest:
 
 def parse_completion(body: bytes, limits: InputLimits) -> ParsedRequest:
     """Validate a completions body; raise InvalidRequestError naming the bad field."""
-    req = _validate(CompletionRequest, body)
-    limits.check(req.stop, req.stop_token_ids)
-    prompt, token_ids = _prompt(req.prompt)
-    if req.echo:
-        raise InvalidRequestError("echo is not supported", "echo")
+    req = _validate(CompletionRequest, body, COMPLETION_FIELDS)
+    limits.check(req)
+    prompts = _prompts(req.prompt)
+    if req.echo and req.logprobs is not None:
+        raise InvalidRequestError(
+            "echo with logprobs is not supported (prompt logprobs are not computed)", "echo"
+        )
+    n = 1 if req.n is None else req.n
+    if req.best_of is not None and req.best_of != n:
+        raise InvalidRequestError(
+            f"best_of must equal n ({n}), got {req.best_of}: choosing the best of more samples is not supported",
+            "best_of",
+        )
     params = _sampling(req, req.max_tokens, "max_tokens", req.logprobs, "logprobs")
-    return _parsed("completion", req, params, req.max_tokens is None, prompt=prompt, prompt_token_ids=token_ids,
-                   logprobs=req.logprobs is not None)  # fmt: skip
+    return _parsed("completion", req, params, req.max_tokens is None, prompts, limits,
+                   logprobs=req.logprobs is not None, echo=bool(req.echo))  # fmt: skip
 
 
 def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
     """Validate a chat completions body; raise InvalidRequestError naming the bad field."""
-    req = _validate(ChatCompletionRequest, body)
-    limits.check(req.stop, req.stop_token_ids)
+    req = _validate(ChatCompletionRequest, body, CHAT_FIELDS)
+    limits.check(req)
     if not req.messages:
         raise InvalidRequestError("messages must be a non-empty list", "messages")
     messages = [_message(i, m) for i, m in enumerate(req.messages)]
@@ -196,14 +356,29 @@ def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling(req, max_tokens, max_name, num_logprobs, "top_logprobs")
-    return _parsed("chat", req, params, max_tokens is None, messages=messages, logprobs=bool(req.logprobs))
+    return _parsed("chat", req, params, max_tokens is None, [Prompt(messages=messages)], limits,
+                   logprobs=bool(req.logprobs))  # fmt: skip
 
 
-def _validate(model: type[_Common], body: bytes) -> Any:
+def _validate(model: type[_Common], body: bytes, policy: FieldPolicy) -> Any:
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as e:
         raise _invalid(e) from None
+    _refuse(req, policy)
+    return req
+
+
+def _unknown(param: str) -> str:
+    return f"unknown field {param} (pdserve refuses the fields it does not know rather than ignore them)"
+
+
+def _refuse(obj: BaseModel, policy: FieldPolicy, prefix: str = "") -> None:
+    """Raise InvalidRequestError naming the first rejected field that ``obj`` has a value for."""
+    for name, why in policy.rejected.items():
+        value = getattr(obj, name)
+        if value is not None and (name not in _DEFAULTS or value != _DEFAULTS[name]):
+            raise InvalidRequestError(f"{prefix}{name} is not supported: {why}", prefix + name)
 
 
 def _invalid(e: ValidationError) -> InvalidRequestError:
@@ -215,6 +390,8 @@ def _invalid(e: ValidationError) -> InvalidRequestError:
     param, in_union = _param(err["loc"])
     if err["type"] == "missing":
         return InvalidRequestError(f"{param} is required", param)
+    if err["type"] == "extra_forbidden":
+        return InvalidRequestError(_unknown(param), param)
     field = param.rsplit(".", 1)[-1]
     if in_union and field in _UNION_SHAPES:
         return InvalidRequestError(f"invalid {param}: expected {_UNION_SHAPES[field]}", param)
@@ -222,7 +399,7 @@ def _invalid(e: ValidationError) -> InvalidRequestError:
 
 
 _UNION_SHAPES = {
-    "prompt": "a string, a list of token ids, or a list holding one string or one list of token ids",
+    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text content parts",
 }
@@ -246,32 +423,43 @@ def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
-def _prompt(prompt: str | list[Any]) -> tuple[str | None, list[int] | None]:
+def _prompts(prompt: str | list[Any]) -> list[Prompt]:
+    """The prompts of a completions body (pydantic already checked the shape: one kind per list)."""
     if isinstance(prompt, str):
-        return prompt, None
+        return [Prompt(text=prompt)]
     if not prompt:
         raise InvalidRequestError("prompt must not be empty", "prompt")
-    first = prompt[0]
-    if isinstance(first, int):
-        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token ids must be in 0..{MAX_TOKEN_ID}, got {bad}", "prompt")
-        return None, prompt
-    if len(prompt) != 1:
-        raise InvalidRequestError("batched prompts are not supported: send one prompt per request", "prompt")
-    return (first, None) if isinstance(first, str) else _prompt(first)
+    if isinstance(prompt[0], int):
+        return [Prompt(token_ids=_token_ids(prompt))]
+    return [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=_token_ids(p)) for p in prompt]
+
+
+def _token_ids(ids: list[int]) -> list[int]:
+    if not ids:
+        raise InvalidRequestError("a prompt of token ids must not be empty", "prompt")
+    bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token ids must be in 0..{MAX_TOKEN_ID}, got {bad}", "prompt")
+    return ids
 
 
 def _message(index: int, m: ChatMessage) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    _refuse(m, MESSAGE_FIELDS, where + ".")
     content = m.content
     if isinstance(content, list):
         texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
+        for j, part in enumerate(content):
+            if part.type != "text":
                 raise InvalidRequestError(
-                    f"content part of type {part.type!r} is not supported (text only)",
-                    f"messages[{index}].content",
+                    f"content parts of type {part.type!r} are not supported: the model takes text only",
+                    f"{where}.content",
                 )
+            if part.text is None:
+                raise InvalidRequestError("a text content part needs its text", f"{where}.content[{j}].text")
+            if part.model_extra:
+                name = f"{where}.content[{j}].{next(iter(part.model_extra))}"
+                raise InvalidRequestError(_unknown(name), name)
             texts.append(part.text)
         content = "".join(texts)
     out: dict[str, Any] = {"role": m.role, "content": content}
@@ -299,13 +487,16 @@ def _parsed(
     req: _Common,
     params: SamplingParams,
     unbounded: bool,
+    prompts: list[Prompt],
+    limits: InputLimits,
     *,
     logprobs: bool,
-    **prompt: Any,
+    echo: bool = False,
 ) -> ParsedRequest:
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {n}", "n")
+    limits.check_choices(len(prompts), n)
     base = dict(vars(params))  # to_dict() (dataclasses.asdict) deep-copies: ~70 µs per request
     if unbounded:
         base["max_tokens"] = None  # the worker fills in "model length - prompt length"
@@ -313,9 +504,8 @@ def _parsed(
     stream = bool(req.stream)
     include_usage = bool(stream and req.stream_options is not None and req.stream_options.include_usage)
     return ParsedRequest(
-        kind=kind, model=req.model, prompt=prompt.get("prompt"), prompt_token_ids=prompt.get("prompt_token_ids"),
-        messages=prompt.get("messages"), samplings=samplings, stream=stream, include_usage=include_usage,
-        logprobs=logprobs, return_token_ids=bool(req.return_token_ids),
+        kind=kind, model=req.model, prompts=prompts, samplings=samplings, stream=stream,
+        include_usage=include_usage, logprobs=logprobs, return_token_ids=bool(req.return_token_ids), echo=echo,
     )  # fmt: skip
 
 

@@ -70,8 +70,10 @@ class ResponseBuilder:
         logprobs: bool,
         include_usage: bool,
         return_token_ids: bool = False,
+        n: int = 1,
     ) -> None:
         self.chat = kind == "chat"
+        self.n = n  # choices per prompt: usage counts each prompt once
         self.return_token_ids = return_token_ids
         self.logprobs = logprobs
         self.include_usage = include_usage
@@ -100,7 +102,7 @@ class ResponseBuilder:
                 out[-1]["token_ids"] = c.token_ids
         body = {
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created, "model": self.model, "choices": out, "usage": usage(choices),
+            "created": self.created, "model": self.model, "choices": out, "usage": usage(choices, self.n),
         }  # fmt: skip
         if choices and choices[0].timing is not None:
             body["timing"] = timing(choices[0].timing)
@@ -140,7 +142,9 @@ class ResponseBuilder:
     def usage_chunk(self, choices: list[Choice]) -> bytes:
         """The extra last chunk of ``stream_options.include_usage``: no choices, the request's usage."""
         return (
-            b"data: " + orjson.dumps({**self._chunk_head, "choices": [], "usage": usage(choices)}) + b"\n\n"
+            b"data: "
+            + orjson.dumps({**self._chunk_head, "choices": [], "usage": usage(choices, self.n)})
+            + b"\n\n"
         )
 
     def _chunk(self, choice: dict[str, Any], extra: dict[str, Any] | None = None) -> bytes:
@@ -189,8 +193,10 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
-def usage(choices: list[Choice]) -> dict[str, Any]:
-    """OpenAI ``usage`` from the workers' final Usage (prompt counted once; completions summed).
+def usage(choices: list[Choice], n: int = 1) -> dict[str, Any]:
+    """OpenAI ``usage`` from the workers' final Usage: each prompt counted once (choices ``p * n``
+    to ``p * n + n - 1`` share prompt ``p``), completions summed. ``cached_tokens`` is always 0:
+    pdserve has no prefix cache.
 
     A final delta without usage (should not happen) counts the tokens the router saw.
     """
@@ -198,8 +204,9 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     for i, c in enumerate(choices):
         if c.usage is not None:
             completion += c.usage.completion_tokens
-            if i == 0:
-                prompt = c.usage.prompt_tokens
+            if i % n == 0:
+                prompt += c.usage.prompt_tokens
         else:
             completion += c.num_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip

@@ -159,7 +159,7 @@ class GenerateEndpoint:
             logger.debug("x-request-id %s is request %s", client_rid, rid)
         builder = ResponseBuilder(parsed.kind, rid, model, logprobs=parsed.logprobs,
                                   return_token_ids=parsed.return_token_ids,
-                                  include_usage=parsed.include_usage)  # fmt: skip
+                                  include_usage=parsed.include_usage, n=parsed.n)  # fmt: skip
         watch = DisconnectWatch(receive, gens)
         try:
             if parsed.stream:

@@ -68,6 +68,14 @@ class RouterSettings:
     max_stop_token_ids: int = setting(
         256, "most stop_token_ids per request (400 above) (default %(default)s)"
     )
+    max_logit_bias: int = setting(
+        300, "most logit_bias entries per request (400 above) (default %(default)s)"
+    )
+    max_prompts_per_request: int = setting(
+        64,
+        "most choices one request fans out to, prompts x n (a completions prompt may be a list); "
+        "400 above (default %(default)s)",
+    )
     retry_attempts: int = setting(
         2, "re-submissions to a fresh pair when an attempt fails before the first byte (default %(default)s)"
     )
@@ -148,7 +156,8 @@ class RouterSettings:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
+        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids", "max_logit_bias",
+                     "max_prompts_per_request"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_in_flight < 0 or self.max_queued < 0:

@@ -26,7 +26,8 @@ SCHEMA_VERSION = 2
 
 2: ``ErrorInfo`` carries the exception tree's ``kind`` and ``param`` instead of ``code``/``type``;
 fields nothing produced or read are gone (``detokenize``, ``arrival_time``, ``first_logprobs``,
-``num_cached_tokens``). Additive since: ``RequestDelta.timing`` (older readers ignore it).
+``num_cached_tokens``). Additive since: ``RequestDelta.timing``, ``GenerateRequest.echo`` with
+``RequestDelta.prompt_text`` (older readers ignore them).
 """
 
 ANY_ATTEMPT = -1
@@ -198,6 +199,8 @@ class RequestDelta(_Model):
     error: ErrorInfo | None = None
     attempt: int = 0
     timing: Timing | None = None  # on the delta that carries the first token
+    prompt_text: str | None = None
+    """The prompt's text, on the delta with the first token of a request that asked (``echo``)."""
 
     @property
     def is_final(self) -> bool:
@@ -226,6 +229,9 @@ class GenerateRequest(_Message):
     is ``SamplingParams.to_dict()`` (sampling_params.py): validated by the router, re-read by the
     engine with ``SamplingParams.from_dict``, so its fields can change without a schema bump here.
 
+    ``echo``: put the prompt's text (its token ids decoded) in the first token's delta as
+    ``prompt_text``; the router asks only for token-id prompts, whose text only a worker can make.
+
     ``resume_token_ids`` (a migration): the tokens an earlier attempt already delivered to the
     client. The instance recomputes the prompt plus these and continues after them, as if it had
     generated them itself (text, stop strings, penalties, seeded draws, usage); always served whole
@@ -243,6 +249,7 @@ class GenerateRequest(_Message):
     attempt: int = 0
     disaggregate_info: DisaggregateInfo | None = None
     resume_token_ids: list[int] | None = None
+    echo: bool | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:

@@ -10,6 +10,7 @@ from pdserve.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; bigger ids would not fit the engine's int tensors
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
 
 
 @dataclasses.dataclass
@@ -17,7 +18,9 @@ class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` means greedy.
 
     ``top_k <= 0`` disables top-k; ``logprobs`` is None (off) or the number of top alternatives
-    (0..20) returned with each sampled token's own logprob. How many ``stop`` strings (and how long)
+    (0..20) returned with each sampled token's own logprob. ``logit_bias`` (token id -> bias in
+    [-100, 100], added to the logits before anything else) takes string keys too, as JSON carries
+    them; how many entries a request may give is a router setting (``--max-logit-bias``). How many ``stop`` strings (and how long)
     and ``stop_token_ids`` a request may carry is a router setting (``--max-stop-strings`` ...), checked
     by the router's parser: the worker's stop matching costs the same per token whatever they are.
     """
@@ -38,12 +41,14 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _token_map(self.logit_bias) or None
         self.validate()
 
     @property
@@ -80,6 +85,9 @@ class SamplingParams:
             _integer("stop_token_ids", t, lo=0, hi=MAX_TOKEN_ID)
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
+        for token, bias in (self.logit_bias or {}).items():
+            _integer("logit_bias", token, lo=0, hi=MAX_TOKEN_ID)
+            _number("logit_bias", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -95,6 +103,22 @@ class SamplingParams:
             name = sorted(unknown)[0]
             raise InvalidRequestError(f"unknown sampling parameter {name!r}", name)
         return cls(**data)
+
+
+def _token_map(value: Any) -> dict[Any, Any]:
+    """``{"17": 5}`` (JSON keys are strings) -> ``{17: 5}``; other keys are left for validate()."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {value!r}", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            key = int(key)
+        elif isinstance(key, str):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[key] = bias
+    return out
 
 
 def _number(name: str, value: Any, lo: float | None = None, hi: float | None = None) -> None:

@@ -114,6 +114,11 @@ class EchoEngine:
             return self.tokenizer.encode(prompt or "")
         return [ord(c) % 100 + 1 for c in (prompt or "")]
 
+    def prompt_text(self, prompt_token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return self.text(prompt_token_ids)
+        return self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")

@@ -151,6 +151,10 @@ class LLMEngine:
             return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), False)
         return tok.encode(prompt or "")
 
+    def prompt_text(self, prompt_token_ids: list[int]) -> str:
+        """A prompt's text as echoed to the client (special tokens kept: it is what the model read)."""
+        return self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise if this request can never run here (checked before anything is queued)."""
         n = len(prompt_token_ids)

@@ -33,6 +33,7 @@ class Engine(Protocol):
     def prompt_ids(
         self, prompt: str | None, messages: list[dict] | None, prompt_token_ids: list[int] | None
     ) -> list[int]: ...
+    def prompt_text(self, prompt_token_ids: list[int]) -> str: ...
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
     def add_request(
         self,
@@ -61,11 +62,13 @@ class Engine(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """A generate request made ready for the engine: its prompt ids and full sampling params
-    (``resume_ids``: tokens already delivered by an earlier attempt, see GenerateRequest)."""
+    (``resume_ids``: tokens already delivered by an earlier attempt, see GenerateRequest;
+    ``prompt_text``: the prompt's text when the request asked for it, ``echo``)."""
 
     prompt_ids: list[int]
     params: SamplingParams
     resume_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_text: str | None = None
 
 
 class EngineClient:
@@ -110,7 +113,8 @@ class EngineClient:
                     f"{len(resume)} tokens to resume from leave none of max_tokens {params.max_tokens}",
                     "resume_token_ids",
                 )
-            return Prepared(ids, params, resume)
+            text = self._engine.prompt_text(ids) if msg.echo and not resume else None
+            return Prepared(ids, params, resume, text)
 
         return await self._run(prepare)
 

@@ -50,6 +50,7 @@ class RequestHandler:
         self._started: dict[
             str, float
         ] = {}  # engine key -> monotonic time its generate arrived, until token 1
+        self._echo: dict[str, str] = {}  # engine key -> its prompt's text, sent with token 1 (echo)
         self._routers_seen: dict[str, float] = {}  # router id -> monotonic time its key was last seen
         self._routers_checked_at = float("-inf")
 
@@ -102,6 +103,8 @@ class RequestHandler:
             self.owners[key] = owner
             if not prepared.resume_ids:  # a resumed request's first token is not its TTFT
                 self._started[key] = received
+            if prepared.prompt_text is not None:
+                self._echo[key] = prepared.prompt_text
             await self.ctx.engine.add(key, prepared)
 
     async def on_abort(self, msg: Abort) -> None:
@@ -111,6 +114,7 @@ class RequestHandler:
             keys = [k for k in keys if k == engine_key(msg.request_id, msg.attempt)]
         for key in keys:
             self._started.pop(key, None)
+            self._echo.pop(key, None)
             if self.owners.pop(key, None) is not None:
                 await self.ctx.engine.abort(key, msg.reason)
             await self.splitwise.abort(key, msg.reason)
@@ -134,6 +138,7 @@ class RequestHandler:
             started = self._started.pop(out.request_id, None)
             if started is not None:
                 delta.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - started, queue_s=out.queue_s)
+            delta.prompt_text = self._echo.pop(out.request_id, None)
             deltas[owner.router_id].append(delta)
         await self.ctx.messenger.publish(deltas)
         for out in handoffs:
@@ -157,6 +162,7 @@ class RequestHandler:
                 log.info("router %s is gone: aborting %s", owner.router_id, owner.request_id)
                 del self.owners[key]
                 self._started.pop(key, None)
+                self._echo.pop(key, None)
                 await self.ctx.engine.abort(key, "router gone")
         if gone:
             await self.splitwise.drop_routers(gone)
@@ -180,5 +186,6 @@ class RequestHandler:
         owners += [(owner, True) for owner in self.splitwise.take_all()]
         self.owners.clear()
         self._started.clear()
+        self._echo.clear()
         if owners:
             await self.ctx.messenger.fail_many(owners, UnavailableError(message))

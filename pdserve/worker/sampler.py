@@ -1,8 +1,8 @@
 """Token selection from logits, in numpy, one row per sequence.
 
-Order (as vLLM/HF do it): min_tokens mask -> repetition/presence/frequency penalties -> greedy or
-temperature -> top_k -> top_p -> min_p -> one uniform draw from the sequence's own generator
-(inverse CDF over candidates sorted by probability, ties by id). Exactly one draw per sampled token
+Order (as vLLM/HF do it): logit_bias -> min_tokens mask -> repetition/presence/frequency penalties
+-> greedy or temperature -> top_k -> top_p -> min_p -> one uniform draw from the sequence's own
+generator (inverse CDF over candidates sorted by probability, ties by id). Exactly one draw per sampled token
 keeps a seeded request reproducible, and lets a decode instance continue a seeded request that a
 prefill instance started by skipping the draws already made. Logprobs describe the raw model
 distribution (before penalties and temperature), as OpenAI's do.
@@ -50,12 +50,21 @@ class Sampler:
             and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0
+            and not p.logit_bias
             and seq.num_output_tokens >= p.min_tokens
         )
 
     def _sample_row(self, raw: np.ndarray, seq: Sequence) -> Sample:
         p = seq.params
         row = raw.astype(np.float32, copy=True)
+        if p.logit_bias:
+            if seq.logit_bias is None:  # built once per sequence: the bias holds for all its tokens
+                ids = np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias))
+                vals = np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))
+                keep = ids < row.size  # ids of padding rows beyond the tokenizer are never sampled
+                seq.logit_bias = (ids[keep], vals[keep])
+            ids, vals = seq.logit_bias
+            row[ids] += vals
         if seq.num_output_tokens < p.min_tokens:
             banned = [t for t in [*self.eos_token_ids, *p.stop_token_ids] if t < row.size]
             row[banned] = -np.inf

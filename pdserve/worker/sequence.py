@@ -32,6 +32,9 @@ class Sequence:
     finish_reason: str | None = None
     rng: np.random.Generator | None = None
     scheduled_at: float | None = None  # time.monotonic() of its first prefill chunk (queue time)
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = (
+        None  # params.logit_bias as (ids, biases), by the sampler
+    )
 
     @property
     def num_prompt_tokens(self) -> int:

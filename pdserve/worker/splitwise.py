@@ -188,6 +188,7 @@ class PrefillHandoff:
                 delta.timing = Timing(
                     s_ttft_s=self.ctx.clock.monotonic() - self.received_at, queue_s=out.queue_s
                 )
+                delta.prompt_text = self.prepared.prompt_text
             await self.ctx.messenger.deliver(self.owner, delta)
             await self._tell_decode_abort("finished on prefill")
 
@@ -235,6 +236,7 @@ class PrefillHandoff:
         self.state = PrefillState.DONE
         first = to_delta(self.first, self.owner)
         first.timing = self.timing
+        first.prompt_text = self.prepared.prompt_text
         await self.ctx.messenger.deliver(self.owner, first)
         await self._tell_decode()
         await self.ctx.engine.release_prefilled(self.key)
