@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pdserve.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.worker.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -31,6 +35,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     rng: np.random.Generator | None = None
+    grammar: GrammarMatcher | None = None  # structured output: where the output is in its grammar
 
     @property
     def num_prompt_tokens(self) -> int:
