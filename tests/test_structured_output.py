@@ -1,6 +1,6 @@
 """Structured output (``SamplingParams.guided``): JSON schema, JSON object, regex and choice grammars
-enforced in the sampler, on the tiny random-weight model; the hand-off and migration
-paths that rebuild a grammar's state.
+enforced in the sampler, on the tiny random-weight model; the router's parsing of
+``response_format`` and ``guided_*``; the hand-off and migration paths that rebuild a grammar's state.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.errors import EngineError, InvalidRequestError
+from pdserve.router.protocol import InputLimits, parse_chat, parse_completion
 from pdserve.worker.engine import EngineConfig, LLMEngine
 from pdserve.worker.sampler import Sampler
 from pdserve.worker.sequence import Sequence
@@ -225,3 +226,81 @@ def test_the_sampler_masks_a_constrained_row_and_keeps_the_fast_path_for_the_res
     seeded = Sequence("c", [1], SamplingParams(temperature=1.0, seed=3), grammar=FixedGrammar([2, 5], 8))
     seeded.rng = np.random.default_rng(3)
     assert {sampler(logits[:1], [seeded])[0].token_id for _ in range(20)} <= {2, 5}
+
+
+# ---- the echo engine, the wire format, the router --------------------------------------------------
+def test_the_echo_engine_refuses_structured_output() -> None:
+    from pdserve.worker.echo import EchoEngine
+
+    with pytest.raises(InvalidRequestError) as e:
+        EchoEngine(None).validate([1, 2], SamplingParams(guided={"kind": "choice", "spec": ["a"]}))
+    assert e.value.param == "guided_choice" and "echo engine" in e.value.message
+
+
+def test_guided_crosses_the_wire_and_is_checked() -> None:
+    p = SamplingParams(guided=JSON)
+    assert SamplingParams.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    for guided, param in (
+        ({"kind": "json"}, "guided"),
+        ({"kind": "grammar", "spec": "x"}, "guided"),
+        ({"kind": "json", "spec": True}, "response_format"),
+        ({"kind": "regex", "spec": ""}, "guided_regex"),
+        ({"kind": "choice", "spec": ["a", 3]}, "guided_choice"),
+    ):
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(guided=guided)
+        assert e.value.param == param
+
+
+LIMITS = InputLimits(16, 64, 16)
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+@pytest.mark.parametrize(
+    ("fields", "guided"),
+    [
+        ({"response_format": {"type": "json_object"}}, {"kind": "json", "spec": {"type": "object"}}),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}}, JSON),
+        ({"response_format": {"type": "text"}}, None),
+        ({"guided_json": SCHEMA}, JSON),
+        ({"guided_json": json.dumps(SCHEMA)}, JSON),
+        ({"guided_regex": "[0-9]+"}, {"kind": "regex", "spec": "[0-9]+"}),
+        ({"guided_choice": ["a", "b"]}, {"kind": "choice", "spec": ["a", "b"]}),
+    ],
+)  # fmt: skip
+def test_the_router_parses_structured_output_into_sampling(fields, guided) -> None:
+    assert parse_chat(chat(**fields), LIMITS).samplings[0]["guided"] == guided
+    body = json.dumps({"prompt": "x", "n": 2, **fields}).encode()
+    assert [s["guided"] for s in parse_completion(body, LIMITS).samplings] == [guided, guided]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": "json"}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": [1]}}}, "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {}, "strict": "y"}}}, "response_format.json_schema.strict"),
+        ({"guided_json": 5}, "guided_json"),
+        ({"guided_json": "[1, 2]"}, "guided_json"),
+        ({"guided_json": "{"}, "guided_json"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"guided_regex": 5}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": "a"}, "guided_choice"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_choice": ["a", 1]}, "guided_choice[1]"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ],
+)  # fmt: skip
+def test_malformed_structured_output_is_a_400_naming_the_field(fields, param) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        parse_chat(chat(**fields), LIMITS)
+    assert e.value.param == param, e.value.message

@@ -15,9 +15,10 @@ Chat requests without ``max_tokens``/``max_completion_tokens`` (and completions 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.errors import InvalidRequestError
 from pdserve.scheduler.sampling_params import MAX_TOKEN_ID, SamplingParams
@@ -34,6 +35,22 @@ _SEED_SPAN = 2**64
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``. ``strict`` is accepted and the schema is always enforced."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(BaseModel):
@@ -62,6 +79,11 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None
     """Extension (as vLLM's): each choice also carries the generated ``token_ids``."""
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    """Structured output (``response_format`` as OpenAI's, ``guided_*`` as vLLM's): :func:`_guided`."""
 
 
 class CompletionRequest(_Common):
@@ -223,6 +245,7 @@ def _invalid(e: ValidationError) -> InvalidRequestError:
 
 _UNION_SHAPES = {
     "prompt": "a string, a list of token ids, or a list holding one string or one list of token ids",
+    "guided_json": "a JSON schema (an object, or a string holding one)",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text content parts",
 }
@@ -236,7 +259,7 @@ def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _TYPE_TAGS or part.startswith(("list[", "function-")):
+        elif part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-")):
             return out, True
         else:
             out += f".{part}" if out else part
@@ -287,11 +310,55 @@ def _sampling(
     kwargs["max_tokens"] = _UNBOUNDED if max_tokens is None else max_tokens
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    if (guided := _guided(req)) is not None:
+        kwargs["guided"] = guided
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:
         renamed = {"max_tokens": max_name, "logprobs": logprobs_name}.get(e.param or "", e.param)
         raise InvalidRequestError(e.message.replace(e.param or "", renamed or "", 1), renamed) from None
+
+
+def _guided(req: _Common) -> dict[str, Any] | None:
+    """The structured-output constraint (``SamplingParams.guided``) of ``response_format`` or one
+    ``guided_*`` field; at most one of them may constrain the output."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", {"kind": "json", "spec": {"type": "object"}}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequestError(
+                "response_format.json_schema is required when type is json_schema",
+                "response_format.json_schema",
+            )
+        found.append(("response_format", {"kind": "json", "spec": fmt.json_schema.schema_}))
+    if req.guided_json is not None:
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise InvalidRequestError(f"guided_json is not valid JSON: {e}", "guided_json") from None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("guided_json must be a JSON schema object", "guided_json")
+        found.append(("guided_json", {"kind": "json", "spec": schema}))
+    if req.guided_regex is not None:
+        if not req.guided_regex:
+            raise InvalidRequestError("guided_regex must not be empty", "guided_regex")
+        found.append(("guided_regex", {"kind": "regex", "spec": req.guided_regex}))
+    if req.guided_choice is not None:
+        if not req.guided_choice or not all(req.guided_choice):
+            raise InvalidRequestError(
+                "guided_choice must be a non-empty list of non-empty strings", "guided_choice"
+            )
+        found.append(("guided_choice", {"kind": "choice", "spec": list(req.guided_choice)}))
+    if len(found) > 1:
+        names = " and ".join(name for name, _ in found)
+        raise InvalidRequestError(
+            f"only one structured-output constraint may be given, got {names}", found[1][0]
+        )
+    return found[0][1] if found else None
 
 
 def _parsed(

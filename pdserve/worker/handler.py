@@ -102,7 +102,12 @@ class RequestHandler:
             self.owners[key] = owner
             if not prepared.resume_ids:  # a resumed request's first token is not its TTFT
                 self._started[key] = received
-            await self.ctx.engine.add(key, prepared)
+            try:
+                await self.ctx.engine.add(key, prepared)
+            except InvalidRequestError as e:  # e.g. resumed tokens that do not follow its grammar
+                del self.owners[key]
+                self._started.pop(key, None)
+                return await messenger.fail(owner, e)
 
     async def on_abort(self, msg: Abort) -> None:
         prefix = f"{msg.request_id}/"
