@@ -205,8 +205,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
          "messages[0].mood", "unknown field"),
         ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "content": null, "tool_calls": []}]}', 400,
          "messages[0].tool_calls", "tool or function calling"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "response_format": '
-         b'{"type": "json_object"}}', 400, "response_format", '(only {"type": "text"}, the default, is accepted)'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "guided_grammar": "root ::= x"}',
+         400, "guided_grammar", "takes no grammars"),
     ],
 )  # fmt: skip
 def test_invalid_bodies(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import time
 import uuid
 
 import httpx
+import jsonschema
 import openai
 import orjson
 import pytest
@@ -877,6 +880,111 @@ def test_input_limits_are_checked_at_the_router(stack, tiny_model_dir) -> None:
     stopped = post(prompt=[5, vocab - 1], stop=stops)
     assert stopped.status_code == 200, stopped.text
     assert stopped.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
+# ---- structured output ------------------------------------------------------------------------------
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "kind": {"enum": ["model", "server", "cache"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+        "meta": {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "kind", "meta"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "server", "schema": SCHEMA, "strict": True},
+}
+
+
+def test_structured_output_through_the_openai_client(stack) -> None:
+    """response_format on chat (the client's own parameter) and on completions (extra_body, as vLLM
+    takes it), stream and not, seeded at temperature 1: the text validates, and a stream is its
+    non-stream answer; guided_choice and guided_regex as extras."""
+    c, model = client(stack), model_name(stack)
+    messages = [{"role": "user", "content": "Describe a server as JSON."}]
+    kw = {"model": model, "max_tokens": 256, "temperature": 1.0}
+    for seed in (1, 2):
+        r = c.chat.completions.create(messages=messages, response_format=JSON_SCHEMA_FORMAT, seed=seed, **kw)
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+        chunks = c.chat.completions.create(
+            messages=messages, response_format=JSON_SCHEMA_FORMAT, seed=seed, stream=True, **kw
+        )
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    extra = {"response_format": JSON_SCHEMA_FORMAT}
+    r = c.completions.create(prompt="A server: ", seed=3, extra_body=extra, **kw)
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    chunks = c.completions.create(prompt="A server: ", seed=3, extra_body=extra, stream=True, **kw)
+    assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
+    json_object = {"response_format": {"type": "json_object"}}  # seed 9 closes one soon (most run on)
+    r = c.completions.create(
+        model=model, prompt="A server: ", seed=9, temperature=1.0, max_tokens=64, extra_body=json_object
+    )
+    assert r.choices[0].finish_reason == "stop" and json.loads(r.choices[0].text)
+    choices = ["prefill", "decode", "mixed"]
+    r = c.completions.create(prompt="Role: ", n=3, seed=5, extra_body={"guided_choice": choices}, **kw)
+    assert all(ch.text in choices and ch.finish_reason == "stop" for ch in r.choices)
+    r = c.chat.completions.create(messages=messages, extra_body={"guided_regex": "[0-9]{2}-[a-z]{3}"}, **kw)
+    assert re.fullmatch("[0-9]{2}-[a-z]{3}", r.choices[0].message.content)
+
+
+def test_structured_output_splitwise_equals_mixed(splitwise, mixed) -> None:
+    """Prefill samples the first token under the grammar, decode goes on from the same grammar
+    state: greedy tokens equal the mixed instance's, token for token."""
+
+    def tokens(stack: Stack, prompt: str, constraint: dict) -> tuple[list[int], str]:
+        body = {"model": model_name(stack), "prompt": prompt, "max_tokens": 256, "temperature": 0,
+                "return_token_ids": True, **constraint}  # fmt: skip
+        r = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-pdserve-mode"] == ("splitwise" if stack is splitwise else "mixed")
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        return choice["token_ids"], choice["text"]
+
+    for prompt in PROMPTS:
+        for constraint in (
+            {"response_format": JSON_SCHEMA_FORMAT},
+            {"guided_regex": "(yes|no): [a-z ]{4,12}"},
+        ):
+            got = tokens(splitwise, prompt, constraint)
+            assert got == tokens(mixed, prompt, constraint)
+            if "response_format" in constraint:
+                jsonschema.validate(json.loads(got[1]), SCHEMA)
+
+
+def test_unusable_structured_output_is_a_400_naming_the_field(stack) -> None:
+    """A schema the workers cannot compile (router-valid) and a malformed one (refused by the router)."""
+    c, model = client(stack), model_name(stack)
+    messages = [{"role": "user", "content": "hi"}]
+    for fmt, param in (
+        (
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}},
+            "response_format",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": [1]}},
+            "response_format.json_schema.schema",
+        ),
+        ({"type": "yaml"}, "response_format.type"),
+    ):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                c.chat.completions.create(model=model, messages=messages, response_format=fmt, stream=stream)
+            assert info.value.body["param"] == param, info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model=model, prompt="x", extra_body={"guided_regex": "[ab"})
+    assert info.value.body["param"] == "guided_regex" and "regex" in info.value.body["message"]
 
 
 # ---- restarts with the same instance id ----------------------------------------------------------------

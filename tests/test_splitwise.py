@@ -20,7 +20,7 @@ from splitwise_support import (
 from test_router_support import run
 
 from pdserve.cache_transfer.shm import ShmWriter
-from pdserve.errors import TransferError
+from pdserve.errors import EngineError, TransferError
 from pdserve.scheduler import Abort, ErrorInfo, Prefilled, ReserveBlocks, RouterRegistry
 from pdserve.worker.splitwise import RESERVE_RETRY_MS, DecodeState, PrefillState
 
@@ -387,6 +387,29 @@ def test_a_failed_prefill_frees_the_lease_and_a_late_one_is_ignored(redis_url) -
             await p.send(decode, failed.model_copy(update={"error": None}))
             await decode.receive()  # no reservation any more: logged and dropped
             assert all_free(decode)
+
+    run(main())
+
+
+def test_a_prefilled_request_that_decode_cannot_continue_fails_and_frees_the_lease(redis_url) -> None:
+    """E.g. a first token that does not follow the request's grammar there: the router hears the
+    engine's error after the first token, not silence until the stall timeout."""
+
+    async def main() -> None:
+        async with pair(redis_url) as (p, prefill, decode):
+            await to_blocks_ready(p, prefill, decode)
+
+            def refuse(*args, **kwargs):
+                raise EngineError("the prefill's first token 7 does not follow the request's grammar")
+
+            decode.stub.add_prefilled = refuse
+            await prefill.step()
+            await decode.receive()
+            first, failure = await p.events()
+            assert first.token_ids == [token_for(PROMPT, 0)] and first.finish_reason is None
+            assert failure.finish_reason == "error" and failure.error.kind == "engine_error"
+            assert "does not follow" in failure.error.message
+            assert all_free(prefill) and all_free(decode)
 
     run(main())
 

@@ -15,10 +15,11 @@ Chat requests without ``max_tokens``/``max_completion_tokens`` (and completions 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import SkipJsonSchema
 
 from pdserve.errors import InvalidRequestError
@@ -56,15 +57,15 @@ class FieldPolicy:
 
 EXTRAS = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output", "return_token_ids",
+    "include_stop_str_in_output", "return_token_ids", "guided_json", "guided_regex", "guided_choice",
+    "response_format",  # OpenAI's on chat; on completions as vLLM takes it
 })  # fmt: skip
 """pdserve's vLLM-style extensions (honoured; OpenAI clients send them through ``extra_body``)."""
 _COMMON = frozenset({
     "model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "presence_penalty",
-    "frequency_penalty", "stop", "logit_bias",
+    "frequency_penalty", "stop", "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice",
 })  # fmt: skip
-_STRUCTURED = "pdserve does not constrain the output to a format yet"
-_GUIDED = {name: _STRUCTURED for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+_GUIDED = {"guided_grammar": "pdserve takes no grammars: use guided_regex, guided_choice or a JSON schema"}
 _TOOLS = "pdserve does not do tool or function calling"
 
 COMPLETION_FIELDS = FieldPolicy(
@@ -77,7 +78,6 @@ _CHAT_ADVISORY = frozenset({
     "prompt_cache_options",
 })  # fmt: skip
 _CHAT_REJECTED = {
-    "response_format": _STRUCTURED + ' (only {"type": "text"}, the default, is accepted)',
     "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS, "parallel_tool_calls": _TOOLS,
     "audio": "the model produces text only", "modalities": 'the model produces text only (["text"] is accepted)',
     "prediction": "pdserve does not use predicted outputs", "web_search_options": "pdserve does not search the web",
@@ -100,7 +100,7 @@ STREAM_OPTIONS_FIELDS = FieldPolicy(
 TEXT_PART_FIELDS = FieldPolicy(
     honoured=frozenset({"type", "text"}), advisory=frozenset({"prompt_cache_breakpoint"})
 )
-_DEFAULTS: dict[str, Any] = {"response_format": {"type": "text"}, "modalities": ["text"]}
+_DEFAULTS: dict[str, Any] = {"modalities": ["text"]}
 """Rejected fields whose value here means "the default" and is accepted."""
 
 Rejected = SkipJsonSchema[Any]
@@ -114,6 +114,21 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``. ``strict`` is accepted and the schema is always enforced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(_Strict):
@@ -142,9 +157,11 @@ class _Common(_Strict):
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None
     """Extension (as vLLM's): each choice also carries the generated ``token_ids``."""
-    guided_json: Rejected = None
-    guided_regex: Rejected = None
-    guided_choice: Rejected = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    """Structured output (``response_format`` as OpenAI's, ``guided_*`` as vLLM's): :func:`_guided`."""
     guided_grammar: Rejected = None
 
 
@@ -197,7 +214,6 @@ class ChatCompletionRequest(_Common):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    response_format: Rejected = None
     tools: Rejected = None
     tool_choice: Rejected = None
     functions: Rejected = None
@@ -400,6 +416,7 @@ def _invalid(e: ValidationError) -> InvalidRequestError:
 
 _UNION_SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "guided_json": "a JSON schema (an object, or a string holding one)",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text content parts",
 }
@@ -413,7 +430,7 @@ def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _TYPE_TAGS or part.startswith(("list[", "function-")):
+        elif part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-")):
             return out, True
         else:
             out += f".{part}" if out else part
@@ -475,11 +492,55 @@ def _sampling(
     kwargs["max_tokens"] = _UNBOUNDED if max_tokens is None else max_tokens
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    if (guided := _guided(req)) is not None:
+        kwargs["guided"] = guided
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:
         renamed = {"max_tokens": max_name, "logprobs": logprobs_name}.get(e.param or "", e.param)
         raise InvalidRequestError(e.message.replace(e.param or "", renamed or "", 1), renamed) from None
+
+
+def _guided(req: _Common) -> dict[str, Any] | None:
+    """The structured-output constraint (``SamplingParams.guided``) of ``response_format`` or one
+    ``guided_*`` field; at most one of them may constrain the output."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", {"kind": "json", "spec": {"type": "object"}}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequestError(
+                "response_format.json_schema is required when type is json_schema",
+                "response_format.json_schema",
+            )
+        found.append(("response_format", {"kind": "json", "spec": fmt.json_schema.schema_}))
+    if req.guided_json is not None:
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise InvalidRequestError(f"guided_json is not valid JSON: {e}", "guided_json") from None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("guided_json must be a JSON schema object", "guided_json")
+        found.append(("guided_json", {"kind": "json", "spec": schema}))
+    if req.guided_regex is not None:
+        if not req.guided_regex:
+            raise InvalidRequestError("guided_regex must not be empty", "guided_regex")
+        found.append(("guided_regex", {"kind": "regex", "spec": req.guided_regex}))
+    if req.guided_choice is not None:
+        if not req.guided_choice or not all(req.guided_choice):
+            raise InvalidRequestError(
+                "guided_choice must be a non-empty list of non-empty strings", "guided_choice"
+            )
+        found.append(("guided_choice", {"kind": "choice", "spec": list(req.guided_choice)}))
+    if len(found) > 1:
+        names = " and ".join(name for name, _ in found)
+        raise InvalidRequestError(
+            f"only one structured-output constraint may be given, got {names}", found[1][0]
+        )
+    return found[0][1] if found else None
 
 
 def _parsed(

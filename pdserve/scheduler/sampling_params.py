@@ -11,6 +11,9 @@ from pdserve.errors import InvalidRequestError
 MAX_TOP_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; bigger ids would not fit the engine's int tensors
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
+GUIDED_PARAMS = {"json": "response_format", "regex": "guided_regex", "choice": "guided_choice"}
+"""Structured-output kinds (``SamplingParams.guided["kind"]``) and the request field an error about
+each is reported under (a schema that came as ``guided_json`` is reported as ``response_format``)."""
 
 
 @dataclasses.dataclass
@@ -20,7 +23,9 @@ class SamplingParams:
     ``top_k <= 0`` disables top-k; ``logprobs`` is None (off) or the number of top alternatives
     (0..20) returned with each sampled token's own logprob. ``logit_bias`` (token id -> bias in
     [-100, 100], added to the logits before anything else) takes string keys too, as JSON carries
-    them; how many entries a request may give is a router setting (``--max-logit-bias``). How many ``stop`` strings (and how long)
+    them; how many entries a request may give is a router setting (``--max-logit-bias``). ``guided`` (structured output) is None or
+    ``{"kind": "json", "spec": <JSON schema object>}``, ``{"kind": "regex", "spec": <pattern>}`` or
+    ``{"kind": "choice", "spec": [<string>, ...]}``: the output must match it. How many ``stop`` strings (and how long)
     and ``stop_token_ids`` a request may carry is a router setting (``--max-stop-strings`` ...), checked
     by the router's parser: the worker's stop matching costs the same per token whatever they are.
     """
@@ -42,6 +47,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    guided: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +94,8 @@ class SamplingParams:
         for token, bias in (self.logit_bias or {}).items():
             _integer("logit_bias", token, lo=0, hi=MAX_TOKEN_ID)
             _number("logit_bias", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+        if self.guided is not None:
+            _guided(self.guided)
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -119,6 +127,25 @@ def _token_map(value: Any) -> dict[Any, Any]:
             raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         out[key] = bias
     return out
+
+
+def _guided(guided: Any) -> None:
+    if not isinstance(guided, dict) or set(guided) != {"kind", "spec"}:
+        raise InvalidRequestError("guided must be an object with exactly the keys kind and spec", "guided")
+    kind, spec = guided["kind"], guided["spec"]
+    if kind not in GUIDED_PARAMS:
+        raise InvalidRequestError(
+            f"guided.kind must be one of {', '.join(GUIDED_PARAMS)}, got {kind!r}", "guided"
+        )
+    param = GUIDED_PARAMS[kind]
+    if kind == "json" and not isinstance(spec, dict):
+        raise InvalidRequestError("a JSON schema must be an object", param)
+    if kind == "regex" and (not isinstance(spec, str) or not spec):
+        raise InvalidRequestError("a regex must be a non-empty string", param)
+    if kind == "choice" and (
+        not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec)
+    ):
+        raise InvalidRequestError("choices must be a non-empty list of non-empty strings", param)
 
 
 def _number(name: str, value: Any, lo: float | None = None, hi: float | None = None) -> None:

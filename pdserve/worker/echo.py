@@ -5,6 +5,7 @@ computation, so the router, Redis and the hand-off can be measured without the m
 bottleneck: same messages, same Redis traffic, same splitwise hand-off, with a small KV payload
 (one 64-byte "block" per block_size prompt tokens, in shared memory on a decode instance, moved by
 the real transport). Its block bookkeeping is real (reservations, leases, frees). Not for serving.
+Structured output (``response_format``, ``guided_*``) needs a model's choices: refused with a 400.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 from pdserve.cache_transfer import shm
 from pdserve.errors import EngineError, InvalidRequestError, RequestTooLongError
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import GUIDED_PARAMS, SamplingParams
 from pdserve.worker.batcher import blocks_for
 from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
 from pdserve.worker.settings import EngineConfig
@@ -122,6 +123,11 @@ class EchoEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        if params.guided is not None:
+            raise InvalidRequestError(
+                "structured output is not supported by the echo engine (it has no model)",
+                GUIDED_PARAMS[params.guided["kind"]],
+            )
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise RequestTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens", "prompt"

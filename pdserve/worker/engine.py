@@ -25,6 +25,7 @@ from pdserve.worker.batcher import Batcher, BatcherConfig, blocks_for
 from pdserve.worker.block_manager import BlockManager
 from pdserve.worker.cpu import Kernels, choose_kernels
 from pdserve.worker.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.worker.grammar import GrammarMatcher, Grammars
 from pdserve.worker.kv_cache import KVCache, block_bytes
 from pdserve.worker.model import Model
 from pdserve.worker.model_config import ModelConfig
@@ -103,6 +104,7 @@ class LLMEngine:
             invariant = "STRICT" in os.environ.get("MKL_CBWR", "").upper()
         self.runner = ModelRunner(self.cache, batch_invariant=invariant, threads=self.threads)
         self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, self.sampler.vocab_limit)  # structured output
         self.requests: dict[str, _Request] = {}
         self.prefilled: dict[str, Sequence] = {}  # prefill-only sequences holding blocks for hand-off
         self.reserved: dict[str, list[int]] = {}  # blocks reserved for incoming KV
@@ -176,6 +178,8 @@ class LLMEngine:
                 f"has only {self.blocks.capacity}",
                 "max_tokens",
             )
+        if params.guided is not None:
+            self.grammars.compile(params.guided)  # a grammar that does not compile is a 400 here
 
     def add_request(
         self,
@@ -202,7 +206,13 @@ class LLMEngine:
             raise InvalidRequestError(
                 "a token id to resume from is outside the vocabulary", "resume_token_ids"
             )
+        grammar = self._grammar(params)
+        if grammar is not None and not all(map(grammar.advance, resume)):
+            raise InvalidRequestError(
+                "the tokens to resume from do not follow the request's grammar", "resume_token_ids"
+            )
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
+        seq.grammar = grammar
         self._replay(self._track(seq), resume)
         self.batcher.add(seq)
         return seq
@@ -250,6 +260,10 @@ class LLMEngine:
     def _append(self, req: _Request, sample: Sample) -> RequestOutput:
         seq, p = req.seq, req.seq.params
         token = sample.token_id
+        if seq.grammar is not None and not seq.grammar.advance(token):  # its mask allowed nothing
+            self._finish(req)
+            error = f"structured output: the grammar allows no next token ({seq.grammar.error})"
+            return self._output(req, [], "", None, finish_reason="error", error=error)
         seq.output_token_ids.append(token)
         logprobs = None
         if p.logprobs is not None:
@@ -261,11 +275,17 @@ class LLMEngine:
                 )
             ]
         text, reason = self._advance_text(req, token)
-        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
-            tail, matched = req.stop.feed(req.detok.flush())
-            text += tail if matched else tail + req.stop.flush()
-            reason = "stop" if matched else reason
+        if reason is None:
+            if seq.grammar is not None and seq.grammar.done:  # the grammar is complete
+                end = "stop"
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                end = "length"
+            else:
+                end = None
+            if end is not None:
+                tail, matched = req.stop.feed(req.detok.flush())
+                text += tail if matched else tail + req.stop.flush()
+                reason = "stop" if matched else end
         queued = {}
         if seq.num_output_tokens == 1 and seq.scheduled_at is not None:
             queued["queue_s"] = seq.scheduled_at - seq.arrival_time
@@ -380,18 +400,30 @@ class LLMEngine:
         """Continue a request whose prompt K/V now sits in its reserved blocks.
 
         The first token was already reported by the prefill side; it is replayed through this
-        engine's detokenizer, stop matcher and sampler generator (without output) so that text,
-        stop holdback and seeded sampling continue exactly where the prefill side left them.
+        engine's detokenizer, stop matcher, sampler generator and grammar (without output) so that
+        text, stop holdback, seeded sampling and structured output continue exactly where the
+        prefill side left them.
         """
-        blocks = self.reserved.pop(request_id, None)
-        if blocks is None:
+        if request_id not in self.reserved:
             raise EngineError(f"no reserved blocks for request {request_id!r}")
+        grammar = self._grammar(params)
+        if grammar is not None and not grammar.advance(first_token):
+            raise EngineError(
+                f"the prefill's first token {first_token} does not follow the request's grammar"
+            )
+        blocks = self.reserved.pop(request_id)
         seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq.grammar = grammar
         seq.block_table = blocks
         seq.num_computed_tokens = len(prompt_token_ids)
         self._replay(self._track(seq), [first_token])
         self.batcher.add_running(seq)
         return seq
+
+    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A constrained request's matcher at the grammar's start (None: no grammar). Tokens
+        generated elsewhere (resumed, or the prefill's first token) are replayed into it too."""
+        return None if params.guided is None else self.grammars.matcher(params.guided)
 
     def _replay(self, req: _Request, tokens: list[int]) -> None:
         """Take ``tokens`` as generated elsewhere: through the detokenizer, the stop matcher and

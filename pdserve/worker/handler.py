@@ -105,7 +105,13 @@ class RequestHandler:
                 self._started[key] = received
             if prepared.prompt_text is not None:
                 self._echo[key] = prepared.prompt_text
-            await self.ctx.engine.add(key, prepared)
+            try:
+                await self.ctx.engine.add(key, prepared)
+            except InvalidRequestError as e:  # e.g. resumed tokens that do not follow its grammar
+                del self.owners[key]
+                self._started.pop(key, None)
+                self._echo.pop(key, None)
+                return await messenger.fail(owner, e)
 
     async def on_abort(self, msg: Abort) -> None:
         prefix = f"{msg.request_id}/"

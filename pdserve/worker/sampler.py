@@ -1,8 +1,9 @@
 """Token selection from logits, in numpy, one row per sequence.
 
-Order (as vLLM/HF do it): logit_bias -> min_tokens mask -> repetition/presence/frequency penalties
--> greedy or temperature -> top_k -> top_p -> min_p -> one uniform draw from the sequence's own
-generator (inverse CDF over candidates sorted by probability, ties by id). Exactly one draw per sampled token
+Order (as vLLM/HF do it): logit_bias -> grammar mask (structured output: tokens the grammar does
+not allow next are -inf) -> min_tokens mask -> repetition/presence/frequency penalties -> greedy or
+temperature -> top_k -> top_p -> min_p -> one uniform draw from the sequence's own generator
+(inverse CDF over candidates sorted by probability, ties by id). Exactly one draw per sampled token
 keeps a seeded request reproducible, and lets a decode instance continue a seeded request that a
 prefill instance started by skipping the draws already made. Logprobs describe the raw model
 distribution (before penalties and temperature), as OpenAI's do.
@@ -52,6 +53,7 @@ class Sampler:
             and p.frequency_penalty == 0.0
             and not p.logit_bias
             and seq.num_output_tokens >= p.min_tokens
+            and seq.grammar is None
         )
 
     def _sample_row(self, raw: np.ndarray, seq: Sequence) -> Sample:
@@ -65,9 +67,13 @@ class Sampler:
                 seq.logit_bias = (ids[keep], vals[keep])
             ids, vals = seq.logit_bias
             row[ids] += vals
+        allowed = seq.grammar.allowed() if seq.grammar is not None else None
+        if allowed is not None and allowed.any():  # none allowed: the engine fails the request
+            row[~allowed] = -np.inf
         if seq.num_output_tokens < p.min_tokens:
             banned = [t for t in [*self.eos_token_ids, *p.stop_token_ids] if t < row.size]
-            row[banned] = -np.inf
+            if allowed is None or np.delete(allowed, banned).any():  # the grammar may leave only EOS
+                row[banned] = -np.inf
         self._apply_penalties(row, seq)
         token = int(row.argmax()) if p.is_greedy else self._draw(row, seq)
         sample = Sample(token)

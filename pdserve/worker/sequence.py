@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pdserve.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.worker.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +39,7 @@ class Sequence:
     logit_bias: tuple[np.ndarray, np.ndarray] | None = (
         None  # params.logit_bias as (ids, biases), by the sampler
     )
+    grammar: GrammarMatcher | None = None  # structured output: where the output is in its grammar
 
     @property
     def num_prompt_tokens(self) -> int:

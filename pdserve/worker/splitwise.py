@@ -304,10 +304,17 @@ class DecodeLease:
         if msg.error is not None:
             await self._fail(f"the prefill failed: {msg.error.message}")
             return None
-        self.state = DecodeState.DECODING
-        params = SamplingParams.from_dict(self.msg.sampling)
-        await self.ctx.engine.add_prefilled(self.key, list(msg.prompt_token_ids), msg.first_token, params)
-        return Owner(self.msg.router_id, msg.request_id, msg.attempt)
+        self.state = DecodeState.DECODING  # before any await: the lease's timer must not free it now
+        owner = Owner(self.msg.router_id, msg.request_id, msg.attempt)
+        try:  # the engine rebuilds the request's state (a grammar's included) from the first token
+            params = SamplingParams.from_dict(self.msg.sampling)
+            await self.ctx.engine.add_prefilled(self.key, list(msg.prompt_token_ids), msg.first_token, params)
+        except PdserveError as e:
+            log.warning("%s: could not continue the prefilled request: %s", self.key, e.message)
+            await self._fail(e.message)
+            await self.ctx.messenger.fail(owner, e)
+            return None
+        return owner
 
     async def tick(self) -> None:
         if self.state is DecodeState.RESERVED and self.ctx.clock.time() > self.expires_at:
