@@ -30,4 +30,5 @@ def test_schemathesis_finds_no_server_error(tiny_model_dir, redis_url, tmp_path)
         generated, passed = map(int, re.search(r"(\d+) generated, (\d+) passed", out).groups())
         assert generated == passed >= 300, out[-4000:]
     finally:
-        assert stack.stop(grace_s=15) == []
+        # fuzzed multi-choice requests can keep the decode busy up to its 30 s drain timeout
+        assert stack.stop(grace_s=40) == []

@@ -53,6 +53,7 @@ class RequestHandler:
         self._echo: dict[str, str] = {}  # engine key -> its prompt's text, sent with token 1 (echo)
         self._routers_seen: dict[str, float] = {}  # router id -> monotonic time its key was last seen
         self._routers_checked_at = float("-inf")
+        self._trust_routers_after = float("-inf")
 
     def in_flight(self) -> int:
         return len(self.owners) + len(self.splitwise)
@@ -158,9 +159,14 @@ class RequestHandler:
             self._routers_checked_at = now
             await self._drop_orphans()
 
+    def control_plane_failed(self) -> None:
+        """Redis failed us: for one TTL from now a router's missing key is no evidence that it died
+        (a restarted Redis is empty until every router's next heartbeat)."""
+        self._trust_routers_after = self.ctx.clock.monotonic() + self.routers.ttl_s
+
     async def _drop_orphans(self) -> None:
         routers = {o.router_id for o in self.owners.values()} | self.splitwise.router_ids()
-        if not routers:
+        if not routers or self.ctx.clock.monotonic() < self._trust_routers_after:
             return
         gone = routers - await self.routers.alive(routers)
         for key, owner in list(self.owners.items()):
@@ -176,7 +182,10 @@ class RequestHandler:
     async def _router_alive(self, router_id: str) -> bool:
         """Checked at most once a second per router: new work of a router that is gone is dropped."""
         now = self.ctx.clock.monotonic()
-        if now - self._routers_seen.get(router_id, float("-inf")) < ROUTER_CHECK_S:
+        if (
+            now - self._routers_seen.get(router_id, float("-inf")) < ROUTER_CHECK_S
+            or now < self._trust_routers_after
+        ):
             return True
         try:
             alive = router_id in await self.routers.alive([router_id])

@@ -236,6 +236,7 @@ class WorkerService:
                 failures = 0
             except ControlPlaneError as e:
                 failures += 1
+                self.handler.control_plane_failed()
                 log.warning("reading the inbox failed (%s); retry %d", e, failures)
                 await asyncio.sleep(min(0.1 * 2**failures, 2.0))
                 continue
