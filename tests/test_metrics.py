@@ -143,3 +143,25 @@ def test_metrics_off_and_open_with_api_keys(tiny_model_dir, redis_url) -> None:
             assert router_metrics.NAMES[0] in metrics.text
         else:
             assert metrics.status_code == 404
+
+
+def test_loop_histogram_matches_prometheus_client() -> None:
+    """The router's lock-free histogram exposes what prometheus_client's Histogram would."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from pdserve.router.metrics import ITL_BUCKETS, LoopHistogram
+
+    mine, theirs = CollectorRegistry(), CollectorRegistry()
+    a = LoopHistogram("pdserve_x_seconds", "x", ITL_BUCKETS, mine)
+    b = Histogram("pdserve_x_seconds", "x", buckets=ITL_BUCKETS, registry=theirs)
+    for v in (0.0, 0.0005, 0.00051, 0.001, 0.3, 5.0, 7.5, 1e9, *ITL_BUCKETS):
+        a.observe(v)
+        b.observe(v)
+
+    def samples(registry):
+        text = generate_latest(registry).decode()
+        return sorted((s.name, tuple(sorted(s.labels.items())), s.value)
+                      for f in text_string_to_metric_families(text) for s in f.samples
+                      if not s.name.endswith("_created"))  # fmt: skip
+
+    assert samples(mine) == samples(theirs)
