@@ -131,7 +131,7 @@ def start_system(
     """Start one system; returns its URL, the router pids to meter, and Redis's pid (pdserve)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    if name == "pdserve":
+    if name in ("pdserve", "pdserve-nometrics"):
         from pdserve.scheduler.embedded import EmbeddedRedis
 
         redis = EmbeddedRedis()
@@ -142,8 +142,10 @@ def start_system(
             procs.start(f"pdserve-{role}", [*cli, "worker", "--engine", "echo", "--role", role, "--model",
                                             str(model_dir), "--redis-url", redis.url, "--kv-transfer", "shm"])  # fmt: skip
         router = procs.start(
-            "pdserve-router", [*cli, "router", "--port", str(port), "--redis-url", redis.url]
-        )
+            "pdserve-router",
+            [*cli, "router", "--port", str(port), "--redis-url", redis.url,
+             *(["--no-metrics"] if name == "pdserve-nometrics" else [])],
+        )  # fmt: skip
         return url, [router.pid], redis.proc.pid
     p, boot, d = start_mocks(procs, model, model_dir)
     prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
@@ -196,7 +198,15 @@ def main() -> int:
         "--requests", type=int, default=2000, help="measured requests per run (default %(default)s)"
     )
     ap.add_argument("--concurrency", default="32,8", help="comma-separated (default %(default)s)")
-    ap.add_argument("--systems", default="sglang,vllm,pdserve", help="which to run (default %(default)s)")
+    ap.add_argument(
+        "--systems",
+        default="sglang,vllm,pdserve",
+        help="which to run: sglang, vllm, pdserve, pdserve-nometrics (its router with --no-metrics) "
+        "(default %(default)s)",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="run the systems this many times, alternating (default 1)"
+    )
     ap.add_argument("--peers-venv", type=Path, default=Path.home() / ".cache" / "pdserve" / "peers-venv")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "router_overhead.json")
     args = ap.parse_args()
@@ -209,7 +219,7 @@ def main() -> int:
     logs = args.out.parent / "router_overhead_logs"
     logs.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name in systems:
+    for round_, name in ((r, name) for r in range(args.rounds) for name in systems):
         procs = Procs(logs)
         try:
             url, pids, redis_pid = start_system(name, procs, venv, model, model_dir)
@@ -219,6 +229,7 @@ def main() -> int:
                 rows.append(
                     {
                         "system": name,
+                        "round": round_,
                         "concurrency": c,
                         **measure(url, model, args.requests, c, pids, redis_pid),
                     }
@@ -226,6 +237,7 @@ def main() -> int:
         finally:
             procs.stop()
     print_table(rows)
+    print_metrics_cost(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps({"cores": os.cpu_count(), "requests": args.requests, "rows": rows}, indent=2)
@@ -236,17 +248,34 @@ def main() -> int:
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{os.cpu_count()} cores; streaming chat, 16 output tokens; CPU ms per request")
-    head = f"{'system':<8} {'conc':>4} {'ok':>5} {'req/s':>8} {'TTFT p50':>9} {'p99':>8} {'E2E p50':>8} {'p99':>8} "
+    head = f"{'system':<17} {'conc':>4} {'ok':>5} {'req/s':>8} {'TTFT p50':>9} {'p99':>8} {'E2E p50':>8} {'p99':>8} "
     print(head + f"{'router CPU':>10} {'+Redis':>7} {'loadgen':>7} {'req/s vs best peer':>19}")
     for r in rows:
         peers = [
-            x["req_s"] for x in rows if x["concurrency"] == r["concurrency"] and x["system"] != "pdserve"
+            x["req_s"]
+            for x in rows
+            if x["concurrency"] == r["concurrency"] and not x["system"].startswith("pdserve")
         ]
         ratio = f"{r['req_s'] / max(peers):.2f}x" if peers else "-"
         redis = f"{r['redis_cpu_ms_per_req']:.2f}" if r["redis_cpu_ms_per_req"] is not None else "-"
-        print(f"{r['system']:<8} {r['concurrency']:>4} {r['ok']:>5} {r['req_s']:>8.1f} {r['ttft_p50_ms']:>9.2f} "
+        print(f"{r['system']:<17} {r['concurrency']:>4} {r['ok']:>5} {r['req_s']:>8.1f} {r['ttft_p50_ms']:>9.2f} "
               f"{r['ttft_p99_ms']:>8.2f} {r['e2e_p50_ms']:>8.2f} {r['e2e_p99_ms']:>8.2f} "
               f"{r['router_cpu_ms_per_req']:>10.2f} {redis:>7} {r['loadgen_cpu_share']:>6.0%} {ratio:>19}")  # fmt: skip
+
+
+def print_metrics_cost(rows: list[dict]) -> None:
+    """pdserve's router CPU per request with metrics on vs off (the mean over rounds)."""
+    for c in sorted({r["concurrency"] for r in rows}):
+        on = [r["router_cpu_ms_per_req"] for r in rows if r["system"] == "pdserve" and r["concurrency"] == c]
+        off = [
+            r["router_cpu_ms_per_req"]
+            for r in rows
+            if r["system"] == "pdserve-nometrics" and r["concurrency"] == c
+        ]
+        if on and off:
+            a, b = sum(on) / len(on), sum(off) / len(off)
+            print(f"concurrency {c}: router CPU {a:.3f} ms/req with metrics, {b:.3f} without: "
+                  f"{(a / b - 1) * 100:+.1f} % ({len(on)} + {len(off)} runs, alternated)")  # fmt: skip
 
 
 if __name__ == "__main__":

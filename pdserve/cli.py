@@ -261,6 +261,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     stack = running_stack() if args.redis_url is None else None
     redis_url = args.redis_url or (stack or {}).get("redis_url") or DEFAULT_URL
     cluster = args.cluster or (stack or {}).get("cluster") or DEFAULT_CLUSTER
+    if args.watch is not None:
+        from pdserve.status import watch
+
+        return watch(redis_url, cluster, args.watch)
     return run_status(redis_url, cluster, args.json, args.check)
 
 
@@ -470,6 +474,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="INSTANCE_ID",
         default=None,
         help="health check: exit 0 if that instance is registered and not draining, else 1 (says why)",
+    )
+    status.add_argument(
+        "--watch",
+        metavar="SECONDS",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=None,
+        help="a live view (live set, loads, KV usage, stream depths, routers) refreshed every SECONDS "
+        "(default 1) until Ctrl-C",
     )
     status.set_defaults(func=cmd_status)
     return parser

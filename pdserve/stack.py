@@ -28,7 +28,7 @@ from pdserve.cache_transfer import shm
 from pdserve.errors import ConfigError
 from pdserve.flags import setting, to_argv
 from pdserve.router.settings import RouterSettings
-from pdserve.scheduler.embedded import EmbeddedRedis
+from pdserve.scheduler.embedded import EmbeddedRedis, free_port
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.worker.settings import ENGINES, KV_TRANSFERS, EngineConfig, WorkerSettings
@@ -65,6 +65,10 @@ class StackSpec:
         name="--engine",
         choices=ENGINES,
     )
+    metrics: bool = setting(
+        False, "give every worker a Prometheus port (free ports, printed in the banner; routers always "
+        "serve /metrics) (default off)",
+    )  # fmt: skip
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # every worker's
     ready_timeout_s: float = 120.0
 
@@ -137,6 +141,7 @@ class Stack:
         self.restarts: dict[str, int] = {}
         self._restart_at: dict[str, float] = {}
         self.segment_owners: set[str] = set()  # children with a KV cache in /dev/shm (decode workers)
+        self.metrics_ports: dict[str, int] = {}  # worker name -> its --metrics-port (with --metrics)
 
     @property
     def urls(self) -> list[str]:
@@ -169,7 +174,10 @@ class Stack:
                     kv_transfer=spec.kv_transfer,
                     engine_kind=spec.engine_kind,
                     engine=engine,
+                    metrics_port=free_port() if spec.metrics else 0,
                 )
+                if spec.metrics:
+                    self.metrics_ports[name] = worker.metrics_port
                 self.instance_ids.append(worker.instance_id)
                 if role == "decode":
                     self.segment_owners.add(name)
@@ -286,13 +294,18 @@ class Stack:
 def banner(stack: Stack, model_name: str, elapsed: float) -> str:
     url = stack.urls[0]
     more = f"        (also {', '.join(f'{u}/v1' for u in stack.urls[1:])})" if len(stack.urls) > 1 else ""
+    workers_metrics = "".join(
+        f"\n               {name}: http://127.0.0.1:{port}/metrics"
+        for name, port in stack.metrics_ports.items()
+    )
     return f"""
 pdserve is up in {elapsed:.1f} s: {len(stack.routers)} router(s), {stack.spec.prefill} prefill, \
 {stack.spec.decode} decode, {stack.spec.mixed} mixed.
 
   OpenAI API:  {url}/v1{more}
   Redis:       {stack.redis_url}  (cluster {stack.spec.cluster!r})
-  status:      {command("pdserve")} status      (finds this stack's Redis by itself)
+  status:      {command("pdserve")} status      (finds this stack's Redis by itself; --watch: live)
+  metrics:     {url}/metrics{workers_metrics}
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'

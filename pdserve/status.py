@@ -24,24 +24,29 @@ async def collect(redis_url: str, cluster: str) -> dict[str, Any]:
     redis = RedisSettings.from_url(redis_url).connect()
     try:
         await wait_for_redis(redis, timeout_s=5)
-        keys = Keys(cluster)
-        instances = await InstanceRegistry(redis, keys).live()
-        routers = await RouterRegistry(redis, keys).live()
-        pipe = redis.pipeline(transaction=False)
-        for i in instances:
-            pipe.xlen(keys.inbox(i.id))
-            pipe.pttl(keys.instance(i.id))
-        for r in routers:
-            pipe.xlen(keys.outbox(r.id))
-        replies = await pipe.execute()
-        pending = []
-        for i in instances:
-            try:
-                pending.append(int((await redis.xpending(keys.inbox(i.id), INBOX_GROUP))["pending"]))
-            except Exception:
-                pending.append(0)
+        return await read(redis, cluster)
     finally:
         await redis.aclose()
+
+
+async def read(redis: Any, cluster: str) -> dict[str, Any]:
+    """The status from one connected client (``collect`` without the connection)."""
+    keys = Keys(cluster)
+    instances = await InstanceRegistry(redis, keys).live()
+    routers = await RouterRegistry(redis, keys).live()
+    pipe = redis.pipeline(transaction=False)
+    for i in instances:
+        pipe.xlen(keys.inbox(i.id))
+        pipe.pttl(keys.instance(i.id))
+    for r in routers:
+        pipe.xlen(keys.outbox(r.id))
+    replies = await pipe.execute()
+    pending = []
+    for i in instances:
+        try:
+            pending.append(int((await redis.xpending(keys.inbox(i.id), INBOX_GROUP))["pending"]))
+        except Exception:
+            pending.append(0)
     now = time.time()
     out_instances = []
     for n, i in enumerate(instances):
@@ -155,4 +160,77 @@ def check_instance(info: InstanceInfo | None, instance_id: str, cluster: str) ->
     print(
         f"{instance_id}: ready ({info.load.running} running, {kv.free_blocks}/{kv.num_blocks} KV blocks free)"
     )
+    return 0
+
+
+def view(status: dict[str, Any] | None, error: str | None = None) -> Any:
+    """The ``--watch`` screen: a rich renderable of one status (or of why there is none)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    stamp = time.strftime("%H:%M:%S")
+    if status is None:
+        return Text(f"{stamp}  {error}", style="bold red")
+    head = Text(
+        f"{stamp}  cluster {status['cluster']}: {len(status['instances'])} instance(s), "
+        f"{len(status['routers'])} router(s)    (Ctrl-C to quit)",
+        style="bold",
+    )
+    instances = Table(expand=False, header_style="bold")
+    for column in (
+        "INSTANCE",
+        "ROLE",
+        "MODEL",
+        "RUN",
+        "WAIT",
+        "WAIT TOK",
+        "KV USED",
+        "INBOX",
+        "AGE",
+        "STATE",
+    ):
+        instances.add_column(column, no_wrap=True)
+    for i in status["instances"]:
+        used = i["num_blocks"] - i["free_blocks"]
+        share = used / i["num_blocks"] if i["num_blocks"] else 0.0
+        bar = "#" * round(share * 10) + "." * (10 - round(share * 10))
+        instances.add_row(
+            i["id"], i["role"], i["model"], str(i["running"]), str(i["waiting"]),
+            str(i["waiting_prefill_tokens"]), f"{bar} {share:4.0%} ({used}/{i['num_blocks']})",
+            f"{i['inbox_len']} ({i['inbox_pending']} pending)", _age(i["age_s"]),
+            Text("draining", style="yellow") if i["draining"] else Text("ready", style="green"),
+        )  # fmt: skip
+    routers = Table(expand=False, header_style="bold")
+    for column in ("ROUTER", "ADDRESS", "OUTBOX", "AGE"):
+        routers.add_column(column, no_wrap=True)
+    for r in status["routers"]:
+        routers.add_row(r["id"], f"{r['host']}:{r['port']}", str(r["outbox_len"]), _age(r["age_s"]))
+    return Group(head, instances, routers)
+
+
+def watch(redis_url: str, cluster: str, interval_s: float = 1.0) -> int:
+    """``pdserve status --watch``: redraw the status every ``interval_s`` until Ctrl-C (exit 0).
+    Redis being away is shown on the screen, and the view resumes when it answers again."""
+    from rich.console import Console
+    from rich.live import Live
+
+    async def loop(live: Live) -> None:
+        redis = RedisSettings.from_url(redis_url).connect()
+        try:
+            while True:
+                try:
+                    live.update(view(await asyncio.wait_for(read(redis, cluster), 5)), refresh=True)
+                except Exception as e:
+                    live.update(view(None, f"cannot read {redis_url}: {e}"), refresh=True)
+                await asyncio.sleep(interval_s)
+        finally:
+            await redis.aclose()
+
+    console = Console()
+    try:
+        with Live(view(None, "connecting ..."), console=console, auto_refresh=False, screen=False) as live:
+            asyncio.run(loop(live))
+    except KeyboardInterrupt:
+        pass
     return 0

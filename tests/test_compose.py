@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,7 +52,9 @@ def compose_config(files: list[str], **env: str) -> dict:
 def test_docker_compose_accepts_the_files(files) -> None:
     need("docker-compose")
     config = compose_config(files, PDSERVE_REDIS_PASSWORD="x")
-    services = config["services"]
+    services = {
+        s: spec for s, spec in config["services"].items() if "monitoring" not in spec.get("profiles", ())
+    }
     assert set(services) == {"redis", "model", "prefill", "decode", "router", "lb"}
     published = [s for s, spec in services.items() if spec.get("ports")]
     assert published == ["lb"]  # only the load balancer is reachable from the host
@@ -62,6 +65,72 @@ def test_docker_compose_accepts_the_files(files) -> None:
     if len(files) == 2:
         assert services["decode"]["ipc"] == "private"
         assert services["decode"]["environment"]["PDSERVE_KV_TRANSFER"] == "mooncake"
+
+
+def test_monitoring_profile() -> None:
+    """prometheus and grafana only with --profile monitoring; Prometheus scrapes every router on
+    its port and every worker on the metrics port the compose file gives them; Grafana gets the
+    datasource and the dashboard from deploy/."""
+    need("docker-compose")
+    config = compose_config(["docker-compose.yml"], PDSERVE_REDIS_PASSWORD="x", PDSERVE_METRICS_PORT="9100")
+    services = config["services"]
+    assert {s for s, spec in services.items() if spec.get("profiles")} == {"prometheus", "grafana"}
+    assert all(services[s]["profiles"] == ["monitoring"] for s in ("prometheus", "grafana"))
+    for name in ("prometheus", "grafana"):
+        assert services[name].get("healthcheck") and services[name]["restart"] == "unless-stopped"
+        for source in bind_mounts(services[name]).values():
+            assert source.exists() and ROOT in source.parents, source  # every bind mount is in the repository
+    assert services["decode"]["environment"]["PDSERVE_METRICS_PORT"] == "9100"
+    assert compose_config(["docker-compose.yml"], PDSERVE_REDIS_PASSWORD="x")["services"]["decode"][
+        "environment"]["PDSERVE_METRICS_PORT"] == "0"  # fmt: skip
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())["scrape_configs"]
+    jobs = {job["job_name"]: job["dns_sd_configs"][0] for job in scrape}
+    router_port = int(services["router"]["command"][services["router"]["command"].index("--port") + 1])
+    assert jobs["pdserve-router"]["names"] == ["router"] and jobs["pdserve-router"]["port"] == router_port
+    assert (
+        set(jobs["pdserve-worker"]["names"]) == {"prefill", "decode"}
+        and jobs["pdserve-worker"]["port"] == 9100
+    )
+    mounts = bind_mounts(services["grafana"])
+    provider = yaml.safe_load((mounts["/etc/grafana/provisioning"] / "dashboards/pdserve.yml").read_text())
+    dashboards = provider["providers"][0]["options"]["path"]
+    assert (mounts[dashboards] / "pdserve.json").is_file()
+    source = yaml.safe_load((mounts["/etc/grafana/provisioning"] / "datasources/prometheus.yml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def bind_mounts(spec: dict) -> dict[str, Path]:
+    """A service's bind mounts, target -> source (`config` prints them short or long)."""
+    out = {}
+    for v in spec.get("volumes", ()):
+        source, target = (v.split(":")[:2]) if isinstance(v, str) else (v["source"], v["target"])
+        out[target] = Path(source)
+    return out
+
+
+def dashboard_metric_names() -> set[str]:
+    """Every metric family the dashboard's PromQL names (histogram suffixes stripped)."""
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/pdserve.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert exprs
+    names = set()
+    for expr in exprs:
+        for name in re.findall(r"\b(pdserve_[a-z0-9_]+)", expr):
+            names.add(re.sub(r"_(bucket|sum|count)$", "", name))
+    return names
+
+
+def test_dashboard_uses_only_exported_metrics() -> None:
+    """Each metric of the Grafana dashboard is declared by the router's or the workers' metrics
+    module (tests/test_metrics.py checks that those are exactly what the processes expose)."""
+    from pdserve.router.metrics import NAMES as ROUTER
+    from pdserve.worker.metrics import NAMES as WORKER
+
+    used = dashboard_metric_names()
+    assert not used - set(ROUTER) - set(WORKER), used - set(ROUTER) - set(WORKER)
+    for needed in ("pdserve_ttft_seconds", "pdserve_server_ttft_seconds", "pdserve_inter_token_latency_seconds",
+                   "pdserve_worker_kv_transfer_seconds", "pdserve_retries_total", "pdserve_worker_waiting"):  # fmt: skip
+        assert needed in used
 
 
 def argv(spec: dict) -> list[str]:

@@ -4,7 +4,8 @@ small operator endpoints. The generation endpoints are raw ASGI apps from :mod:`
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (the process is up), ``GET /ready`` (Redis answers and
 something can generate), ``GET /version``, ``GET /v1/instances`` (the live set plus this router's
-in-flight counts, for operators).
+in-flight counts, for operators), ``GET /metrics`` (Prometheus text; open like /health; 404 with
+``--no-metrics``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
@@ -37,6 +39,7 @@ from pdserve.router.errors import (
     error_body,
     error_status,
 )
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
 from pdserve.router.serving import GenerateEndpoint, send_error
 from pdserve.router.settings import RouterSettings
@@ -62,6 +65,7 @@ class RouterState:
         self.reader: OutboxReader | None = None
         self.heartbeat: Heartbeat[RouterInfo] | None = None
         self._dispatcher: Dispatcher | None = None
+        self.metrics = RouterMetrics() if settings.metrics else None
         self.admission = Admission(
             settings.max_in_flight, settings.max_queued, settings.first_token_timeout_s
         )
@@ -84,7 +88,9 @@ class RouterState:
             await self.reader.start()
             self.heartbeat = Heartbeat(RouterRegistry(self.redis, keys, s.ttl_s), self._router_info)
             await self.heartbeat.start()
-            dispatcher = Dispatcher(self.redis, keys, live, self.reader, s)
+            dispatcher = Dispatcher(self.redis, keys, live, self.reader, s, metrics=self.metrics)
+            if self.metrics is not None:
+                self.metrics.watch_live(live)
             dispatcher.start()
             self._dispatcher = dispatcher
         except BaseException:
@@ -160,7 +166,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     )
     app.state.router = state
     for path, parse in (("/v1/completions", parse_completion), ("/v1/chat/completions", parse_chat)):
-        endpoint = GenerateEndpoint(state, parse)
+        endpoint = GenerateEndpoint(state, parse, path)
         app.fast_routes[path] = endpoint
         app.router.routes.insert(0, Route(path, endpoint, methods=["POST"]))  # 405 for other methods
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -189,6 +195,13 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
     async def health(request: Request) -> Response:
         """The process is up (says nothing about Redis or instances: see /ready)."""
         return _json(request, {"status": "ok", "router_id": state.settings.router_id})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus text exposition of this router's metrics (pdserve/router/metrics.py)."""
+        if state.metrics is None:
+            raise StarletteHTTPException(404, "metrics are off (--no-metrics)")
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:

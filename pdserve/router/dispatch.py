@@ -53,6 +53,7 @@ from pdserve.errors import (
     PdserveError,
     RequestTimeoutError,
 )
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.protocol import ParsedRequest, Prompt
 from pdserve.router.selection import Route, Selector
 from pdserve.router.sender import InboxSender
@@ -87,7 +88,10 @@ class Dispatcher:
         reader: OutboxReader,
         settings: RouterSettings,
         clock: Callable[[], float] = time.time,
+        metrics: RouterMetrics | None = None,
     ) -> None:
+        self.metrics = metrics
+        """None: metrics are off (``--no-metrics``)."""
         self.redis = redis
         self.keys = keys
         self.live = live
@@ -122,9 +126,12 @@ class Dispatcher:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    async def open(self, parsed: ParsedRequest, request_id: str, model: str) -> list[Generation]:
+    async def open(
+        self, parsed: ParsedRequest, request_id: str, model: str, arrived: float | None = None
+    ) -> list[Generation]:
         """Start one generation per choice, in OpenAI's choice order (``n`` per prompt), each
-        sending its message; on failure none stays open."""
+        sending its message; on failure none stays open. ``arrived``: time.monotonic() of the
+        request's arrival (its TTFT counts from there)."""
         now = self.clock()
         deadline = now + self.settings.request_timeout_s
         choices = parsed.choices()
@@ -133,6 +140,8 @@ class Dispatcher:
         try:
             for rid, (prompt, sampling) in zip(ids, choices):
                 gen = Generation(self, rid, parsed, prompt, sampling, model, deadline)
+                if arrived is not None:
+                    gen.arrived = arrived
                 gens.append(gen)
             if len(gens) == 1:
                 await gens[0].start()
@@ -240,6 +249,10 @@ class Generation:
         """Token ids handed to the caller over all attempts: where a migration resumes."""
         self.retries = 0
         self.migrations = 0
+        self.arrived = time.monotonic()
+        """When the client's request arrived (TTFT and end-to-end latency count from it)."""
+        self.error: ErrorInfo | None = None
+        """What ended the generation, if it failed."""
         self.finished = False
         self.succeeded = False
         self._exclude: set[str] = set()
@@ -276,9 +289,11 @@ class Generation:
                     await self._retry(error)
                 except PdserveError as e:
                     if not self.delivered:
+                        self.error = ErrorInfo.of(e)
                         raise
                     logger.warning("request %s could not be migrated: %s", self.request_id, e)
                     self.finished = True
+                    self.error = error
                     self._end_reason = f"{error.kind}: {error.message}"
                     return RequestDelta(request_id=self.request_id, finish_reason="error", error=error,
                                         attempt=self.attempt)  # fmt: skip
@@ -305,6 +320,7 @@ class Generation:
                 self._pending_retry = error
                 return None
             self.finished = True
+            self.error = error
             self._end_reason = f"{error.kind}: {error.message}"
             return delta
         if delta.finish_reason is not None:
@@ -317,8 +333,13 @@ class Generation:
             if echo is None:
                 logger.warning("request %s: the worker sent no prompt text to echo", self.request_id)
             delta.text = (echo or "") + delta.text
+        now = time.monotonic()
+        metrics = self.dispatcher.metrics
+        if metrics is not None:
+            metrics.on_delta(delta, not self.delivered and not self.has_tokens, self.arrived,
+                             self.last_delta_at, now)  # fmt: skip
         self.delivered += delta.token_ids
-        self.last_delta_at = time.monotonic()
+        self.last_delta_at = now
         if not self.has_tokens:
             self._first_token()
         return delta
@@ -370,6 +391,8 @@ class Generation:
         now = d.clock()
         msg = self._message(route, now)
         self.route, self.watched, self._blamed = route, route.instance_ids, ()
+        if d.metrics is not None:
+            d.metrics.on_route(route)
         for instance_id in route.instance_ids:
             d._hold(instance_id)
             self._held.append(instance_id)
@@ -420,11 +443,15 @@ class Generation:
         if self.delivered:
             self.migrations += 1
             d.num_migrations += 1
+            if d.metrics is not None:
+                d.metrics.migrations.inc()
             logger.warning("request %s attempt %d on %s failed after %d tokens (%s: %s); migrating it",
                            self.request_id, self.attempt, where, len(self.delivered), error.kind, error.message)  # fmt: skip
         else:
             self.retries += 1
             d.num_retries += 1
+            if d.metrics is not None:
+                d.metrics.on_retry(error.kind)
             logger.warning("request %s attempt %d on %s failed (%s: %s); retrying on a fresh pair",
                            self.request_id, self.attempt, where, error.kind, error.message)  # fmt: skip
         self._exclude.update(self._blamed or route.instance_ids)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -118,12 +119,16 @@ async def send_error(send: Send, exc: BaseException, rid: str) -> None:
 class GenerateEndpoint:
     """``POST /v1/completions`` (``parse`` = parse_completion) or ``/v1/chat/completions``."""
 
-    def __init__(self, state: RouterState, parse: Callable[[bytes, InputLimits], ParsedRequest]) -> None:
+    def __init__(
+        self, state: RouterState, parse: Callable[[bytes, InputLimits], ParsedRequest], path: str = ""
+    ) -> None:
         self.state = state
         self.parse = parse
+        self.path = path  # the requests_total label
         self.limits = InputLimits.of(state.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived = time.monotonic()
         headers = scope["headers"]
         # The router's own id routes the tokens; the client's x-request-id is only echoed (and
         # logged), so the same id sent to two routers, or twice, never mixes two requests up.
@@ -139,22 +144,38 @@ class GenerateEndpoint:
             parsed.check_vocab(vocab_size(live, model))
             await self.state.admission.enter()
         except ClientGone:
+            if self.state.metrics is not None:
+                self.state.metrics.on_request(self.path, "", 499, "client_disconnected")
             return
         except Exception as e:
             await send_error(send, e, client_rid or rid)
+            if self.state.metrics is not None:
+                self.state.metrics.on_request(self.path, "", error_status(e)[0], error_kind(e))
             return
+        metrics = self.state.metrics
+        if metrics is None:
+            try:
+                await self._serve(send, receive, parsed, rid, client_rid, model, arrived)
+            finally:
+                self.state.admission.leave()
+            return
+        metrics.active += 1
+        status = StatusSend(send)
         try:
-            await self._serve(send, receive, parsed, rid, client_rid, model)
+            error = await self._serve(status, receive, parsed, rid, client_rid, model, arrived)
         finally:
+            metrics.active -= 1
             self.state.admission.leave()
+        metrics.on_request(self.path, model, status.status, error)
 
     async def _serve(self, send: Send, receive: Receive, parsed: ParsedRequest, rid: str, client_rid: str,
-                     model: str) -> None:  # fmt: skip
+                     model: str, arrived: float | None = None) -> str:  # fmt: skip
+        """Serve an admitted request; returns the kind of the error that ended it ('' for none)."""
         try:
-            gens = await self.state.dispatcher.open(parsed, rid, model)
+            gens = await self.state.dispatcher.open(parsed, rid, model, arrived)
         except Exception as e:
             await send_error(send, e, client_rid)
-            return
+            return error_kind(e)
         if client_rid != rid:
             logger.debug("x-request-id %s is request %s", client_rid, rid)
         builder = ResponseBuilder(parsed.kind, rid, model, logprobs=parsed.logprobs,
@@ -174,6 +195,29 @@ class GenerateEndpoint:
             watch.stop()
             for gen in gens:
                 gen.close()
+        return next((gen.error.kind for gen in gens if gen.error is not None), "")
+
+
+def error_kind(exc: BaseException) -> str:
+    """The wire kind of an exception (the requests_total label)."""
+    if isinstance(exc, UpstreamError):
+        return exc.info.kind
+    return exc.kind if isinstance(exc, PdserveError) else "internal_error"
+
+
+class StatusSend:
+    """``send`` that remembers the response's status (499: none was sent, the client left first)."""
+
+    __slots__ = ("send", "status")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.status = 499
+
+    def __call__(self, message: dict[str, Any]) -> Awaitable[None]:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        return self.send(message)
 
 
 class DisconnectWatch:

@@ -109,6 +109,9 @@ class RouterSettings:
     redis_wait_s: float = 30.0
     """How long startup waits for Redis before giving up."""
     access_log: bool = setting(False, "log every HTTP request (default off)")
+    metrics: bool = setting(
+        True, "Prometheus metrics at GET /metrics, open like /health (default on; --no-metrics: off, 404)"
+    )
     api_key: str = setting(
         "",
         "API keys clients must send as 'Authorization: Bearer KEY' on /v1/* (comma-separated; default: "

@@ -194,6 +194,11 @@ class LiveSetCache(Generic[InfoT]):
         """Seconds since the cached value's refresh started (``inf`` before the first)."""
         return self.clock() - self._fetched_at
 
+    @property
+    def cached(self) -> list[InfoT] | None:
+        """The last value read, however old (None before the first read); never reads Redis."""
+        return self._value
+
     async def get(self) -> list[InfoT]:
         """The live set, at most ``max_age_s`` (+ one refresh) old."""
         if self._value is not None and self.age_s < self.max_age_s:

@@ -136,6 +136,7 @@ class LLMEngine:
             waiting=len(waiting),
             waiting_prefill_tokens=sum(s.num_prompt_tokens for s in waiting),
             free_blocks=self.blocks.num_free,
+            preemptions=self.batcher.num_preemptions,
         )
 
     # ---- requests ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -20,6 +21,7 @@ from pdserve.cache_transfer.regions import Region, block_regions
 from pdserve.errors import InvalidRequestError
 from pdserve.scheduler.messages import GenerateRequest
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput
 
 T = TypeVar("T")
@@ -78,6 +80,7 @@ class EngineClient:
         self.facts = engine.facts()
         self.load = engine.load()
         self.unfinished = False  # as of the last call: the engine has work to step
+        self.metrics: WorkerMetrics | None = None  # set by the service with --metrics-port
 
     @classmethod
     async def start(cls, factory: Callable[[], Engine]) -> EngineClient:
@@ -135,7 +138,17 @@ class EngineClient:
         await self._run(lambda: self._engine.add_prefilled(key, prompt_ids, first_token, params))
 
     async def step(self) -> list[RequestOutput]:
-        return await self._run(self._engine.step)
+        metrics = self.metrics
+        if metrics is None:
+            return await self._run(self._engine.step)
+
+        def step() -> list[RequestOutput]:
+            t0 = time.perf_counter()
+            outputs = self._engine.step()
+            metrics.on_step(time.perf_counter() - t0, outputs, self._engine.load().preemptions)
+            return outputs
+
+        return await self._run(step)
 
     async def abort(self, key: str, reason: str) -> bool:
         return await self._run(lambda: self._engine.abort(key, reason))

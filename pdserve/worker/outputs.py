@@ -43,6 +43,7 @@ class EngineLoad:
     waiting: int = 0
     waiting_prefill_tokens: int = 0
     free_blocks: int = 0
+    preemptions: int = 0  # sequences preempted since the engine started
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ from pdserve.worker.clock import Clock
 from pdserve.worker.engine_client import EngineClient
 from pdserve.worker.handler import RequestHandler
 from pdserve.worker.messenger import Messenger
+from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.settings import WorkerSettings
 from pdserve.worker.splitwise import Context, Transports
 
@@ -60,6 +61,7 @@ class WorkerService:
         self.agent: MooncakeAgent | None = None
         self.engine: EngineClient | None = None  # built by run(), on the engine thread
         self.handler: RequestHandler | None = None  # built by run(), once the engine is up
+        self.metrics: WorkerMetrics | None = None  # with --metrics-port
         self._drain_deadline = float("inf")
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -75,8 +77,9 @@ class WorkerService:
                 )
             self.engine = await EngineClient.start(self._build_engine)
             self.protocols = await self._start_transfer()
+            self._start_metrics()
             messenger = Messenger(self.redis, self.keys, self.id, give_up_after_s=self.settings.ttl_s)
-            ctx = Context(self.id, self.engine, messenger, self.clock, self.transports)
+            ctx = Context(self.id, self.engine, messenger, self.clock, self.transports, self.metrics)
             routers = RouterRegistry(self.redis, self.keys, ttl_s=self.settings.ttl_s)
             self.handler = RequestHandler(ctx, self.settings.role, routers)
             await self.inbox.ensure_group()
@@ -84,6 +87,16 @@ class WorkerService:
             await self._serve()
         finally:
             await self._shutdown()
+
+    def _start_metrics(self) -> None:
+        """With ``--metrics-port``: the metrics, their hooks, and their HTTP server thread."""
+        if not self.settings.metrics_port:
+            return
+        engine = self.engine
+        metrics = WorkerMetrics(self.settings.role, self.id)
+        metrics.watch(lambda: engine.load, engine.facts)
+        metrics.serve(self.settings.metrics_port)
+        engine.metrics = self.metrics = metrics
 
     def _build_engine(self):
         """On the engine thread: a decode instance's cache lives in shm, so same-host prefills write
@@ -175,6 +188,8 @@ class WorkerService:
         await self.heartbeat.stop(deregister=True)  # only what it registered: not a live id we were refused
         if self.agent is not None:
             self.agent.close()  # before the cache's memory goes
+        if self.metrics is not None:
+            self.metrics.close()
         if self.engine is not None:
             await self.engine.close()
         await self.redis.aclose()

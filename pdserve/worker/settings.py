@@ -117,9 +117,12 @@ class WorkerSettings:
         "address other hosts reach this instance's mooncake engine at (default: the address of the "
         "default route's interface)",
     )
+    metrics_port: int = setting(0, "serve Prometheus metrics at http://0.0.0.0:PORT/metrics (default 0: off)")
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         if self.model_dir is None:
             raise ConfigError("--model is required (or set PDSERVE_MODEL)")
         if self.role not in ROLES:

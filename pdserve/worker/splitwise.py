@@ -44,6 +44,7 @@ from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.clock import Clock
 from pdserve.worker.engine_client import EngineClient, Prepared
 from pdserve.worker.messenger import Messenger, Owner, engine_key, to_delta
+from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class Context:
     messenger: Messenger
     clock: Clock
     transports: Transports
+    metrics: WorkerMetrics | None = None
 
 
 class Transports:
@@ -252,8 +254,11 @@ class PrefillHandoff:
         cache, src_regions, dst_regions = engine.kv_view(), engine.regions(src), engine.regions(dst_blocks)
         t0 = self.ctx.clock.monotonic()
         moved = await asyncio.to_thread(transport.write_blocks, cache, src_regions, dst_regions)
+        seconds = self.ctx.clock.monotonic() - t0
         if self.timing is not None:
-            self.timing.kv_transfer_s = self.ctx.clock.monotonic() - t0
+            self.timing.kv_transfer_s = seconds
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.on_kv_sent(self.info.protocol, moved, seconds)
         log.debug("%s: %d KV bytes -> %s", self.key, moved, self.decode_id)
 
     # ---- the one way to fail -------------------------------------------------------------------------
@@ -305,6 +310,8 @@ class DecodeLease:
             await self._fail(f"the prefill failed: {msg.error.message}")
             return None
         self.state = DecodeState.DECODING  # before any await: the lease's timer must not free it now
+        if self.ctx.metrics is not None:
+            self.ctx.metrics.kv_received.inc(len(self.blocks) * self.ctx.engine.facts.block_bytes)
         owner = Owner(self.msg.router_id, msg.request_id, msg.attempt)
         try:  # the engine rebuilds the request's state (a grammar's included) from the first token
             params = SamplingParams.from_dict(self.msg.sampling)

@@ -1,0 +1,141 @@
+"""A worker's Prometheus metrics: every name it exports is declared here, once.
+
+Built only with ``--metrics-port`` (0, the default: no metrics, no hooks run). One
+:class:`WorkerMetrics` per service, in its own ``CollectorRegistry``, served by prometheus_client's
+HTTP server on a daemon thread. Every series carries ``role`` and ``instance`` (children bound
+once). Step metrics are observed on the engine thread; gauges read the engine client's load
+snapshot when scraped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+
+from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput
+
+log = logging.getLogger(__name__)
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+disable_created_metrics()  # no *_created series: this process's metrics are pdserve's alone
+
+NAMES = (
+    "pdserve_worker_step_seconds",
+    "pdserve_worker_batch_size",
+    "pdserve_worker_step_tokens",
+    "pdserve_worker_running",
+    "pdserve_worker_waiting",
+    "pdserve_worker_kv_blocks_free",
+    "pdserve_worker_kv_blocks_total",
+    "pdserve_worker_preemptions_total",
+    "pdserve_worker_kv_sent_bytes_total",
+    "pdserve_worker_kv_received_bytes_total",
+    "pdserve_worker_kv_transfer_seconds",
+    "pdserve_worker_generation_tokens_total",
+    "pdserve_worker_prompt_tokens_total",
+)
+"""Every series family a worker exports (as exposed: counters with ``_total``)."""
+
+LABELS = ("role", "instance")
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, instance_id: str) -> None:
+        self.registry = r = CollectorRegistry()
+        ids = (role, instance_id)
+        self._load: Callable[[], EngineLoad] = EngineLoad
+        self._facts: EngineFacts | None = None
+
+        def bound(kind: type, name: str, help: str, extra: Sequence[str] = (), **kw: Any) -> Any:
+            metric = kind(name, help, [*LABELS, *extra], registry=r, **kw)
+            return metric if extra else metric.labels(*ids)
+
+        self.ids = ids
+        self.step = bound(Histogram, "pdserve_worker_step_seconds", "wall time of one engine step",
+                          buckets=STEP_BUCKETS)  # fmt: skip
+        self.batch = bound(Histogram, "pdserve_worker_batch_size", "requests that got output in one step",
+                           buckets=SIZE_BUCKETS)  # fmt: skip
+        self.step_tokens = bound(Histogram, "pdserve_worker_step_tokens", "tokens generated in one step",
+                                 buckets=SIZE_BUCKETS)  # fmt: skip
+        self.generation_tokens = bound(
+            Counter, "pdserve_worker_generation_tokens", "tokens this engine generated"
+        )
+        self.prompt_tokens = bound(
+            Counter, "pdserve_worker_prompt_tokens", "prompt tokens this engine prefilled"
+        )
+        self._kv_sent = bound(Counter, "pdserve_worker_kv_sent_bytes", "KV bytes written to decode peers",
+                              ["protocol"])  # fmt: skip
+        self._kv_time = bound(Histogram, "pdserve_worker_kv_transfer_seconds", "time of one KV write to a "
+                              "decode peer", ["protocol"], buckets=TRANSFER_BUCKETS)  # fmt: skip
+        self._kv_children: dict[str, tuple[Any, Any]] = {}
+        self.preemptions = bound(Counter, "pdserve_worker_preemptions",
+                                 "sequences preempted (blocks freed, recomputed later)")  # fmt: skip
+        self._preempted = 0
+        self.kv_received = bound(Counter, "pdserve_worker_kv_received_bytes",
+                                 "KV bytes prefill peers wrote into this cache (decode)")  # fmt: skip
+        gauges = (
+            ("pdserve_worker_running", "sequences in the running batch", lambda: self._load().running),
+            ("pdserve_worker_waiting", "sequences queued, plus prefills awaiting hand-over", lambda: self._load().waiting),
+            ("pdserve_worker_kv_blocks_free", "free KV cache blocks", lambda: self._load().free_blocks),
+            ("pdserve_worker_kv_blocks_total", "KV cache blocks", lambda: self._facts.num_blocks if self._facts else 0),
+        )  # fmt: skip
+        for name, help, fn in gauges:
+            bound(Gauge, name, help).set_function(fn)
+        self._server: Any = None
+
+    def watch(self, load: Callable[[], EngineLoad], facts: EngineFacts) -> None:
+        """Where the gauges read the engine's load snapshot and facts."""
+        self._load, self._facts = load, facts
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        self._server, _ = start_http_server(port, host, registry=self.registry)
+        log.info("worker metrics on http://%s:%d/metrics", host, port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    # ---- hooks -----------------------------------------------------------------------------------
+    def on_step(self, seconds: float, outputs: list[RequestOutput], preemptions: int) -> None:
+        """On the engine thread, after a step (``preemptions``: the engine's count so far)."""
+        self.step.observe(seconds)
+        if preemptions > self._preempted:
+            self.preemptions.inc(preemptions - self._preempted)
+            self._preempted = preemptions
+        tokens = prompt = 0
+        for out in outputs:
+            n = len(out.token_ids)
+            tokens += n
+            if n and out.num_output_tokens == n:  # a fresh request's first token: its prompt ran
+                prompt += out.num_prompt_tokens
+        self.batch.observe(len(outputs))
+        self.step_tokens.observe(tokens)
+        if tokens:
+            self.generation_tokens.inc(tokens)
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+
+    def on_kv_sent(self, protocol: str, nbytes: int, seconds: float) -> None:
+        children = self._kv_children.get(protocol)
+        if children is None:
+            children = self._kv_children[protocol] = (
+                self._kv_sent.labels(*self.ids, protocol),
+                self._kv_time.labels(*self.ids, protocol),
+            )
+        children[0].inc(nbytes)
+        children[1].observe(seconds)

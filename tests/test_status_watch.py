@@ -1,0 +1,79 @@
+"""``pdserve status --watch`` under a pseudo-terminal: a live view of a real stack that shows every
+live instance and router, redraws, and exits 0 on Ctrl-C."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+
+from tests.test_serving import start_stack
+
+pytestmark = pytest.mark.timeout(120)
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def read_until(fd: int, done, timeout_s: float) -> str:
+    """What the terminal got until ``done(text)`` holds (or the time is up)."""
+    out = b""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+            if done(ANSI.sub("", out.decode(errors="replace"))):
+                break
+    return ANSI.sub("", out.decode(errors="replace"))
+
+
+def test_watch_shows_every_live_instance(tiny_model_dir, redis_url) -> None:
+    stack = start_stack(tiny_model_dir, redis_url, prefill=1, decode=2, engine_kind="echo")
+    try:
+        main, child = pty.openpty()
+        fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 220, 0, 0))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "status", "--watch", "0.3", "--redis-url", redis_url,
+             "--cluster", stack.spec.cluster],
+            stdin=child, stdout=child, stderr=child, env={**os.environ, "TERM": "xterm-256color"},
+            close_fds=True,
+        )  # fmt: skip
+        os.close(child)
+        try:
+            ids = stack.instance_ids
+            assert len(ids) == 3
+
+            def complete(text: str) -> bool:
+                return all(i in text for i in ids) and text.count("cluster ") >= 3  # redrawn twice
+
+            text = read_until(main, complete, 30)
+            for instance_id in ids:
+                assert instance_id in text, text[-3000:]
+            assert text.count("cluster ") >= 3, "the view was not refreshed"
+            assert "decode" in text and "prefill" in text and "KV USED" in text and "ROUTER" in text
+            assert "router-" in text  # the router's id
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=10) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            os.close(main)
+    finally:
+        assert stack.stop(grace_s=15) == []
