@@ -1097,8 +1097,9 @@ def test_pdserve_up_restarts_a_killed_decode_and_stops_cleanly_on_ctrl_c(tiny_mo
         deadline = time.monotonic() + 120
         while True:
             assert up.poll() is None, log.seek(0) or log.read().decode()[-3000:]
-            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                if len(decodes()) == 2:
+            log.seek(0)
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):  # up supervises once it says so
+                if b"Ctrl-C stops everything" in log.read() and len(decodes()) == 2:
                     break
             assert time.monotonic() < deadline, "pdserve up did not become ready"
             time.sleep(0.5)
