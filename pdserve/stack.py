@@ -28,7 +28,7 @@ from pdserve.cache_transfer import shm
 from pdserve.errors import ConfigError
 from pdserve.flags import setting, to_argv
 from pdserve.router.settings import RouterSettings
-from pdserve.scheduler.embedded import EmbeddedRedis, free_port
+from pdserve.scheduler.embedded import EmbeddedRedis, free_port, port_is_free
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.worker.settings import ENGINES, KV_TRANSFERS, EngineConfig, WorkerSettings
@@ -149,6 +149,12 @@ class Stack:
 
     def start(self) -> None:
         spec = self.spec
+        for i, url in enumerate(self.urls):
+            if not port_is_free(spec.port + i, spec.host):
+                raise ConfigError(
+                    f"router {i} needs port {spec.port + i} on {spec.host} ({url}), which is in use: "
+                    "choose another --port (routers take consecutive ports from it)"
+                )
         model = self.model = spec.model or default_model()
         shm.sweep_dead_segments()  # what killed stacks left behind
         if spec.redis_url:
@@ -341,6 +347,9 @@ def run_stack(spec: StackSpec) -> int:
         stopping = True
         print("\nstopping ...", flush=True)
         return 0
+    except ConfigError as e:
+        print(f"pdserve up: {e}", file=sys.stderr, flush=True)
+        return 2
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up: {e}", file=sys.stderr, flush=True)
         return 1

@@ -90,6 +90,28 @@ def test_redis_command_refuses_a_taken_port() -> None:
     assert out.returncode == 2 and "try --port" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_up_refuses_a_taken_router_port_before_starting_anything(tmp_path) -> None:
+    """The second router's port is taken: `up` says which port and which flag, and starts nothing."""
+    import socket
+
+    from pdserve.scheduler.embedded import free_port
+
+    base = free_port(count=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", base + 1))
+        s.listen()
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "up", "--port", str(base), "--routers", "2"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)},
+        )
+    assert out.returncode == 2, out.stderr
+    assert f"port {base + 1}" in out.stderr and "--port" in out.stderr and "Traceback" not in out.stderr
+    assert "embedded Redis" not in out.stdout
+
+
 def test_redis_command_stops_its_server_on_sigterm_and_wants_a_password_beyond_loopback() -> None:
     import signal
     import socket

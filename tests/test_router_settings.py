@@ -16,11 +16,12 @@ import httpx
 import pytest
 import redis
 import uvicorn
-from test_router_support import CLUSTER, free_port
+from test_router_support import CLUSTER
 
 from pdserve.errors import ConfigError
 from pdserve.router import RouterSettings, add_router_arguments
 from pdserve.router.settings import settings_from_args, uvicorn_config
+from pdserve.scheduler.embedded import free_port
 
 
 def test_defaults_and_router_id() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -39,6 +38,7 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
+from pdserve.scheduler.embedded import free_port
 
 CLUSTER = "router-test"
 KEYS = Keys(CLUSTER)
@@ -111,12 +111,6 @@ async def router(redis_url: str, **overrides: Any) -> AsyncIterator[httpx.AsyncC
         async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=10) as client:
             client.app = app  # type: ignore[attr-defined]
             yield client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

@@ -40,7 +40,7 @@ def start_stack(tiny_model_dir, redis_url: str, **counts) -> Stack:
     spec = StackSpec(
         model=tiny_model_dir,
         redis_url=redis_url,
-        port=free_port(),
+        port=free_port(count=counts.get("routers", 1)),
         cluster=f"t{uuid.uuid4().hex[:8]}",
         ttl_s=3.0,
         engine=EngineConfig(num_blocks=1024, max_model_len=1024, threads=1),

@@ -7,6 +7,7 @@ keeps nothing on disk, and can be stopped and restarted on the same port (outage
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -17,8 +18,40 @@ from pathlib import Path
 from urllib.parse import quote
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def _ephemeral_ports() -> range:
+    """The kernel's range for outgoing connections' local ports (Linux default 32768-60999)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """The first of ``count`` consecutive free ports, chosen below the ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` lies in the range it also uses for outgoing
+    connections, so by the time a child process binds it a Redis client may hold it: ports below that
+    range are taken only by servers that ask for them.
+    """
+    ephemeral = _ephemeral_ports()
+    candidates = range(20000, ephemeral.start - count) if ephemeral.start > 20000 + 1000 else range(0)
+    for _ in range(200):
+        if not candidates:
+            break
+        base = random.choice(candidates)
+        if all(port_is_free(base + i, host) for i in range(count)):
+            return base
+    with socket.socket() as s:  # no room below the ephemeral range: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]
 
