@@ -109,12 +109,12 @@ def test_each_rejected_field_is_a_400_naming_it(redis_url: str, redis_client: re
     cases += [
         ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
         ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),  # and no tools
         (
             "/v1/chat/completions",
-            {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
+            {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools[0].function.parameters",
         ),
-        ("/v1/chat/completions", {**CHAT, "parallel_tool_calls": False}, "parallel_tool_calls"),
         ("/v1/completions", {**COMPLETION, "suffix": ""}, "suffix"),
         ("/v1/completions", {**COMPLETION, "no_such_field": None}, "no_such_field"),
         ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),  # vLLM's chat extra: not ours

@@ -987,6 +987,149 @@ def test_unusable_structured_output_is_a_400_naming_the_field(stack) -> None:
     assert info.value.body["param"] == "guided_regex" and "regex" in info.value.body["message"]
 
 
+def test_json_schema_validates_for_20_seeds_stream_and_non_stream(stack) -> None:
+    """Acceptance: the official client, a nested schema (object, array, enum, required fields),
+    20 seeds (two requests of ``n=10``: choice i samples with seed + i) at temperature 1, stream and
+    non-stream: every choice validates, and each streamed choice is its non-stream text."""
+    c = client(stack)
+    ask = {
+        "model": model_name(stack),
+        "messages": [{"role": "user", "content": "Describe a server as JSON."}],
+        "response_format": JSON_SCHEMA_FORMAT,
+        "max_tokens": 256,
+        "temperature": 1.0,
+        "n": 10,
+    }
+    texts = []
+    for seed in (1000, 1010):
+        r = c.chat.completions.create(**ask, seed=seed)
+        choices = sorted(r.choices, key=lambda ch: ch.index)
+        assert [ch.index for ch in choices] == list(range(10))
+        for choice in choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        streamed = [""] * 10
+        for chunk in c.chat.completions.create(**ask, seed=seed, stream=True):
+            for ch in chunk.choices:
+                streamed[ch.index] += ch.delta.content or ""
+        assert streamed == [ch.message.content for ch in choices]
+        texts += streamed
+    assert len(set(texts)) > 10  # twenty seeds, not one document twenty times
+
+
+# ---- tools -----------------------------------------------------------------------------------------
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]  # fmt: skip
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def streamed_calls(chunks) -> tuple[dict[int, dict], set]:
+    """The tool calls of a chat stream, assembled from their deltas; and the finish reasons."""
+    calls: dict[int, dict] = {}
+    finishes = set()
+    for chunk in chunks:
+        for ch in chunk.choices:
+            finishes.add(ch.finish_reason)
+            for d in ch.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = call["id"] or d.id
+                call["name"] = call["name"] or (d.function.name if d.function else None)
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+    return calls, finishes - {None}
+
+
+def test_a_named_tool_choice_returns_valid_arguments_stream_and_non_stream(stack) -> None:
+    """Acceptance: tool_choice naming a function -> tool_calls whose arguments validate against its
+    parameters (the grammar enforces them), stream and non-stream, several seeds."""
+    c = client(stack)
+    for name in ("get_weather", "get_time"):
+        ask = {
+            "model": model_name(stack), "messages": ASK_WEATHER, "tools": TOOLS, "max_tokens": 128,
+            "tool_choice": {"type": "function", "function": {"name": name}}, "temperature": 1.0,
+        }  # fmt: skip
+        for seed in (1, 2, 3):
+            r = c.chat.completions.create(**ask, seed=seed)
+            choice = r.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            assert choice.message.content is None and len(choice.message.tool_calls) == 1
+            call = choice.message.tool_calls[0]
+            assert call.type == "function" and call.function.name == name and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[name])
+            calls, finishes = streamed_calls(c.chat.completions.create(**ask, seed=seed, stream=True))
+            assert finishes == {"tool_calls"} and list(calls) == [0]
+            assert calls[0]["name"] == name and calls[0]["id"].startswith("call_")
+            assert calls[0]["arguments"] == call.function.arguments
+
+
+def test_required_tool_choice_calls_given_functions_with_valid_arguments(stack) -> None:
+    c = client(stack)
+    ask = {"model": model_name(stack), "messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": "required",
+           "max_tokens": 200, "temperature": 1.0, "parallel_tool_calls": False}  # fmt: skip
+    for seed in (4, 5):
+        r = c.chat.completions.create(**ask, seed=seed)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+        call = choice.message.tool_calls[0]
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+        calls, finishes = streamed_calls(c.chat.completions.create(**ask, seed=seed, stream=True))
+        assert finishes == {"tool_calls"}
+        assert [(v["name"], v["arguments"]) for v in calls.values()] == [
+            (call.function.name, call.function.arguments)
+        ]
+
+
+def test_a_conversation_with_tool_calls_and_tool_results_is_rendered(stack) -> None:
+    """An assistant message with tool_calls and the tool's answer go through the chat template
+    (they lengthen the prompt); auto leaves the random model free, so its text is content."""
+    c = client(stack)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}  # fmt: skip
+    conversation = [*ASK_WEATHER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"}]  # fmt: skip
+    kw = {"model": model_name(stack), "max_tokens": 8, "temperature": 0}
+    plain = c.chat.completions.create(messages=ASK_WEATHER, **kw)
+    with_tools = c.chat.completions.create(messages=ASK_WEATHER, tools=TOOLS, **kw)
+    answered = c.chat.completions.create(messages=conversation, tools=TOOLS, **kw)
+    assert plain.usage.prompt_tokens < with_tools.usage.prompt_tokens < answered.usage.prompt_tokens
+    assert with_tools.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    with pytest.raises(openai.BadRequestError) as info:
+        bad = {**call, "function": {"name": "get_weather", "arguments": "{not json"}}
+        c.chat.completions.create(messages=[*ASK_WEATHER, {"role": "assistant", "tool_calls": [bad]}], **kw)
+    assert info.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_tool_calls_splitwise_equal_mixed(splitwise, mixed) -> None:
+    """Greedy, a named function: the prefill instance samples the first token under the grammar and
+    the decode instance goes on from there; the arguments equal the mixed instance's."""
+    ask = {"messages": ASK_WEATHER, "tools": TOOLS, "max_tokens": 128, "temperature": 0,
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+    got = [
+        client(s)
+        .chat.completions.create(model=model_name(s), **ask)
+        .choices[0]
+        .message.tool_calls[0]
+        .function
+        for s in (splitwise, mixed)
+    ]
+    assert got[0].name == got[1].name == "get_weather" and got[0].arguments == got[1].arguments
+    jsonschema.validate(json.loads(got[0].arguments), WEATHER)
+
+
 # ---- restarts with the same instance id ----------------------------------------------------------------
 def test_restart_with_same_id_serves_its_inbox_and_reclaims_its_segment(tiny_model_dir, redis_url) -> None:
     """Work queued for an instance while it was down is served when it comes back under the same id,

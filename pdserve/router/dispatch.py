@@ -421,7 +421,7 @@ class Generation:
         # in "model length - prompt length", which only it knows after tokenizing.
         return GenerateRequest(
             request_id=self.request_id, router_id=d.router_id, prompt=p.text, prompt_token_ids=p.token_ids,
-            messages=p.messages, sampling=self.sampling, deadline=self.deadline, attempt=self.attempt,
+            messages=p.messages, tools=p.tools, sampling=self.sampling, deadline=self.deadline, attempt=self.attempt,
             disaggregate_info=info, resume_token_ids=list(self.delivered) or None,
             echo=True if self._echo and p.token_ids is not None else None,
         )  # fmt: skip

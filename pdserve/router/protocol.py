@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import SkipJsonSchema
 
 from pdserve.errors import InvalidRequestError
+from pdserve.router.tools import ToolUse, template_call, tool_use_of
 from pdserve.scheduler.sampling_params import MAX_TOKEN_ID, SamplingParams
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ _COMMON = frozenset({
     "frequency_penalty", "stop", "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice",
 })  # fmt: skip
 _GUIDED = {"guided_grammar": "pdserve takes no grammars: use guided_regex, guided_choice or a JSON schema"}
-_TOOLS = "pdserve does not do tool or function calling"
+_FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
 
 COMPLETION_FIELDS = FieldPolicy(
     honoured=_COMMON | EXTRAS | {"prompt", "echo", "logprobs", "best_of"},
@@ -78,20 +79,30 @@ _CHAT_ADVISORY = frozenset({
     "prompt_cache_options",
 })  # fmt: skip
 _CHAT_REJECTED = {
-    "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS, "parallel_tool_calls": _TOOLS,
+    "functions": _FUNCTIONS, "function_call": _FUNCTIONS,
     "audio": "the model produces text only", "modalities": 'the model produces text only (["text"] is accepted)',
     "prediction": "pdserve does not use predicted outputs", "web_search_options": "pdserve does not search the web",
     "reasoning_effort": "the model does not reason", "verbosity": "pdserve does not steer verbosity",
     "moderation": "pdserve runs no moderation", **_GUIDED,
 }  # fmt: skip
 CHAT_FIELDS = FieldPolicy(
-    honoured=_COMMON | EXTRAS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+    honoured=_COMMON
+    | EXTRAS
+    | {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
     advisory=_CHAT_ADVISORY,
     rejected=_CHAT_REJECTED,
 )
 MESSAGE_FIELDS = FieldPolicy(
-    honoured=frozenset({"role", "content", "name"}),
-    rejected={"tool_calls": _TOOLS, "function_call": _TOOLS, "tool_call_id": _TOOLS,
+    honoured=frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}),
+    rejected={"function_call": "deprecated by OpenAI: use tool_calls",
               "audio": "the model takes text only", "refusal": "the model takes text content only"},
 )  # fmt: skip
 STREAM_OPTIONS_FIELDS = FieldPolicy(
@@ -129,6 +140,43 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object (none: the function takes no arguments)."""
+    strict: bool | None = None
+    """Accepted; where pdserve enforces arguments (``tool_choice`` required or named) it always does."""
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+    """The arguments object as JSON text (as OpenAI returns it)."""
+
+
+class ToolCall(_Strict):
+    """A call in an earlier assistant message of the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class _Common(_Strict):
@@ -192,9 +240,10 @@ class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Rejected = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    """Which call a ``tool`` message answers."""
     function_call: Rejected = None
-    tool_call_id: Rejected = None
     audio: Rejected = None
     refusal: Rejected = None
 
@@ -214,11 +263,11 @@ class ChatCompletionRequest(_Common):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    tools: Rejected = None
-    tool_choice: Rejected = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Rejected = None
     function_call: Rejected = None
-    parallel_tool_calls: Rejected = None
     audio: Rejected = None
     modalities: Rejected = None
     prediction: Rejected = None
@@ -292,6 +341,8 @@ class Prompt:
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    """Chat only: the tool definitions the chat template renders."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -309,6 +360,8 @@ class ParsedRequest:
     return_token_ids: bool = False
     echo: bool = False
     """Each choice's text starts with its prompt's text."""
+    tool_use: ToolUse | None = None
+    """Chat with tools (``tool_choice`` other than none): how the output is read as tool calls."""
 
     @property
     def n(self) -> int:
@@ -371,9 +424,20 @@ def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling(req, max_tokens, max_name, num_logprobs, "top_logprobs")
-    return _parsed("chat", req, params, max_tokens is None, [Prompt(messages=messages)], limits,
-                   logprobs=bool(req.logprobs))  # fmt: skip
+    tool_use = tool_use_of(req.tools, req.tool_choice, req.parallel_tool_calls)
+    guided = tool_use.guided() if tool_use is not None else None
+    if guided is not None and _guided(req) is not None:
+        raise InvalidRequestError(
+            f"tool_choice {tool_use.mode!r} constrains the output itself: it cannot be combined with "
+            "response_format or guided_*",
+            "tool_choice",
+        )
+    params = _sampling(req, max_tokens, max_name, num_logprobs, "top_logprobs", guided)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_use is not None else None
+    parsed = _parsed("chat", req, params, max_tokens is None, [Prompt(messages=messages, tools=tools)], limits,
+                     logprobs=bool(req.logprobs))  # fmt: skip
+    parsed.tool_use = tool_use
+    return parsed
 
 
 def _validate(model: type[_Common], body: bytes, policy: FieldPolicy) -> Any:
@@ -419,6 +483,7 @@ _UNION_SHAPES = {
     "guided_json": "a JSON schema (an object, or a string holding one)",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text content parts",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 
 
@@ -430,8 +495,10 @@ def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-")):
+        elif part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-", "literal[")):
             return out, True
+        elif part[:1].isupper():  # a model member of a union (NamedToolChoice): its fields follow
+            continue
         else:
             out += f".{part}" if out else part
     return out, False
@@ -482,17 +549,29 @@ def _message(index: int, m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": content}
     if m.name is not None:
         out["name"] = m.name
+    if m.tool_calls is not None:
+        out["tool_calls"] = [
+            template_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(m.tool_calls)
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
     return out
 
 
 def _sampling(
-    req: _Common, max_tokens: int | None, max_name: str, logprobs: int | None, logprobs_name: str
+    req: _Common,
+    max_tokens: int | None,
+    max_name: str,
+    logprobs: int | None,
+    logprobs_name: str,
+    guided: dict[str, Any] | None = None,
 ) -> SamplingParams:
+    """``guided``: a constraint the request's tools make (else its structured-output fields')."""
     kwargs = {name: value for name in _SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
     kwargs["max_tokens"] = _UNBOUNDED if max_tokens is None else max_tokens
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
-    if (guided := _guided(req)) is not None:
+    if (guided := guided or _guided(req)) is not None:
         kwargs["guided"] = guided
     try:
         return SamplingParams(**kwargs)

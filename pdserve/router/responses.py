@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from pdserve.router.tools import ToolStream, ToolUse
 from pdserve.scheduler.messages import RequestDelta, Timing, TokenLogprob, Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -71,8 +72,11 @@ class ResponseBuilder:
         include_usage: bool,
         return_token_ids: bool = False,
         n: int = 1,
+        tool_use: ToolUse | None = None,
     ) -> None:
         self.chat = kind == "chat"
+        self.tool_use = tool_use  # chat with tools: the output is read as tool calls
+        self._tool_streams: dict[int, ToolStream] = {}
         self.n = n  # choices per prompt: usage counts each prompt once
         self.return_token_ids = return_token_ids
         self.logprobs = logprobs
@@ -92,10 +96,14 @@ class ResponseBuilder:
             text = "".join(c.texts)
             lp = self._logprobs(c.logprobs, 0) if self.logprobs else None
             if self.chat:
-                message = {"role": "assistant", "content": text}
-                out.append(
-                    {"index": index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
-                )
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                if self.tool_use is not None:
+                    message["content"], calls = self.tool_use.read(text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish = "tool_calls" if finish == "stop" else finish
+                out.append({"index": index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
             if self.return_token_ids:
@@ -129,6 +137,17 @@ class ResponseBuilder:
                 "logprobs": lp,
                 "finish_reason": delta.finish_reason,
             }
+        elif self.tool_use is not None:
+            stream = self._tool_streams.get(index) or self._tool_streams.setdefault(
+                index, self.tool_use.stream()
+            )
+            fields = stream.feed(delta.text, delta.finish_reason is not None)
+            finish = delta.finish_reason
+            if finish is None and not fields and lp is None and not self.return_token_ids:
+                return b""  # held back (a call being read): nothing to say yet
+            if finish == "stop" and stream.called:
+                finish = "tool_calls"
+            choice = {"index": index, "delta": fields, "logprobs": lp, "finish_reason": finish}
         else:
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
             choice = {"index": index, "delta": content, "logprobs": lp, "finish_reason": delta.finish_reason}

@@ -180,7 +180,8 @@ class GenerateEndpoint:
             logger.debug("x-request-id %s is request %s", client_rid, rid)
         builder = ResponseBuilder(parsed.kind, rid, model, logprobs=parsed.logprobs,
                                   return_token_ids=parsed.return_token_ids,
-                                  include_usage=parsed.include_usage, n=parsed.n)  # fmt: skip
+                                  include_usage=parsed.include_usage, n=parsed.n,
+                                  tool_use=parsed.tool_use)  # fmt: skip
         watch = DisconnectWatch(receive, gens)
         try:
             if parsed.stream:
@@ -384,7 +385,8 @@ async def _relay_many(
                 return delta.error
             choices[index].note(delta)
             chunk = builder.delta_chunk(index, delta, choices[index].timing)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if chunk:  # empty: a tool call being read is held back
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             remaining -= delta.is_final
         return None
     finally:

@@ -232,6 +232,9 @@ class GenerateRequest(_Message):
     ``echo``: put the prompt's text (its token ids decoded) in the first token's delta as
     ``prompt_text``; the router asks only for token-id prompts, whose text only a worker can make.
 
+    ``tools`` (chat only): the request's tool definitions (OpenAI's ``tools`` entries), handed to the
+    chat template as Hugging Face templates expect them.
+
     ``resume_token_ids`` (a migration): the tokens an earlier attempt already delivered to the
     client. The instance recomputes the prompt plus these and continues after them, as if it had
     generated them itself (text, stop strings, penalties, seeded draws, usage); always served whole
@@ -244,6 +247,7 @@ class GenerateRequest(_Message):
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
     sampling: dict[str, Any] = Field(default_factory=dict)
     deadline: float
     attempt: int = 0

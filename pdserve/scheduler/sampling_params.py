@@ -129,15 +129,25 @@ def _token_map(value: Any) -> dict[Any, Any]:
     return out
 
 
+def guided_param(guided: dict[str, Any]) -> str:
+    """The request field an error about ``guided`` names: its ``param`` (a constraint the router made
+    from another field, e.g. ``tools``), else the field of its kind."""
+    return guided.get("param") or GUIDED_PARAMS[guided["kind"]]
+
+
 def _guided(guided: Any) -> None:
-    if not isinstance(guided, dict) or set(guided) != {"kind", "spec"}:
-        raise InvalidRequestError("guided must be an object with exactly the keys kind and spec", "guided")
+    if not isinstance(guided, dict) or not {"kind", "spec"} <= set(guided) <= {"kind", "spec", "param"}:
+        raise InvalidRequestError(
+            "guided must be an object with the keys kind and spec (and optionally param)", "guided"
+        )
     kind, spec = guided["kind"], guided["spec"]
     if kind not in GUIDED_PARAMS:
         raise InvalidRequestError(
             f"guided.kind must be one of {', '.join(GUIDED_PARAMS)}, got {kind!r}", "guided"
         )
-    param = GUIDED_PARAMS[kind]
+    if not isinstance(guided.get("param", ""), str):
+        raise InvalidRequestError("guided.param must be a string", "guided")
+    param = guided_param(guided)
     if kind == "json" and not isinstance(spec, dict):
         raise InvalidRequestError("a JSON schema must be an object", param)
     if kind == "regex" and (not isinstance(spec, str) or not spec):

@@ -19,7 +19,7 @@ import numpy as np
 
 from pdserve.cache_transfer import shm
 from pdserve.errors import EngineError, InvalidRequestError, RequestTooLongError
-from pdserve.scheduler.sampling_params import GUIDED_PARAMS, SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams, guided_param
 from pdserve.worker.batcher import blocks_for
 from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
 from pdserve.worker.settings import EngineConfig
@@ -105,7 +105,11 @@ class EchoEngine:
         return self.cache
 
     def prompt_ids(
-        self, prompt: str | None, messages: list[dict] | None, prompt_token_ids: list[int] | None
+        self,
+        prompt: str | None,
+        messages: list[dict] | None,
+        prompt_token_ids: list[int] | None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         if prompt_token_ids is not None:
             return list(prompt_token_ids)
@@ -126,7 +130,7 @@ class EchoEngine:
         if params.guided is not None:
             raise InvalidRequestError(
                 "structured output is not supported by the echo engine (it has no model)",
-                GUIDED_PARAMS[params.guided["kind"]],
+                guided_param(params.guided),
             )
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise RequestTooLongError(

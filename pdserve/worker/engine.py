@@ -145,13 +145,15 @@ class LLMEngine:
         prompt: str | None = None,
         messages: list[dict] | None = None,
         prompt_token_ids: list[int] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """The prompt as token ids: given ids as they are, chat messages rendered by the template."""
+        """The prompt as token ids: given ids as they are, chat messages (and tools) rendered by the template."""
         if prompt_token_ids is not None:
             return list(prompt_token_ids)
         tok = self.tokenizer
         if messages is not None:
-            return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), False)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools or None)
+            return tok.encode(text, False)
         return tok.encode(prompt or "")
 
     def prompt_text(self, prompt_token_ids: list[int]) -> str:

@@ -33,7 +33,11 @@ class Engine(Protocol):
     def facts(self) -> EngineFacts: ...
     def load(self) -> EngineLoad: ...
     def prompt_ids(
-        self, prompt: str | None, messages: list[dict] | None, prompt_token_ids: list[int] | None
+        self,
+        prompt: str | None,
+        messages: list[dict] | None,
+        prompt_token_ids: list[int] | None,
+        tools: list[dict] | None = None,
     ) -> list[int]: ...
     def prompt_text(self, prompt_token_ids: list[int]) -> str: ...
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
@@ -104,7 +108,7 @@ class EngineClient:
         """Tokenize and validate; ``max_tokens`` None (chat without a limit) means up to the model length."""
 
         def prepare() -> Prepared:
-            ids = self._engine.prompt_ids(msg.prompt, msg.messages, msg.prompt_token_ids)
+            ids = self._engine.prompt_ids(msg.prompt, msg.messages, msg.prompt_token_ids, msg.tools)
             fields = dict(msg.sampling)
             if fields.get("max_tokens") is None:
                 fields["max_tokens"] = max(1, self.facts.max_model_len - len(ids))

@@ -20,7 +20,7 @@ import llguidance
 import numpy as np
 
 from pdserve.errors import InvalidRequestError
-from pdserve.scheduler.sampling_params import GUIDED_PARAMS
+from pdserve.scheduler.sampling_params import guided_param
 from pdserve.worker.tokenizer import Tokenizer
 
 CACHE_SIZE = 64  # compiled grammars kept per engine
@@ -84,7 +84,7 @@ class Grammars:
         key = (kind, json.dumps(spec, sort_keys=True, separators=(",", ":")))
         template = self._compiled.get(key)
         if template is None:
-            template = self._compile(kind, spec)
+            template = self._compile(kind, spec, guided_param(guided))
             self._compiled[key] = template
             if len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
@@ -100,8 +100,7 @@ class Grammars:
             )
         return self._lltok
 
-    def _compile(self, kind: str, spec: Any) -> llguidance.LLMatcher:
-        param = GUIDED_PARAMS[kind]
+    def _compile(self, kind: str, spec: Any, param: str) -> llguidance.LLMatcher:
         try:
             if kind == "json":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)

@@ -35,11 +35,23 @@ CORPUS_SEED = 20240517  # fixed: the tokenizer must not depend on the weight see
 CORPUS_BYTES = 1_000_000
 
 CHATML_TEMPLATE = (
-    "{%- for message in messages %}\n"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
-    "{{- raise_exception('Unsupported role ' ~ message['role'] ~ ': expected system, user or assistant') }}\n"
+    "{%- if tools %}\n"
+    "{{- '<|im_start|>system\\n' }}\n"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}\n"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}\n"
+    "{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}\n"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}\n"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '\n"
+    "    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'\n"
+    '    \'{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}\n'
     "{%- endif %}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}\n"
+    "{%- for message in messages %}\n"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}\n"
+    "{{- raise_exception('Unsupported role ' ~ message['role'] ~ ': expected system, user, assistant or tool') }}\n"
+    "{%- endif %}\n"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}\n"
+    "{{- '<|im_start|>' + ('user' if message['role'] == 'tool' else message['role']) + '\\n' }}\n"
+    "{%- if message['role'] == 'tool' %}{{- '<tool_response>\\n' }}{%- endif %}\n"
     "{%- if message['content'] is string %}\n"
     "{{- message['content'] }}\n"
     "{%- elif message['content'] is not none %}\n"
@@ -47,12 +59,20 @@ CHATML_TEMPLATE = (
     "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}\n"
     "{%- endfor %}\n"
     "{%- endif %}\n"
+    "{%- if message['role'] == 'tool' %}{{- '\\n</tool_response>' }}{%- endif %}\n"
+    "{%- for call in message['tool_calls'] or [] %}\n"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}\n"
+    "{{- (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}\n"
+    "{%- endfor %}\n"
     "{{- '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "{{- '<|im_start|>assistant\\n' }}\n"
     "{%- endif %}\n"
 )
+"""ChatML as Qwen2.5 writes it: ``tools`` in a system block (Hermes style), the assistant's calls as
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, tool results as ``<tool_response>``."""
 
 _COMMON: dict[str, Any] = {
     "hidden_act": "silu",
