@@ -85,6 +85,10 @@ def check_stack_metrics(stack, n: int, tokens: int) -> tuple[dict, list[dict]]:
     assert total(router, "pdserve_live_instances", role="prefill") == 1
     assert total(router, "pdserve_live_instances", role="decode") == 1
     assert total(router, "pdserve_in_flight_requests") == 0
+    # every request's messages went out in a pipelined round trip; the live set was read
+    assert 1 <= total(router, "pdserve_redis_round_trip_seconds_count", op="inbox_send") <= 2 * n
+    assert total(router, "pdserve_redis_round_trip_seconds_count", op="live_set") >= 1
+    assert total(router, "pdserve_redis_errors_total") == 0
 
     workers = [scrape(f"http://127.0.0.1:{port}/metrics") for port in stack.metrics_ports.values()]
     assert len(workers) == 2
@@ -96,6 +100,8 @@ def check_stack_metrics(stack, n: int, tokens: int) -> tuple[dict, list[dict]]:
     assert sum(total(w, "pdserve_worker_kv_transfer_seconds_count", role="prefill") for w in workers) == n
     assert all(total(w, "pdserve_worker_step_seconds_count") > 0 for w in workers)
     assert all(total(w, "pdserve_worker_kv_blocks_total") > 0 for w in workers)
+    lag = [total(w, "pdserve_worker_inbox_lag_seconds_count") for w in workers]
+    assert all(count >= n for count in lag)  # prefill: generate; decode: reserve and prefilled (at least)
     return router, workers
 
 

@@ -112,7 +112,10 @@ def test_each_rejected_field_is_a_400_naming_it(redis_url: str, redis_client: re
         ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),  # and no tools
         (
             "/v1/chat/completions",
-            {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            {
+                **CHAT,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+            },
             "tools[0].function.parameters",
         ),
         ("/v1/completions", {**COMPLETION, "suffix": ""}, "suffix"),

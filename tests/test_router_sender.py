@@ -63,3 +63,23 @@ def test_an_unreachable_redis_fails_every_message(redis_url: str) -> None:
             await r.aclose()
 
     run(main())
+
+
+def test_round_trips_and_failures_reach_the_observer(redis_url: str, redis_client: redis.Redis) -> None:
+    """The metrics hook: one timed round trip per batch, and the error of a failed one."""
+    from pdserve.router.metrics import RouterMetrics
+
+    redis_client.set(KEYS.inbox("broken2"), "not a stream")
+    metrics = RouterMetrics()
+
+    async def main() -> None:
+        async with redis_conn(redis_url) as r:
+            sender = InboxSender(r, KEYS, observe=metrics.on_redis)
+            await asyncio.gather(*(sender.send("w0", gen(f"o{i}")) for i in range(3)))
+            with pytest.raises(ControlPlaneError):
+                await sender.send("broken2", gen("o9"))
+
+    run(main())
+    text = metrics.render().decode()
+    assert 'pdserve_redis_round_trip_seconds_count{op="inbox_send"} 1.0' in text
+    assert 'pdserve_redis_errors_total{error="ResponseError",op="inbox_send"} 1.0' in text

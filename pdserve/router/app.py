@@ -83,8 +83,11 @@ class RouterState:
             self.redis = RedisSettings.from_url(s.redis_url, client_name=s.router_id).connect()
             await wait_for_redis(self.redis, s.redis_wait_s)
             keys = Keys(s.cluster)
-            live = LiveSetCache(InstanceRegistry(self.redis, keys, s.ttl_s), s.live_set_max_age_s)
-            self.reader = OutboxReader(self.redis, keys, s.router_id)
+            observe = self.metrics.on_redis if self.metrics is not None else None
+            live = LiveSetCache(
+                InstanceRegistry(self.redis, keys, s.ttl_s), s.live_set_max_age_s, observe=observe
+            )
+            self.reader = OutboxReader(self.redis, keys, s.router_id, observe=observe)
             await self.reader.start()
             self.heartbeat = Heartbeat(RouterRegistry(self.redis, keys, s.ttl_s), self._router_info)
             await self.heartbeat.start()

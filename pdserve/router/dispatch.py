@@ -109,7 +109,7 @@ class Dispatcher:
         self.num_migrations = 0
         self.stopping = False
         self._peers: dict[str, tuple[InstanceInfo, PeerInfo]] = {}
-        self.sender = InboxSender(redis, keys)
+        self.sender = InboxSender(redis, keys, observe=metrics.on_redis if metrics is not None else None)
         self._watcher: asyncio.Task[None] | None = None
 
     def route(self, live: Sequence[InstanceInfo], model: str, exclude: Collection[str] = ()) -> Route:

@@ -17,6 +17,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
     disable_created_metrics,
     generate_latest,
 )
@@ -50,6 +51,7 @@ LATENCY_BUCKETS = (
 )
 """Seconds: TTFT and its parts, KV transfer."""
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0)
+REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0)
 
 disable_created_metrics()  # no *_created series: this process's metrics are pdserve's alone
@@ -70,6 +72,8 @@ NAMES = (
     "pdserve_live_instances",
     "pdserve_generation_tokens_total",
     "pdserve_prompt_tokens_total",
+    "pdserve_redis_round_trip_seconds",
+    "pdserve_redis_errors_total",
 )
 """Every series family the router exports (as exposed: counters with ``_total``)."""
 
@@ -160,6 +164,13 @@ class RouterMetrics:
                                          "choices (their final usage)", registry=r)  # fmt: skip
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished choices (their "
                                      "final usage)", registry=r)  # fmt: skip
+        self._redis_time = Histogram("pdserve_redis_round_trip_seconds", "the router's Redis round trips by "
+                                     "operation: inbox_send (one pipeline per event-loop batch), live_set",
+                                     ["op"], buckets=REDIS_BUCKETS, registry=r)  # fmt: skip
+        self._redis_errors = Counter("pdserve_redis_errors", "failed Redis calls by operation (inbox_send, "
+                                     "live_set, outbox_read) and exception type", ["op", "error"],
+                                     registry=r)  # fmt: skip
+        self._redis_time_children: dict[str, Any] = {}
         self._live = _LiveInstances()
         r.register(self._live)
 
@@ -198,6 +209,16 @@ class RouterMetrics:
             self.generation_tokens.inc(usage.completion_tokens)
             self.prompt_tokens.inc(usage.prompt_tokens)
             self.e2e.observe(now - arrived)
+
+    def on_redis(self, op: str, seconds: float | None, error: BaseException | None) -> None:
+        """A Redis round trip (``RedisObserver``)."""
+        if error is not None:
+            self._redis_errors.labels(op, type(error).__name__).inc()
+        elif seconds is not None:
+            child = self._redis_time_children.get(op)
+            if child is None:
+                child = self._redis_time_children[op] = self._redis_time.labels(op)
+            child.observe(seconds)
 
     def on_retry(self, kind: str) -> None:
         child = self._retry_children.get(kind)

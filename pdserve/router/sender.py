@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from pdserve.errors import ControlPlaneError
+from pdserve.scheduler.connection import RedisObserver
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import InboxMessage
 from pdserve.scheduler.streams import send_to_inbox
@@ -28,9 +30,10 @@ _Batch = list[tuple[str, InboxMessage, "asyncio.Future[None] | None"]]
 class InboxSender:
     """``await send(instance_id, msg)`` (raises ControlPlaneError) or ``send_nowait`` (logs failures)."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, observe: RedisObserver | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        self.observe = observe  # op "inbox_send": one pipelined round trip per batch
         self.num_batches = 0
         self.num_messages = 0
         self._pending: _Batch = []
@@ -68,6 +71,7 @@ class InboxSender:
         self.num_batches += 1
         self.num_messages += len(batch)
         starts: list[int] = []  # index of each message's XADD among the staged commands
+        t0 = time.perf_counter()
         try:
             pipe = self.redis.pipeline(transaction=False)
             for instance_id, msg, _ in batch:
@@ -76,6 +80,9 @@ class InboxSender:
             results: list[Any] = await pipe.execute(raise_on_error=False)
         except Exception as e:  # the round trip failed: every message of the batch failed
             starts, results = [0] * len(batch), [e]
+        if self.observe is not None:
+            failed = next((r for r in results if isinstance(r, Exception)), None)
+            self.observe("inbox_send", time.perf_counter() - t0, failed)
         for start, (instance_id, msg, future) in zip(starts, batch):
             result = results[start]
             if isinstance(result, Exception):

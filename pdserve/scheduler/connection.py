@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -27,6 +27,10 @@ MIN_REDIS_VERSION = (6, 2)
 """XAUTOCLAIM, XTRIM MINID, GETDEL and ZRANGE's BYSCORE/REV forms all arrived in Redis 6.2."""
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
+RedisObserver = Callable[[str, "float | None", "BaseException | None"], None]
+"""``observe(op, seconds, error)`` after a Redis round trip of the kind ``op``: its duration (None
+where it is not a plain round trip, e.g. a blocking read) and the error that ended it, if any.
+For metrics; it must be cheap and must not raise."""
 _SSL_CERT_REQS = ("none", "optional", "required")
 _QUERY_OPTIONS = ("db", "ssl_cert_reqs", "ssl_ca_certs", "client_name")
 

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from pdserve.errors import ControlPlaneError, MessageError
-from pdserve.scheduler.connection import redis_errors, require_bytes_responses
+from pdserve.scheduler.connection import RedisObserver, redis_errors, require_bytes_responses
 from pdserve.scheduler.keys import Keys, Kind
 from pdserve.scheduler.messages import InstanceInfo, RouterInfo, decode_as, encode
 from pdserve.scheduler.tasks import cancel_and_wait
@@ -181,10 +181,12 @@ class LiveSetCache(Generic[InfoT]):
         registry: Registry[InfoT],
         max_age_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        observe: RedisObserver | None = None,
     ) -> None:
         self.registry = registry
         self.max_age_s = max_age_s
         self.clock = clock
+        self.observe = observe  # op "live_set"
         self._value: list[InfoT] | None = None
         self._fetched_at = float("-inf")
         self._refresh: asyncio.Future[list[InfoT]] | None = None
@@ -213,11 +215,17 @@ class LiveSetCache(Generic[InfoT]):
         self._fetched_at = float("-inf")
 
     async def _fetch(self) -> list[InfoT]:
-        started = self.clock()
+        started, t0 = self.clock(), time.perf_counter()
         try:
             value = await self.registry.live()
             self._value, self._fetched_at = value, started
+            if self.observe is not None:
+                self.observe("live_set", time.perf_counter() - t0, None)
             return value
+        except Exception as e:
+            if self.observe is not None:
+                self.observe("live_set", None, e)
+            raise
         finally:
             self._refresh = None
 

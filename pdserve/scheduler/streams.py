@@ -34,7 +34,7 @@ from pdserve.errors import (
     PdserveError,
     RouterStoppingError,
 )
-from pdserve.scheduler.connection import redis_errors, require_bytes_responses
+from pdserve.scheduler.connection import RedisObserver, redis_errors, require_bytes_responses
 from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
 from pdserve.scheduler.messages import (
     ANY_ATTEMPT,
@@ -322,9 +322,11 @@ class OutboxReader:
         fail_after_s: float = 5.0,
         max_backoff_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        observe: RedisObserver | None = None,
     ) -> None:
         require_bytes_responses(redis)
         _check_block(redis, block_ms)
+        self.observe = observe  # op "outbox_read": errors only (reads block)
         self.redis = redis
         self.key = keys.outbox(router_id)
         self.router_id = router_id
@@ -410,6 +412,8 @@ class OutboxReader:
                 failures += 1
                 if not isinstance(e, (RedisError, OSError)):
                     logger.exception("%s: unexpected error in the outbox reader", self.key)
+                if self.observe is not None:
+                    self.observe("outbox_read", None, e)
                 self._lost(e, failures)
                 await asyncio.sleep(min(0.05 * 2**failures, self.max_backoff_s))
                 continue

@@ -10,6 +10,7 @@ snapshot when scraped.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ NAMES = (
     "pdserve_worker_kv_transfer_seconds",
     "pdserve_worker_generation_tokens_total",
     "pdserve_worker_prompt_tokens_total",
+    "pdserve_worker_inbox_lag_seconds",
 )
 """Every series family a worker exports (as exposed: counters with ``_total``)."""
 
@@ -84,6 +86,9 @@ class WorkerMetrics:
         self.preemptions = bound(Counter, "pdserve_worker_preemptions",
                                  "sequences preempted (blocks freed, recomputed later)")  # fmt: skip
         self._preempted = 0
+        self.inbox_lag = bound(Histogram, "pdserve_worker_inbox_lag_seconds", "a message's wait in this "
+                               "instance's inbox: from its XADD (the entry id's time, Redis's clock) to "
+                               "this worker reading it", buckets=STEP_BUCKETS)  # fmt: skip
         self.kv_received = bound(Counter, "pdserve_worker_kv_received_bytes",
                                  "KV bytes prefill peers wrote into this cache (decode)")  # fmt: skip
         gauges = (
@@ -95,6 +100,13 @@ class WorkerMetrics:
         for name, help, fn in gauges:
             bound(Gauge, name, help).set_function(fn)
         self._server: Any = None
+
+    def on_inbox_read(self, entry_ids: Sequence[bytes | str]) -> None:
+        """Observe each read entry's lag (``<ms>-<seq>`` ids carry Redis's time of the XADD)."""
+        now_ms = time.time() * 1e3
+        for entry_id in entry_ids:
+            ms = entry_id.split(b"-" if isinstance(entry_id, bytes) else "-", 1)[0]
+            self.inbox_lag.observe(max(0.0, now_ms - int(ms)) / 1e3)
 
     def watch(self, load: Callable[[], EngineLoad], facts: EngineFacts) -> None:
         """Where the gauges read the engine's load snapshot and facts."""

@@ -249,6 +249,8 @@ class WorkerService:
             try:
                 entries = await self.inbox.read(count=64, block_ms=500)
                 failures = 0
+                if entries and self.metrics is not None:
+                    self.metrics.on_inbox_read([entry_id for entry_id, _ in entries])
             except ControlPlaneError as e:
                 failures += 1
                 self.handler.control_plane_failed()
