@@ -158,6 +158,10 @@ def test_api_keys_guard_every_v1_route_and_leave_probes_open(
             assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
             r = await client.post("/v1/completions", json=body, headers={"authorization": "Bearer k2"})
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_capacity"  # past the key check
+            for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+                assert (await client.post(path, json=body)).status_code == 401  # they use an instance too
+                r = await client.post(path, json=body, headers={"authorization": "Bearer k1"})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "no_capacity", r.text
             assert (await client.get("/health")).status_code == 200  # probes stay open
             assert (await client.get("/ready")).status_code in (200, 503)
 

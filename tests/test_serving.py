@@ -1017,6 +1017,49 @@ def test_json_schema_validates_for_20_seeds_stream_and_non_stream(stack) -> None
     assert len(set(texts)) > 10  # twenty seeds, not one document twenty times
 
 
+# ---- /tokenize and /detokenize --------------------------------------------------------------------
+def test_tokenize_and_detokenize_agree_with_generation(stack) -> None:
+    """vLLM's shapes, answered by an instance: a prompt's count is the usage a completion reports,
+    a chat's (with tools) the usage its chat completion reports; detokenize gives the text back."""
+    base, model = stack.urls[0], model_name(stack)
+    prompt = "The router never loads a tokenizer."
+    r = httpx.post(base + "/tokenize", json={"model": model, "prompt": prompt}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"count", "max_model_len", "tokens", "token_strs"} and body["count"] == len(
+        body["tokens"]
+    )
+    assert body["max_model_len"] == 1024
+    c = client(stack)
+    assert c.completions.create(model=model, prompt=prompt, max_tokens=1).usage.prompt_tokens == body["count"]
+    assert (
+        c.completions.create(model=model, prompt=body["tokens"], max_tokens=1).usage.prompt_tokens
+        == body["count"]
+    )
+    r = httpx.post(base + "/detokenize", json={"model": model, "tokens": body["tokens"]}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"prompt": prompt}
+    counts = []
+    for extra in ({}, {"tools": TOOLS}):  # the model may be left out
+        r = httpx.post(base + "/tokenize", json={"messages": ASK_WEATHER, **extra}, timeout=30)
+        used = c.chat.completions.create(model=model, messages=ASK_WEATHER, max_tokens=1, **extra).usage
+        assert r.status_code == 200 and r.json()["count"] == used.prompt_tokens, r.text
+        counts.append(used.prompt_tokens)
+    assert counts[0] < counts[1]  # the tools were rendered
+    bare = {"messages": ASK_WEATHER, "add_generation_prompt": False}
+    assert httpx.post(base + "/tokenize", json=bare, timeout=30).json()["count"] < counts[0]
+    for path, fields, param in (
+        ("/tokenize", {"prompt": "a", "messages": ASK_WEATHER}, "prompt"),
+        ("/tokenize", {"prompt": "a", "return_token_strs": True}, "return_token_strs"),
+        ("/tokenize", {"prompt": "a", "chat_template": "x"}, "chat_template"),
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/detokenize", {"tokens": []}, "tokens"),
+    ):
+        r = httpx.post(base + path, json={"model": model, **fields}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(base + "/tokenize", json={"model": "nope", "prompt": "a"}, timeout=30)
+    assert r.status_code == 404
+
+
 # ---- tools -----------------------------------------------------------------------------------------
 WEATHER = {
     "type": "object",

@@ -2,7 +2,7 @@
 small operator endpoints. The generation endpoints are raw ASGI apps from :mod:`.serving`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health`` (the process is up), ``GET /ready`` (Redis answers and
+``GET /v1/models/{id}``, ``POST /tokenize`` and ``/detokenize`` (:mod:`.tokenize`), ``GET /health`` (the process is up), ``GET /ready`` (Redis answers and
 something can generate), ``GET /version``, ``GET /v1/instances`` (the live set plus this router's
 in-flight counts, for operators), ``GET /metrics`` (Prometheus text; open like /health; 404 with
 ``--no-metrics``).
@@ -40,9 +40,17 @@ from pdserve.router.errors import (
     error_status,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
+from pdserve.router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_chat,
+    parse_completion,
+)
 from pdserve.router.serving import GenerateEndpoint, send_error
 from pdserve.router.settings import RouterSettings
+from pdserve.router.tokenize import TokenizeEndpoint
 from pdserve.scheduler.connection import RedisSettings, wait_for_redis
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import InstanceInfo, RouterInfo
@@ -119,6 +127,10 @@ class RouterState:
                           started_at=self.started_at)  # fmt: skip
 
 
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
+"""Besides /v1/*: the routes that use an instance's work, guarded by --api-key too."""
+
+
 class RouterApp(FastAPI):
     """FastAPI with a direct path to the generation endpoints: a POST to one of them skips the
     middleware stack and route matching (measurably cheaper per request); everything else, and
@@ -126,12 +138,14 @@ class RouterApp(FastAPI):
 
     def __init__(self, api_keys: frozenset[str] = frozenset(), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.fast_routes: dict[str, GenerateEndpoint] = {}
+        self.fast_routes: dict[str, GenerateEndpoint | TokenizeEndpoint] = {}
         self.api_keys = [k.encode() for k in api_keys]
 
     def authorized(self, scope: MutableMapping[str, Any]) -> bool:
-        """Open when no keys are set; else /v1/* needs ``Authorization: Bearer <one of the keys>``."""
-        if not self.api_keys or not scope["path"].startswith("/v1/"):
+        """Open when no keys are set; else /v1/*, /tokenize and /detokenize need
+        ``Authorization: Bearer <one of the keys>``."""
+        path = scope["path"]
+        if not self.api_keys or not (path.startswith("/v1/") or path in GUARDED_PATHS):
             return True
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, token = header.partition(b" ")
@@ -172,6 +186,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
         endpoint = GenerateEndpoint(state, parse, path)
         app.fast_routes[path] = endpoint
         app.router.routes.insert(0, Route(path, endpoint, methods=["POST"]))  # 405 for other methods
+    for path, detokenize in (("/tokenize", False), ("/detokenize", True)):
+        app.fast_routes[path] = tokenizer = TokenizeEndpoint(state, detokenize)
+        app.router.routes.insert(0, Route(path, tokenizer, methods=["POST"]))
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     _add_operator_routes(app, state)
@@ -190,6 +207,14 @@ def _document_generation_routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions", summary="Create a chat completion (OpenAI API)", response_model=None)
     async def chat_completions(body: ChatCompletionRequest) -> None:  # pragma: no cover - documentation only
+        raise AssertionError("served by the raw endpoint")
+
+    @app.post("/tokenize", summary="Token ids of a prompt or chat (vLLM's shape)", response_model=None)
+    async def tokenize(body: TokenizeRequest) -> None:  # pragma: no cover - documentation only
+        raise AssertionError("served by the raw endpoint")
+
+    @app.post("/detokenize", summary="The text of token ids (vLLM's shape)", response_model=None)
+    async def detokenize(body: DetokenizeRequest) -> None:  # pragma: no cover - documentation only
         raise AssertionError("served by the raw endpoint")
 
 

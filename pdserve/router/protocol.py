@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import SkipJsonSchema
@@ -114,6 +114,7 @@ TEXT_PART_FIELDS = FieldPolicy(
 _DEFAULTS: dict[str, Any] = {"modalities": ["text"]}
 """Rejected fields whose value here means "the default" and is accepted."""
 
+_M = TypeVar("_M", bound=BaseModel)
 Rejected = SkipJsonSchema[Any]
 """A field that is refused when given (kept out of /openapi.json: clients should not send it)."""
 
@@ -277,6 +278,26 @@ class ChatCompletionRequest(_Common):
     moderation: Rejected = None
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's two forms in one: ``prompt`` (completions) or ``messages`` (chat, with ``tools``)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool | None = None
+    """Default: true for a prompt, false for chat (the template writes them)."""
+    add_generation_prompt: bool | None = None
+    """Chat only (default true): end with the assistant's turn opening, as generation does."""
+    return_token_strs: bool | None = None
+    """Only false is accepted: per-token strings are not returned."""
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
@@ -416,7 +437,7 @@ def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
     limits.check(req)
     if not req.messages:
         raise InvalidRequestError("messages must be a non-empty list", "messages")
-    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    messages = [message_dict(i, m) for i, m in enumerate(req.messages)]
     if req.max_completion_tokens is not None:
         max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -441,12 +462,17 @@ def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
 
 
 def _validate(model: type[_Common], body: bytes, policy: FieldPolicy) -> Any:
-    try:
-        req = model.model_validate_json(body)
-    except ValidationError as e:
-        raise _invalid(e) from None
+    req = validate_body(model, body)
     _refuse(req, policy)
     return req
+
+
+def validate_body(model: type[_M], body: bytes) -> _M:
+    """``body`` as ``model``; InvalidRequestError naming the first bad field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _invalid(e) from None
 
 
 def _unknown(param: str) -> str:
@@ -527,7 +553,8 @@ def _token_ids(ids: list[int]) -> list[int]:
     return ids
 
 
-def _message(index: int, m: ChatMessage) -> dict[str, Any]:
+def message_dict(index: int, m: ChatMessage) -> dict[str, Any]:
+    """Message ``index`` as the chat template takes it (text parts joined; refused fields: a 400)."""
     where = f"messages[{index}]"
     _refuse(m, MESSAGE_FIELDS, where + ".")
     content = m.content

@@ -114,8 +114,8 @@ class RouterSettings:
     )
     api_key: str = setting(
         "",
-        "API keys clients must send as 'Authorization: Bearer KEY' on /v1/* (comma-separated; default: "
-        "none, the router is open); /health and /ready stay open",
+        "API keys clients must send as 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+        "(comma-separated; default: none, the router is open); /health and /ready stay open",
         repr=False,
     )
     api_key_file: str = setting("", "a file of API keys, one per line (added to --api-key)")

@@ -49,6 +49,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "RouterInfo",
         "StepOutput",
         "Timing",
+        "Tokenize",
         "TokenLogprob",
         "TopLogprob",
         "TransferInfo",

@@ -316,6 +316,33 @@ class Abort(_Message):
     attempt: int | None = None
 
 
+class Tokenize(_Message):
+    """Router -> instance inbox: tokenize ``prompt`` or chat ``messages`` (with ``tools``), or
+    detokenize ``token_ids``; exactly one is set. The answer is one final RequestDelta in the
+    router's outbox: ``token_ids`` (tokenize) or ``text`` (detokenize), ``usage.prompt_tokens`` the
+    count. Serves ``POST /tokenize`` and ``/detokenize``: the router has no tokenizer.
+    """
+
+    type: Literal["tokenize"] = "tokenize"
+    request_id: str
+    router_id: str
+    deadline: float
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    token_ids: list[int] | None = None
+    add_special_tokens: bool | None = None
+    """None: as generation does (yes for a prompt, no for a rendered chat)."""
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> Tokenize:
+        given = [n for n in ("prompt", "messages", "token_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of prompt, messages, token_ids must be set, got {given}")
+        return self
+
+
 class StepOutput(_Message):
     """Instance -> router outbox: one engine step's deltas for the requests of ONE router.
 
@@ -329,17 +356,17 @@ class StepOutput(_Message):
     items: list[RequestDelta]
 
 
-InboxMessage = GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort
+InboxMessage = GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort | Tokenize
 """What an instance's inbox carries."""
 Message = Annotated[
-    GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort | StepOutput,
+    GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort | Tokenize | StepOutput,
     Field(discriminator="type"),
 ]
 """Every stream message, discriminated by ``type``."""
 
 MESSAGE_TYPES: dict[str, type[BaseModel]] = {
     cls.model_fields["type"].default: cls
-    for cls in (GenerateRequest, ReserveBlocks, ReserveReply, Prefilled, Abort, StepOutput)
+    for cls in (GenerateRequest, ReserveBlocks, ReserveReply, Prefilled, Abort, Tokenize, StepOutput)
 }
 
 

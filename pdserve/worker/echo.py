@@ -110,6 +110,9 @@ class EchoEngine:
         messages: list[dict] | None,
         prompt_token_ids: list[int] | None,
         tools: list[dict] | None = None,
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         if prompt_token_ids is not None:
             return list(prompt_token_ids)

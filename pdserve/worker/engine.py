@@ -146,15 +146,22 @@ class LLMEngine:
         messages: list[dict] | None = None,
         prompt_token_ids: list[int] | None = None,
         tools: list[dict] | None = None,
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
-        """The prompt as token ids: given ids as they are, chat messages (and tools) rendered by the template."""
+        """The prompt as token ids: given ids as they are, chat messages (and tools) rendered by the
+        template. ``add_special_tokens`` None: yes for a prompt, no for a rendered chat (the
+        template writes them)."""
         if prompt_token_ids is not None:
             return list(prompt_token_ids)
         tok = self.tokenizer
         if messages is not None:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools or None)
-            return tok.encode(text, False)
-        return tok.encode(prompt or "")
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools or None
+            )
+            return tok.encode(text, bool(add_special_tokens))
+        return tok.encode(prompt or "", add_special_tokens is not False)
 
     def prompt_text(self, prompt_token_ids: list[int]) -> str:
         """A prompt's text as echoed to the client (special tokens kept: it is what the model read)."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from pdserve.cache_transfer.regions import Region, block_regions
 from pdserve.errors import InvalidRequestError
-from pdserve.scheduler.messages import GenerateRequest
+from pdserve.scheduler.messages import GenerateRequest, Tokenize
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput
@@ -38,6 +38,9 @@ class Engine(Protocol):
         messages: list[dict] | None,
         prompt_token_ids: list[int] | None,
         tools: list[dict] | None = None,
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]: ...
     def prompt_text(self, prompt_token_ids: list[int]) -> str: ...
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
@@ -104,6 +107,24 @@ class EngineClient:
         return await asyncio.get_running_loop().run_in_executor(self._exec, call)
 
     # ---- requests --------------------------------------------------------------------------------
+    async def tokenize(self, msg: Tokenize) -> tuple[list[int], str]:
+        """``msg``'s token ids and text: its input tokenized, or its ``token_ids`` decoded."""
+        if msg.token_ids is not None:
+            vocab = self.facts.vocab_size
+            bad = next((t for t in msg.token_ids if t < 0 or (vocab is not None and t >= vocab)), None)
+            if bad is not None:
+                raise InvalidRequestError(f"token id {bad} is outside the model's vocabulary of {vocab} tokens",
+                                          "tokens")  # fmt: skip
+            ids = msg.token_ids
+            return ids, await self._run(lambda: self._engine.prompt_text(ids))
+        ids = await self._run(
+            lambda: self._engine.prompt_ids(
+                msg.prompt, msg.messages, None, msg.tools, add_special_tokens=msg.add_special_tokens,
+                add_generation_prompt=msg.add_generation_prompt,
+            )
+        )  # fmt: skip
+        return ids, ""
+
     async def prepare(self, msg: GenerateRequest) -> Prepared:
         """Tokenize and validate; ``max_tokens`` None (chat without a limit) means up to the model length."""
 

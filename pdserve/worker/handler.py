@@ -29,6 +29,8 @@ from pdserve.scheduler import (
     ReserveReply,
     RouterRegistry,
     Timing,
+    Tokenize,
+    Usage,
 )
 from pdserve.worker.messenger import Owner, engine_key, to_delta
 from pdserve.worker.outputs import RequestOutput
@@ -75,6 +77,22 @@ class RequestHandler:
                 self.owners[engine_key(msg.request_id, msg.attempt)] = owner
         elif isinstance(msg, Abort):
             await self.on_abort(msg)
+        elif isinstance(msg, Tokenize):
+            await self.on_tokenize(msg)
+
+    async def on_tokenize(self, msg: Tokenize) -> None:
+        """Answer ``POST /tokenize`` or ``/detokenize`` with one final delta (even while draining:
+        it takes no KV)."""
+        owner = Owner(msg.router_id, msg.request_id, 0)
+        try:
+            ids, text = await self.ctx.engine.tokenize(msg)
+        except InvalidRequestError as e:
+            return await self.ctx.messenger.fail(owner, e)
+        usage = Usage(prompt_tokens=len(ids), completion_tokens=0)
+        delta = RequestDelta(
+            request_id=msg.request_id, token_ids=ids, text=text, finish_reason="stop", usage=usage
+        )
+        await self.ctx.messenger.deliver(owner, delta)
 
     async def on_generate(self, msg: GenerateRequest) -> None:
         received = self.ctx.clock.monotonic()

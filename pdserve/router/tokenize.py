@@ -1,0 +1,124 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, answered by a live instance.
+
+The router has no tokenizer (it never loads a model), so it sends a ``Tokenize`` message to one
+non-draining instance of the model (the least loaded by this router's count) and waits for the one
+delta that answers it in its outbox, as a generation's would arrive. Chat input is rendered by the
+model's chat template exactly as for generation (messages and tools checked by the same parser).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from pdserve.errors import InvalidRequestError, RequestTimeoutError
+from pdserve.router.errors import NoCapacityError, UpstreamError
+from pdserve.router.protocol import DetokenizeRequest, TokenizeRequest, message_dict, validate_body
+from pdserve.router.selection import resolve_model
+from pdserve.router.serving import (
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    request_id,
+    send_error,
+    send_json,
+)
+from pdserve.router.tools import tool_use_of
+from pdserve.scheduler.messages import Tokenize
+
+if TYPE_CHECKING:
+    from pdserve.router.app import RouterState
+
+TOKENIZE_TIMEOUT_S = 30.0
+
+
+class TokenizeEndpoint:
+    """The raw ASGI endpoint of one of the two paths (``detokenize`` picks which)."""
+
+    def __init__(self, state: RouterState, detokenize: bool) -> None:
+        self.state = state
+        self.detokenize = detokenize
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = scope["headers"]
+        rid = uuid.uuid4().hex
+        client_rid = rid
+        try:
+            client_rid = request_id(headers, default=rid)
+            body = await read_body(headers, receive, self.state.settings.max_body_bytes)
+            msg, model = self._message(body, rid)
+            live = await self.state.dispatcher.live.get()
+            model = resolve_model(live, model)
+            delta, max_model_len = await self._ask(live, model, msg)
+        except ClientGone:
+            return
+        except Exception as e:
+            await send_error(send, e, client_rid)
+            return
+        if self.detokenize:
+            out: dict[str, Any] = {"prompt": delta.text}
+        else:
+            out = {"count": len(delta.token_ids), "max_model_len": max_model_len, "tokens": delta.token_ids,
+                   "token_strs": None}  # fmt: skip
+        await send_json(send, 200, orjson.dumps(out), client_rid)
+
+    def _message(self, body: bytes, rid: str) -> tuple[Tokenize, str | None]:
+        common = {"request_id": rid, "router_id": self.state.settings.router_id,
+                  "deadline": time.time() + TOKENIZE_TIMEOUT_S}  # fmt: skip
+        if self.detokenize:
+            req = validate_body(DetokenizeRequest, body)
+            if not req.tokens:
+                raise InvalidRequestError("tokens must not be empty", "tokens")
+            return Tokenize(token_ids=req.tokens, **common), req.model
+        req = validate_body(TokenizeRequest, body)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
+        if req.return_token_strs:
+            raise InvalidRequestError("return_token_strs is not supported: tokens come as ids only",
+                                      "return_token_strs")  # fmt: skip
+        if req.prompt is not None:
+            if req.tools is not None or req.add_generation_prompt is not None:
+                field = "tools" if req.tools is not None else "add_generation_prompt"
+                raise InvalidRequestError(f"{field} goes with messages, not prompt", field)
+            return Tokenize(prompt=req.prompt, add_special_tokens=req.add_special_tokens, **common), req.model
+        if not req.messages:
+            raise InvalidRequestError("messages must be a non-empty list", "messages")
+        tools = None
+        if tool_use_of(req.tools, None, None) is not None:  # checks names and schemas
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+        return (
+            Tokenize(
+                messages=[message_dict(i, m) for i, m in enumerate(req.messages)], tools=tools,
+                add_special_tokens=req.add_special_tokens, add_generation_prompt=req.add_generation_prompt is not False,
+                **common,
+            ),
+            req.model,
+        )  # fmt: skip
+
+    async def _ask(self, live: list, model: str, msg: Tokenize) -> tuple[Any, int]:
+        """Send ``msg`` to the least busy instance of ``model``; its answer and the model's length."""
+        dispatcher = self.state.dispatcher
+        candidates = [i for i in live if i.model == model and not i.draining]
+        if not candidates:
+            raise NoCapacityError(f"no instance of {model} can take requests")
+        target = min(candidates, key=lambda i: (dispatcher.in_flight.get(i.id, 0), i.id))
+        queue = dispatcher.reader.subscribe(msg.request_id)
+        try:
+            await dispatcher.sender.send(target.id, msg)
+            try:
+                delta = await asyncio.wait_for(queue.get(), TOKENIZE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise RequestTimeoutError(
+                    f"instance {target.id} did not answer within {TOKENIZE_TIMEOUT_S:g} s"
+                ) from None
+        finally:
+            dispatcher.reader.unsubscribe(msg.request_id)
+        if delta.error is not None:
+            raise UpstreamError(delta.error)
+        return delta, min(i.max_model_len for i in candidates)
