@@ -90,7 +90,7 @@ def test_every_bash_block_is_covered() -> None:
     for b in blocks("bash"):
         kinds = [m for m in (AFTER_UP, PIECES, OFFLINE, *NOT_RUN) if m in b]
         assert len(kinds) == 1, f"README block not covered by tests/test_readme.py:\n{b}"
-    assert len(blocks("python")) == 2
+    assert len(blocks("python")) == 3
 
 
 def documented_key_patterns() -> list[re.Pattern]:
@@ -181,9 +181,12 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
 
         assert_keys_are_documented(json.loads((Path(env["HOME"]) / ".cache/pdserve/up.json").read_text()))
 
-        client = python(block("python", "OpenAI("))
+        client = python(block("python", "Once upon a time"))
         assert client.returncode == 0, client.stderr
         assert "CompletionUsage" in client.stdout
+        tools = python(block("python", "tool_choice="))
+        assert tools.returncode == 0, tools.stderr
+        assert tools.stdout.startswith("tool_calls Function(arguments='{\"city\":") and "get_weather" in tools.stdout
     finally:
         up.send_signal(signal.SIGINT)
         rest, _ = up.communicate(timeout=90)
