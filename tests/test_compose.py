@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from host_support import need_root_and
+from host_support import missing_here, need_root_and
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.mooncake.yml"])
@@ -97,6 +98,17 @@ def test_monitoring_profile() -> None:
     assert (mounts[dashboards] / "pdserve.json").is_file()
     source = yaml.safe_load((mounts["/etc/grafana/provisioning"] / "datasources/prometheus.yml").read_text())
     assert source["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_promtool_accepts_the_scrape_config() -> None:
+    """Prometheus's own checker (`promtool`, from Debian's `prometheus`; .ci/run installs it)."""
+    if not shutil.which("promtool"):
+        missing_here("needs promtool (apt-get install prometheus)", "PDSERVE_REQUIRE_PROMTOOL")
+    out = subprocess.run(
+        ["promtool", "check", "config", str(ROOT / "deploy" / "prometheus.yml")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
 
 
 def bind_mounts(spec: dict) -> dict[str, Path]:
