@@ -186,7 +186,10 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
         assert "CompletionUsage" in client.stdout
         tools = python(block("python", "tool_choice="))
         assert tools.returncode == 0, tools.stderr
-        assert tools.stdout.startswith("tool_calls Function(arguments='{\"city\":") and "get_weather" in tools.stdout
+        assert (
+            tools.stdout.startswith('tool_calls Function(arguments=\'{"city":')
+            and "get_weather" in tools.stdout
+        )
     finally:
         up.send_signal(signal.SIGINT)
         rest, _ = up.communicate(timeout=90)
