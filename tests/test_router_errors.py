@@ -203,8 +203,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
          "messages[0].content[0].text", "needs its text"),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x", "mood": "?"}]}', 400,
          "messages[0].mood", "unknown field"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "content": null, "tool_calls": []}]}', 400,
-         "messages[0].tool_calls", "tool or function calling"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "content": null, "function_call": '
+         b'{"name": "f", "arguments": "{}"}}]}', 400, "messages[0].function_call", "use tool_calls"),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "guided_grammar": "root ::= x"}',
          400, "guided_grammar", "takes no grammars"),
     ],

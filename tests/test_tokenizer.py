@@ -123,8 +123,8 @@ def test_chat_template_system_user(tok: Tokenizer) -> None:
 
 
 def test_chat_template_unknown_role(tok: Tokenizer) -> None:
-    with pytest.raises(InvalidRequestError, match="tool") as info:
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(InvalidRequestError, match="function") as info:
+        tok.apply_chat_template([{"role": "function", "content": "x"}])
     assert info.value.param == "messages"
 
 

@@ -2,8 +2,8 @@
 
 Nothing is downloaded. The tokenizer is a byte-level BPE trained on a corpus generated here from a fixed
 seed and embedded word lists, so every machine (and every Python version) gets identical bytes. Weights
-follow the scale scheme of ``engine_scripts/pdmodel.py`` (unit embeddings, 1/sqrt(fan_in) projections),
-which keeps greedy output varied instead of collapsing onto one token.
+are scaled so activations stay near unit size (unit embeddings, 1/sqrt(fan_in) projections), which
+keeps greedy output varied instead of collapsing onto one token.
 """
 
 from __future__ import annotations
