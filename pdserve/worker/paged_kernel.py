@@ -8,7 +8,7 @@ the rows of its own tokens, so nothing is copied and nothing past a sequence's l
 It is compiled by numba for the CPU at hand: LLVM picks AVX2 or AVX-512 from the host's features
 when the kernel is first compiled, which is the run-time CPU check (``cache=True`` keys its cache
 files per CPU, so another machine recompiles rather than loads foreign code). One work item is one
-(sequence, kv head) pair, computed start to end by one thread over exactly that sequence's length:
+sequence (all its heads), computed start to end by one thread over exactly that sequence's length:
 a sequence's bits never depend on its neighbours, the batch size or the thread count, which keeps
 batch-invariant mode bitwise. The softmax subtracts the row max and runs in float32.
 """
@@ -51,26 +51,30 @@ def _decode_attention(
     rows: the cache as ``[num_blocks * 2 * L * bs * KVH, D]`` float32 (block-major, see kv_cache);
     q: ``[B, H, D]`` float32, pre-scaled; tables: int64 ``[B, nblk]``; lengths: int64 ``[B]``
     (tokens of context, >= 1); out: ``[B, H, D]`` float32.
+
+    One work item is one sequence with all its kv heads: a token's rows for every kv head are
+    adjacent, so each block's layer slice is read front to back (measured ~4x faster than one item
+    per (sequence, kv head), which strides over the other heads' rows).
     """
     B, H, D = q.shape
     G = H // kv_heads
     per_block = 2 * layers * block_size * kv_heads  # rows of one block
     v_offset = layers * block_size * kv_heads  # rows from a block's K half to its V half
     layer_offset = layer * block_size * kv_heads
-    for item in prange(B * kv_heads):
-        b = item // kv_heads
-        h = item - b * kv_heads
+    for b in prange(B):
         n = lengths[b]
-        s = np.empty((G, n), np.float32)
+        qb = q[b].copy()  # [H, D], contiguous
+        s = np.empty((H, n), np.float32)
         for t in range(n):
-            blk = tables[b, t // block_size]
-            r = blk * per_block + layer_offset + (t % block_size) * kv_heads + h
-            for g in range(G):
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += q[b, h * G + g, d] * rows[r, d]
-                s[g, t] = acc
-        for g in range(G):
+            r0 = tables[b, t // block_size] * per_block + layer_offset + (t % block_size) * kv_heads
+            for h in range(kv_heads):
+                k = rows[r0 + h]
+                for g in range(h * G, (h + 1) * G):
+                    acc = np.float32(0.0)
+                    for d in range(D):
+                        acc += qb[g, d] * k[d]
+                    s[g, t] = acc
+        for g in range(H):  # softmax in float32, minus the row max
             m = s[g, 0]
             for t in range(1, n):
                 m = max(m, s[g, t])
@@ -82,17 +86,18 @@ def _decode_attention(
             inv = np.float32(1.0) / total
             for t in range(n):
                 s[g, t] *= inv
-        acc_v = np.zeros((G, D), np.float32)
+        acc_v = np.zeros((H, D), np.float32)
         for t in range(n):
-            blk = tables[b, t // block_size]
-            r = blk * per_block + v_offset + layer_offset + (t % block_size) * kv_heads + h
-            for g in range(G):
-                p = s[g, t]
-                for d in range(D):
-                    acc_v[g, d] += p * rows[r, d]
-        for g in range(G):
-            for d in range(D):
-                out[b, h * G + g, d] = acc_v[g, d]
+            r0 = (
+                tables[b, t // block_size] * per_block + v_offset + layer_offset + (t % block_size) * kv_heads
+            )
+            for h in range(kv_heads):
+                v = rows[r0 + h]
+                for g in range(h * G, (h + 1) * G):
+                    p = s[g, t]
+                    for d in range(D):
+                        acc_v[g, d] += p * v[d]
+        out[b] = acc_v
 
 
 @dataclasses.dataclass(frozen=True)
