@@ -4,6 +4,9 @@ bitwise batch invariance with the kernel on (MKL_CBWR=AUTO,STRICT, set in confte
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -149,3 +152,22 @@ def test_kernel_batch_invariant(engines) -> None:
         assert batched[f"r{i}"][0] == tokens
         for a, b in zip(logits, batched[f"r{i}"][1], strict=True):
             assert np.array_equal(a, b), f"prompt {i}: max abs diff {np.abs(a - b).max()}"
+
+
+def test_auto_falls_back_without_numba() -> None:
+    """A host where numba does not import gets the reference path and a reason, never a crash."""
+    code = (
+        "import sys; sys.modules['numba'] = None\n"
+        "from pdserve.errors import ConfigError\n"
+        "from pdserve.worker.paged_kernel import select_attention\n"
+        "a = select_attention('auto', 2)\n"
+        "assert a.impl == 'reference' and a.kernel is None and 'numba' in a.reason, a\n"
+        "try:\n"
+        "    select_attention('kernel', 2)\n"
+        "except ConfigError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "refused: attention=kernel" in out.stdout
+    assert "reference attention" in out.stderr  # the one warning line
