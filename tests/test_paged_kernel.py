@@ -142,9 +142,11 @@ def test_engine_kernel_equals_reference_greedy(engines) -> None:
         assert diff < 1e-3, f"{rid}: logits differ by {diff}"
 
 
-def test_kernel_batch_invariant(engines) -> None:
-    """A sequence's logits are bitwise the same alone and next to others of other lengths."""
-    engine = engines["kernel"]
+@pytest.mark.parametrize("mode", ["kernel", "reference"])
+def test_batch_invariant(engines, mode: str) -> None:
+    """A sequence's logits are bitwise the same alone and next to others of other lengths, on both
+    paths (the exactness tests run the default, the kernel; the fallback must hold it too)."""
+    engine = engines[mode]
     assert engine.runner.batch_invariant
     alone = [generate(engine, [p])["r0"] for p in PROMPTS]
     batched = generate(engine, PROMPTS)
