@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.errors import ConfigError
+
 # numba.prange once _compile has imported numba: importing this module (settings does, for
 # ATTENTION_MODES) stays light, and a host without numba still imports it.
 prange = range
@@ -109,13 +111,17 @@ class Attention:
     kernel: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
-def _compile(threads: int) -> Any:
-    global prange
+_dispatcher: Any = None  # numba's compiled function, made once per process
+
+
+def _compile(threads: int) -> PagedDecodeKernel:
+    global prange, _dispatcher
     import numba
 
-    prange = numba.prange  # the kernel's parallel loop: resolved when numba compiles it
-    fn = numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)(_decode_attention)
-    kernel = PagedDecodeKernel(fn, threads)
+    if _dispatcher is None:
+        prange = numba.prange  # the kernel's parallel loop: resolved when numba compiles it
+        _dispatcher = numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)(_decode_attention)
+    kernel = PagedDecodeKernel(_dispatcher, threads)
     kernel.self_test()  # compiles now (or loads the per-CPU cache), not in the first request
     return kernel
 
@@ -132,9 +138,18 @@ class PagedDecodeKernel:
         self.threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
 
     def __call__(
-        self, rows: np.ndarray, shape: tuple[int, int, int], layer: int, q: np.ndarray, tables, lengths
+        self,
+        rows: np.ndarray,
+        shape: tuple[int, int, int],
+        layer: int,
+        q: np.ndarray,
+        tables: np.ndarray,
+        lengths: np.ndarray,
     ) -> np.ndarray:
-        """Attention for ``q [B, H, D]``; ``shape`` is (layers, block_size, kv_heads) of the cache."""
+        """Attention ``[B, H, D]`` for ``q [B, H, D]``; ``shape`` is (layers, block_size, kv_heads).
+
+        Arguments must be C-contiguous (float32 rows and q, int64 tables and lengths): another
+        layout would make numba compile a second version in the middle of a step."""
         self._set_threads(self.threads)
         out = np.empty(q.shape, np.float32)
         self._fn(rows, shape[0], shape[1], shape[2], layer, q, tables, lengths, out)
@@ -163,8 +178,6 @@ class PagedDecodeKernel:
 def select_attention(mode: str, threads: int) -> Attention:
     """``auto``: the kernel when numba imports and compiles, else the reference (never a crash);
     ``kernel``: the kernel or an error; ``reference``: the pure-Paddle gather path."""
-    from pdserve.errors import ConfigError
-
     if mode not in ATTENTION_MODES:
         raise ConfigError(
             f"attention (--attention, PDSERVE_ATTENTION) must be one of {', '.join(ATTENTION_MODES)}, "
