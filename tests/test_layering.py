@@ -101,7 +101,7 @@ LOAD_CHECKS = {
     "pdserve": ("paddle", "redis", "pdserve.worker", "pdserve.router"),
     # the worker's service half runs (and is unit-tested) without the model: Paddle loads with the engine
     **{
-        f"pdserve.worker.{m}": ("paddle", "pdserve.worker.engine", "pdserve.router")
+        f"pdserve.worker.{m}": ("paddle", "numba", "pdserve.worker.engine", "pdserve.router")
         for m in ("service", "handler", "splitwise", "engine_client", "messenger", "outputs", "settings")
     },
 }

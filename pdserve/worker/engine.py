@@ -32,6 +32,7 @@ from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
 from pdserve.worker.paddle_setup import HOST, TUNING, paddle
+from pdserve.worker.paged_kernel import Attention, select_attention
 from pdserve.worker.sampler import Sample, Sampler, make_rng
 from pdserve.worker.sequence import Sequence, SequenceStatus
 from pdserve.worker.settings import EngineConfig
@@ -51,6 +52,11 @@ class _Request:
 def select_kernels(mode: str | None) -> Kernels:
     """The kernels this engine runs on this CPU: ``mode``, else ``PDSERVE_KERNELS``, else auto."""
     return choose_kernels(mode or os.environ.get("PDSERVE_KERNELS") or "auto", HOST)
+
+
+def choose_attention(mode: str | None, threads: int) -> Attention:
+    """The decode attention: ``mode``, else ``PDSERVE_ATTENTION``, else auto (paged_kernel.py)."""
+    return select_attention(mode or os.environ.get("PDSERVE_ATTENTION") or "auto", threads)
 
 
 def set_threads(n: int | None) -> int:
@@ -79,7 +85,11 @@ class LLMEngine:
             f"; applied {', '.join(TUNING)} before importing Paddle" if TUNING else "",
         )
         t0 = time.perf_counter()
-        self.model = Model(mc, load_weights(self.model_dir, mc), self.max_model_len, self.kernels)
+        self.attention = choose_attention(config.attention, self.threads)
+        log.info("decode attention: %s (%s)", self.attention.impl, self.attention.reason)
+        self.model = Model(
+            mc, load_weights(self.model_dir, mc), self.max_model_len, self.kernels, self.attention.kernel
+        )
         num_blocks = config.num_blocks or int(
             config.kv_cache_gb * 2**30 // block_bytes(mc, config.block_size)
         )
@@ -102,7 +112,12 @@ class LLMEngine:
         invariant = config.batch_invariant
         if invariant is None:
             invariant = "STRICT" in os.environ.get("MKL_CBWR", "").upper()
-        self.runner = ModelRunner(self.cache, batch_invariant=invariant, threads=self.threads)
+        self.runner = ModelRunner(
+            self.cache,
+            batch_invariant=invariant,
+            threads=self.threads,
+            paged_kernel=self.attention.kernel is not None,
+        )
         self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.sampler.vocab_limit)  # structured output
         self.requests: dict[str, _Request] = {}

@@ -95,6 +95,13 @@ class KVCache:
         buf = (ctypes.c_uint8 * self.nbytes).from_address(self.tensor.data_ptr())
         return np.ctypeslib.as_array(buf)
 
+    def kv_view(self) -> np.ndarray:
+        """Zero-copy float32 view ``[num_blocks, 2, layers, block_size, kv_heads, head_dim]``: what the
+        in-place decode kernel reads (taken per step, so it always follows the tensor's storage)."""
+        cfg = self.cfg
+        shape = (self.num_blocks, 2, cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return self.raw_view().view(np.float32).reshape(shape)
+
     def read_blocks(self, block_ids: list[int]) -> bytes:
         """The blocks' bytes concatenated in block-table order."""
         raw = self.raw_view()

@@ -6,7 +6,8 @@ together; attention runs per group. Under ``MKL_CBWR=AUTO,STRICT`` GEMM rows are
 and each sequence's attention shape depends only on that sequence, so a sequence gets the same bits
 alone or inside any batch. Attention never feeds a transposed view to matmul (Paddle's CPU matmul
 copies a strided operand first, many times slower): decode uses a block-diagonal q against K/V
-exactly as gathered. RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md,
+exactly as gathered. With ``decode_kernel`` (paged_kernel.py) decode groups skip the gather and
+read the cache in place through their block tables. RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md,
 "CPU kernels").
 """
 
@@ -23,13 +24,15 @@ from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.paddle_setup import functional as F
 from pdserve.worker.paddle_setup import incubate_functional as IF
 from pdserve.worker.paddle_setup import paddle
+from pdserve.worker.paged_kernel import PagedDecodeKernel
 
 
 @dataclasses.dataclass
 class AttentionGroup:
     """Tokens ``[start, start + num_tokens)`` of the packed batch that attend together.
 
-    Decode group: ``num_seqs`` sequences with one token each, K/V from ``num_chunks`` gathered chunks.
+    Decode group: ``num_seqs`` sequences with one token each, K/V from ``num_chunks`` gathered chunks,
+    or, with the in-place kernel, read through ``tables``/``lengths`` (``num_chunks == 0``, no mask).
     Prefill chunk: one sequence; ``num_chunks == 0`` means its first chunk (attend to own tokens only).
     """
 
@@ -37,8 +40,10 @@ class AttentionGroup:
     num_tokens: int
     num_seqs: int
     num_chunks: int  # rows of the step's combined gather this group owns (2 * seqs * blocks)
-    mask: np.ndarray  # additive float32: decode [B, 1, T]; fresh prefill [n, n]; chunk [n, 1, T]
+    mask: np.ndarray | None  # additive float32: decode [B, 1, T]; fresh prefill [n, n]; chunk [n, 1, T]
     is_decode: bool
+    tables: np.ndarray | None = None  # in-place kernel: int64 [B, nblk] block tables
+    lengths: np.ndarray | None = None  # in-place kernel: int64 [B] context lengths
 
 
 @dataclasses.dataclass
@@ -62,9 +67,15 @@ class Model:
     """Functional forward over fused weights (see weights.load_weights for the names)."""
 
     def __init__(
-        self, cfg: ModelConfig, weights: dict[str, np.ndarray], max_len: int, kernels: Kernels
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, np.ndarray],
+        max_len: int,
+        kernels: Kernels,
+        decode_kernel: PagedDecodeKernel | None = None,
     ) -> None:
         self.cfg = cfg
+        self.decode_kernel = decode_kernel  # runs the decode groups that carry block tables
         self._norm = self._fused_norm if kernels.rms_norm == "fused" else self._composed_norm
         self._swiglu = F.swiglu if kernels.swiglu == "fused" else self._composed_swiglu
         self.w = {k: paddle.to_tensor(v) for k, v in weights.items()}
@@ -114,7 +125,11 @@ class Model:
         qsin = paddle.index_select(self.qsin, pos).unsqueeze(1)
         write_rows = paddle.unbind(paddle.to_tensor(step.write_rows), 0)
         gather = paddle.unbind(paddle.to_tensor(step.gather), 0) if step.gather is not None else None
-        masks = [paddle.to_tensor(g.mask) for g in step.groups]
+        masks = [None if g.mask is None else paddle.to_tensor(g.mask) for g in step.groups]
+        rows = None
+        if any(g.tables is not None for g in step.groups):
+            rows = cache.kv_view().reshape(-1, D)  # zero-copy; the kernel reads it in place
+            shape = (cfg.num_layers, cache.block_size, KVH)
         for layer in range(cfg.num_layers):
             h = self._norm(x, self.w[f"l{layer}.in_norm"])
             q, k, v = paddle.split(self._linear(h, f"l{layer}.qkv"), self.sizes, axis=-1)
@@ -128,7 +143,10 @@ class Model:
             outs, chunk = [], 0
             for g, mask in zip(step.groups, masks):
                 qg = q[g.start : g.start + g.num_tokens]
-                if g.num_chunks == 0:
+                if g.tables is not None:  # after scatter_ returned: this layer's new K/V are in place
+                    o = self.decode_kernel(rows, shape, layer, qg.numpy(), g.tables, g.lengths)
+                    outs.append(paddle.to_tensor(o.reshape(g.num_tokens, H * D)))
+                elif g.num_chunks == 0:
                     kg, vg = k[g.start : g.start + g.num_tokens], v[g.start : g.start + g.num_tokens]
                     outs.append(self.dense_causal_attention(qg, kg, vg, mask))
                 else:

@@ -4,7 +4,10 @@ In batch-invariant mode decodes are grouped by their context length in blocks, r
 bucket that depends only on that length (≤ 12.5 % padding with the all-zero null block, masked), so
 a sequence's attention shape is the same alone or in any batch while a batch of mixed lengths still
 needs only a handful of attention groups. Otherwise all decodes form one group padded to the longest
-context: the fewest ops, as the bare model does it.
+context: the fewest ops, as the bare model does it. With the in-place decode kernel
+(paged_kernel.py) all decodes form one group in either mode and carry their block tables and
+lengths instead of gather ids and a mask: the kernel reads each sequence over exactly its own
+length, so padding the table changes no bits and the buckets are not needed.
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ def decode_bucket(num_blocks: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, cache: KVCache, batch_invariant: bool = False, threads: int = 1) -> None:
+    def __init__(
+        self, cache: KVCache, batch_invariant: bool = False, threads: int = 1, paged_kernel: bool = False
+    ) -> None:
         self.cache = cache
+        self.paged_kernel = paged_kernel  # decode groups carry block tables for the in-place kernel
         self.batch_invariant = batch_invariant
         self.threads = threads
         self.block_size = cache.block_size
@@ -60,7 +66,7 @@ class ModelRunner:
         start = 0
 
         by_bucket: dict[int, list[Sequence]] = {}
-        if self.batch_invariant:
+        if self.batch_invariant and not self.paged_kernel:
             for seq in batch.decodes:
                 by_bucket.setdefault(decode_bucket(blocks_for(seq.num_tokens, bs)), []).append(seq)
         elif batch.decodes:  # fastest: one group padded to the longest context
@@ -76,11 +82,14 @@ class ModelRunner:
             ids.append(np.fromiter((s.token_at(s.num_tokens - 1) for s in seqs), np.int64, n))
             pos.append(p)
             slots.append(table[np.arange(n), p // bs] * bs + p % bs)
-            gathers.append(self.cache.gather_chunks(table))
-            mask = np.where(np.arange(nblk * bs)[None, :] < lengths[:, None], 0.0, _NEG_INF).astype(
-                np.float32
-            )
-            groups.append(AttentionGroup(start, n, n, 2 * n * nblk, mask[:, None, :], True))
+            if self.paged_kernel:
+                groups.append(AttentionGroup(start, n, n, 0, None, True, tables=table, lengths=lengths))
+            else:
+                gathers.append(self.cache.gather_chunks(table))
+                mask = np.where(np.arange(nblk * bs)[None, :] < lengths[:, None], 0.0, _NEG_INF)
+                groups.append(
+                    AttentionGroup(start, n, n, 2 * n * nblk, mask.astype(np.float32)[:, None, :], True)
+                )
             out_rows.extend(range(start, start + n))
             out_seqs.extend(seqs)
             start += n

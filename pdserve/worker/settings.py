@@ -16,6 +16,7 @@ from pdserve.scheduler.connection import DEFAULT_URL
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.worker.cpu import KERNEL_MODES
+from pdserve.worker.paged_kernel import ATTENTION_MODES
 
 ROLES = ("prefill", "decode", "mixed")
 KV_TRANSFERS = ("auto", "shm", "mooncake", "both")
@@ -47,6 +48,14 @@ class EngineConfig:
         "or fused or fail (fused) (default: auto)",
         kind=str,
         choices=KERNEL_MODES,
+    )
+    attention: str | None = setting(
+        None,
+        "decode attention: the numba kernel that reads the paged cache in place (kernel), the "
+        "pure-Paddle gather (reference), or the kernel where numba imports and compiles, else the "
+        "reference (auto) (default: auto)",
+        kind=str,
+        choices=ATTENTION_MODES,
     )
     shared_kv: bool = False  # decode cache in POSIX shared memory (same-host prefill writes into it)
     shm_name: str | None = None
