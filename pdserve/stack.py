@@ -362,7 +362,10 @@ def run_stack(spec: StackSpec) -> int:
         print(f"pdserve up: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the orderly stop short
+        # a second Ctrl-C or SIGTERM (e.g. from both `timeout` and its caller) must not cut the orderly
+        # stop short and orphan the workers: stop() bounds its own time (grace, then SIGKILL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.stop()
         if stopping:
             print("stopped.", flush=True)

@@ -1303,15 +1303,21 @@ def test_pdserve_up_restarts_a_killed_decode_and_stops_cleanly_on_ctrl_c(tiny_mo
             assert time.monotonic() - killed_at < 10, "the killed decode was not restarted within 10 s"
             time.sleep(0.2)
         long = {**body, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        workers = [i["pid"] for i in httpx.get(url + "/v1/instances", timeout=5).json()["instances"]]
         with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as resp:
             lines = resp.iter_lines()
             first = next(line for line in lines if line.startswith("data: {"))
             up.send_signal(signal.SIGINT)  # Ctrl-C
+            time.sleep(0.3)
+            up.send_signal(signal.SIGTERM)  # and a second signal while it stops (ignored: no orphans)
             rest = [x for x in [first, *lines] if x]
         assert rest[-1] == "data: [DONE]"
         last = orjson.loads(next(x for x in reversed(rest) if x.startswith("data: {"))[6:])
         assert last["choices"][0]["finish_reason"] == "length", last
         assert up.wait(60) == 0
+        for pid in workers:  # every worker it started has exited
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
         log.seek(0)
         out = log.read().decode()
         assert "restarting it" in out and "stopped." in out
