@@ -99,6 +99,23 @@ class _LiveInstances(Collector):
         yield family
 
 
+class _Children:
+    """A labelled metric's children, each made once: ``labels()`` builds a dict and takes a lock,
+    too much for the hot path; here a repeated label tuple is one dict lookup."""
+
+    __slots__ = ("_made", "_metric")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._made: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *labels: str) -> Any:
+        child = self._made.get(labels)
+        if child is None:
+            child = self._made[labels] = self._metric.labels(*labels)
+        return child
+
+
 class LoopHistogram(Collector):
     """A histogram without labels for code that runs on one event loop: ``observe`` is a bisect and
     two additions (about 5x cheaper than prometheus_client's locked Histogram); scrapes run on the
@@ -130,11 +147,10 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry()
         self.active = 0
         """Client requests being served now (past admission)."""
-        self._requests = Counter(
+        self._requests = _Children(Counter(
             "pdserve_requests", "client requests answered, by endpoint, served model, HTTP status and "
             "error kind ('' for success)", ["endpoint", "model", "status", "error_kind"], registry=r,
-        )  # fmt: skip
-        self._request_children: dict[tuple[str, str, int, str], Any] = {}
+        ))  # fmt: skip
         Gauge("pdserve_in_flight_requests", "client requests being served", registry=r).set_function(
             lambda: self.active
         )
@@ -152,25 +168,22 @@ class RouterMetrics:
                              "by the tokens of the later one", ITL_BUCKETS, r)  # fmt: skip
         self.e2e = LoopHistogram("pdserve_e2e_latency_seconds", "request arrival to its final delta (finished "
                              "choices)", E2E_BUCKETS, r)  # fmt: skip
-        self._retries = Counter("pdserve_retries", "attempts re-sent to a fresh pair before any token, "
-                                "by the error kind that caused it", ["kind"], registry=r)  # fmt: skip
-        self._retry_children: dict[str, Any] = {}
+        self._retries = _Children(Counter("pdserve_retries", "attempts re-sent to a fresh pair before any "
+                                          "token, by the error kind that caused it", ["kind"], registry=r))  # fmt: skip
         self.migrations = Counter("pdserve_migrations", "generations moved to another instance after "
                                   "tokens flowed", registry=r)  # fmt: skip
-        self._selections = Counter("pdserve_selections", "attempts sent, by role and instance picked",
-                                   ["role", "instance"], registry=r)  # fmt: skip
-        self._selection_children: dict[tuple[str, str], Any] = {}
+        self._selections = _Children(Counter("pdserve_selections", "attempts sent, by role and instance "
+                                             "picked", ["role", "instance"], registry=r))  # fmt: skip
         self.generation_tokens = Counter("pdserve_generation_tokens", "completion tokens of finished "
                                          "choices (their final usage)", registry=r)  # fmt: skip
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished choices (their "
                                      "final usage)", registry=r)  # fmt: skip
-        self._redis_time = Histogram("pdserve_redis_round_trip_seconds", "the router's Redis round trips by "
+        self._redis_time = _Children(Histogram("pdserve_redis_round_trip_seconds", "the router's Redis round trips by "
                                      "operation: inbox_send (one pipeline per event-loop batch), live_set",
-                                     ["op"], buckets=REDIS_BUCKETS, registry=r)  # fmt: skip
-        self._redis_errors = Counter("pdserve_redis_errors", "failed Redis calls by operation (inbox_send, "
+                                     ["op"], buckets=REDIS_BUCKETS, registry=r))  # fmt: skip
+        self._redis_errors = _Children(Counter("pdserve_redis_errors", "failed Redis calls by operation (inbox_send, "
                                      "live_set, outbox_read) and exception type", ["op", "error"],
-                                     registry=r)  # fmt: skip
-        self._redis_time_children: dict[str, Any] = {}
+                                     registry=r))  # fmt: skip
         self._live = _LiveInstances()
         r.register(self._live)
 
@@ -182,13 +195,7 @@ class RouterMetrics:
 
     # ---- hooks -----------------------------------------------------------------------------------
     def on_request(self, endpoint: str, model: str, status: int, error_kind: str) -> None:
-        key = (endpoint, model, status, error_kind)
-        child = self._request_children.get(key)
-        if child is None:
-            child = self._request_children[key] = self._requests.labels(
-                endpoint, model, str(status), error_kind
-            )
-        child.inc()
+        self._requests(endpoint, model, str(status), error_kind).inc()
 
     def on_delta(self, delta: RequestDelta, first: bool, arrived: float, last: float, now: float) -> None:
         """One accepted, non-error delta of a generation (``first``: its first visible one)."""
@@ -213,27 +220,14 @@ class RouterMetrics:
     def on_redis(self, op: str, seconds: float | None, error: BaseException | None) -> None:
         """A Redis round trip (``RedisObserver``)."""
         if error is not None:
-            self._redis_errors.labels(op, type(error).__name__).inc()
+            self._redis_errors(op, type(error).__name__).inc()
         elif seconds is not None:
-            child = self._redis_time_children.get(op)
-            if child is None:
-                child = self._redis_time_children[op] = self._redis_time.labels(op)
-            child.observe(seconds)
+            self._redis_time(op).observe(seconds)
 
     def on_retry(self, kind: str) -> None:
-        child = self._retry_children.get(kind)
-        if child is None:
-            child = self._retry_children[kind] = self._retries.labels(kind)
-        child.inc()
+        self._retries(kind).inc()
 
     def on_route(self, route: Route) -> None:
         if route.prefill is not None:
-            self._selection("prefill", route.prefill.id)
-        self._selection(route.decode.role, route.decode.id)
-
-    def _selection(self, role: str, instance_id: str) -> None:
-        key = (role, instance_id)
-        child = self._selection_children.get(key)
-        if child is None:
-            child = self._selection_children[key] = self._selections.labels(role, instance_id)
-        child.inc()
+            self._selections("prefill", route.prefill.id).inc()
+        self._selections(route.decode.role, route.decode.id).inc()

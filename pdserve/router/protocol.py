@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import SkipJsonSchema
 
 from pdserve.errors import InvalidRequestError
-from pdserve.router.tools import ToolUse, template_call, tool_use_of
+from pdserve.router.tools import ToolUse, template_call, template_tools, tool_use_of
 from pdserve.scheduler.sampling_params import MAX_TOKEN_ID, SamplingParams
 
 if TYPE_CHECKING:
@@ -454,7 +454,7 @@ def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
             "tool_choice",
         )
     params = _sampling(req, max_tokens, max_name, num_logprobs, "top_logprobs", guided)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_use is not None else None
+    tools = template_tools(req.tools or []) if tool_use is not None else None
     parsed = _parsed("chat", req, params, max_tokens is None, [Prompt(messages=messages, tools=tools)], limits,
                      logprobs=bool(req.logprobs))  # fmt: skip
     parsed.tool_use = tool_use

@@ -29,8 +29,8 @@ from pdserve.router.serving import (
     send_error,
     send_json,
 )
-from pdserve.router.tools import tool_use_of
-from pdserve.scheduler.messages import Tokenize
+from pdserve.router.tools import template_tools, tool_use_of
+from pdserve.scheduler.messages import InstanceInfo, RequestDelta, Tokenize
 
 if TYPE_CHECKING:
     from pdserve.router.app import RouterState
@@ -90,8 +90,9 @@ class TokenizeEndpoint:
         if not req.messages:
             raise InvalidRequestError("messages must be a non-empty list", "messages")
         tools = None
-        if tool_use_of(req.tools, None, None) is not None:  # checks names and schemas
-            tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+        if req.tools:
+            tool_use_of(req.tools, None, None)  # checks names and schemas: 400s name the field
+            tools = template_tools(req.tools)
         return (
             Tokenize(
                 messages=[message_dict(i, m) for i, m in enumerate(req.messages)], tools=tools,
@@ -101,7 +102,7 @@ class TokenizeEndpoint:
             req.model,
         )  # fmt: skip
 
-    async def _ask(self, live: list, model: str, msg: Tokenize) -> tuple[Any, int]:
+    async def _ask(self, live: list[InstanceInfo], model: str, msg: Tokenize) -> tuple[RequestDelta, int]:
         """Send ``msg`` to the least busy instance of ``model``; its answer and the model's length."""
         dispatcher = self.state.dispatcher
         candidates = [i for i in live if i.model == model and not i.draining]

@@ -181,6 +181,11 @@ def tool_use_of(
     return ToolUse("named", schemas, name=name, parallel=False)
 
 
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """The request's tool entries as chat templates take them (``GenerateRequest.tools``)."""
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
 def template_call(call: ToolCall, where: str) -> dict[str, Any]:
     """An earlier assistant call as chat templates take it: ``arguments`` as an object."""
     try:

@@ -43,12 +43,9 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
     connections, so by the time a child process binds it a Redis client may hold it: ports below that
     range are taken only by servers that ask for them.
     """
-    ephemeral = _ephemeral_ports()
-    candidates = range(20000, ephemeral.start - count) if ephemeral.start > 20000 + 1000 else range(0)
-    for _ in range(200):
-        if not candidates:
-            break
-        base = random.choice(candidates)
+    low, high = 20000, _ephemeral_ports().start - count
+    for _ in range(200 if high - low >= 1000 else 0):
+        base = random.randrange(low, high)
         if all(port_is_free(base + i, host) for i in range(count)):
             return base
     with socket.socket() as s:  # no room below the ephemeral range: let the kernel choose
