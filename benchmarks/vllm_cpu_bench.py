@@ -37,6 +37,9 @@ def main() -> int:
         "--threads", type=int, default=os.cpu_count() or 1, help="OpenMP threads, bound to cores 0..N-1"
     )
     args = ap.parse_args()
+    # Explicit, not inherited: a parent that imported Paddle carries OMP_NUM_THREADS=1 (Paddle sets it
+    # on import), which would halve vLLM's speed on 2 cores.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
