@@ -20,14 +20,14 @@ from pdserve.worker.kv_cache import KVCache
 from pdserve.worker.model import Model
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.paddle_setup import paddle
-from pdserve.worker.paged_kernel import PagedDecodeKernel, select_attention
+from pdserve.worker.paged_kernel import AttentionKernels, select_attention
 
 BS = 16
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def kernel() -> PagedDecodeKernel:
+def kernel() -> AttentionKernels:
     attention = select_attention("kernel", 2)
     assert attention.impl == "kernel"
     return attention.kernel
@@ -74,7 +74,7 @@ def test_kernel_matches_reference(kernel, heads: int, kv_heads: int, lengths: li
         want = model.paged_attention(
             paddle.to_tensor(q), kv, paddle.to_tensor(mask[:, None, :]), len(lengths), True
         ).numpy()
-        got = kernel(rows, (cfg.num_layers, BS, kv_heads), layer, q, table, lens)
+        got = kernel.decode(rows, (cfg.num_layers, BS, kv_heads), layer, q, table, lens)
         assert got.shape == (len(lengths), heads, cfg.head_dim)
         diff = np.abs(got.reshape(len(lengths), -1) - want).max()
         assert diff <= TOL, f"layer {layer}: max abs diff {diff}"
@@ -89,14 +89,63 @@ def test_kernel_ignores_what_lies_past_the_length(kernel) -> None:
     q = rng.standard_normal((1, 4, cfg.head_dim), dtype=np.float32)
     rows = cache.kv_view().reshape(-1, cfg.head_dim)
     shape = (cfg.num_layers, BS, 2)
-    short = kernel(rows, shape, 0, q, np.array([[3, 5]], np.int64), np.array([20], np.int64))
-    padded = kernel(rows, shape, 0, q, np.array([[3, 5, 7, 2]], np.int64), np.array([20], np.int64))
+    short = kernel.decode(rows, shape, 0, q, np.array([[3, 5]], np.int64), np.array([20], np.int64))
+    padded = kernel.decode(rows, shape, 0, q, np.array([[3, 5, 7, 2]], np.int64), np.array([20], np.int64))
     data = cache.tensor.numpy()
     data[5, :, :, 4:] = np.nan  # slots 20.. of the second block
     data[7] = np.nan
     paddle.assign(paddle.to_tensor(data), cache.tensor)
-    poisoned = kernel(rows, shape, 0, q, np.array([[3, 5, 7, 2]], np.int64), np.array([20], np.int64))
+    poisoned = kernel.decode(rows, shape, 0, q, np.array([[3, 5, 7, 2]], np.int64), np.array([20], np.int64))
     assert np.array_equal(short, padded) and np.array_equal(short, poisoned)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
+@pytest.mark.parametrize("n", [1, 5, 127, 128, 129, 300])
+def test_tiled_causal_attention_matches_reference(kernel, heads: int, kv_heads: int, n: int) -> None:
+    """A first prefill chunk through the causal tiles (tile boundaries at 128) equals the reference's
+    full masked attention within 1e-5."""
+    cfg = config(heads, kv_heads)
+    rng = np.random.default_rng(n * 10 + heads)
+    q = rng.standard_normal((n, heads, cfg.head_dim), dtype=np.float32) / np.float32(np.sqrt(cfg.head_dim))
+    k = rng.standard_normal((n, kv_heads, cfg.head_dim), dtype=np.float32)
+    v = rng.standard_normal((n, kv_heads, cfg.head_dim), dtype=np.float32)
+    weights = {"embed": np.zeros((64, 64), np.float32)}
+    tiled = Model(cfg, weights, 8, Kernels("composed", "composed", "test"), kernel)
+    mask = np.triu(np.full((n, n), -np.inf, np.float32), 1)
+    want = tiled.dense_causal_attention(*map(paddle.to_tensor, (q, k, v, mask))).numpy()
+    got = tiled.tiled_causal_attention(q, k, v)
+    assert got.shape == (n, heads * cfg.head_dim)
+    assert np.abs(got - want).max() <= TOL
+
+
+def test_rope_write_is_bitwise_the_reference(kernel) -> None:
+    """One pass of RoPE + K/V write gives the reference's q and cache contents bit for bit."""
+    cfg = config(4, 2)
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rng = np.random.default_rng(3)
+    n = 37
+    model = Model(cfg, {"embed": np.zeros((64, 64), np.float32)}, 1024, Kernels("composed", "composed", "t"))
+    qkv = rng.standard_normal((n, (H + 2 * KVH) * D), dtype=np.float32)
+    positions = rng.permutation(1000)[:n].astype(np.int64)
+    caches = [KVCache(cfg, 8, BS) for _ in range(2)]
+    slots = rng.permutation(np.arange(BS, 8 * BS))[:n]  # never the null block
+    write_rows = caches[0].write_rows(slots)
+    layer = 1
+    q_got, _, _ = kernel.rope_write(
+        qkv, positions, model.rope_np, caches[0].kv_view().reshape(-1, D), write_rows[layer], (H, KVH, D)
+    )
+    qt, kt, vt = paddle.split(paddle.to_tensor(qkv), model.sizes, axis=-1)
+    pos = paddle.to_tensor(positions)
+    table = {
+        name: paddle.index_select(getattr(model, name), pos).unsqueeze(1)
+        for name in ("qcos", "qsin", "cos", "sin")
+    }
+    q_want = model._rope(qt.reshape([n, H, D]), table["qcos"], table["qsin"]).numpy()
+    k_want = model._rope(kt.reshape([n, KVH, D]), table["cos"], table["sin"])
+    kv = paddle.concat([k_want, vt.reshape([n, KVH, D])], 0).reshape([-1, D])
+    paddle.scatter_(caches[1].rows, paddle.to_tensor(write_rows[layer]), kv, overwrite=True)
+    assert np.array_equal(q_got, q_want)
+    assert np.array_equal(caches[0].tensor.numpy(), caches[1].tensor.numpy())
 
 
 def test_unknown_mode_is_refused() -> None:

@@ -6,9 +6,10 @@ together; attention runs per group. Under ``MKL_CBWR=AUTO,STRICT`` GEMM rows are
 and each sequence's attention shape depends only on that sequence, so a sequence gets the same bits
 alone or inside any batch. Attention never feeds a transposed view to matmul (Paddle's CPU matmul
 copies a strided operand first, many times slower): decode uses a block-diagonal q against K/V
-exactly as gathered. With ``decode_kernel`` (paged_kernel.py) decode groups skip the gather and
-read the cache in place through their block tables. RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md,
-"CPU kernels").
+exactly as gathered. With the numba ``AttentionKernels`` (paged_kernel.py) RoPE and the K/V write
+are one pass, decode groups skip the gather and read the cache in place through their block
+tables, and first prefill chunks run causal tiles; numpy and Paddle share memory through DLPack.
+RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md, "CPU kernels").
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.paddle_setup import functional as F
 from pdserve.worker.paddle_setup import incubate_functional as IF
 from pdserve.worker.paddle_setup import paddle
-from pdserve.worker.paged_kernel import PagedDecodeKernel
+from pdserve.worker.paged_kernel import AttentionKernels
 
 
 @dataclasses.dataclass
@@ -63,6 +64,9 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[np.ndarray, np.ndarray]
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
+CAUSAL_TILE = 128  # query tokens per tile of a first prefill chunk (measured: 64-256 within noise)
+
+
 class Model:
     """Functional forward over fused weights (see weights.load_weights for the names)."""
 
@@ -72,18 +76,19 @@ class Model:
         weights: dict[str, np.ndarray],
         max_len: int,
         kernels: Kernels,
-        decode_kernel: PagedDecodeKernel | None = None,
+        attention_kernels: AttentionKernels | None = None,
     ) -> None:
         self.cfg = cfg
-        self.decode_kernel = decode_kernel  # runs the decode groups that carry block tables
+        self.kernels = attention_kernels  # None: every attention op in Paddle (the reference path)
         self._norm = self._fused_norm if kernels.rms_norm == "fused" else self._composed_norm
         self._swiglu = F.swiglu if kernels.swiglu == "fused" else self._composed_swiglu
         self.w = {k: paddle.to_tensor(v) for k, v in weights.items()}
         cos, sin = rope_tables(cfg, max_len)
         scale = 1.0 / math.sqrt(cfg.head_dim)
+        qcos, qsin = cos * scale, sin * scale  # the softmax scale folded into q's tables
+        self.rope_np = (cos, sin, qcos, qsin)  # rope_write's operands
         self.cos, self.sin = paddle.to_tensor(cos), paddle.to_tensor(sin)
-        # The softmax scale is folded into q's tables: saves a pass over every score matrix.
-        self.qcos, self.qsin = paddle.to_tensor(cos * scale), paddle.to_tensor(sin * scale)
+        self.qcos, self.qsin = paddle.to_tensor(qcos), paddle.to_tensor(qsin)
         kvh = cfg.num_kv_heads
         self.eye = paddle.eye(kvh).reshape([1, kvh, 1, kvh, 1])  # block-diagonal q selector
         self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
@@ -114,57 +119,124 @@ class Model:
         """Run one packed step; writes the new tokens' K/V into ``cache`` and returns logits [M, V]
         (None when no row needs logits, e.g. a step of non-final prefill chunks)."""
         cfg = self.cfg
-        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         ids = paddle.to_tensor(step.token_ids)
-        pos = paddle.to_tensor(step.positions)
-        n = ids.shape[0]
         x = F.embedding(ids, self.w["embed"])
-        cos = paddle.index_select(self.cos, pos).unsqueeze(1)
-        sin = paddle.index_select(self.sin, pos).unsqueeze(1)
-        qcos = paddle.index_select(self.qcos, pos).unsqueeze(1)
-        qsin = paddle.index_select(self.qsin, pos).unsqueeze(1)
-        write_rows = paddle.unbind(paddle.to_tensor(step.write_rows), 0)
-        gather = paddle.unbind(paddle.to_tensor(step.gather), 0) if step.gather is not None else None
-        masks = [None if g.mask is None else paddle.to_tensor(g.mask) for g in step.groups]
-        rows = None
-        if any(g.tables is not None for g in step.groups):
-            rows = cache.kv_view().reshape(-1, D)  # zero-copy; the kernel reads it in place
-            shape = (cfg.num_layers, cache.block_size, KVH)
+        attend = self._kernel_attention if self.kernels is not None else self._reference_attention
+        state = self._prepare(cache, step)
         for layer in range(cfg.num_layers):
             h = self._norm(x, self.w[f"l{layer}.in_norm"])
-            q, k, v = paddle.split(self._linear(h, f"l{layer}.qkv"), self.sizes, axis=-1)
-            q = self._rope(q.reshape([n, H, D]), qcos, qsin)
-            k = self._rope(k.reshape([n, KVH, D]), cos, sin)
-            v = v.reshape([n, KVH, D])
-            paddle.scatter_(
-                cache.rows, write_rows[layer], paddle.concat([k, v], 0).reshape([-1, D]), overwrite=True
-            )
-            kv_all = paddle.index_select(cache.chunks, gather[layer]) if gather is not None else None
-            outs, chunk = [], 0
-            for g, mask in zip(step.groups, masks):
-                qg = q[g.start : g.start + g.num_tokens]
-                if g.tables is not None:  # after scatter_ returned: this layer's new K/V are in place
-                    o = self.decode_kernel(rows, shape, layer, qg.numpy(), g.tables, g.lengths)
-                    outs.append(paddle.to_tensor(o.reshape(g.num_tokens, H * D)))
-                elif g.num_chunks == 0:
-                    kg, vg = k[g.start : g.start + g.num_tokens], v[g.start : g.start + g.num_tokens]
-                    outs.append(self.dense_causal_attention(qg, kg, vg, mask))
-                else:
-                    kv = kv_all[chunk : chunk + g.num_chunks]
-                    chunk += g.num_chunks
-                    outs.append(self.paged_attention(qg, kv, mask, g.num_seqs, g.is_decode))
-            o = outs[0] if len(outs) == 1 else paddle.concat(outs, 0)
+            o = attend(self._linear(h, f"l{layer}.qkv"), layer, cache, step, state)
             x = x + self._linear(o, f"l{layer}.o")
             h = self._norm(x, self.w[f"l{layer}.post_norm"])
             x = x + self._linear(self._swiglu(self._linear(h, f"l{layer}.gate_up")), f"l{layer}.down")
         if step.output_rows.size == 0:
             return None
+        n = step.token_ids.shape[0]
         if step.output_rows.shape[0] != n or not np.array_equal(step.output_rows, np.arange(n)):
             x = paddle.index_select(x, paddle.to_tensor(step.output_rows))
         x = self._norm(x, self.w["norm"])
         if cfg.tie_word_embeddings:
             return paddle.matmul(x, self.w["embed"], transpose_y=True)
         return paddle.matmul(x, self.w["lm_head"])
+
+    def _prepare(self, cache: KVCache, step: StepInput) -> dict:
+        """Per-step tensors every layer's attention shares."""
+        state: dict = {
+            "gather": paddle.unbind(paddle.to_tensor(step.gather), 0) if step.gather is not None else None,
+            "masks": [None if g.mask is None else paddle.to_tensor(g.mask) for g in step.groups],
+        }
+        if self.kernels is not None:
+            state["rows"] = cache.kv_view().reshape(-1, self.cfg.head_dim)  # zero-copy
+        else:
+            pos = paddle.to_tensor(step.positions)
+            for name in ("cos", "sin", "qcos", "qsin"):
+                state[name] = paddle.index_select(getattr(self, name), pos).unsqueeze(1)
+            state["write_rows"] = paddle.unbind(paddle.to_tensor(step.write_rows), 0)
+        return state
+
+    def _reference_attention(
+        self, qkv: paddle.Tensor, layer: int, cache: KVCache, step: StepInput, state: dict
+    ) -> paddle.Tensor:
+        """RoPE, the K/V write and attention in Paddle ops: the reference and fallback path."""
+        H, KVH, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        n = qkv.shape[0]
+        q, k, v = paddle.split(qkv, self.sizes, axis=-1)
+        q = self._rope(q.reshape([n, H, D]), state["qcos"], state["qsin"])
+        k = self._rope(k.reshape([n, KVH, D]), state["cos"], state["sin"])
+        v = v.reshape([n, KVH, D])
+        paddle.scatter_(
+            cache.rows, state["write_rows"][layer], paddle.concat([k, v], 0).reshape([-1, D]), overwrite=True
+        )
+        kv_all = (
+            None if state["gather"] is None else paddle.index_select(cache.chunks, state["gather"][layer])
+        )
+        outs, chunk = [], 0
+        for g, mask in zip(step.groups, state["masks"]):
+            qg = q[g.start : g.start + g.num_tokens]
+            if g.num_chunks == 0:
+                kg, vg = k[g.start : g.start + g.num_tokens], v[g.start : g.start + g.num_tokens]
+                outs.append(self.dense_causal_attention(qg, kg, vg, mask))
+            else:
+                kv = kv_all[chunk : chunk + g.num_chunks]
+                chunk += g.num_chunks
+                outs.append(self.paged_attention(qg, kv, mask, g.num_seqs, g.is_decode))
+        return outs[0] if len(outs) == 1 else paddle.concat(outs, 0)
+
+    def _kernel_attention(
+        self, qkv: paddle.Tensor, layer: int, cache: KVCache, step: StepInput, state: dict
+    ) -> paddle.Tensor:
+        """The same attention through the numba kernels (paged_kernel.py), sharing memory with Paddle
+        through DLPack: RoPE and the K/V write in one pass, decode groups read the cache in place,
+        first prefill chunks run causal tiles, later chunks the reference's gather."""
+        H, KVH, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        kernels, rows = self.kernels, state["rows"]
+        q, k, v = kernels.rope_write(
+            np.from_dlpack(qkv), step.positions, self.rope_np, rows, step.write_rows[layer], (H, KVH, D)
+        )
+        out = np.empty((q.shape[0], H * D), np.float32)
+        kv_all = (
+            None if state["gather"] is None else paddle.index_select(cache.chunks, state["gather"][layer])
+        )
+        chunk = 0
+        for g, mask in zip(step.groups, state["masks"]):
+            span = slice(g.start, g.start + g.num_tokens)
+            if g.tables is not None:
+                shape = (self.cfg.num_layers, cache.block_size, KVH)
+                out[span] = kernels.decode(rows, shape, layer, q[span], g.tables, g.lengths).reshape(
+                    -1, H * D
+                )
+            elif g.num_chunks == 0:
+                out[span] = self.tiled_causal_attention(q[span], k[span], v[span])
+            else:
+                kv = kv_all[chunk : chunk + g.num_chunks]
+                chunk += g.num_chunks
+                o = self.paged_attention(paddle.from_dlpack(q[span]), kv, mask, g.num_seqs, g.is_decode)
+                out[span] = np.from_dlpack(o)
+        return paddle.from_dlpack(out)
+
+    def tiled_causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """A sequence's first chunk with the kernels: q [n,H,D] (pre-scaled), k/v [n,KVH,D] -> [n, H*D].
+
+        Per kv head and tile of ``CAUSAL_TILE`` query tokens, scores against only the keys up to the
+        tile's end (the causal half is never computed), Paddle matmuls on contiguous operands (never
+        a transposed view), the softmax in place in numba. A tile's shapes depend only on the
+        sequence, so batch invariance holds.
+        """
+        n, H, D = q.shape
+        KVH = k.shape[1]
+        G = H // KVH
+        qt = np.ascontiguousarray(q.reshape(n, KVH, G, D).transpose(1, 0, 2, 3))  # [KVH, n, G, D]
+        kt, vt = np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2))
+        out = np.empty((n, KVH, G, D), np.float32)
+        for h in range(KVH):
+            for t0 in range(0, n, CAUSAL_TILE):
+                t1 = min(n, t0 + CAUSAL_TILE)
+                queries = paddle.from_dlpack(qt[h, t0:t1].reshape(-1, D))
+                s = paddle.matmul(queries, paddle.from_dlpack(kt[h, :t1]), transpose_y=True)
+                self.kernels.causal_softmax(np.from_dlpack(s), t0, G)
+                o = paddle.matmul(s, paddle.from_dlpack(vt[h, :t1]))
+                out[t0:t1, h] = np.from_dlpack(o).reshape(t1 - t0, G, D)
+        return out.reshape(n, H * D)
 
     def dense_causal_attention(
         self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor

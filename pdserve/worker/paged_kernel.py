@@ -1,16 +1,21 @@
-"""Decode attention that reads K/V in place through the block tables (docs/design.md "CPU kernels").
+"""Attention kernels that work on the paged cache in place (docs/design.md "CPU kernels").
 
 The reference path (``Model.paged_attention``) first gathers every sequence's whole context out of
 the cache with ``index_select``, once per layer per step; at batch 32 on the tiny model that copy
-was ~63 % of a decode step. This kernel walks each sequence's block table instead and touches only
-the rows of its own tokens, so nothing is copied and nothing past a sequence's length is read.
+was ~63 % of a decode step. The decode kernel walks each sequence's block table instead and touches
+only the rows of its own tokens, so nothing is copied and nothing past a sequence's length is read.
+Two more kernels take the rest of a layer's attention ops off Paddle's per-op path (a 512-token
+prefill spent ~55 % of its time there): ``rope_write`` applies RoPE to q and k and writes k and v
+into their cache rows in one pass over the QKV projection, and ``causal_softmax`` normalises a tile
+of a first prefill chunk's scores in place, skipping what the causal mask would hide.
 
-It is compiled by numba for the CPU at hand: LLVM picks AVX2 or AVX-512 from the host's features
-when the kernel is first compiled, which is the run-time CPU check (``cache=True`` keys its cache
-files per CPU, so another machine recompiles rather than loads foreign code). One work item is one
-sequence (all its heads), computed start to end by one thread over exactly that sequence's length:
-a sequence's bits never depend on its neighbours, the batch size or the thread count, which keeps
-batch-invariant mode bitwise. The softmax subtracts the row max and runs in float32.
+They are compiled by numba for the CPU at hand: LLVM picks AVX2 or AVX-512 from the host's features
+when a kernel is first compiled, which is the run-time CPU check (``cache=True`` keys its cache
+files per CPU, so another machine recompiles rather than loads foreign code). Every kernel's work
+items are tokens or sequences computed start to end by one thread: a sequence's bits never depend
+on its neighbours, the batch size or the thread count, which keeps batch-invariant mode bitwise.
+Softmaxes subtract the row max and run in float32. ``rope_write`` is compiled without fastmath, so
+its products and sums round exactly as Paddle's elementwise ops do: bitwise the reference's RoPE.
 """
 
 from __future__ import annotations
@@ -102,6 +107,76 @@ def _decode_attention(
         out[b] = acc_v
 
 
+def _rope_write(
+    qkv: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    qcos: np.ndarray,
+    qsin: np.ndarray,
+    rows: np.ndarray,
+    write_rows: np.ndarray,
+    q_out: np.ndarray,
+    k_out: np.ndarray,
+    v_out: np.ndarray,
+) -> None:  # pragma: no cover - compiled by numba
+    """Rotate-half RoPE of q (with the pre-scaled ``qcos``/``qsin``) and k, then K/V into the cache.
+
+    qkv: ``[N, (H + 2 KVH) D]`` float32, one token per row; positions: int64 ``[N]``; cos/sin:
+    ``[max_len, D]``; rows: the cache as ``[-1, D]``; write_rows: int64 ``[2 N KVH]``, K rows of
+    (token, kv head) then V rows (KVCache.write_rows of one layer); q_out ``[N, H, D]``, k_out and
+    v_out ``[N, KVH, D]`` receive q, k and v. Each product and sum rounds once, in the reference's
+    order (x cos + rot(x) sin), so the result is bitwise that of ``Model._rope``.
+    """
+    n, H, D = q_out.shape
+    KVH = k_out.shape[1]
+    half = D // 2
+    for t in prange(n):
+        p = positions[t]
+        for h in range(H):
+            base = h * D
+            for d in range(half):
+                x1, x2 = qkv[t, base + d], qkv[t, base + half + d]
+                q_out[t, h, d] = x1 * qcos[p, d] + (-x2) * qsin[p, d]
+                q_out[t, h, half + d] = x2 * qcos[p, half + d] + x1 * qsin[p, half + d]
+        for h in range(KVH):
+            kb, vb = (H + h) * D, (H + KVH + h) * D
+            for d in range(half):
+                x1, x2 = qkv[t, kb + d], qkv[t, kb + half + d]
+                k_out[t, h, d] = x1 * cos[p, d] + (-x2) * sin[p, d]
+                k_out[t, h, half + d] = x2 * cos[p, half + d] + x1 * sin[p, half + d]
+            for d in range(D):
+                v_out[t, h, d] = qkv[t, vb + d]
+    # Serially, in token order: padding tokens of a step share slots of the null block, and the
+    # last writer must win the same way every time.
+    for t in range(n):
+        for h in range(KVH):
+            rows[write_rows[t * KVH + h]] = k_out[t, h]
+            rows[write_rows[(n + t) * KVH + h]] = v_out[t, h]
+
+
+def _causal_softmax(scores: np.ndarray, first: int, group: int) -> None:  # pragma: no cover - numba
+    """In place: row r of ``scores [R, T]`` belongs to query token ``first + r // group`` (``group``
+    query heads share a kv head), which sees keys ``0 .. first + r // group``; those columns become
+    their softmax (float32, minus the row max) and the rest 0."""
+    R, T = scores.shape
+    for r in prange(R):
+        last = first + r // group
+        m = scores[r, 0]
+        for j in range(1, last + 1):
+            m = max(m, scores[r, j])
+        total = np.float32(0.0)
+        for j in range(last + 1):
+            e = np.float32(math.exp(scores[r, j] - m))
+            scores[r, j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for j in range(last + 1):
+            scores[r, j] *= inv
+        for j in range(last + 1, T):
+            scores[r, j] = np.float32(0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """Which decode attention the engine runs, and why (one log line)."""
@@ -111,33 +186,42 @@ class Attention:
     kernel: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
-_dispatcher: Any = None  # numba's compiled function, made once per process
+_compiled: dict[str, Any] | None = None  # numba's compiled functions, made once per process
 
 
-def _compile(threads: int) -> PagedDecodeKernel:
-    global prange, _dispatcher
+def _compile(threads: int) -> AttentionKernels:
+    global prange, _compiled
     import numba
 
-    if _dispatcher is None:
-        prange = numba.prange  # the kernel's parallel loop: resolved when numba compiles it
-        _dispatcher = numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)(_decode_attention)
-    kernel = PagedDecodeKernel(_dispatcher, threads)
-    kernel.self_test()  # compiles now (or loads the per-CPU cache), not in the first request
-    return kernel
+    if _compiled is None:
+        prange = numba.prange  # the kernels' parallel loops: resolved when numba compiles them
+        fast = numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
+        exact = numba.njit(parallel=True, cache=True, nogil=True)  # rounds like Paddle's elementwise ops
+        _compiled = {
+            "decode": fast(_decode_attention),
+            "causal_softmax": fast(_causal_softmax),
+            "rope_write": exact(_rope_write),
+        }
+    kernels = AttentionKernels(_compiled, threads)
+    kernels.self_test()  # compiles now (or loads the per-CPU cache), not in the first request
+    return kernels
 
 
-class PagedDecodeKernel:
-    """The compiled kernel plus its thread count (numba's thread count is per calling thread, so it
-    is set on every call: the engine may step in a thread other than the one that built it)."""
+class AttentionKernels:
+    """The compiled kernels plus their thread count (numba's thread count is per calling thread, so
+    it is set on every call: the engine may step in a thread other than the one that built it).
 
-    def __init__(self, fn: Any, threads: int) -> None:
+    Arguments must be C-contiguous (float32 arrays, int64 indices): another layout would make numba
+    compile a second version in the middle of a step."""
+
+    def __init__(self, fns: dict[str, Any], threads: int) -> None:
         import numba
 
-        self._fn = fn
+        self._fns = fns
         self._set_threads = numba.set_num_threads
         self.threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
 
-    def __call__(
+    def decode(
         self,
         rows: np.ndarray,
         shape: tuple[int, int, int],
@@ -146,14 +230,35 @@ class PagedDecodeKernel:
         tables: np.ndarray,
         lengths: np.ndarray,
     ) -> np.ndarray:
-        """Attention ``[B, H, D]`` for ``q [B, H, D]``; ``shape`` is (layers, block_size, kv_heads).
-
-        Arguments must be C-contiguous (float32 rows and q, int64 tables and lengths): another
-        layout would make numba compile a second version in the middle of a step."""
+        """Attention ``[B, H, D]`` for ``q [B, H, D]``; ``shape`` is (layers, block_size, kv_heads)."""
         self._set_threads(self.threads)
         out = np.empty(q.shape, np.float32)
-        self._fn(rows, shape[0], shape[1], shape[2], layer, q, tables, lengths, out)
+        self._fns["decode"](rows, shape[0], shape[1], shape[2], layer, q, tables, lengths, out)
         return out
+
+    def rope_write(
+        self,
+        qkv: np.ndarray,
+        positions: np.ndarray,
+        tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        rows: np.ndarray,
+        write_rows: np.ndarray,
+        heads: tuple[int, int, int],
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q, k, v) as ``[N, H, D]``, ``[N, KVH, D]`` x 2 after RoPE, with k and v written to their
+        cache rows; ``tables`` = (cos, sin, qcos, qsin), ``heads`` = (H, KVH, D)."""
+        self._set_threads(self.threads)
+        n = qkv.shape[0]
+        H, KVH, D = heads
+        q = np.empty((n, H, D), np.float32)
+        k, v = np.empty((n, KVH, D), np.float32), np.empty((n, KVH, D), np.float32)
+        self._fns["rope_write"](qkv, positions, *tables, rows, write_rows, q, k, v)
+        return q, k, v
+
+    def causal_softmax(self, scores: np.ndarray, first: int, group: int) -> None:
+        """In place, see ``_causal_softmax``."""
+        self._set_threads(self.threads)
+        self._fns["causal_softmax"](scores, first, group)
 
     def self_test(self) -> None:
         """Compile on a toy cache and check against numpy: a kernel that runs but is wrong is refused."""
@@ -163,7 +268,7 @@ class PagedDecodeKernel:
         q = rng.standard_normal((2, H, D), dtype=np.float32)
         tables = np.array([[2, 1], [1, 0]], np.int64)
         lengths = np.array([7, 2], np.int64)
-        got = self(cache.reshape(-1, D), (layers, bs, kvh), 1, q, tables, lengths)
+        got = self.decode(cache.reshape(-1, D), (layers, bs, kvh), 1, q, tables, lengths)
         for b in range(2):
             k = cache[tables[b], 0, 1].reshape(-1, kvh, D)[: lengths[b]]
             v = cache[tables[b], 1, 1].reshape(-1, kvh, D)[: lengths[b]]
@@ -172,7 +277,34 @@ class PagedDecodeKernel:
             p = np.exp(sc - sc.max(-1, keepdims=True))
             want = np.einsum("ht,thd->hd", p / p.sum(-1, keepdims=True), vv)
             if not np.allclose(got[b], want, atol=1e-4):
-                raise RuntimeError("the compiled kernel disagrees with numpy on a toy cache")
+                raise RuntimeError("the compiled decode kernel disagrees with numpy on a toy cache")
+        # rope_write: positions 0 and 3 of a 2-token step, rows 5.. of the cache
+        half, n = D // 2, 2
+        qkv = rng.standard_normal((n, (H + 2 * kvh) * D), dtype=np.float32)
+        pos = np.array([0, 3], np.int64)
+        angle = np.arange(4)[:, None] * (0.5 ** np.arange(half))[None, :]
+        cos = np.cos(np.concatenate([angle, angle], 1)).astype(np.float32)
+        sin = np.sin(np.concatenate([angle, angle], 1)).astype(np.float32)
+        rows = np.zeros((16, D), np.float32)
+        write = np.arange(5, 5 + 2 * n * kvh, dtype=np.int64)
+        q_got, k_got, v_got = self.rope_write(qkv, pos, (cos, sin, cos, sin), rows, write, (H, kvh, D))
+        x = qkv.reshape(n, H + 2 * kvh, D)
+        rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
+        want = x * cos[pos][:, None] + rot * sin[pos][:, None]
+        ok = np.array_equal(q_got, want[:, :H]) and np.array_equal(k_got, want[:, H : H + kvh])
+        ok = ok and np.array_equal(v_got, x[:, H + kvh :])
+        ok = ok and np.array_equal(rows[5 : 5 + 2 * n * kvh], np.concatenate([k_got, v_got]).reshape(-1, D))
+        if not ok:
+            raise RuntimeError("the compiled rope_write kernel disagrees with numpy")
+        # causal_softmax: 2 query tokens (from token 1 on) x 2 heads against 3 keys
+        scores = rng.standard_normal((4, 3), dtype=np.float32)
+        want = np.zeros_like(scores)
+        for r in range(4):
+            e = np.exp(scores[r, : 2 + r // 2] - scores[r, : 2 + r // 2].max())
+            want[r, : 2 + r // 2] = e / e.sum()
+        self.causal_softmax(scores, 1, 2)
+        if not np.allclose(scores, want, atol=1e-6):
+            raise RuntimeError("the compiled causal_softmax kernel disagrees with numpy")
 
 
 def select_attention(mode: str, threads: int) -> Attention:
@@ -186,13 +318,13 @@ def select_attention(mode: str, threads: int) -> Attention:
     if mode == "reference":
         return Attention("reference", "reference path forced")
     try:
-        kernel = _compile(threads)
+        kernels = _compile(threads)
     except Exception as e:  # ImportError, numba's TypingError/LoweringError, a failed self-test
         if mode == "kernel":
-            raise ConfigError(f"attention=kernel: the numba decode kernel is unavailable: {e}") from e
-        why = f"numba decode kernel unavailable ({type(e).__name__}: {e}); reference attention"
+            raise ConfigError(f"attention=kernel: the numba kernels are unavailable: {e}") from e
+        why = f"numba kernels unavailable ({type(e).__name__}: {e}); reference attention"
         log.warning("%s", why)
         return Attention("reference", why)
     import numba
 
-    return Attention("kernel", f"numba {numba.__version__}, {kernel.threads} threads", kernel)
+    return Attention("kernel", f"numba {numba.__version__}, {kernels.threads} threads", kernels)
