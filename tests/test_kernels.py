@@ -153,7 +153,10 @@ def test_model_logits_agree_between_kernel_paths(tiny_model_dir, batch: int) -> 
     tokens: dict[str, list[list[int]]] = {}
     paths = set()
     for mode in ("auto", "composed"):
-        engine = LLMEngine(tiny_model_dir, EngineConfig(num_blocks=128, keep_logits=True, kernels=mode))
+        engine = LLMEngine(
+            tiny_model_dir,
+            EngineConfig(num_blocks=128, keep_logits=True, kernels=mode, attention="reference"),
+        )
         paths.add(impl(engine.kernels))
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, greedy)

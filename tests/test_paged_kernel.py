@@ -148,6 +148,42 @@ def test_rope_write_is_bitwise_the_reference(kernel) -> None:
     assert np.array_equal(caches[0].tensor.numpy(), caches[1].tensor.numpy())
 
 
+@pytest.mark.parametrize("n,inter", [(1, 768), (37, 64), (512, 768)])
+def test_swiglu_matches_paddle(kernel, n: int, inter: int) -> None:
+    """numba's SwiGLU (its exp from arithmetic, see _exp32) against Paddle's fused one, gates over a
+    wide range (silu's both tails): within 1e-5 relative to the output's scale."""
+    from pdserve.worker.paddle_setup import functional as F
+
+    gate_up = np.random.default_rng(n).standard_normal((n, 2 * inter), dtype=np.float32) * 8
+    want = F.swiglu(paddle.to_tensor(gate_up)).numpy()
+    got = kernel.swiglu(gate_up)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+
+
+def test_the_kernels_exp_is_within_1e7_of_float64() -> None:
+    import numba
+
+    from pdserve.worker import paged_kernel
+
+    select_attention("kernel", 1)  # compiles paged_kernel._exp
+    exp = paged_kernel._exp
+
+    @numba.njit
+    def run(x: np.ndarray, out: np.ndarray) -> None:
+        for i in range(x.size):
+            out[i] = exp(x[i])
+
+    x = np.concatenate([np.linspace(-87, 88, 200_001), [0.0, -1e-8, 1e-8]]).astype(np.float32)
+    out = np.empty_like(x)
+    run(x, out)
+    want = np.exp(x.astype(np.float64))
+    assert np.all(np.isfinite(out))
+    assert np.max(np.abs(out - want) / want) < 1e-7
+    run(np.array([-np.inf, -1000.0], np.float32), out[:2])
+    assert np.all(out[:2] < 1e-37)  # clamped: a masked score adds nothing
+
+
 def test_unknown_mode_is_refused() -> None:
     with pytest.raises(ConfigError, match="attention"):
         select_attention("fast", 1)

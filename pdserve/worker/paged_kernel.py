@@ -37,9 +37,60 @@ log = logging.getLogger(__name__)
 
 ATTENTION_MODES: tuple[str, ...] = ("auto", "kernel", "reference")
 
+# The kernels' exp: numba-compiled _exp32 once _compile has run (math.exp until then, so the module
+# imports without numba). libm's expf is a call LLVM cannot vectorize; _exp32 is plain arithmetic.
+_exp: Any = math.exp
+_as_float: Any = None
+
 # reassoc + contract let LLVM vectorize the dot products over head_dim (a fixed order for a given
 # head_dim, so still deterministic); no nnan/ninf: nothing may assume finite inputs away.
 _FASTMATH = {"reassoc", "contract"}
+
+
+def _exp32(x: float) -> float:  # pragma: no cover - compiled by numba
+    """exp(x) in float32 from arithmetic alone, so loops over it vectorize (AVX2 or AVX-512).
+
+    Cephes' expf: x = n ln2 + r with |r| <= ln2/2 (ln2 split in two for exactness), a degree-7
+    polynomial for e^r, times 2^n built from its exponent bits (``_as_float`` reinterprets an
+    int32). Within 1e-7 relative of float64 exp over [-87, 88]; x is clamped to that range (e^-87
+    ~ 1.6e-38 is 0 next to a softmax's max term of 1; e^88 ~ 1.7e38 stays finite).
+    """
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * _as_float((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+def _make_as_float() -> Any:
+    """int32 -> float32 bit reinterpretation as an LLVM bitcast (numba has no scalar view)."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def as_float(typingctx: Any, bits: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(types.int32), codegen
+
+    return as_float
+
+
+def _swiglu(gate_up: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled by numba
+    """out = silu(gate) * up for gate_up ``[N, 2I]`` (gate first, as the fused weight) -> ``[N, I]``."""
+    n, inter = out.shape
+    for t in prange(n):
+        for j in range(inter):
+            g = gate_up[t, j]
+            out[t, j] = g / (np.float32(1.0) + _exp(-g)) * gate_up[t, inter + j]
 
 
 def _decode_attention(
@@ -87,7 +138,7 @@ def _decode_attention(
                 m = max(m, s[g, t])
             total = np.float32(0.0)
             for t in range(n):
-                e = np.float32(math.exp(s[g, t] - m))
+                e = _exp(s[g, t] - m)
                 s[g, t] = e
                 total += e
             inv = np.float32(1.0) / total
@@ -167,7 +218,7 @@ def _causal_softmax(scores: np.ndarray, first: int, group: int) -> None:  # prag
             m = max(m, scores[r, j])
         total = np.float32(0.0)
         for j in range(last + 1):
-            e = np.float32(math.exp(scores[r, j] - m))
+            e = _exp(scores[r, j] - m)
             scores[r, j] = e
             total += e
         inv = np.float32(1.0) / total
@@ -190,17 +241,20 @@ _compiled: dict[str, Any] | None = None  # numba's compiled functions, made once
 
 
 def _compile(threads: int) -> AttentionKernels:
-    global prange, _compiled
+    global prange, _exp, _as_float, _compiled
     import numba
 
     if _compiled is None:
         prange = numba.prange  # the kernels' parallel loops: resolved when numba compiles them
+        _as_float = _make_as_float()
+        _exp = numba.njit(inline="always", cache=True)(_exp32)
         fast = numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
         exact = numba.njit(parallel=True, cache=True, nogil=True)  # rounds like Paddle's elementwise ops
         _compiled = {
             "decode": fast(_decode_attention),
             "causal_softmax": fast(_causal_softmax),
             "rope_write": exact(_rope_write),
+            "swiglu": fast(_swiglu),
         }
     kernels = AttentionKernels(_compiled, threads)
     kernels.self_test()  # compiles now (or loads the per-CPU cache), not in the first request
@@ -255,6 +309,13 @@ class AttentionKernels:
         self._fns["rope_write"](qkv, positions, *tables, rows, write_rows, q, k, v)
         return q, k, v
 
+    def swiglu(self, gate_up: np.ndarray) -> np.ndarray:
+        """silu(gate) * up of ``[N, 2I]`` -> ``[N, I]``."""
+        self._set_threads(self.threads)
+        out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+        self._fns["swiglu"](gate_up, out)
+        return out
+
     def causal_softmax(self, scores: np.ndarray, first: int, group: int) -> None:
         """In place, see ``_causal_softmax``."""
         self._set_threads(self.threads)
@@ -305,6 +366,10 @@ class AttentionKernels:
         self.causal_softmax(scores, 1, 2)
         if not np.allclose(scores, want, atol=1e-6):
             raise RuntimeError("the compiled causal_softmax kernel disagrees with numpy")
+        gate_up = np.linspace(-100, 100, 2 * 3 * 5, dtype=np.float32).reshape(3, 10)
+        g, u = gate_up[:, :5].astype(np.float64), gate_up[:, 5:]
+        if not np.allclose(self.swiglu(gate_up), g / (1 + np.exp(-g)) * u, rtol=1e-6, atol=1e-6):
+            raise RuntimeError("the compiled swiglu kernel disagrees with numpy")
 
 
 def select_attention(mode: str, threads: int) -> Attention:
