@@ -85,6 +85,7 @@ class Model:
         if attention_kernels is not None:  # numba's SwiGLU: ~2x Paddle's fused one (tiny prefill: 12 % of it)
             self._swiglu = self._numba_swiglu
         self.w = {k: paddle.to_tensor(v) for k, v in weights.items()}
+        self.w_np = {k: np.from_dlpack(self.w[k]) for k in self.w if k.endswith("norm")}  # the same memory
         cos, sin = rope_tables(cfg, max_len)
         scale = 1.0 / math.sqrt(cfg.head_dim)
         qcos, qsin = cos * scale, sin * scale  # the softmax scale folded into q's tables
@@ -108,6 +109,18 @@ class Model:
         gate, up = paddle.chunk(gate_up, 2, axis=-1)
         return F.silu(gate) * up
 
+    def _add_norm(
+        self, x: paddle.Tensor, delta: paddle.Tensor, norm: str
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The residual add, then the RMSNorm ``norm`` of the sum: (sum, normed); one pass in numba."""
+        if self.kernels is None:
+            x = x + delta
+            return x, self._norm(x, self.w[norm])
+        x_out, h = self.kernels.add_rms_norm(
+            np.from_dlpack(x), np.from_dlpack(delta), self.w_np[norm], self.cfg.rms_norm_eps
+        )
+        return paddle.from_dlpack(x_out), paddle.from_dlpack(h)
+
     def _numba_swiglu(self, gate_up: paddle.Tensor) -> paddle.Tensor:
         return paddle.from_dlpack(self.kernels.swiglu(np.from_dlpack(gate_up)))
 
@@ -128,12 +141,15 @@ class Model:
         x = F.embedding(ids, self.w["embed"])
         attend = self._kernel_attention if self.kernels is not None else self._reference_attention
         state = self._prepare(cache, step)
+        h = self._norm(x, self.w["l0.in_norm"])
         for layer in range(cfg.num_layers):
-            h = self._norm(x, self.w[f"l{layer}.in_norm"])
             o = attend(self._linear(h, f"l{layer}.qkv"), layer, cache, step, state)
-            x = x + self._linear(o, f"l{layer}.o")
-            h = self._norm(x, self.w[f"l{layer}.post_norm"])
-            x = x + self._linear(self._swiglu(self._linear(h, f"l{layer}.gate_up")), f"l{layer}.down")
+            x, h = self._add_norm(x, self._linear(o, f"l{layer}.o"), f"l{layer}.post_norm")
+            mlp = self._linear(self._swiglu(self._linear(h, f"l{layer}.gate_up")), f"l{layer}.down")
+            if layer + 1 < cfg.num_layers:
+                x, h = self._add_norm(x, mlp, f"l{layer + 1}.in_norm")
+            else:
+                x = x + mlp
         if step.output_rows.size == 0:
             return None
         n = step.token_ids.shape[0]

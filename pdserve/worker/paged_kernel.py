@@ -84,6 +84,23 @@ def _make_as_float() -> Any:
     return as_float
 
 
+def _add_rms_norm(
+    x: np.ndarray, delta: np.ndarray, w: np.ndarray, eps: float, x_out: np.ndarray, h_out: np.ndarray
+) -> None:  # pragma: no cover - compiled by numba
+    """The residual add and the next RMSNorm in one pass: x_out = x + delta (rounded as Paddle's add),
+    h_out = x_out * rsqrt(mean(x_out^2) + eps) * w, row by row ``[N, hidden]``."""
+    n, hidden = x.shape
+    for t in prange(n):
+        total = np.float32(0.0)
+        for j in range(hidden):
+            v = x[t, j] + delta[t, j]
+            x_out[t, j] = v
+            total += v * v
+        r = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(hidden) + np.float32(eps)))
+        for j in range(hidden):
+            h_out[t, j] = x_out[t, j] * r * w[j]
+
+
 def _swiglu(gate_up: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled by numba
     """out = silu(gate) * up for gate_up ``[N, 2I]`` (gate first, as the fused weight) -> ``[N, I]``."""
     n, inter = out.shape
@@ -255,6 +272,7 @@ def _compile(threads: int) -> AttentionKernels:
             "causal_softmax": fast(_causal_softmax),
             "rope_write": exact(_rope_write),
             "swiglu": fast(_swiglu),
+            "add_rms_norm": fast(_add_rms_norm),
         }
     kernels = AttentionKernels(_compiled, threads)
     kernels.self_test()  # compiles now (or loads the per-CPU cache), not in the first request
@@ -316,6 +334,15 @@ class AttentionKernels:
         self._fns["swiglu"](gate_up, out)
         return out
 
+    def add_rms_norm(
+        self, x: np.ndarray, delta: np.ndarray, w: np.ndarray, eps: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(x + delta, RMSNorm(x + delta) * w) of ``[N, hidden]`` rows."""
+        self._set_threads(self.threads)
+        x_out, h_out = np.empty_like(x), np.empty_like(x)
+        self._fns["add_rms_norm"](x, delta, w, eps, x_out, h_out)
+        return x_out, h_out
+
     def causal_softmax(self, scores: np.ndarray, first: int, group: int) -> None:
         """In place, see ``_causal_softmax``."""
         self._set_threads(self.threads)
@@ -366,6 +393,12 @@ class AttentionKernels:
         self.causal_softmax(scores, 1, 2)
         if not np.allclose(scores, want, atol=1e-6):
             raise RuntimeError("the compiled causal_softmax kernel disagrees with numpy")
+        x, delta, w = (rng.standard_normal((3, 8), dtype=np.float32) for _ in range(3))
+        x_got, h_got = self.add_rms_norm(x, delta, w[0], 1e-5)
+        s = (x + delta).astype(np.float64)
+        want = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * w[0]
+        if not (np.array_equal(x_got, x + delta) and np.allclose(h_got, want, rtol=1e-5, atol=1e-6)):
+            raise RuntimeError("the compiled add_rms_norm kernel disagrees with numpy")
         gate_up = np.linspace(-100, 100, 2 * 3 * 5, dtype=np.float32).reshape(3, 10)
         g, u = gate_up[:, :5].astype(np.float64), gate_up[:, 5:]
         if not np.allclose(self.swiglu(gate_up), g / (1 + np.exp(-g)) * u, rtol=1e-6, atol=1e-6):
