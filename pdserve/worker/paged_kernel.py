@@ -7,7 +7,10 @@ only the rows of its own tokens, so nothing is copied and nothing past a sequenc
 Two more kernels take the rest of a layer's attention ops off Paddle's per-op path (a 512-token
 prefill spent ~55 % of its time there): ``rope_write`` applies RoPE to q and k and writes k and v
 into their cache rows in one pass over the QKV projection, and ``causal_softmax`` normalises a tile
-of a first prefill chunk's scores in place, skipping what the causal mask would hide.
+of a first prefill chunk's scores in place, skipping what the causal mask would hide. ``swiglu``
+and ``add_rms_norm`` (the residual add and the next norm) do the same for the MLP's elementwise ops;
+the softmaxes and SwiGLU take their exp from ``_exp32``, arithmetic LLVM vectorizes (libm's expf
+is a call it cannot).
 
 They are compiled by numba for the CPU at hand: LLVM picks AVX2 or AVX-512 from the host's features
 when a kernel is first compiled, which is the run-time CPU check (``cache=True`` keys its cache

@@ -51,9 +51,10 @@ class EngineConfig:
     )
     attention: str | None = setting(
         None,
-        "decode attention: the numba kernel that reads the paged cache in place (kernel), the "
-        "pure-Paddle gather (reference), or the kernel where numba imports and compiles, else the "
-        "reference (auto) (default: auto)",
+        "attention path: numba kernels (decode reads the paged cache in place; RoPE fused with the "
+        "K/V write; causal prefill tiles; also SwiGLU and residual + RMSNorm) (kernel), pure Paddle "
+        "(reference), or the kernels where numba imports and compiles, else the reference (auto) "
+        "(default: auto)",
         kind=str,
         choices=ATTENTION_MODES,
     )
