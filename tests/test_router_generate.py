@@ -168,7 +168,8 @@ def test_splitwise_sends_one_message_to_prefill(redis_url: str, redis_client: re
             )
             assert info.decode.transfer["protocols"] == ["shm", "tcp"]
             dl = info.deadlines
-            assert before + 9 < dl.reserve < before + 11 and before + 29 < dl.transfer < before + 31
+            assert before + 9 < dl.reserve < before + 11
+            assert dl.transfer == dl.first_token  # default: a prompt queued at P may use its whole budget
             assert before + 59 < dl.first_token < before + 61
             await d.wait_for(lambda w: len(w.received) == 2)
             assert [type(m) for m in d.received] == [ReserveBlocks, Prefilled]  # nothing from the router

@@ -41,6 +41,7 @@ def test_defaults_and_router_id() -> None:
         ("prefill_policy", "fastest", "prefill_policy must be one of"),
         ("request_timeout_s", 0, "request_timeout_s must be > 0"),
         ("first_token_timeout_s", -1, "first_token_timeout_s"),
+        ("transfer_timeout_s", 0, "transfer_timeout_s must be > 0"),
         ("max_body_bytes", 10, "max_body_bytes"),
         ("retry_attempts", -1, "retry_attempts"),
         ("router_id", "has:colon", "invalid router id"),

@@ -409,7 +409,7 @@ class Generation:
             s = d.settings
             deadlines = PhaseDeadlines(
                 reserve=min(now + s.reserve_timeout_s, self.deadline),
-                transfer=min(now + s.transfer_timeout_s, self.deadline),
+                transfer=min(now + (s.transfer_timeout_s or s.first_token_timeout_s), self.deadline),
                 first_token=min(now + s.first_token_timeout_s, self.deadline),
             )
             info = DisaggregateInfo(

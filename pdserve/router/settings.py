@@ -55,8 +55,12 @@ class RouterSettings:
     reserve_timeout_s: float = setting(
         10.0, "splitwise: seconds decode has to reserve KV blocks for a prefill (default %(default)s)"
     )
-    transfer_timeout_s: float = setting(
-        30.0, "splitwise: seconds prefill has to write the KV cache into decode (default %(default)s)"
+    transfer_timeout_s: float | None = setting(
+        None,
+        "splitwise: seconds from dispatch by which prefill has written the KV cache into decode; decode "
+        "holds the reserved blocks that long (default: the first-token timeout, so a prompt waiting in a "
+        "busy prefill's queue is not failed before its first-token budget is spent)",
+        kind=float,
     )
     max_body_bytes: int = setting(8 * MIB, "largest request body accepted (413 above) (default %(default)s)")
     max_stop_strings: int = setting(1024, "most stop strings per request (400 above) (default %(default)s)")
@@ -149,7 +153,6 @@ class RouterSettings:
             "request_timeout_s",
             "first_token_timeout_s",
             "reserve_timeout_s",
-            "transfer_timeout_s",
             "ttl_s",
             "stall_timeout_s",
             "live_set_max_age_s",
@@ -157,6 +160,8 @@ class RouterSettings:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.transfer_timeout_s is not None and not self.transfer_timeout_s > 0:
+            raise ConfigError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids", "max_logit_bias",
