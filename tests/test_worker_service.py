@@ -144,3 +144,44 @@ def test_a_loop_that_dies_stops_the_instance_and_says_which(redis_url, tmp_path,
         await redis.aclose()
 
     asyncio.run(main())
+
+
+def test_inbox_messages_do_not_wait_one_engine_step_each(redis_url, tmp_path, cluster) -> None:
+    """While the engine takes long steps (the echo engine slowed to 0.25 s a step, like a big model's
+    prefill), a burst of 16 generates is admitted together, not one per step: before, every message
+    that needs the engine thread queued behind a whole step, and a busy prefill's reserves missed
+    their deadline this way."""
+    step_s = 0.25
+
+    async def main() -> float:
+        service = WorkerService(settings(redis_url, tmp_path, cluster))
+        redis = RedisSettings.from_url(redis_url).connect()
+        keys = Keys(cluster)
+        await RouterRegistry(redis, keys, ttl_s=30).register(
+            RouterInfo(id=ROUTER, host="h", pid=1, port=1, started_at=0.0)
+        )
+        task = await started(service)
+        engine = service.engine._engine
+        fast_step = engine.step
+
+        def slow_step():
+            time.sleep(step_s)
+            return fast_step()
+
+        engine.step = slow_step
+        try:
+            busy = asyncio.create_task(ask(redis, keys, service.id, "busy", 24))  # keeps it stepping
+            await asyncio.sleep(3 * step_s)
+            t0 = time.monotonic()
+            got = await asyncio.gather(*(ask(redis, keys, service.id, f"q{i}", 1) for i in range(16)))
+            elapsed = time.monotonic() - t0
+            assert got == [[7]] * 16
+            busy.cancel()
+            return elapsed
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 60)
+            await redis.aclose()
+
+    elapsed = asyncio.run(main())
+    assert elapsed < 6 * step_s, f"16 one-token requests took {elapsed:.2f} s at {step_s} s a step"

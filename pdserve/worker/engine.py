@@ -86,7 +86,7 @@ class LLMEngine:
         )
         t0 = time.perf_counter()
         self.attention = choose_attention(config.attention, self.threads)
-        log.info("decode attention: %s (%s)", self.attention.impl, self.attention.reason)
+        log.info("attention: %s (%s)", self.attention.impl, self.attention.reason)
         self.model = Model(
             mc, load_weights(self.model_dir, mc), self.max_model_len, self.kernels, self.attention.kernel
         )

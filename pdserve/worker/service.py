@@ -44,6 +44,10 @@ from pdserve.worker.splitwise import Context, Transports
 
 log = logging.getLogger(__name__)
 
+# Longest the engine loop holds its next step back while the inbox's current batch is handled (a
+# batch is normally done in milliseconds; this bounds a stall when Redis is slow to take replies).
+INBOX_FIRST_S = 1.0
+
 
 class WorkerService:
     def __init__(self, settings: WorkerSettings, clock: Clock | None = None) -> None:
@@ -65,6 +69,8 @@ class WorkerService:
         self._drain_deadline = float("inf")
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self._inbox_idle = asyncio.Event()  # clear while a read batch of the inbox is being handled
+        self._inbox_idle.set()
         self._tasks: list[asyncio.Task] = []
         self.failed: str | None = None  # the loop that died, if one did (the process then exits 1)
 
@@ -257,11 +263,15 @@ class WorkerService:
                 log.warning("reading the inbox failed (%s); retry %d", e, failures)
                 await asyncio.sleep(min(0.1 * 2**failures, 2.0))
                 continue
-            for _entry_id, msg in entries:
-                try:
-                    await self.handler.handle(msg)
-                except Exception:
-                    log.exception("handling %s for %s failed", msg.type, msg.request_id)
+            self._inbox_idle.clear()
+            try:
+                for _entry_id, msg in entries:
+                    try:
+                        await self.handler.handle(msg)
+                    except Exception:
+                        log.exception("handling %s for %s failed", msg.type, msg.request_id)
+            finally:
+                self._inbox_idle.set()
             if entries:
                 try:
                     await self.inbox.ack([entry_id for entry_id, _ in entries])
@@ -279,6 +289,12 @@ class WorkerService:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=0.5)
                 continue
+            if not self._inbox_idle.is_set():
+                # Messages first: each one that needs the engine (a generate's tokenizing, a reserve, a
+                # prefilled hand-off) would otherwise wait for a whole step, one step per message, and
+                # a busy prefill's 512-token steps made a batch of reserves miss their deadline.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._inbox_idle.wait(), timeout=INBOX_FIRST_S)
             await self.handler.on_outputs(await self.engine.step())
 
     async def _housekeeping_loop(self) -> None:
