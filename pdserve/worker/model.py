@@ -8,8 +8,9 @@ alone or inside any batch. Attention never feeds a transposed view to matmul (Pa
 copies a strided operand first, many times slower): decode uses a block-diagonal q against K/V
 exactly as gathered. With the numba ``AttentionKernels`` (paged_kernel.py) RoPE and the K/V write
 are one pass, decode groups skip the gather and read the cache in place through their block
-tables, and first prefill chunks run causal tiles; numpy and Paddle share memory through DLPack.
-RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md, "CPU kernels").
+tables, first prefill chunks run causal tiles, and SwiGLU and each residual add + RMSNorm are one
+numba pass; numpy and Paddle share memory through DLPack. Otherwise (and for the first and final
+norm) RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md, "CPU kernels").
 """
 
 from __future__ import annotations
