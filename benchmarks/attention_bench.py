@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from step_timing import median_step_ms
 
 from pdserve import SamplingParams
 from pdserve.worker.engine import EngineConfig, LLMEngine
@@ -48,12 +49,7 @@ def measure(engine: LLMEngine, steps: int, tag: str, out: dict[str, list[float]]
             engine.reserve(rid, CTX)
             engine.add_prefilled(rid, prompt, int(rng.integers(3, vocab)), forever)
         engine.step(), engine.step()  # warm-up
-        ts = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            engine.step()
-            ts.append(time.perf_counter() - t)
-        out.setdefault(f"decode B={b}", []).append(b / statistics.median(ts))
+        out.setdefault(f"decode B={b}", []).append(b * 1000 / median_step_ms(lambda _: engine.step(), steps))
         for rid in ids:
             engine.abort(rid)
         engine.step()

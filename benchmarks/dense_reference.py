@@ -8,10 +8,10 @@ What the engine adds on top of this is what the benchmark's ratio measures.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import numpy as np
+from step_timing import decode_figures, median_step_ms
 
 from pdserve.worker.engine import select_kernels, set_threads
 from pdserve.worker.model import Model
@@ -109,12 +109,9 @@ def bare_worker(model_dir: str, steps: int, prefill_reps: int, ctx: int, batches
         runner = DenseRunner(model, b, max_len)  # a ctx-token history: values irrelevant for timing
         tokens = rng.integers(3, cfg.vocab_size, b).tolist()
         runner.decode(tokens, ctx), runner.decode(tokens, ctx + 1)  # warm-up
-        ts = []
-        for i in range(steps):
-            t = time.perf_counter()
-            tokens = runner.decode(tokens, ctx + 2 + i)
-            ts.append(time.perf_counter() - t)
-        ms = 1000 * statistics.median(ts)
-        res[f"decode_b{b}_ms"] = ms
-        res[f"decode_b{b}_tok_s"] = b * 1000 / ms
+
+        def step(i: int, tokens: list[int] = tokens, runner: DenseRunner = runner) -> None:
+            tokens[:] = runner.decode(tokens, ctx + 2 + i)  # each step feeds the tokens it sampled
+
+        res |= decode_figures(b, median_step_ms(step, steps))
     return res

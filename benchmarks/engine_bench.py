@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from step_timing import decode_figures, median_step_ms
+
 ROOT = Path(__file__).resolve().parent.parent
 # The environment before pdserve's imports change it (Paddle sets OMP_NUM_THREADS=1, pdserve's AMD
 # tuning MKL_DEBUG_CPU_TYPE): vLLM's process gets this one.
@@ -68,14 +70,7 @@ def engine_worker(model_dir: str, steps: int, prefill_reps: int) -> dict:
             engine.reserve(rid, CTX)
             engine.add_prefilled(rid, prompt, int(rng.integers(3, vocab)), forever)
         engine.step(), engine.step()  # warm-up
-        ts = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            engine.step()
-            ts.append(time.perf_counter() - t)
-        ms = 1000 * statistics.median(ts)
-        res[f"decode_b{b}_ms"] = ms
-        res[f"decode_b{b}_tok_s"] = b * 1000 / ms
+        res |= decode_figures(b, median_step_ms(lambda _: engine.step(), steps))
         for i in range(b):
             engine.abort(f"d{b}-{i}")
         engine.step()

@@ -20,9 +20,10 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
+
+from step_timing import decode_figures, median_step_ms
 
 CTX = 512
 BATCHES = (1, 8, 32)
@@ -82,14 +83,7 @@ def main() -> int:
         engine.abort_request(live[b:])
         live = live[:b]
         engine.step()  # warm-up at this batch size
-        ts = []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            engine.step()
-            ts.append(time.perf_counter() - t)
-        ms = 1000 * statistics.median(ts)
-        res[f"decode_b{b}_ms"] = ms
-        res[f"decode_b{b}_tok_s"] = b * 1000 / ms
+        res |= decode_figures(b, median_step_ms(lambda _: engine.step(), args.steps))
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 
