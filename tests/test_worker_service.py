@@ -67,6 +67,16 @@ async def ask(redis, keys: Keys, instance_id: str, request_id: str, n: int) -> l
     raise AssertionError(f"{request_id} got no final event")
 
 
+async def router_registered(redis_url: str, cluster: str):
+    """A client and the cluster's keys, with ROUTER registered (workers serve only live routers)."""
+    redis = RedisSettings.from_url(redis_url).connect()
+    keys = Keys(cluster)
+    await RouterRegistry(redis, keys, ttl_s=30).register(
+        RouterInfo(id=ROUTER, host="h", pid=1, port=1, started_at=0.0)
+    )
+    return redis, keys
+
+
 @pytest.fixture
 def cluster(redis_url):
     name = f"svc{uuid.uuid4().hex[:6]}"
@@ -105,11 +115,7 @@ def test_a_redis_user_denied_xdel_does_not_stop_the_worker(redis_url, tmp_path, 
 
     async def main() -> None:
         service = WorkerService(settings(limited, tmp_path, cluster))
-        redis = RedisSettings.from_url(redis_url).connect()
-        keys = Keys(cluster)
-        await RouterRegistry(redis, keys, ttl_s=30).register(
-            RouterInfo(id=ROUTER, host="h", pid=1, port=1, started_at=0.0)
-        )
+        redis, keys = await router_registered(redis_url, cluster)
         task = await started(service)
         try:
             assert await ask(redis, keys, service.id, "r1", 5) == [7, 8, 7, 8, 7]
@@ -155,11 +161,7 @@ def test_inbox_messages_do_not_wait_one_engine_step_each(redis_url, tmp_path, cl
 
     async def main() -> float:
         service = WorkerService(settings(redis_url, tmp_path, cluster))
-        redis = RedisSettings.from_url(redis_url).connect()
-        keys = Keys(cluster)
-        await RouterRegistry(redis, keys, ttl_s=30).register(
-            RouterInfo(id=ROUTER, host="h", pid=1, port=1, started_at=0.0)
-        )
+        redis, keys = await router_registered(redis_url, cluster)
         task = await started(service)
         engine = service.engine._engine
         fast_step = engine.step
