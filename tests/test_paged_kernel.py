@@ -207,19 +207,32 @@ def generate(engine: LLMEngine, prompts: list[str]) -> dict[str, tuple[list[int]
     return got
 
 
+# The engines compared: the default (kernel attention, packed GEMM), the reference attention, and the
+# kernel attention on Paddle's matmul (the GEMM fallback, whose batch invariance needs row padding).
+PATHS = {
+    "kernel": {"attention": "kernel", "gemm": "packed"},
+    "reference": {"attention": "reference", "gemm": "packed"},
+    "paddle_gemm": {"attention": "kernel", "gemm": "paddle"},
+}
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
     cfg = {"num_blocks": 256, "prefill_chunk_size": 64, "keep_logits": True}
-    made = {m: LLMEngine(tiny_model_dir, EngineConfig(attention=m, **cfg)) for m in ("kernel", "reference")}
+    made = {name: LLMEngine(tiny_model_dir, EngineConfig(**path, **cfg)) for name, path in PATHS.items()}
     yield made
     for engine in made.values():
         engine.close()
 
 
-def test_engine_kernel_equals_reference_greedy(engines) -> None:
-    assert engines["kernel"].attention.impl == "kernel"
+@pytest.mark.parametrize("other", ["reference", "paddle_gemm"])
+def test_engine_kernel_equals_reference_greedy(engines, other: str) -> None:
+    """The default path against the reference attention and against Paddle's GEMM: same greedy
+    tokens, logits within 1e-3."""
+    assert engines["kernel"].attention.impl == "kernel" and engines["kernel"].gemm.impl == "packed"
     assert engines["reference"].attention.impl == "reference"
-    kernel, reference = generate(engines["kernel"], PROMPTS), generate(engines["reference"], PROMPTS)
+    assert engines["paddle_gemm"].gemm.impl == "paddle" and "l0.qkv" in engines["paddle_gemm"].model.w
+    kernel, reference = generate(engines["kernel"], PROMPTS), generate(engines[other], PROMPTS)
     for rid in kernel:
         assert kernel[rid][0] == reference[rid][0], rid
         assert len(kernel[rid][0]) == GREEDY.max_tokens
@@ -227,10 +240,10 @@ def test_engine_kernel_equals_reference_greedy(engines) -> None:
         assert diff < 1e-3, f"{rid}: logits differ by {diff}"
 
 
-@pytest.mark.parametrize("mode", ["kernel", "reference"])
+@pytest.mark.parametrize("mode", list(PATHS))
 def test_batch_invariant(engines, mode: str) -> None:
-    """A sequence's logits are bitwise the same alone and next to others of other lengths, on both
-    paths (the exactness tests run the default, the kernel; the fallback must hold it too)."""
+    """A sequence's logits are bitwise the same alone and next to others of other lengths, on every
+    path (the exactness tests run the default, the kernels; the fallbacks must hold it too)."""
     engine = engines[mode]
     assert engine.runner.batch_invariant
     alone = [generate(engine, [p])["r0"] for p in PROMPTS]

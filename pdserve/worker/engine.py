@@ -31,6 +31,7 @@ from pdserve.worker.model import Model
 from pdserve.worker.model_config import ModelConfig
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
+from pdserve.worker.packed_gemm import Gemm, select_gemm
 from pdserve.worker.paddle_setup import HOST, TUNING, paddle
 from pdserve.worker.paged_kernel import Attention, select_attention
 from pdserve.worker.sampler import Sample, Sampler, make_rng
@@ -57,6 +58,11 @@ def select_kernels(mode: str | None) -> Kernels:
 def choose_attention(mode: str | None, threads: int) -> Attention:
     """The decode attention: ``mode``, else ``PDSERVE_ATTENTION``, else auto (paged_kernel.py)."""
     return select_attention(mode or os.environ.get("PDSERVE_ATTENTION") or "auto", threads)
+
+
+def choose_gemm(mode: str | None) -> Gemm:
+    """The linear layers' GEMM: ``mode``, else ``PDSERVE_GEMM``, else auto (packed_gemm.py)."""
+    return select_gemm(mode or os.environ.get("PDSERVE_GEMM") or "auto")
 
 
 def set_threads(n: int | None) -> int:
@@ -87,8 +93,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.attention = choose_attention(config.attention, self.threads)
         log.info("attention: %s (%s)", self.attention.impl, self.attention.reason)
+        self.gemm = choose_gemm(config.gemm)
+        log.info("gemm: %s (%s)", self.gemm.impl, self.gemm.reason)
         self.model = Model(
-            mc, load_weights(self.model_dir, mc), self.max_model_len, self.kernels, self.attention.kernel
+            mc,
+            load_weights(self.model_dir, mc),
+            self.max_model_len,
+            self.kernels,
+            self.attention.kernel,
+            self.gemm.mkl,
         )
         num_blocks = config.num_blocks or int(
             config.kv_cache_gb * 2**30 // block_bytes(mc, config.block_size)

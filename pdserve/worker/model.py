@@ -23,6 +23,7 @@ import numpy as np
 from pdserve.worker.cpu import Kernels
 from pdserve.worker.kv_cache import KVCache
 from pdserve.worker.model_config import ModelConfig
+from pdserve.worker.packed_gemm import PackedMatrix, PackedMkl
 from pdserve.worker.paddle_setup import functional as F
 from pdserve.worker.paddle_setup import incubate_functional as IF
 from pdserve.worker.paddle_setup import paddle
@@ -65,6 +66,7 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[np.ndarray, np.ndarray]
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
+LINEARS = ("qkv", "o", "gate_up", "down")  # each layer's weights, l{i}.{name} ([in, out])
 CAUSAL_TILE = 128  # query tokens per tile of a first prefill chunk (measured: 64-256 within noise)
 
 
@@ -78,9 +80,19 @@ class Model:
         max_len: int,
         kernels: Kernels,
         attention_kernels: AttentionKernels | None = None,
+        gemm: PackedMkl | None = None,
     ) -> None:
         self.cfg = cfg
         self.kernels = attention_kernels  # None: every attention op in Paddle (the reference path)
+        self.gemm = gemm  # None: Paddle's matmul on plain weights
+        self.packed: dict[str, PackedMatrix] = {}
+        if gemm is not None:  # the packed copies replace the plain ones (the embedding stays for lookup)
+            names = [f"l{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS]
+            for name in names + ([] if cfg.tie_word_embeddings else ["lm_head"]):
+                self.packed[name] = gemm.pack(weights[name])
+            if cfg.tie_word_embeddings:
+                self.packed["lm_head"] = gemm.pack(weights["embed"], transposed=True)
+            weights = {k: v for k, v in weights.items() if k not in self.packed}
         self._norm = self._fused_norm if kernels.rms_norm == "fused" else self._composed_norm
         self._swiglu = F.swiglu if kernels.swiglu == "fused" else self._composed_swiglu
         if attention_kernels is not None:  # numba's SwiGLU: ~2x Paddle's fused one (tiny prefill: 12 % of it)
@@ -130,7 +142,11 @@ class Model:
         return x * cos + paddle.concat([-x[..., half:], x[..., :half]], axis=-1) * sin
 
     def _linear(self, x: paddle.Tensor, name: str) -> paddle.Tensor:
-        y = paddle.matmul(x, self.w[name])
+        packed = self.packed.get(name)
+        if packed is None:
+            y = paddle.matmul(x, self.w[name])
+        else:
+            y = paddle.from_dlpack(self.gemm.matmul(np.from_dlpack(x), packed))
         bias = self.w.get(name + "_bias")
         return y if bias is None else y + bias
 
@@ -157,9 +173,9 @@ class Model:
         if step.output_rows.shape[0] != n or not np.array_equal(step.output_rows, np.arange(n)):
             x = paddle.index_select(x, paddle.to_tensor(step.output_rows))
         x = self._norm(x, self.w["norm"])
-        if cfg.tie_word_embeddings:
-            return paddle.matmul(x, self.w["embed"], transpose_y=True)
-        return paddle.matmul(x, self.w["lm_head"])
+        if "lm_head" in self.packed or not cfg.tie_word_embeddings:
+            return self._linear(x, "lm_head")
+        return paddle.matmul(x, self.w["embed"], transpose_y=True)
 
     def _prepare(self, cache: KVCache, step: StepInput) -> dict:
         """Per-step tensors every layer's attention shares."""
