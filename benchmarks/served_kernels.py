@@ -1,13 +1,15 @@
-"""Served throughput with the in-place decode kernel against the pure-Paddle reference attention,
-side by side in one run: the same 1 prefill + 1 decode stack behind one router, measured with
-pdserve bench, the workers started with ``--attention reference`` and ``--attention kernel`` in
-alternating rounds (the machine's noise then falls on both).
+"""Served throughput with pdserve's CPU kernels against the pure-Paddle path, side by side in one
+run: the same 1 prefill + 1 decode stack behind one router, measured with pdserve bench, the
+workers started with ``--attention reference --gemm paddle`` (every op in Paddle, as before the
+kernels existed) and with ``--attention kernel --gemm packed`` (the numba attention kernels and
+MKL's packed GEMM, the default where they load) in alternating rounds (the machine's noise then
+falls on both).
 
 Default workload: the small preset (ERNIE-4.5-0.3B shape, random weights), 32 streamed completions
 of 256 prompt tokens and 64 output tokens, 16 in flight. Prints one table (median over rounds:
-throughput, TTFT, decode speed per request, and the kernel's ratio to the reference), writes JSON.
+throughput, TTFT, decode speed per request, and the kernels' ratio to Paddle's), writes JSON.
 
-    python benchmarks/served_attention.py [--preset small] [--rounds 2] [--models DIR]
+    python benchmarks/served_kernels.py [--preset small] [--rounds 2] [--models DIR]
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("reference", "kernel")
+VARIANTS = {  # name: the workers' engine settings
+    "paddle": {"attention": "reference", "gemm": "paddle"},
+    "kernels": {"attention": "kernel", "gemm": "packed"},
+}
 METRICS = (  # (label, summary key or metric, statistic)
     ("out tok/s", "output_throughput", None),
     ("req/s", "request_throughput", None),
@@ -48,7 +53,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (default %(default)s)")
     ap.add_argument("--input-len", type=int, default=256, help="prompt tokens (default %(default)s)")
     ap.add_argument("--output-len", type=int, default=64, help="output tokens (default %(default)s)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "served_attention.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "served_kernels.json")
     args = ap.parse_args()
 
     from pdserve import bench
@@ -67,8 +72,9 @@ def main() -> int:
         max_len = args.input_len + args.output_len + 16
         runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
         for r in range(args.rounds):
-            for variant in VARIANTS if r % 2 == 0 else reversed(VARIANTS):
-                engine = EngineConfig(max_model_len=max_len, attention=variant, max_num_seqs=args.concurrency)
+            for variant in list(VARIANTS) if r % 2 == 0 else reversed(VARIANTS):
+                paths = VARIANTS[variant]
+                engine = EngineConfig(max_model_len=max_len, max_num_seqs=args.concurrency, **paths)
                 spec = StackSpec(model=model_dir, redis_url=None, port=free_port(), engine=engine)
                 stack = Stack(spec)
                 try:
@@ -102,6 +108,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count()},
         "preset": args.preset,
         "layout": "1P+1D",
+        "variants": VARIANTS,
         "workload": {k: getattr(args, k) for k in ("num_prompts", "concurrency", "input_len", "output_len")},
         "statistic": "median over rounds",
         "runs": runs,
@@ -120,10 +127,10 @@ def print_table(report: dict) -> None:
         f"\n{report['preset']} model, {report['layout']}, {os.cpu_count()} cores; {w['num_prompts']} requests of "
         f"{w['input_len']} -> {w['output_len']} tokens, {w['concurrency']} in flight; {report['statistic']}"
     )
-    print(f"{'metric':<18} {'reference':>10} {'kernel':>10} {'kernel/ref':>10}")
+    print(f"{'metric':<18} {'paddle':>10} {'kernels':>10} {'ratio':>10}")
     for label, key, stat in METRICS:
-        ref, ker = (statistics.median(value(s, key, stat) for s in report["runs"][v]) for v in VARIANTS)
-        print(f"{label:<18} {ref:>10.1f} {ker:>10.1f} {ker / ref:>10.2f}")
+        base, ker = (statistics.median(value(s, key, stat) for s in report["runs"][v]) for v in VARIANTS)
+        print(f"{label:<18} {base:>10.1f} {ker:>10.1f} {ker / base:>10.2f}")
 
 
 if __name__ == "__main__":
