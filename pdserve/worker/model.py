@@ -9,7 +9,9 @@ copies a strided operand first, many times slower): decode uses a block-diagonal
 exactly as gathered. With the numba ``AttentionKernels`` (paged_kernel.py) RoPE and the K/V write
 are one pass, decode groups skip the gather and read the cache in place through their block
 tables, first prefill chunks run causal tiles, and SwiGLU and each residual add + RMSNorm are one
-numba pass; numpy and Paddle share memory through DLPack. Otherwise (and for the first and final
+numba pass; numpy and Paddle share memory through DLPack. With a ``PackedMkl`` (packed_gemm.py)
+the linear layers and lm_head multiply against weights packed once for MKL, which replace the
+plain ones; under ``MKL_CBWR=AUTO,STRICT`` its rows are batch-invariant too. Otherwise (and for the first and final
 norm) RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md, "CPU kernels").
 """
 
