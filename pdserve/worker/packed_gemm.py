@@ -48,10 +48,6 @@ class PackedMatrix:
     buffer: np.ndarray = dataclasses.field(repr=False)
     address: int = dataclasses.field(repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.nbytes
-
 
 class PackedMkl:
     """``cblas_sgemm_pack`` and ``cblas_sgemm_compute`` of one loaded MKL."""
