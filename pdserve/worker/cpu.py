@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from pdserve.errors import ConfigError
+from pdserve.worker.choice import check_mode
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +125,7 @@ class Kernels:
 def choose_kernels(mode: str, info: CpuInfo) -> Kernels:
     """``auto``: fused where this CPU runs it; ``composed``: plain ops everywhere (the path every
     CPU can run, forced in tests); ``fused``: fused everywhere, refused where the CPU lacks it."""
-    if mode not in KERNEL_MODES:
-        raise ConfigError(
-            f"kernels (--kernels, PDSERVE_KERNELS) must be one of {', '.join(KERNEL_MODES)}, got {mode!r}"
-        )
+    check_mode("kernels", mode, KERNEL_MODES)
     if mode == "composed":
         return Kernels("composed", "composed", "composed path forced")
     # swiglu's CPU kernel runs on the floor (measured on an AVX2-only AMD Zen 3, in the test suite).

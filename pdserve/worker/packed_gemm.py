@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.errors import ConfigError
+from pdserve.worker.choice import check_mode, load_or_fall_back
 
 log = logging.getLogger(__name__)
 
@@ -133,16 +133,17 @@ def select_gemm(mode: str, library: Path | None = None) -> Gemm:
     """``auto``: packed weights where Paddle's MKL (or ``library``) has the packed API, else Paddle's
     matmul (never a crash); ``packed``: packed or an error; ``paddle``: Paddle's matmul on plain
     weights."""
-    if mode not in GEMM_MODES:
-        raise ConfigError(f"gemm (--gemm, PDSERVE_GEMM) must be one of {', '.join(GEMM_MODES)}, got {mode!r}")
+    check_mode("gemm", mode, GEMM_MODES)
     if mode == "paddle":
         return Gemm("paddle", "Paddle's matmul forced")
-    try:
-        mkl = load_packed_mkl(library)
-    except (OSError, AttributeError, RuntimeError) as e:
-        if mode == "packed":
-            raise ConfigError(f"gemm=packed: MKL's packed GEMM is unavailable: {e}") from e
-        why = f"MKL's packed GEMM unavailable ({type(e).__name__}: {e}); Paddle's matmul"
-        log.warning("%s", why)
+    mkl, why = load_or_fall_back(
+        "gemm",
+        mode,
+        lambda: load_packed_mkl(library),
+        (OSError, AttributeError, RuntimeError),
+        "MKL's packed GEMM is unavailable",
+        "Paddle's matmul",
+    )
+    if mkl is None:
         return Gemm("paddle", why)
     return Gemm("packed", f"weights packed once for MKL's cblas_sgemm_compute ({mkl.path.name})", mkl)

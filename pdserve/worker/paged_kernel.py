@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.errors import ConfigError
+from pdserve.worker.choice import check_mode, load_or_fall_back
 
 # numba.prange once _compile has imported numba: importing this module (settings does, for
 # ATTENTION_MODES) stays light, and a host without numba still imports it.
@@ -411,20 +411,18 @@ class AttentionKernels:
 def select_attention(mode: str, threads: int) -> Attention:
     """``auto``: the kernel when numba imports and compiles, else the reference (never a crash);
     ``kernel``: the kernel or an error; ``reference``: the pure-Paddle gather path."""
-    if mode not in ATTENTION_MODES:
-        raise ConfigError(
-            f"attention (--attention, PDSERVE_ATTENTION) must be one of {', '.join(ATTENTION_MODES)}, "
-            f"got {mode!r}"
-        )
+    check_mode("attention", mode, ATTENTION_MODES)
     if mode == "reference":
         return Attention("reference", "reference path forced")
-    try:
-        kernels = _compile(threads)
-    except Exception as e:  # ImportError, numba's TypingError/LoweringError, a failed self-test
-        if mode == "kernel":
-            raise ConfigError(f"attention=kernel: the numba kernels are unavailable: {e}") from e
-        why = f"numba kernels unavailable ({type(e).__name__}: {e}); reference attention"
-        log.warning("%s", why)
+    kernels, why = load_or_fall_back(
+        "attention",
+        mode,
+        lambda: _compile(threads),
+        (Exception,),  # ImportError, numba's TypingError/LoweringError, a failed self-test
+        "the numba kernels are unavailable",
+        "reference attention",
+    )
+    if kernels is None:
         return Attention("reference", why)
     import numba
 
