@@ -41,12 +41,11 @@ _int, _ptr, _float = ctypes.c_int, ctypes.c_void_p, ctypes.c_float  # MKL_INT is
 
 @dataclasses.dataclass(frozen=True)
 class PackedMatrix:
-    """The B operand of ``x @ B`` ([k, n]) in MKL's packed layout; ``buffer`` keeps it alive."""
+    """The B operand of ``x @ B`` ([k, n]) in MKL's packed layout (``buffer``, 64-byte aligned)."""
 
     k: int
     n: int
     buffer: np.ndarray = dataclasses.field(repr=False)
-    address: int = dataclasses.field(repr=False)
 
 
 class PackedMkl:
@@ -76,7 +75,7 @@ class PackedMkl:
         self._pack(
             _ROW_MAJOR, _B_MATRIX, trans, PACK_ROWS, n, k, 1.0, w.ctypes.data, w.shape[1], buffer.ctypes.data
         )
-        return PackedMatrix(k, n, buffer, buffer.ctypes.data)
+        return PackedMatrix(k, n, buffer)
 
     def matmul(self, x: np.ndarray, b: PackedMatrix) -> np.ndarray:
         """``x @ B`` for ``x`` [m, k] float32 (made C-contiguous if it is not) into a new [m, n] array."""
@@ -87,7 +86,7 @@ class PackedMkl:
         out = np.empty((m, b.n), np.float32)
         if m:
             self._compute(
-                _ROW_MAJOR, _NO_TRANS, _PACKED, m, b.n, k, x.ctypes.data, k, b.address, b.n, 0.0,
+                _ROW_MAJOR, _NO_TRANS, _PACKED, m, b.n, k, x.ctypes.data, k, b.buffer.ctypes.data, b.n, 0.0,
                 out.ctypes.data, b.n,
             )  # fmt: skip
         return out
