@@ -22,8 +22,9 @@ import numpy as np
 from step_timing import median_step_ms
 
 from pdserve import SamplingParams
-from pdserve.worker.engine import EngineConfig, LLMEngine
-from pdserve.worker.model_init import init_model
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_init import init_model
 
 CTX = 512
 BATCHES = (1, 8, 32)

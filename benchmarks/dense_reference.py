@@ -1,7 +1,7 @@
 """The bare baseline of engine_bench.py: the model's forward over a dense per-sequence KV cache.
 
 No batcher, no block tables, no sampling or detokenization: the same weights, norms, RoPE and MLP
-as ``pdserve.worker.model.Model`` (its own methods, the same kernel choice), with K/V kept per
+as ``pdserve.engine.model.Model`` (its own methods, the same kernel choice), with K/V kept per
 sequence in a dense ``[batch, kv_heads, max_len, head_dim]`` tensor per layer and greedy argmax.
 What the engine adds on top of this is what the benchmark's ratio measures.
 """
@@ -13,12 +13,14 @@ import time
 import numpy as np
 from step_timing import decode_figures, median_step_ms
 
-from pdserve.worker.engine import select_kernels, set_threads
-from pdserve.worker.model import Model
-from pdserve.worker.model_config import ModelConfig
-from pdserve.worker.paddle_setup import functional as F
-from pdserve.worker.paddle_setup import paddle
-from pdserve.worker.weights import load_weights
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kernels.cpu import choose_kernels
+from pdserve.engine.kernels.paddle_setup import HOST, paddle
+from pdserve.engine.kernels.paddle_setup import functional as F
+from pdserve.engine.llm_engine import set_threads
+from pdserve.engine.model import Model
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.weights import load_weights
 
 
 class DenseRunner:
@@ -94,7 +96,7 @@ def bare_worker(model_dir: str, steps: int, prefill_reps: int, ctx: int, batches
     cfg = ModelConfig.from_dir(model_dir)
     res: dict = {"threads": set_threads(None)}
     max_len = ctx + steps + 8
-    model = Model(cfg, load_weights(model_dir, cfg), max_len, select_kernels(None))
+    model = Model(cfg, load_weights(model_dir, cfg), max_len, choose_kernels(EngineConfig().kernels, HOST))
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, cfg.vocab_size, ctx).tolist()
     runner = DenseRunner(model, 1, max_len)

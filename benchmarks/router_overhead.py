@@ -72,8 +72,13 @@ class Procs:
 
     def start(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
         log = (self.logs / f"{name}.log").open("w")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         self.procs.append(proc)
         return proc
 
@@ -139,23 +144,69 @@ def start_system(
         procs.procs.append(redis.proc)
         cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
         for role in ("prefill", "decode"):
-            procs.start(f"pdserve-{role}", [*cli, "worker", "--engine", "echo", "--role", role, "--model",
-                                            str(model_dir), "--redis-url", redis.url, "--kv-transfer", "shm"])  # fmt: skip
+            procs.start(
+                f"pdserve-{role}",
+                [
+                    *cli,
+                    "worker",
+                    "--engine",
+                    "echo",
+                    "--role",
+                    role,
+                    "--model",
+                    str(model_dir),
+                    "--redis-url",
+                    redis.url,
+                    "--kv-transfer",
+                    "shm",
+                ],
+            )
         router = procs.start(
             "pdserve-router",
-            [*cli, "router", "--port", str(port), "--redis-url", redis.url,
-             *(["--no-metrics"] if name == "pdserve-nometrics" else [])],
-        )  # fmt: skip
+            [
+                *cli,
+                "router",
+                "--port",
+                str(port),
+                "--redis-url",
+                redis.url,
+                *(["--no-metrics"] if name == "pdserve-nometrics" else []),
+            ],
+        )
         return url, [router.pid], redis.proc.pid
     p, boot, d = start_mocks(procs, model, model_dir)
     prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     if name == "sglang":
-        args = [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                "--prefill", f"http://127.0.0.1:{p}", str(boot), "--decode", f"http://127.0.0.1:{d}",
-                "--host", "127.0.0.1", "--port", str(port), *prom]  # fmt: skip
+        args = [
+            str(venv / "bin" / "python"),
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            f"http://127.0.0.1:{p}",
+            str(boot),
+            "--decode",
+            f"http://127.0.0.1:{d}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *prom,
+        ]
     else:
-        args = [str(venv / "bin" / "vllm-router"), "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{p}",
-                "--decode", f"http://127.0.0.1:{d}", "--host", "127.0.0.1", "--port", str(port), *prom]  # fmt: skip
+        args = [
+            str(venv / "bin" / "vllm-router"),
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            f"http://127.0.0.1:{p}",
+            "--decode",
+            f"http://127.0.0.1:{d}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *prom,
+        ]
     router = procs.start(f"{name}-router", args, env={"HF_HUB_OFFLINE": "1"})
     return url, [router.pid], None
 
@@ -182,14 +233,18 @@ def measure(
     ok = max(1, s["successful_requests"])
     m = s["metrics"]
     return {
-        "ok": s["successful_requests"], "failed": s["failed_requests"], "errors": s["errors"],
+        "ok": s["successful_requests"],
+        "failed": s["failed_requests"],
+        "errors": s["errors"],
         "req_s": s["request_throughput"],
-        "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"],
-        "e2e_p50_ms": m["e2e_ms"]["p50"], "e2e_p99_ms": m["e2e_ms"]["p99"],
+        "ttft_p50_ms": m["ttft_ms"]["p50"],
+        "ttft_p99_ms": m["ttft_ms"]["p99"],
+        "e2e_p50_ms": m["e2e_ms"]["p50"],
+        "e2e_p99_ms": m["e2e_ms"]["p99"],
         "router_cpu_ms_per_req": router_cpu / ok * 1e3,
         "redis_cpu_ms_per_req": None if redis_cpu is None else redis_cpu / ok * 1e3,
         "loadgen_cpu_share": me / duration,
-    }  # fmt: skip
+    }
 
 
 def main() -> int:
@@ -258,9 +313,11 @@ def print_table(rows: list[dict]) -> None:
         ]
         ratio = f"{r['req_s'] / max(peers):.2f}x" if peers else "-"
         redis = f"{r['redis_cpu_ms_per_req']:.2f}" if r["redis_cpu_ms_per_req"] is not None else "-"
-        print(f"{r['system']:<17} {r['concurrency']:>4} {r['ok']:>5} {r['req_s']:>8.1f} {r['ttft_p50_ms']:>9.2f} "
-              f"{r['ttft_p99_ms']:>8.2f} {r['e2e_p50_ms']:>8.2f} {r['e2e_p99_ms']:>8.2f} "
-              f"{r['router_cpu_ms_per_req']:>10.2f} {redis:>7} {r['loadgen_cpu_share']:>6.0%} {ratio:>19}")  # fmt: skip
+        print(
+            f"{r['system']:<17} {r['concurrency']:>4} {r['ok']:>5} {r['req_s']:>8.1f} {r['ttft_p50_ms']:>9.2f} "
+            f"{r['ttft_p99_ms']:>8.2f} {r['e2e_p50_ms']:>8.2f} {r['e2e_p99_ms']:>8.2f} "
+            f"{r['router_cpu_ms_per_req']:>10.2f} {redis:>7} {r['loadgen_cpu_share']:>6.0%} {ratio:>19}"
+        )
 
 
 def print_metrics_cost(rows: list[dict]) -> None:
@@ -274,8 +331,10 @@ def print_metrics_cost(rows: list[dict]) -> None:
         ]
         if on and off:
             a, b = sum(on) / len(on), sum(off) / len(off)
-            print(f"concurrency {c}: router CPU {a:.3f} ms/req with metrics, {b:.3f} without: "
-                  f"{(a / b - 1) * 100:+.1f} % ({len(on)} + {len(off)} runs, alternated)")  # fmt: skip
+            print(
+                f"concurrency {c}: router CPU {a:.3f} ms/req with metrics, {b:.3f} without: "
+                f"{(a / b - 1) * 100:+.1f} % ({len(on)} + {len(off)} runs, alternated)"
+            )
 
 
 if __name__ == "__main__":

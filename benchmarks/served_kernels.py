@@ -57,11 +57,11 @@ def main() -> int:
     args = ap.parse_args()
 
     from pdserve import bench
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_init import init_model
+    from pdserve.engine.tokenizer import Tokenizer
     from pdserve.scheduler.embedded import free_port
     from pdserve.stack import Stack, StackSpec
-    from pdserve.worker.model_init import init_model
-    from pdserve.worker.settings import EngineConfig
-    from pdserve.worker.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = (args.models or Path(tmp)) / args.preset
@@ -91,9 +91,17 @@ def main() -> int:
                     )
                     t = time.perf_counter()
                     results, duration = asyncio.run(
-                        bench.run(stack.urls[0], "/v1/completions", model_dir.name, prompts, args.concurrency,
-                                  float("inf"), True, 0)
-                    )  # fmt: skip
+                        bench.run(
+                            stack.urls[0],
+                            "/v1/completions",
+                            model_dir.name,
+                            prompts,
+                            args.concurrency,
+                            float("inf"),
+                            True,
+                            0,
+                        )
+                    )
                     summary = bench.summarize(results, duration, (50, 99))
                     print(
                         f"  {summary['successful_requests']}/{len(prompts)} ok, "

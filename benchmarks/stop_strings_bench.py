@@ -105,8 +105,14 @@ def run_batch(engine, prompts: list[list[int]], params, tag: str) -> dict:
         take(engine.step())
         steps += 1
     decode_s, cpu_s = time.perf_counter() - t, time.process_time() - cpu
-    return {"setup_s": setup_s, "decode_s": decode_s, "cpu_s": cpu_s, "steps": steps, "texts": texts,
-            "reasons": reasons}  # fmt: skip
+    return {
+        "setup_s": setup_s,
+        "decode_s": decode_s,
+        "cpu_s": cpu_s,
+        "steps": steps,
+        "texts": texts,
+        "reasons": reasons,
+    }
 
 
 def per_token_us(make, stops: list[str], tokens: list[list[str]], reps: int) -> tuple[float, float]:
@@ -151,9 +157,10 @@ def main() -> int:
     if args.rounds < 1 or args.batch < 1 or args.tokens < 2:
         ap.error("--rounds and --batch must be >= 1, --tokens >= 2")
     from pdserve import SamplingParams
-    from pdserve.worker.detokenizer import StopStringMatcher
-    from pdserve.worker.engine import EngineConfig, LLMEngine
-    from pdserve.worker.model_init import init_model
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.detokenizer import StopStringMatcher
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_init import init_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or Path(tmp) / "tiny"
@@ -242,8 +249,11 @@ def print_table(r: dict) -> None:
         )
     print(f"\nmatcher alone over the generated text ({r['alphabet']} distinct characters)")
     print(f"{'matcher':<38} {'us/token':>9} {'build ms':>9} {'of decode':>9}")
-    for name, shown in (("none", "no stop strings"), ("aho_corasick", f"Aho-Corasick, {label}"),
-                        ("previous", f"previous, {label}")):  # fmt: skip
+    for name, shown in (
+        ("none", "no stop strings"),
+        ("aho_corasick", f"Aho-Corasick, {label}"),
+        ("previous", f"previous, {label}"),
+    ):
         print(
             f"{shown:<38} {r['matcher_us_per_token'][name]:>9.2f} {r['matcher_build_ms'][name]:>9.2f} "
             f"{100 * r['matcher_share_of_decode'][name]:>8.2f}%"

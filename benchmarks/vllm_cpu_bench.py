@@ -48,10 +48,15 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
-        model=args.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
-        max_model_len=CTX + args.steps * 4 + 64, max_num_seqs=max(BATCHES),
-        max_num_batched_tokens=CTX * max(BATCHES), seed=0,
-    )  # fmt: skip
+        model=args.model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=CTX + args.steps * 4 + 64,
+        max_num_seqs=max(BATCHES),
+        max_num_batched_tokens=CTX * max(BATCHES),
+        seed=0,
+    )
     engine = llm.llm_engine
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]

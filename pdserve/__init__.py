@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.scheduler.sampling_params import SamplingParams
-    from pdserve.worker.llm import LLM, Generation
+    from pdserve.engine.llm import LLM, Generation
+    from pdserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "Generation", "SamplingParams"]
 __version__ = "0.1.0"
@@ -18,11 +18,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "SamplingParams":
-        from pdserve.scheduler.sampling_params import SamplingParams
+        from pdserve.sampling_params import SamplingParams
 
         return SamplingParams
     if name in ("LLM", "Generation"):
-        from pdserve.worker import llm
+        from pdserve.engine import llm
 
         return getattr(llm, name)
     raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

@@ -110,8 +110,15 @@ class Result:
         )
 
 
-def random_prompts(n: int, input_len: int, output_len: int, range_ratio: float, chat: bool, rng: random.Random,
-                   tokenizer: Any = None) -> list[Prompt]:  # fmt: skip
+def random_prompts(
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    chat: bool,
+    rng: random.Random,
+    tokenizer: Any = None,
+) -> list[Prompt]:
     """``n`` prompts of about ``input_len`` tokens (exactly, as token ids, with a local tokenizer)."""
     out = []
     for _ in range(n):
@@ -154,8 +161,13 @@ def jsonl_prompts(path: Path, n: int, output_len: int, chat: bool) -> list[Promp
 async def one_request(
     client: httpx.AsyncClient, url: str, model: str, prompt: Prompt, ignore_eos: bool
 ) -> Result:
-    body = {"model": model, **prompt.body, "stream": True, "stream_options": {"include_usage": True},
-            "temperature": 0}  # fmt: skip
+    body = {
+        "model": model,
+        **prompt.body,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
     if ignore_eos:
         body["ignore_eos"] = True
     t0 = time.perf_counter()
@@ -204,8 +216,17 @@ async def one_request(
     return result
 
 
-async def run(base_url: str, endpoint: str, model: str, prompts: list[Prompt], concurrency: int, rate: float,
-              ignore_eos: bool, seed: int, progress: Any = None) -> tuple[list[Result], float]:  # fmt: skip
+async def run(
+    base_url: str,
+    endpoint: str,
+    model: str,
+    prompts: list[Prompt],
+    concurrency: int,
+    rate: float,
+    ignore_eos: bool,
+    seed: int,
+    progress: Any = None,
+) -> tuple[list[Result], float]:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)

@@ -20,13 +20,13 @@ log = logging.getLogger("pdserve")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from pdserve.worker.settings import EngineConfig  # here: importing pdserve.cli loads no worker code
+    from pdserve.engine.config import EngineConfig  # here: importing pdserve.cli loads no worker code
 
     add_flags(p.add_argument_group("engine"), EngineConfig)
 
 
 def engine_config(args: argparse.Namespace):
-    from pdserve.worker.settings import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     return from_args(EngineConfig, args)
 
@@ -79,7 +79,7 @@ _SAMPLING_FLAGS = {
 
 def sampling_params(args: argparse.Namespace, parser: argparse.ArgumentParser):
     from pdserve.errors import InvalidRequestError
-    from pdserve.scheduler.sampling_params import SamplingParams
+    from pdserve.sampling_params import SamplingParams
 
     try:
         return SamplingParams(
@@ -91,7 +91,7 @@ def sampling_params(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
 # ---- pdserve model init -------------------------------------------------------------------------
 def cmd_model_init(args: argparse.Namespace) -> int:
-    from pdserve.worker.model_init import init_model
+    from pdserve.engine.model_init import init_model
 
     path = init_model(args.dir, preset=args.preset, seed=args.seed, overwrite=args.overwrite)
     print(f"wrote {args.preset} model to {path}")
@@ -105,11 +105,11 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if not args.prompt:
         parser.error("--prompt is required (repeat it for several prompts)")
     params = sampling_params(args, parser)
-    from pdserve.worker.llm import LLM
+    from pdserve.engine.llm import LLM
 
     if args.disaggregate:
-        from pdserve.worker.disaggregate import generate_disaggregated
-        from pdserve.worker.tokenizer import Tokenizer
+        from pdserve.engine.disaggregate import generate_disaggregated
+        from pdserve.engine.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(args.model)
         prompts = [
@@ -197,7 +197,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else:
             tokenizer = None
             if args.tokenizer:
-                from pdserve.worker.tokenizer import Tokenizer
+                from pdserve.engine.tokenizer import Tokenizer
 
                 tokenizer = Tokenizer.from_dir(args.tokenizer)
             prompts = bench.random_prompts(
@@ -210,9 +210,18 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         total=len(prompts), desc="requests", unit="req", file=sys.stderr, disable=args.no_progress
     ) as bar:
         results, duration = asyncio.run(
-            bench.run(base, args.endpoint, model, prompts, args.max_concurrency, args.request_rate,
-                      args.ignore_eos, args.seed, bar)
-        )  # fmt: skip
+            bench.run(
+                base,
+                args.endpoint,
+                model,
+                prompts,
+                args.max_concurrency,
+                args.request_rate,
+                args.ignore_eos,
+                args.seed,
+                bar,
+            )
+        )
     summary = bench.summarize(results, duration, percentiles)
     print(bench.render(summary))
     if args.save_result:

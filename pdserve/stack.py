@@ -25,13 +25,14 @@ from pathlib import Path
 import httpx
 
 from pdserve.cache_transfer import shm
+from pdserve.engine.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.flags import setting, to_argv
 from pdserve.router.settings import RouterSettings
 from pdserve.scheduler.embedded import EmbeddedRedis, free_port, port_is_free
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
-from pdserve.worker.settings import ENGINES, KV_TRANSFERS, EngineConfig, WorkerSettings
+from pdserve.worker.settings import ENGINES, KV_TRANSFERS, WorkerSettings
 from pdserve.worker.settings import default as worker_default
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,10 @@ class StackSpec:
         choices=ENGINES,
     )
     metrics: bool = setting(
-        False, "give every worker a Prometheus port (free ports, printed in the banner; routers always "
+        False,
+        "give every worker a Prometheus port (free ports, printed in the banner; routers always "
         "serve /metrics) (default off)",
-    )  # fmt: skip
+    )
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # every worker's
     ready_timeout_s: float = 120.0
 
@@ -121,7 +123,7 @@ def default_model() -> Path:
     """The tiny preset in the cache folder, created on first use (about a second, no download), and
     made again when an older pdserve made it with another chat template (the preset is seeded: the
     weights and tokenizer come out the same)."""
-    from pdserve.worker.model_init import CHATML_TEMPLATE, init_model
+    from pdserve.engine.model_init import CHATML_TEMPLATE, init_model
 
     path = cache_dir() / "models" / "tiny"
     config = path / "tokenizer_config.json"

@@ -196,11 +196,17 @@ def view(status: dict[str, Any] | None, error: str | None = None) -> Any:
         share = used / i["num_blocks"] if i["num_blocks"] else 0.0
         bar = "#" * round(share * 10) + "." * (10 - round(share * 10))
         instances.add_row(
-            i["id"], i["role"], i["model"], str(i["running"]), str(i["waiting"]),
-            str(i["waiting_prefill_tokens"]), f"{bar} {share:4.0%} ({used}/{i['num_blocks']})",
-            f"{i['inbox_len']} ({i['inbox_pending']} pending)", _age(i["age_s"]),
+            i["id"],
+            i["role"],
+            i["model"],
+            str(i["running"]),
+            str(i["waiting"]),
+            str(i["waiting_prefill_tokens"]),
+            f"{bar} {share:4.0%} ({used}/{i['num_blocks']})",
+            f"{i['inbox_len']} ({i['inbox_pending']} pending)",
+            _age(i["age_s"]),
             Text("draining", style="yellow") if i["draining"] else Text("ready", style="green"),
-        )  # fmt: skip
+        )
     routers = Table(expand=False, header_style="bold")
     for column in ("ROUTER", "ADDRESS", "OUTBOX", "AGE"):
         routers.add_column(column, no_wrap=True)

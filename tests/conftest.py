@@ -16,7 +16,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the numba kernels once, before any test: numba caches them per CPU next to
     paged_kernel.py, so the many engines the tests start in other processes load them instead of
     each compiling them (tens of seconds on a fresh clone, several at once in a stack)."""
-    from pdserve.worker.paged_kernel import select_attention
+    from pdserve.engine.kernels.attention import select_attention
 
     select_attention("auto", 1)
 
@@ -51,7 +51,7 @@ def redis_client(redis_url: str):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` preset written once (seeded, so every process loads identical bits)."""
-    from pdserve.worker.model_init import init_model
+    from pdserve.engine.model_init import init_model
 
     path = tmp_path_factory.mktemp("models") / "tiny"
     init_model(path, preset="tiny")

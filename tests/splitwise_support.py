@@ -17,6 +17,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.echo import EchoEngine
+from pdserve.engine.outputs import RequestOutput
 from pdserve.scheduler import (
     DisaggregateInfo,
     GenerateRequest,
@@ -35,12 +38,9 @@ from pdserve.scheduler import (
 from pdserve.scheduler.messages import decode_as
 from pdserve.scheduler.streams import FIELD
 from pdserve.worker.clock import Clock
-from pdserve.worker.echo import EchoEngine
 from pdserve.worker.engine_client import EngineClient
 from pdserve.worker.handler import RequestHandler
 from pdserve.worker.messenger import Messenger
-from pdserve.worker.outputs import RequestOutput
-from pdserve.worker.settings import EngineConfig
 from pdserve.worker.splitwise import Context, Transports
 
 BLOCK_SIZE = 4
@@ -84,8 +84,13 @@ class StubEngine(EchoEngine):
 
     def __init__(self, num_blocks: int = 16, shared: bool = False) -> None:
         name = f"pdserve-test-{uuid.uuid4().hex[:10]}" if shared else None
-        config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN,
-                              shared_kv=shared, shm_name=name)  # fmt: skip
+        config = EngineConfig(
+            block_size=BLOCK_SIZE,
+            num_blocks=num_blocks,
+            max_model_len=MAX_MODEL_LEN,
+            shared_kv=shared,
+            shm_name=name,
+        )
         super().__init__(None, config)
         self.fail_next_step: str | None = None  # the next step fails every running request with this
 

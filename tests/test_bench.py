@@ -47,8 +47,16 @@ def test_random_prompts_respect_lengths() -> None:
 def test_against_a_server_without_timing_the_table_has_no_s_ttft(tmp_path) -> None:
     """Any OpenAI-compatible server: here the peers' mock engine (benchmarks/mock_openai_worker.py)."""
     port = free_port()
-    mock = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "mock_openai_worker.py"), "--port", str(port),
-                             "--model", "mock"])  # fmt: skip
+    mock = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "mock_openai_worker.py"),
+            "--port",
+            str(port),
+            "--model",
+            "mock",
+        ]
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
@@ -60,9 +68,27 @@ def test_against_a_server_without_timing_the_table_has_no_s_ttft(tmp_path) -> No
                 assert time.monotonic() < deadline, "mock did not start"
                 time.sleep(0.2)
         for endpoint in ("/v1/completions", "/v1/chat/completions"):
-            out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--base-url", url, "--endpoint",
-                                  endpoint, "--num-prompts", "6", "--output-len", "5", "--no-progress"],
-                                 capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pdserve.cli",
+                    "bench",
+                    "--base-url",
+                    url,
+                    "--endpoint",
+                    endpoint,
+                    "--num-prompts",
+                    "6",
+                    "--output-len",
+                    "5",
+                    "--no-progress",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
             assert out.returncode == 0, out.stderr
             assert "Successful requests:                     6" in out.stdout and "S_TTFT" not in out.stdout
             assert "Total generated tokens:                  30" in out.stdout  # the model: from /v1/models

@@ -129,8 +129,12 @@ def test_redis_command_stops_its_server_on_sigterm_and_wants_a_password_beyond_l
     assert proc.wait(30) == 0
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
         pass  # the redis-server child went with it
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "redis", "--bind", "0.0.0.0"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "redis", "--bind", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "give it a --password" in out.stderr
 
 
@@ -184,8 +188,9 @@ def test_readme_flag_table_matches_help() -> None:
 
 
 def parse_worker(argv: list[str]):
+    from pdserve.engine.config import EngineConfig
     from pdserve.flags import from_args
-    from pdserve.worker.settings import EngineConfig, WorkerSettings
+    from pdserve.worker.settings import WorkerSettings
 
     args = build_parser().parse_args(["worker", *argv])
     return from_args(WorkerSettings, args, engine=from_args(EngineConfig, args))
@@ -193,9 +198,10 @@ def parse_worker(argv: list[str]):
 
 def test_settings_survive_the_trip_through_a_child_command_line(tmp_path, monkeypatch) -> None:
     """What `pdserve up` decides reaches each child exactly, whatever the child's environment says."""
+    from pdserve.engine.config import EngineConfig
     from pdserve.flags import to_argv
     from pdserve.router.settings import RouterSettings, settings_from_args
-    from pdserve.worker.settings import EngineConfig, WorkerSettings
+    from pdserve.worker.settings import WorkerSettings
 
     engine = EngineConfig(num_blocks=64, block_size=8, max_model_len=512, threads=2, kernels="composed")
     worker = WorkerSettings(
@@ -230,7 +236,7 @@ def test_a_bad_setting_is_a_cli_error_naming_the_flag(tmp_path, capsys) -> None:
 def test_status_check_is_a_health_check(redis_url, capsys) -> None:
     import asyncio
 
-    from test_router_support import instance
+    from router_support import instance
 
     from pdserve.scheduler import InstanceRegistry, Keys, RedisSettings
 

@@ -9,8 +9,8 @@ import orjson
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
 from pdserve.errors import ConfigError, InvalidRequestError, RequestTooLongError
-from pdserve.worker.engine import EngineConfig
 
 
 def edit_config(folder, **changes) -> None:

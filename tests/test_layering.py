@@ -1,9 +1,11 @@
 """The one-way dependency rule holds in the source and when Python imports the modules.
 
-router -> scheduler; worker -> scheduler, cache_transfer; scheduler and cache_transfer import
-neither; the router never imports worker code (docs/design.md, "Layout"). ``errors`` and
-``flags`` are leaves every layer may use; ``cli``, ``stack``, ``status`` and the package root
-are the composition root and may import anything.
+router -> scheduler; worker -> engine, scheduler, cache_transfer; engine -> cache_transfer;
+scheduler, cache_transfer and engine import none of the upper layers; the router never imports
+engine or worker code (docs/design.md, "Layout"). ``errors``, ``flags`` and ``sampling_params``
+are leaves every layer may use; ``cli``, ``stack``, ``status``, ``bench`` and the package root are
+the composition root and may import anything. No import cycle inside the package, counting
+imports inside functions and under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations
@@ -16,20 +18,24 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pdserve"
-LEAVES = {"errors", "flags"}
+LEAVES = {"errors", "flags", "sampling_params"}
 ALLOWED = {  # layer -> the pdserve layers its modules may import
     "errors": set(),
     "flags": set(),
-    "scheduler": {"scheduler", "errors"},
+    "sampling_params": {"errors"},
+    "scheduler": {"scheduler", *LEAVES},
     "cache_transfer": {"cache_transfer", "errors"},
+    "engine": {"engine", "cache_transfer", *LEAVES},
     "router": {"router", "scheduler", *LEAVES},
-    "worker": {"worker", "scheduler", "cache_transfer", *LEAVES},
+    "worker": {"worker", "engine", "scheduler", "cache_transfer", *LEAVES},
 }
-NO_PADDLE = ("scheduler", "cache_transfer", "router", "errors", "flags")
+NO_PADDLE = ("scheduler", "cache_transfer", "router", "errors", "flags", "sampling_params")
+# third-party packages a layer must not import: the engine computes; serving is the worker's job
+FORBIDDEN_PACKAGES = {"engine": ("redis", "asyncio", "fastapi", "starlette", "uvicorn", "httpx")}
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -63,7 +69,62 @@ def test_every_module_has_a_layer() -> None:
 
 
 def is_composition_root(path: Path) -> bool:
-    return path.parent == PACKAGE and path.stem not in LEAVES  # cli, stack, status, the package
+    return path.parent == PACKAGE and path.stem not in LEAVES  # cli, stack, status, bench, the package
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (module level, in functions, under TYPE_CHECKING)."""
+    names = {module_name(p, package) for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        me = module_name(path, package)
+        graph[me] = set()
+        for _, target in imports(path):
+            while target and target not in names:  # pdserve.x.Name -> pdserve.x
+                target = target.rpartition(".")[0]
+            if target and target != me:
+                graph[me].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_inside_the_package() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_check_finds_a_cycle_added_on_purpose(tmp_path: Path) -> None:
+    """The same check over a copy of the package with one import added inside a function."""
+    import shutil
+
+    copy = tmp_path / "pdserve"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    errors = copy / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _late() -> None:\n    import pdserve.cli  # noqa\n")
+    cycle = find_cycle(import_graph(copy))
+    assert cycle is not None and "pdserve.errors" in cycle and "pdserve.cli" in cycle, cycle
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: module_name(p))
@@ -75,6 +136,7 @@ def test_imports_follow_the_rule(path: Path) -> None:
     for line, target in imports(path):
         if target.split(".")[0] == "paddle":
             assert mine not in NO_PADDLE, f"{me}:{line} imports Paddle"
+        assert target.split(".")[0] not in FORBIDDEN_PACKAGES.get(mine, ()), f"{me}:{line} imports {target}"
         if target == "pdserve.__version__":
             continue  # the package root's one plain constant
         if target.startswith("pdserve.") and target.split(".")[1] not in ALLOWED:
@@ -95,14 +157,31 @@ LOAD_CHECKS = {
         for m in MODULES
         if layer(m) == "cache_transfer"
     },
-    **{m: ("paddle", "pdserve.worker", "pdserve.cli") for m in MODULES if layer(m) == "router"},
-    "pdserve.scheduler.sampling_params": ("paddle", "redis", "pdserve.worker", "pdserve.router"),
+    **{
+        m: ("paddle", "pdserve.engine", "pdserve.worker", "pdserve.cli")
+        for m in MODULES
+        if layer(m) == "router"
+    },
+    # the engine's entry points load no Redis and nothing of the layers above it
+    **{
+        f"pdserve.engine.{m}": (
+            "redis",
+            "pdserve.scheduler",
+            "pdserve.worker",
+            "pdserve.router",
+            "pdserve.cli",
+        )
+        for m in ("llm_engine", "llm", "disaggregate", "echo")
+    },
+    "pdserve.engine.config": ("paddle", "numba", "redis", "pdserve.worker"),
+    "pdserve.sampling_params": ("paddle", "redis", "pdserve.worker", "pdserve.router"),
     "pdserve.scheduler.keys": ("paddle", "redis"),
     "pdserve": ("paddle", "redis", "pdserve.worker", "pdserve.router"),
     # the worker's service half runs (and is unit-tested) without the model: Paddle loads with the engine
     **{
-        f"pdserve.worker.{m}": ("paddle", "numba", "pdserve.worker.engine", "pdserve.router")
-        for m in ("service", "handler", "splitwise", "engine_client", "messenger", "outputs", "settings")
+        m: ("paddle", "numba", "pdserve.engine.llm_engine", "pdserve.router")
+        for m in MODULES
+        if layer(m) == "worker"
     },
 }
 
@@ -136,10 +215,10 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f"{name} is blocked in this test")
 
 sys.meta_path.insert(0, Block())
-from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.worker.batcher import Batcher, BatcherConfig
-from pdserve.worker.block_manager import BlockManager
-from pdserve.worker.sequence import Sequence
+from pdserve.sampling_params import SamplingParams
+from pdserve.engine.batcher import Batcher, BatcherConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence
 
 b = Batcher(BatcherConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16), BlockManager(16))
 b.add(Sequence("r", list(range(1, 11)), SamplingParams(max_tokens=4)))

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.test_serving import start_stack
+from tests.e2e.test_serving import start_stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,11 +49,24 @@ def test_watch_shows_every_live_instance(tiny_model_dir, redis_url) -> None:
         main, child = pty.openpty()
         fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 220, 0, 0))
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "status", "--watch", "0.3", "--redis-url", redis_url,
-             "--cluster", stack.spec.cluster],
-            stdin=child, stdout=child, stderr=child, env={**os.environ, "TERM": "xterm-256color"},
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "status",
+                "--watch",
+                "0.3",
+                "--redis-url",
+                redis_url,
+                "--cluster",
+                stack.spec.cluster,
+            ],
+            stdin=child,
+            stdout=child,
+            stderr=child,
+            env={**os.environ, "TERM": "xterm-256color"},
             close_fds=True,
-        )  # fmt: skip
+        )
         os.close(child)
         try:
             ids = stack.instance_ids

@@ -123,8 +123,13 @@ class RouterState:
 
     def _router_info(self) -> RouterInfo:
         s = self.settings
-        return RouterInfo(id=s.router_id, host=socket.gethostname(), pid=os.getpid(), port=s.port,
-                          started_at=self.started_at)  # fmt: skip
+        return RouterInfo(
+            id=s.router_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            port=s.port,
+            started_at=self.started_at,
+        )
 
 
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
@@ -246,8 +251,11 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
                 "no instance is registered" if not live else "no decode or mixed instance can take requests"
             )
             return _error(request, NoCapacityError(reason))
-        body = {"status": "ready", "router_id": state.settings.router_id,
-                "models": sorted({i.model for i in generating})}  # fmt: skip
+        body = {
+            "status": "ready",
+            "router_id": state.settings.router_id,
+            "models": sorted({i.model for i in generating}),
+        }
         return _json(request, body)
 
     @app.get("/v1/models")
@@ -303,10 +311,15 @@ def models_list(live: list[InstanceInfo]) -> list[dict]:
     for info in live:
         by_model.setdefault(info.model, []).append(info)
     return [
-        {"id": model, "object": "model", "created": int(min(i.started_at for i in infos)), "owned_by": "pdserve",
-         "max_model_len": min(i.max_model_len for i in infos)}
+        {
+            "id": model,
+            "object": "model",
+            "created": int(min(i.started_at for i in infos)),
+            "owned_by": "pdserve",
+            "max_model_len": min(i.max_model_len for i in infos),
+        }
         for model, infos in sorted(by_model.items())
-    ]  # fmt: skip
+    ]
 
 
 async def _live(state: RouterState) -> list[InstanceInfo]:
@@ -323,8 +336,12 @@ def _rid(request: Request) -> str:
 def _json(
     request: Request, body: object, status: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
-    return Response(orjson.dumps(body), status, {"x-request-id": _rid(request), **(headers or {})},
-                    media_type="application/json")  # fmt: skip
+    return Response(
+        orjson.dumps(body),
+        status,
+        {"x-request-id": _rid(request), **(headers or {})},
+        media_type="application/json",
+    )
 
 
 def _error(request: Request, exc: BaseException) -> Response:

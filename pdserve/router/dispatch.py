@@ -295,8 +295,9 @@ class Generation:
                     self.finished = True
                     self.error = error
                     self._end_reason = f"{error.kind}: {error.message}"
-                    return RequestDelta(request_id=self.request_id, finish_reason="error", error=error,
-                                        attempt=self.attempt)  # fmt: skip
+                    return RequestDelta(
+                        request_id=self.request_id, finish_reason="error", error=error, attempt=self.attempt
+                    )
             delta = self._accept(await self.queue.get())
             if delta is not None:
                 return delta
@@ -336,8 +337,9 @@ class Generation:
         now = time.monotonic()
         metrics = self.dispatcher.metrics
         if metrics is not None:
-            metrics.on_delta(delta, not self.delivered and not self.has_tokens, self.arrived,
-                             self.last_delta_at, now)  # fmt: skip
+            metrics.on_delta(
+                delta, not self.delivered and not self.has_tokens, self.arrived, self.last_delta_at, now
+            )
         self.delivered += delta.token_ids
         self.last_delta_at = now
         if not self.has_tokens:
@@ -413,18 +415,30 @@ class Generation:
                 first_token=min(now + s.first_token_timeout_s, self.deadline),
             )
             info = DisaggregateInfo(
-                request_id=self.request_id, router_id=d.router_id, prefill=d.peer(route.prefill),
-                decode=d.peer(route.decode), protocol=route.protocol or "", deadlines=deadlines,
-            )  # fmt: skip
+                request_id=self.request_id,
+                router_id=d.router_id,
+                prefill=d.peer(route.prefill),
+                decode=d.peer(route.decode),
+                protocol=route.protocol or "",
+                deadlines=deadlines,
+            )
         p = self.prompt
         # sampling["max_tokens"] is None when the client gave none (chat): the worker then fills
         # in "model length - prompt length", which only it knows after tokenizing.
         return GenerateRequest(
-            request_id=self.request_id, router_id=d.router_id, prompt=p.text, prompt_token_ids=p.token_ids,
-            messages=p.messages, tools=p.tools, sampling=self.sampling, deadline=self.deadline, attempt=self.attempt,
-            disaggregate_info=info, resume_token_ids=list(self.delivered) or None,
+            request_id=self.request_id,
+            router_id=d.router_id,
+            prompt=p.text,
+            prompt_token_ids=p.token_ids,
+            messages=p.messages,
+            tools=p.tools,
+            sampling=self.sampling,
+            deadline=self.deadline,
+            attempt=self.attempt,
+            disaggregate_info=info,
+            resume_token_ids=list(self.delivered) or None,
             echo=True if self._echo and p.token_ids is not None else None,
-        )  # fmt: skip
+        )
 
     def _may_retry(self, error: ErrorInfo) -> bool:
         """Retry before any token (up to retry_attempts), migrate after (up to max_migrations)."""
@@ -445,15 +459,28 @@ class Generation:
             d.num_migrations += 1
             if d.metrics is not None:
                 d.metrics.migrations.inc()
-            logger.warning("request %s attempt %d on %s failed after %d tokens (%s: %s); migrating it",
-                           self.request_id, self.attempt, where, len(self.delivered), error.kind, error.message)  # fmt: skip
+            logger.warning(
+                "request %s attempt %d on %s failed after %d tokens (%s: %s); migrating it",
+                self.request_id,
+                self.attempt,
+                where,
+                len(self.delivered),
+                error.kind,
+                error.message,
+            )
         else:
             self.retries += 1
             d.num_retries += 1
             if d.metrics is not None:
                 d.metrics.on_retry(error.kind)
-            logger.warning("request %s attempt %d on %s failed (%s: %s); retrying on a fresh pair",
-                           self.request_id, self.attempt, where, error.kind, error.message)  # fmt: skip
+            logger.warning(
+                "request %s attempt %d on %s failed (%s: %s); retrying on a fresh pair",
+                self.request_id,
+                self.attempt,
+                where,
+                error.kind,
+                error.message,
+            )
         self._exclude.update(self._blamed or route.instance_ids)
         d.live.invalidate()
         next_route = await self._pick()  # raises when nothing can take it: this attempt stays current

@@ -11,7 +11,7 @@ The router adds a few leaves to the tree of :mod:`pdserve.errors` (HTTP-only sit
     ├── NoCapacityError            nothing can serve the request now -> 503 + Retry-After
     └── UpstreamError              a worker's ErrorInfo: mapped by its ``kind``, like a local error
 
-:func:`error_status` maps any exception to ``(status, body, headers)``; ``tests/test_router_errors.py``
+:func:`error_status` maps any exception to ``(status, body, headers)``; ``tests/router/test_router_errors.py``
 fails when a class of the tree (and so a ``kind`` any producer can send) has no deliberate entry
 in :data:`ERROR_MAP`.
 """

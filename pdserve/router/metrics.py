@@ -147,43 +147,99 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry()
         self.active = 0
         """Client requests being served now (past admission)."""
-        self._requests = _Children(Counter(
-            "pdserve_requests", "client requests answered, by endpoint, served model, HTTP status and "
-            "error kind ('' for success)", ["endpoint", "model", "status", "error_kind"], registry=r,
-        ))  # fmt: skip
+        self._requests = _Children(
+            Counter(
+                "pdserve_requests",
+                "client requests answered, by endpoint, served model, HTTP status and "
+                "error kind ('' for success)",
+                ["endpoint", "model", "status", "error_kind"],
+                registry=r,
+            )
+        )
         Gauge("pdserve_in_flight_requests", "client requests being served", registry=r).set_function(
             lambda: self.active
         )
-        self.ttft = LoopHistogram("pdserve_ttft_seconds", "router-measured time to first token: request "
-                              "arrival to the first delta relayed", LATENCY_BUCKETS, r)  # fmt: skip
-        self.server_ttft = LoopHistogram("pdserve_server_ttft_seconds", "S_TTFT the worker measured "
-                                     "(timing.s_ttft_s)", LATENCY_BUCKETS, r)  # fmt: skip
-        self.queue_time = LoopHistogram("pdserve_queue_time_seconds", "time in the engine's queue before "
-                                    "the first prefill chunk (timing.queue_s)", LATENCY_BUCKETS, r)  # fmt: skip
-        self.prefill_time = LoopHistogram("pdserve_prefill_time_seconds", "S_TTFT minus queue time",
-                                      LATENCY_BUCKETS, r)  # fmt: skip
-        self.kv_transfer = LoopHistogram("pdserve_kv_transfer_time_seconds", "splitwise KV write as the prefill "
-                                     "worker timed it (timing.kv_transfer_s)", LATENCY_BUCKETS, r)  # fmt: skip
-        self.itl = LoopHistogram("pdserve_inter_token_latency_seconds", "time between relayed deltas divided "
-                             "by the tokens of the later one", ITL_BUCKETS, r)  # fmt: skip
-        self.e2e = LoopHistogram("pdserve_e2e_latency_seconds", "request arrival to its final delta (finished "
-                             "choices)", E2E_BUCKETS, r)  # fmt: skip
-        self._retries = _Children(Counter("pdserve_retries", "attempts re-sent to a fresh pair before any "
-                                          "token, by the error kind that caused it", ["kind"], registry=r))  # fmt: skip
-        self.migrations = Counter("pdserve_migrations", "generations moved to another instance after "
-                                  "tokens flowed", registry=r)  # fmt: skip
-        self._selections = _Children(Counter("pdserve_selections", "attempts sent, by role and instance "
-                                             "picked", ["role", "instance"], registry=r))  # fmt: skip
-        self.generation_tokens = Counter("pdserve_generation_tokens", "completion tokens of finished "
-                                         "choices (their final usage)", registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished choices (their "
-                                     "final usage)", registry=r)  # fmt: skip
-        self._redis_time = _Children(Histogram("pdserve_redis_round_trip_seconds", "the router's Redis round trips by "
-                                     "operation: inbox_send (one pipeline per event-loop batch), live_set",
-                                     ["op"], buckets=REDIS_BUCKETS, registry=r))  # fmt: skip
-        self._redis_errors = _Children(Counter("pdserve_redis_errors", "failed Redis calls by operation (inbox_send, "
-                                     "live_set, outbox_read) and exception type", ["op", "error"],
-                                     registry=r))  # fmt: skip
+        self.ttft = LoopHistogram(
+            "pdserve_ttft_seconds",
+            "router-measured time to first token: request arrival to the first delta relayed",
+            LATENCY_BUCKETS,
+            r,
+        )
+        self.server_ttft = LoopHistogram(
+            "pdserve_server_ttft_seconds", "S_TTFT the worker measured (timing.s_ttft_s)", LATENCY_BUCKETS, r
+        )
+        self.queue_time = LoopHistogram(
+            "pdserve_queue_time_seconds",
+            "time in the engine's queue before the first prefill chunk (timing.queue_s)",
+            LATENCY_BUCKETS,
+            r,
+        )
+        self.prefill_time = LoopHistogram(
+            "pdserve_prefill_time_seconds", "S_TTFT minus queue time", LATENCY_BUCKETS, r
+        )
+        self.kv_transfer = LoopHistogram(
+            "pdserve_kv_transfer_time_seconds",
+            "splitwise KV write as the prefill worker timed it (timing.kv_transfer_s)",
+            LATENCY_BUCKETS,
+            r,
+        )
+        self.itl = LoopHistogram(
+            "pdserve_inter_token_latency_seconds",
+            "time between relayed deltas divided by the tokens of the later one",
+            ITL_BUCKETS,
+            r,
+        )
+        self.e2e = LoopHistogram(
+            "pdserve_e2e_latency_seconds",
+            "request arrival to its final delta (finished choices)",
+            E2E_BUCKETS,
+            r,
+        )
+        self._retries = _Children(
+            Counter(
+                "pdserve_retries",
+                "attempts re-sent to a fresh pair before any token, by the error kind that caused it",
+                ["kind"],
+                registry=r,
+            )
+        )
+        self.migrations = Counter(
+            "pdserve_migrations", "generations moved to another instance after tokens flowed", registry=r
+        )
+        self._selections = _Children(
+            Counter(
+                "pdserve_selections",
+                "attempts sent, by role and instance picked",
+                ["role", "instance"],
+                registry=r,
+            )
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens",
+            "completion tokens of finished choices (their final usage)",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "prompt tokens of finished choices (their final usage)", registry=r
+        )
+        self._redis_time = _Children(
+            Histogram(
+                "pdserve_redis_round_trip_seconds",
+                "the router's Redis round trips by "
+                "operation: inbox_send (one pipeline per event-loop batch), live_set",
+                ["op"],
+                buckets=REDIS_BUCKETS,
+                registry=r,
+            )
+        )
+        self._redis_errors = _Children(
+            Counter(
+                "pdserve_redis_errors",
+                "failed Redis calls by operation (inbox_send, live_set, outbox_read) and exception type",
+                ["op", "error"],
+                registry=r,
+            )
+        )
         self._live = _LiveInstances()
         r.register(self._live)
 

@@ -1,7 +1,7 @@
 """OpenAI request bodies: parsing, type checks, and conversion into what a worker runs.
 
 pydantic checks only types (strict: ``"5"`` or ``true`` is not a number); value ranges are checked
-by :class:`~pdserve.scheduler.sampling_params.SamplingParams` so they live in one place, except the
+by :class:`~pdserve.sampling_params.SamplingParams` so they live in one place, except the
 sizes of ``stop`` and ``stop_token_ids``, which are router settings (:class:`InputLimits`), and token
 ids against the vocabulary, which only the live instances know (:meth:`ParsedRequest.check_vocab`).
 Every field is accounted for (:class:`FieldPolicy`: honoured, advisory, rejected); an unknown one is
@@ -24,7 +24,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from pdserve.errors import InvalidRequestError
 from pdserve.router.tools import ToolUse, template_call, template_tools, tool_use_of
-from pdserve.scheduler.sampling_params import MAX_TOKEN_ID, SamplingParams
+from pdserve.sampling_params import MAX_TOKEN_ID, SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.router.settings import RouterSettings
@@ -56,16 +56,44 @@ class FieldPolicy:
         return self.honoured | self.advisory | frozenset(self.rejected)
 
 
-EXTRAS = frozenset({
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output", "return_token_ids", "guided_json", "guided_regex", "guided_choice",
-    "response_format",  # OpenAI's on chat; on completions as vLLM takes it
-})  # fmt: skip
+EXTRAS = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "return_token_ids",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "response_format",  # OpenAI's on chat; on completions as vLLM takes it
+    }
+)
 """pdserve's vLLM-style extensions (honoured; OpenAI clients send them through ``extra_body``)."""
-_COMMON = frozenset({
-    "model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "presence_penalty",
-    "frequency_penalty", "stop", "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice",
-})  # fmt: skip
+_COMMON = frozenset(
+    {
+        "model",
+        "n",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "stop",
+        "logit_bias",
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+    }
+)
 _GUIDED = {"guided_grammar": "pdserve takes no grammars: use guided_regex, guided_choice or a JSON schema"}
 _FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
 
@@ -74,17 +102,30 @@ COMPLETION_FIELDS = FieldPolicy(
     advisory=frozenset({"user"}),
     rejected={"suffix": "pdserve does not fill in text before a suffix", **_GUIDED},
 )
-_CHAT_ADVISORY = frozenset({
-    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-    "prompt_cache_options",
-})  # fmt: skip
+_CHAT_ADVISORY = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+    }
+)
 _CHAT_REJECTED = {
-    "functions": _FUNCTIONS, "function_call": _FUNCTIONS,
-    "audio": "the model produces text only", "modalities": 'the model produces text only (["text"] is accepted)',
-    "prediction": "pdserve does not use predicted outputs", "web_search_options": "pdserve does not search the web",
-    "reasoning_effort": "the model does not reason", "verbosity": "pdserve does not steer verbosity",
-    "moderation": "pdserve runs no moderation", **_GUIDED,
-}  # fmt: skip
+    "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
+    "audio": "the model produces text only",
+    "modalities": 'the model produces text only (["text"] is accepted)',
+    "prediction": "pdserve does not use predicted outputs",
+    "web_search_options": "pdserve does not search the web",
+    "reasoning_effort": "the model does not reason",
+    "verbosity": "pdserve does not steer verbosity",
+    "moderation": "pdserve runs no moderation",
+    **_GUIDED,
+}
 CHAT_FIELDS = FieldPolicy(
     honoured=_COMMON
     | EXTRAS
@@ -102,9 +143,12 @@ CHAT_FIELDS = FieldPolicy(
 )
 MESSAGE_FIELDS = FieldPolicy(
     honoured=frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}),
-    rejected={"function_call": "deprecated by OpenAI: use tool_calls",
-              "audio": "the model takes text only", "refusal": "the model takes text content only"},
-)  # fmt: skip
+    rejected={
+        "function_call": "deprecated by OpenAI: use tool_calls",
+        "audio": "the model takes text only",
+        "refusal": "the model takes text content only",
+    },
+)
 STREAM_OPTIONS_FIELDS = FieldPolicy(
     honoured=frozenset({"include_usage"}), advisory=frozenset({"include_obfuscation"})
 )
@@ -299,10 +343,22 @@ class DetokenizeRequest(_Strict):
 
 
 _SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-    "include_stop_str_in_output", "logit_bias",
-)  # fmt: skip
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -318,8 +374,13 @@ class InputLimits:
 
     @classmethod
     def of(cls, settings: RouterSettings) -> InputLimits:
-        return cls(settings.max_stop_strings, settings.max_stop_string_len, settings.max_stop_token_ids,
-                   settings.max_logit_bias, settings.max_prompts_per_request)  # fmt: skip
+        return cls(
+            settings.max_stop_strings,
+            settings.max_stop_string_len,
+            settings.max_stop_token_ids,
+            settings.max_logit_bias,
+            settings.max_prompts_per_request,
+        )
 
     def check(self, req: _Common) -> None:
         """Raise InvalidRequestError naming ``stop``, ``stop_token_ids`` or ``logit_bias`` when one is too large."""
@@ -427,8 +488,16 @@ def parse_completion(body: bytes, limits: InputLimits) -> ParsedRequest:
             "best_of",
         )
     params = _sampling(req, req.max_tokens, "max_tokens", req.logprobs, "logprobs")
-    return _parsed("completion", req, params, req.max_tokens is None, prompts, limits,
-                   logprobs=req.logprobs is not None, echo=bool(req.echo))  # fmt: skip
+    return _parsed(
+        "completion",
+        req,
+        params,
+        req.max_tokens is None,
+        prompts,
+        limits,
+        logprobs=req.logprobs is not None,
+        echo=bool(req.echo),
+    )
 
 
 def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
@@ -455,8 +524,15 @@ def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
         )
     params = _sampling(req, max_tokens, max_name, num_logprobs, "top_logprobs", guided)
     tools = template_tools(req.tools or []) if tool_use is not None else None
-    parsed = _parsed("chat", req, params, max_tokens is None, [Prompt(messages=messages, tools=tools)], limits,
-                     logprobs=bool(req.logprobs))  # fmt: skip
+    parsed = _parsed(
+        "chat",
+        req,
+        params,
+        max_tokens is None,
+        [Prompt(messages=messages, tools=tools)],
+        limits,
+        logprobs=bool(req.logprobs),
+    )
     parsed.tool_use = tool_use
     return parsed
 
@@ -671,9 +747,16 @@ def _parsed(
     stream = bool(req.stream)
     include_usage = bool(stream and req.stream_options is not None and req.stream_options.include_usage)
     return ParsedRequest(
-        kind=kind, model=req.model, prompts=prompts, samplings=samplings, stream=stream,
-        include_usage=include_usage, logprobs=logprobs, return_token_ids=bool(req.return_token_ids), echo=echo,
-    )  # fmt: skip
+        kind=kind,
+        model=req.model,
+        prompts=prompts,
+        samplings=samplings,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        return_token_ids=bool(req.return_token_ids),
+        echo=echo,
+    )
 
 
 def _choice_sampling(base: dict[str, Any], i: int) -> dict[str, Any]:

@@ -109,9 +109,13 @@ class ResponseBuilder:
             if self.return_token_ids:
                 out[-1]["token_ids"] = c.token_ids
         body = {
-            "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created, "model": self.model, "choices": out, "usage": usage(choices, self.n),
-        }  # fmt: skip
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": out,
+            "usage": usage(choices, self.n),
+        }
         if choices and choices[0].timing is not None:
             body["timing"] = timing(choices[0].timing)
         return orjson.dumps(body)
@@ -120,8 +124,14 @@ class ResponseBuilder:
 
     def role_chunk(self, index: int) -> bytes:
         """Chat streams open each choice with the assistant role (OpenAI's first chunk)."""
-        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})  # fmt: skip
+        return self._chunk(
+            {
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        )
 
     def delta_chunk(self, index: int, delta: RequestDelta, choice_timing: Timing | None = None) -> bytes:
         """One chunk per delta; the last one carries ``finish_reason`` (and the choice's ``timing``)."""
@@ -191,10 +201,13 @@ class ResponseBuilder:
 
 def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
     return {
-        "token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
-        "top_logprobs": [{"token": top.token, "logprob": top.logprob, "bytes": list(top.token.encode())}
-                         for top in t.top],
-    }  # fmt: skip
+        "token": t.token,
+        "logprob": t.logprob,
+        "bytes": list(t.token.encode()),
+        "top_logprobs": [
+            {"token": top.token, "logprob": top.logprob, "bytes": list(top.token.encode())} for top in t.top
+        ],
+    }
 
 
 def timing(t: Timing) -> dict[str, float | None]:
@@ -227,5 +240,9 @@ def usage(choices: list[Choice], n: int = 1) -> dict[str, Any]:
                 prompt += c.usage.prompt_tokens
         else:
             completion += c.num_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }

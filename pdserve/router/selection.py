@@ -149,9 +149,10 @@ class Selector:
         """Where a migrated request continues: one mixed (preferred) or decode instance, never a
         pair (it recomputes prompt + delivered tokens itself), avoiding ``exclude`` when it can."""
         candidates = [
-            info for info in self._by_id(live)
+            info
+            for info in self._by_id(live)
             if info.model == model and not info.draining and info.role != "prefill"
-        ]  # fmt: skip
+        ]
         candidates = [info for info in candidates if info.id not in exclude] or candidates
         if not candidates:
             raise NoCapacityError(f"no decode or mixed instance of model {model!r} is live to continue on")

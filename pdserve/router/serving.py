@@ -40,8 +40,11 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 JSON = b"application/json"
 MAX_REQUEST_ID_LEN = 128
 DISCONNECT_WATCH_AFTER_S = 0.2
-_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]  # fmt: skip
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
 
 class ClientGone(Exception):
@@ -168,8 +171,16 @@ class GenerateEndpoint:
             self.state.admission.leave()
         metrics.on_request(self.path, model, status.status, error)
 
-    async def _serve(self, send: Send, receive: Receive, parsed: ParsedRequest, rid: str, client_rid: str,
-                     model: str, arrived: float | None = None) -> str:  # fmt: skip
+    async def _serve(
+        self,
+        send: Send,
+        receive: Receive,
+        parsed: ParsedRequest,
+        rid: str,
+        client_rid: str,
+        model: str,
+        arrived: float | None = None,
+    ) -> str:
         """Serve an admitted request; returns the kind of the error that ended it ('' for none)."""
         try:
             gens = await self.state.dispatcher.open(parsed, rid, model, arrived)
@@ -178,10 +189,16 @@ class GenerateEndpoint:
             return error_kind(e)
         if client_rid != rid:
             logger.debug("x-request-id %s is request %s", client_rid, rid)
-        builder = ResponseBuilder(parsed.kind, rid, model, logprobs=parsed.logprobs,
-                                  return_token_ids=parsed.return_token_ids,
-                                  include_usage=parsed.include_usage, n=parsed.n,
-                                  tool_use=parsed.tool_use)  # fmt: skip
+        builder = ResponseBuilder(
+            parsed.kind,
+            rid,
+            model,
+            logprobs=parsed.logprobs,
+            return_token_ids=parsed.return_token_ids,
+            include_usage=parsed.include_usage,
+            n=parsed.n,
+            tool_use=parsed.tool_use,
+        )
         watch = DisconnectWatch(receive, gens)
         try:
             if parsed.stream:
@@ -284,8 +301,11 @@ def timing_headers(timing: Timing | None) -> dict[str, str] | None:
     """The ``timing`` field as headers too (non-stream responses: a stream's headers go before it)."""
     if timing is None:
         return None
-    return {f"x-pdserve-{name[:-3].replace('_', '-')}-ms": f"{ms:.3f}" for name, ms in timing_fields(timing).items()
-            if ms is not None}  # fmt: skip
+    return {
+        f"x-pdserve-{name[:-3].replace('_', '-')}-ms": f"{ms:.3f}"
+        for name, ms in timing_fields(timing).items()
+        if ms is not None
+    }
 
 
 async def _gather(coros: list[Awaitable[Choice]]) -> list[Choice]:

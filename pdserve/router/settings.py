@@ -164,8 +164,13 @@ class RouterSettings:
             raise ConfigError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids", "max_logit_bias",
-                     "max_prompts_per_request"):  # fmt: skip
+        for name in (
+            "max_stop_strings",
+            "max_stop_string_len",
+            "max_stop_token_ids",
+            "max_logit_bias",
+            "max_prompts_per_request",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_in_flight < 0 or self.max_queued < 0:
@@ -195,7 +200,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
 
 def uvicorn_config(settings: RouterSettings, app: Any) -> Any:
     """The uvicorn configuration of a router: uvloop + httptools (uvloop sets TCP_NODELAY on every
-    accepted socket; ``tests/test_router_settings.py`` checks it), access log off unless asked."""
+    accepted socket; ``tests/router/test_router_settings.py`` checks it), access log off unless asked."""
     import uvicorn
 
     return uvicorn.Config(

@@ -64,13 +64,20 @@ class TokenizeEndpoint:
         if self.detokenize:
             out: dict[str, Any] = {"prompt": delta.text}
         else:
-            out = {"count": len(delta.token_ids), "max_model_len": max_model_len, "tokens": delta.token_ids,
-                   "token_strs": None}  # fmt: skip
+            out = {
+                "count": len(delta.token_ids),
+                "max_model_len": max_model_len,
+                "tokens": delta.token_ids,
+                "token_strs": None,
+            }
         await send_json(send, 200, orjson.dumps(out), client_rid)
 
     def _message(self, body: bytes, rid: str) -> tuple[Tokenize, str | None]:
-        common = {"request_id": rid, "router_id": self.state.settings.router_id,
-                  "deadline": time.time() + TOKENIZE_TIMEOUT_S}  # fmt: skip
+        common = {
+            "request_id": rid,
+            "router_id": self.state.settings.router_id,
+            "deadline": time.time() + TOKENIZE_TIMEOUT_S,
+        }
         if self.detokenize:
             req = validate_body(DetokenizeRequest, body)
             if not req.tokens:
@@ -80,8 +87,9 @@ class TokenizeEndpoint:
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
         if req.return_token_strs:
-            raise InvalidRequestError("return_token_strs is not supported: tokens come as ids only",
-                                      "return_token_strs")  # fmt: skip
+            raise InvalidRequestError(
+                "return_token_strs is not supported: tokens come as ids only", "return_token_strs"
+            )
         if req.prompt is not None:
             if req.tools is not None or req.add_generation_prompt is not None:
                 field = "tools" if req.tools is not None else "add_generation_prompt"
@@ -95,12 +103,14 @@ class TokenizeEndpoint:
             tools = template_tools(req.tools)
         return (
             Tokenize(
-                messages=[message_dict(i, m) for i, m in enumerate(req.messages)], tools=tools,
-                add_special_tokens=req.add_special_tokens, add_generation_prompt=req.add_generation_prompt is not False,
+                messages=[message_dict(i, m) for i, m in enumerate(req.messages)],
+                tools=tools,
+                add_special_tokens=req.add_special_tokens,
+                add_generation_prompt=req.add_generation_prompt is not False,
                 **common,
             ),
             req.model,
-        )  # fmt: skip
+        )
 
     async def _ask(self, live: list[InstanceInfo], model: str, msg: Tokenize) -> tuple[RequestDelta, int]:
         """Send ``msg`` to the least busy instance of ``model``; its answer and the model's length."""

@@ -81,8 +81,21 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Start and wait until it accepts connections."""
-        cmd = [str(self.binary), "--port", str(self.port), "--bind", *self.bind, "--save", "",
-               "--appendonly", "no", "--dir", str(self.workdir), "--loglevel", "warning"]  # fmt: skip
+        cmd = [
+            str(self.binary),
+            "--port",
+            str(self.port),
+            "--bind",
+            *self.bind,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--loglevel",
+            "warning",
+        ]
         if self.password:
             cmd += ["--requirepass", self.password]
         # its own session: a Ctrl-C meant for `pdserve up` must not stop Redis before the rest

@@ -18,11 +18,11 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from pdserve.cache_transfer.regions import Region, block_regions
+from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput
 from pdserve.errors import InvalidRequestError
+from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import GenerateRequest, Tokenize
-from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput
 
 T = TypeVar("T")
 
@@ -113,16 +113,21 @@ class EngineClient:
             vocab = self.facts.vocab_size
             bad = next((t for t in msg.token_ids if t < 0 or (vocab is not None and t >= vocab)), None)
             if bad is not None:
-                raise InvalidRequestError(f"token id {bad} is outside the model's vocabulary of {vocab} tokens",
-                                          "tokens")  # fmt: skip
+                raise InvalidRequestError(
+                    f"token id {bad} is outside the model's vocabulary of {vocab} tokens", "tokens"
+                )
             ids = msg.token_ids
             return ids, await self._run(lambda: self._engine.prompt_text(ids))
         ids = await self._run(
             lambda: self._engine.prompt_ids(
-                msg.prompt, msg.messages, None, msg.tools, add_special_tokens=msg.add_special_tokens,
+                msg.prompt,
+                msg.messages,
+                None,
+                msg.tools,
+                add_special_tokens=msg.add_special_tokens,
                 add_generation_prompt=msg.add_generation_prompt,
             )
-        )  # fmt: skip
+        )
         return ids, ""
 
     async def prepare(self, msg: GenerateRequest) -> Prepared:

@@ -18,6 +18,7 @@ import collections
 import logging
 from collections.abc import Iterable
 
+from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import ControlPlaneError, InvalidRequestError, RequestTimeoutError, UnavailableError
 from pdserve.scheduler import (
     Abort,
@@ -33,7 +34,6 @@ from pdserve.scheduler import (
     Usage,
 )
 from pdserve.worker.messenger import Owner, engine_key, to_delta
-from pdserve.worker.outputs import RequestOutput
 from pdserve.worker.splitwise import Context, Splitwise
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import redis.asyncio as aioredis
 
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import TokenLogprob as EngineLogprob
 from pdserve.errors import ControlPlaneError, EngineError, PdserveError
 from pdserve.scheduler import (
     ErrorInfo,
@@ -30,8 +32,6 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
-from pdserve.worker.outputs import RequestOutput
-from pdserve.worker.outputs import TokenLogprob as EngineLogprob
 
 log = logging.getLogger(__name__)
 

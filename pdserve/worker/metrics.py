@@ -23,7 +23,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from pdserve.worker.outputs import EngineFacts, EngineLoad, RequestOutput
+from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -66,37 +66,66 @@ class WorkerMetrics:
             return metric if extra else metric.labels(*ids)
 
         self.ids = ids
-        self.step = bound(Histogram, "pdserve_worker_step_seconds", "wall time of one engine step",
-                          buckets=STEP_BUCKETS)  # fmt: skip
-        self.batch = bound(Histogram, "pdserve_worker_batch_size", "requests that got output in one step",
-                           buckets=SIZE_BUCKETS)  # fmt: skip
-        self.step_tokens = bound(Histogram, "pdserve_worker_step_tokens", "tokens generated in one step",
-                                 buckets=SIZE_BUCKETS)  # fmt: skip
+        self.step = bound(
+            Histogram, "pdserve_worker_step_seconds", "wall time of one engine step", buckets=STEP_BUCKETS
+        )
+        self.batch = bound(
+            Histogram,
+            "pdserve_worker_batch_size",
+            "requests that got output in one step",
+            buckets=SIZE_BUCKETS,
+        )
+        self.step_tokens = bound(
+            Histogram, "pdserve_worker_step_tokens", "tokens generated in one step", buckets=SIZE_BUCKETS
+        )
         self.generation_tokens = bound(
             Counter, "pdserve_worker_generation_tokens", "tokens this engine generated"
         )
         self.prompt_tokens = bound(
             Counter, "pdserve_worker_prompt_tokens", "prompt tokens this engine prefilled"
         )
-        self._kv_sent = bound(Counter, "pdserve_worker_kv_sent_bytes", "KV bytes written to decode peers",
-                              ["protocol"])  # fmt: skip
-        self._kv_time = bound(Histogram, "pdserve_worker_kv_transfer_seconds", "time of one KV write to a "
-                              "decode peer", ["protocol"], buckets=TRANSFER_BUCKETS)  # fmt: skip
+        self._kv_sent = bound(
+            Counter, "pdserve_worker_kv_sent_bytes", "KV bytes written to decode peers", ["protocol"]
+        )
+        self._kv_time = bound(
+            Histogram,
+            "pdserve_worker_kv_transfer_seconds",
+            "time of one KV write to a decode peer",
+            ["protocol"],
+            buckets=TRANSFER_BUCKETS,
+        )
         self._kv_children: dict[str, tuple[Any, Any]] = {}
-        self.preemptions = bound(Counter, "pdserve_worker_preemptions",
-                                 "sequences preempted (blocks freed, recomputed later)")  # fmt: skip
+        self.preemptions = bound(
+            Counter, "pdserve_worker_preemptions", "sequences preempted (blocks freed, recomputed later)"
+        )
         self._preempted = 0
-        self.inbox_lag = bound(Histogram, "pdserve_worker_inbox_lag_seconds", "a message's wait in this "
-                               "instance's inbox: from its XADD (the entry id's time, Redis's clock) to "
-                               "this worker reading it", buckets=STEP_BUCKETS)  # fmt: skip
-        self.kv_received = bound(Counter, "pdserve_worker_kv_received_bytes",
-                                 "KV bytes prefill peers wrote into this cache (decode)")  # fmt: skip
+        self.inbox_lag = bound(
+            Histogram,
+            "pdserve_worker_inbox_lag_seconds",
+            "a message's wait in this "
+            "instance's inbox: from its XADD (the entry id's time, Redis's clock) to "
+            "this worker reading it",
+            buckets=STEP_BUCKETS,
+        )
+        self.kv_received = bound(
+            Counter,
+            "pdserve_worker_kv_received_bytes",
+            "KV bytes prefill peers wrote into this cache (decode)",
+        )
         gauges = (
             ("pdserve_worker_running", "sequences in the running batch", lambda: self._load().running),
-            ("pdserve_worker_waiting", "sequences queued, plus prefills awaiting hand-over", lambda: self._load().waiting),
+            (
+                "pdserve_worker_waiting",
+                "sequences queued, plus prefills awaiting hand-over",
+                lambda: self._load().waiting,
+            ),
             ("pdserve_worker_kv_blocks_free", "free KV cache blocks", lambda: self._load().free_blocks),
-            ("pdserve_worker_kv_blocks_total", "KV cache blocks", lambda: self._facts.num_blocks if self._facts else 0),
-        )  # fmt: skip
+            (
+                "pdserve_worker_kv_blocks_total",
+                "KV cache blocks",
+                lambda: self._facts.num_blocks if self._facts else 0,
+            ),
+        )
         for name, help, fn in gauges:
             bound(Gauge, name, help).set_function(fn)
         self._server: Any = None

@@ -114,10 +114,10 @@ class WorkerService:
             self.settings.engine, shared_kv=shared, shm_name=f"pdserve-{self.id}" if shared else None
         )
         if self.settings.engine_kind == "echo":
-            from pdserve.worker.echo import EchoEngine
+            from pdserve.engine.echo import EchoEngine
 
             return EchoEngine(self.settings.model_dir, config)
-        from pdserve.worker.engine import LLMEngine
+        from pdserve.engine.llm_engine import LLMEngine
 
         return LLMEngine(self.settings.model_dir, config)
 

@@ -1,5 +1,5 @@
-"""A worker instance's settings and its engine's sizing: validated dataclasses, light to import (no
-Paddle). Each field that is a flag declares its default and help once (:func:`pdserve.flags.setting`);
+"""A worker instance's settings: a validated dataclass, light to import (no Paddle); the engine's own
+settings are :class:`pdserve.engine.config.EngineConfig`. Each field that is a flag declares its default and help once (:func:`pdserve.flags.setting`);
 ``pdserve worker``, ``generate`` and ``up`` generate their flags and ``PDSERVE_*`` variables from them."""
 
 from __future__ import annotations
@@ -10,77 +10,16 @@ import uuid
 from pathlib import Path
 
 from pdserve.cache_transfer.mooncake import MOONCAKE_PROTOCOLS
+from pdserve.engine.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
 from pdserve.scheduler.connection import DEFAULT_URL
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
-from pdserve.worker.cpu import KERNEL_MODES
-from pdserve.worker.packed_gemm import GEMM_MODES
-from pdserve.worker.paged_kernel import ATTENTION_MODES
 
 ROLES = ("prefill", "decode", "mixed")
 KV_TRANSFERS = ("auto", "shm", "mooncake", "both")
 ENGINES = ("model", "echo")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine sizing. ``num_blocks`` wins over ``kv_cache_gb``; ``max_num_batched_tokens`` defaults
-    to one prefill chunk plus one token per running sequence."""
-
-    kv_cache_gb: float = setting(1.0, "KV cache size in GiB (default %(default)s)")
-    num_blocks: int | None = setting(None, "KV cache size in blocks (overrides --kv-cache-gb)", kind=int)
-    block_size: int = setting(16, "tokens per KV block (default %(default)s)")
-    max_num_seqs: int = setting(64, "most sequences running at once (default %(default)s)")
-    max_num_batched_tokens: int | None = setting(
-        None, "token budget of one step (default: chunk size + max-num-seqs)", kind=int
-    )
-    prefill_chunk_size: int = setting(512, "long prompts are prefilled in chunks of this many tokens")
-    max_model_len: int | None = setting(
-        None, "context limit (default: the model's max_position_embeddings)", kind=int
-    )
-    threads: int | None = setting(
-        None, "CPU threads for Paddle (default: all cores; `pdserve up`: cores / workers)", kind=int
-    )
-    kernels: str | None = setting(
-        None,
-        "fused Paddle ops where this CPU runs them (auto), plain composed ops everywhere (composed), "
-        "or fused or fail (fused) (default: auto)",
-        kind=str,
-        choices=KERNEL_MODES,
-    )
-    attention: str | None = setting(
-        None,
-        "attention path: numba kernels (decode reads the paged cache in place; RoPE fused with the "
-        "K/V write; causal prefill tiles; also SwiGLU and residual + RMSNorm) (kernel), pure Paddle "
-        "(reference), or the kernels where numba imports and compiles, else the reference (auto) "
-        "(default: auto)",
-        kind=str,
-        choices=ATTENTION_MODES,
-    )
-    gemm: str | None = setting(
-        None,
-        "linear layers and lm_head: weights packed once for MKL's packed GEMM (packed; ~2x faster at "
-        "decode batch sizes), Paddle's matmul on plain weights (paddle), or packed where Paddle's MKL "
-        "has the packed API, else paddle (auto) (default: auto)",
-        kind=str,
-        choices=GEMM_MODES,
-    )
-    shared_kv: bool = False  # decode cache in POSIX shared memory (same-host prefill writes into it)
-    shm_name: str | None = None
-    keep_logits: bool = False  # attach each sampled row's raw logits to its output (exactness tests)
-    # Same bits for a sequence alone or in any batch; None: on when MKL_CBWR asks for STRICT mode.
-    batch_invariant: bool | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "prefill_chunk_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
-        if self.num_blocks is None and self.kv_cache_gb <= 0:
-            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
 
 
 @dataclasses.dataclass(frozen=True)

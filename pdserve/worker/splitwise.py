@@ -30,7 +30,9 @@ from typing import Any
 
 from pdserve.cache_transfer.base import KVTransport
 from pdserve.cache_transfer.connect import open_transport
+from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import PdserveError, RequestTimeoutError, TransferError, UnavailableError
+from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import (
     Abort,
     ErrorInfo,
@@ -40,12 +42,10 @@ from pdserve.scheduler import (
     ReserveReply,
     Timing,
 )
-from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.worker.clock import Clock
 from pdserve.worker.engine_client import EngineClient, Prepared
 from pdserve.worker.messenger import Messenger, Owner, engine_key, to_delta
 from pdserve.worker.metrics import WorkerMetrics
-from pdserve.worker.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 

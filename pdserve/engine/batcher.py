@@ -1,0 +1,159 @@
+"""Continuous batching: which tokens of which sequences run in the next step. No tensor library.
+
+Each step takes every running decode (one token each), then prefill chunks while the token budget
+lasts. Prompts are prefilled in chunks aligned to ``prefill_chunk_size`` so long prompts never
+stall running decodes, and so a prompt is always cut at the same places whatever else is in the
+batch (that keeps its bits batch-invariant). A waiting request is admitted only when blocks for
+its whole prompt are free; when a running decode needs a block and none is free, the most recently
+admitted sequence is preempted (its blocks freed, recomputed later), never corrupted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatcherConfig:
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 576
+    prefill_chunk_size: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.prefill_chunk_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= prefill_chunk_size "
+                f"({self.prefill_chunk_size})"
+            )
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last token: its logits pick the next token."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class Batch:
+    decodes: list[Sequence]
+    prefills: list[PrefillChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.end - c.start for c in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Batcher:
+    def __init__(self, config: BatcherConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in its blocks (imported from a prefill instance)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.blocks.free(seq.block_table)
+            seq.block_table = []
+
+    def schedule(self) -> Batch:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        decodes: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
+                continue
+            if not self._grow(seq, seq.num_tokens):
+                continue  # seq itself was preempted
+            decodes.append(seq)
+            budget -= 1
+        prefills: list[PrefillChunk] = []
+        for seq in self.running:
+            if seq.is_prefilling and seq not in decodes:
+                chunk = self._next_chunk(seq)
+                if chunk.end - chunk.start <= budget:
+                    prefills.append(chunk)
+                    budget -= chunk.end - chunk.start
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            need = blocks_for(seq.num_tokens, cfg.block_size)
+            chunk = self._next_chunk(seq)
+            if not self.blocks.can_allocate(need) or chunk.end - chunk.start > budget:
+                break  # first come, first served: later requests wait behind this one
+            self.waiting.popleft()
+            seq.block_table = self.blocks.allocate(need)
+            seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_at is None:  # not again after a preemption: queue time is the first wait
+                seq.scheduled_at = time.monotonic()
+            self.running.append(seq)
+            prefills.append(chunk)
+            budget -= chunk.end - chunk.start
+        return Batch(decodes, prefills)
+
+    def _next_chunk(self, seq: Sequence) -> PrefillChunk:
+        size = self.config.prefill_chunk_size
+        start = seq.num_computed_tokens
+        target = seq.num_tokens - (1 if seq.output_token_ids else 0)
+        return PrefillChunk(seq, start, min(target, (start // size + 1) * size))
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make room for ``num_tokens`` tokens, preempting the newest sequences if needed."""
+        need = blocks_for(num_tokens, self.config.block_size) - len(seq.block_table)
+        while need > 0 and not self.blocks.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table.extend(self.blocks.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        log.info("preempting %s (KV blocks exhausted); it will be recomputed", seq.request_id)
+        self.running.remove(seq)
+        self.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

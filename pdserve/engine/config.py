@@ -1,0 +1,86 @@
+"""The engine's settings: sizing and kernel choice. Light to import (no Paddle). Each field that is a
+flag declares its default and help once (:func:`pdserve.flags.setting`); the kernel fields and
+``threads`` left unset are read from ``PDSERVE_*`` here, once, so the offline ``LLM`` and the worker
+resolve them alike and the engine reads no environment variable itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from pdserve.engine.kernels.attention import ATTENTION_MODES
+from pdserve.engine.kernels.cpu import KERNEL_MODES
+from pdserve.engine.kernels.gemm import GEMM_MODES
+from pdserve.errors import ConfigError
+from pdserve.flags import setting
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizing. ``num_blocks`` wins over ``kv_cache_gb``; ``max_num_batched_tokens`` defaults
+    to one prefill chunk plus one token per running sequence."""
+
+    kv_cache_gb: float = setting(1.0, "KV cache size in GiB (default %(default)s)")
+    num_blocks: int | None = setting(None, "KV cache size in blocks (overrides --kv-cache-gb)", kind=int)
+    block_size: int = setting(16, "tokens per KV block (default %(default)s)")
+    max_num_seqs: int = setting(64, "most sequences running at once (default %(default)s)")
+    max_num_batched_tokens: int | None = setting(
+        None, "token budget of one step (default: chunk size + max-num-seqs)", kind=int
+    )
+    prefill_chunk_size: int = setting(512, "long prompts are prefilled in chunks of this many tokens")
+    max_model_len: int | None = setting(
+        None, "context limit (default: the model's max_position_embeddings)", kind=int
+    )
+    threads: int | None = setting(
+        None, "CPU threads for Paddle (default: all cores; `pdserve up`: cores / workers)", kind=int
+    )
+    kernels: str | None = setting(
+        None,
+        "fused Paddle ops where this CPU runs them (auto), plain composed ops everywhere (composed), "
+        "or fused or fail (fused) (default: auto)",
+        kind=str,
+        choices=KERNEL_MODES,
+    )
+    attention: str | None = setting(
+        None,
+        "attention path: numba kernels (decode reads the paged cache in place; RoPE fused with the "
+        "K/V write; causal prefill tiles; also SwiGLU and residual + RMSNorm) (kernel), pure Paddle "
+        "(reference), or the kernels where numba imports and compiles, else the reference (auto) "
+        "(default: auto)",
+        kind=str,
+        choices=ATTENTION_MODES,
+    )
+    gemm: str | None = setting(
+        None,
+        "linear layers and lm_head: weights packed once for MKL's packed GEMM (packed; ~2x faster at "
+        "decode batch sizes), Paddle's matmul on plain weights (paddle), or packed where Paddle's MKL "
+        "has the packed API, else paddle (auto) (default: auto)",
+        kind=str,
+        choices=GEMM_MODES,
+    )
+    shared_kv: bool = False  # decode cache in POSIX shared memory (same-host prefill writes into it)
+    shm_name: str | None = None
+    keep_logits: bool = False  # attach each sampled row's raw logits to its output (exactness tests)
+    # Same bits for a sequence alone or in any batch; None: on when MKL_CBWR asks for STRICT mode.
+    batch_invariant: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("kernels", "attention", "gemm"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, os.environ.get(f"PDSERVE_{name.upper()}") or "auto")
+        if self.threads is None and os.environ.get("PDSERVE_THREADS"):
+            try:
+                object.__setattr__(self, "threads", int(os.environ["PDSERVE_THREADS"]))
+            except ValueError:
+                raise ConfigError(
+                    f"PDSERVE_THREADS must be an integer, got {os.environ['PDSERVE_THREADS']!r}"
+                ) from None
+        if self.batch_invariant is None:
+            object.__setattr__(self, "batch_invariant", "STRICT" in os.environ.get("MKL_CBWR", "").upper())
+        for name in ("block_size", "max_num_seqs", "prefill_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.num_blocks is None and self.kv_cache_gb <= 0:
+            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")

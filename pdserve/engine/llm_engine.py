@@ -1,0 +1,459 @@
+"""LLMEngine: requests in, per-step outputs out. One step = schedule, run the model, sample, detokenize.
+
+Also the KV hand-off used by prefill/decode instances:
+
+* prefill side: ``add_request(..., prefill_only=True)``; the step that samples the first token
+  reports ``prefilled=True`` and keeps the sequence's blocks until ``release_prefilled``;
+  ``prefilled_blocks`` / ``export_kv`` give its KV in block-table order.
+* decode side: ``reserve`` blocks, receive the bytes (``import_kv``, or a same-host peer writes them
+  straight into this engine's shared-memory cache), then ``add_prefilled`` to continue decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.engine.batcher import Batcher, BatcherConfig, blocks_for
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.engine.grammar import GrammarMatcher, Grammars
+from pdserve.engine.kernels.attention import select_attention
+from pdserve.engine.kernels.cpu import choose_kernels
+from pdserve.engine.kernels.gemm import select_gemm
+from pdserve.engine.kernels.paddle_setup import HOST, TUNING, paddle
+from pdserve.engine.kv_cache import KVCache, block_bytes
+from pdserve.engine.model import Model
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
+from pdserve.engine.sampler import Sample, Sampler, make_rng
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.weights import load_weights
+from pdserve.errors import ConfigError, EngineError, InvalidRequestError, RequestTooLongError
+from pdserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stop: StopStringMatcher
+
+
+def set_threads(n: int | None) -> int:
+    """Paddle pins OpenMP to one thread at import; raise it (there is no public setter)."""
+    n = n or os.cpu_count() or 1
+    paddle.base.core.set_num_threads(n)
+    return n
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        mc = self.model_config
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.threads = set_threads(config.threads)
+        self.kernels = choose_kernels(config.kernels, HOST)
+        log.info(
+            "CPU %s: kernels %s%s",
+            HOST.describe(),
+            self.kernels.describe(),
+            f"; applied {', '.join(TUNING)} before importing Paddle" if TUNING else "",
+        )
+        t0 = time.perf_counter()
+        self.attention = select_attention(config.attention, self.threads)
+        log.info("attention: %s (%s)", self.attention.impl, self.attention.reason)
+        self.gemm = select_gemm(config.gemm)
+        log.info("gemm: %s (%s)", self.gemm.impl, self.gemm.reason)
+        self.model = Model(
+            mc,
+            load_weights(self.model_dir, mc),
+            self.max_model_len,
+            self.kernels,
+            self.attention.kernel,
+            self.gemm.mkl,
+        )
+        num_blocks = config.num_blocks or int(
+            config.kv_cache_gb * 2**30 // block_bytes(mc, config.block_size)
+        )
+        if num_blocks < 2:
+            raise ConfigError(f"kv_cache_gb={config.kv_cache_gb} holds fewer than 2 KV blocks")
+        self.cache = KVCache(
+            mc, num_blocks, config.block_size, shared=config.shared_kv, shm_name=config.shm_name
+        )
+        self.blocks = BlockManager(num_blocks)
+        self.batcher = Batcher(
+            BatcherConfig(
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens
+                or config.prefill_chunk_size + config.max_num_seqs,
+                prefill_chunk_size=config.prefill_chunk_size,
+            ),
+            self.blocks,
+        )
+        self.runner = ModelRunner(
+            self.cache,
+            batch_invariant=bool(config.batch_invariant),
+            threads=self.threads,
+            paged_kernel=self.attention.kernel is not None,
+        )
+        self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, self.sampler.vocab_limit)  # structured output
+        self.requests: dict[str, _Request] = {}
+        self.prefilled: dict[str, Sequence] = {}  # prefill-only sequences holding blocks for hand-off
+        self.reserved: dict[str, list[int]] = {}  # blocks reserved for incoming KV
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        log.info(
+            "engine ready: %s, %d layers, max_model_len %d, %d KV blocks, %d threads (%.1f s)",
+            mc.architecture,
+            mc.num_layers,
+            self.max_model_len,
+            num_blocks,
+            self.threads,
+            time.perf_counter() - t0,
+        )
+
+    def facts(self) -> EngineFacts:
+        return EngineFacts(
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_blocks=self.blocks.num_blocks,
+            block_bytes=self.cache.block_bytes,
+            shm_name=self.cache.shm_name,
+            vocab_size=self.model_config.vocab_size,
+        )
+
+    def load(self) -> EngineLoad:
+        waiting = self.batcher.waiting
+        return EngineLoad(
+            running=len(self.batcher.running),
+            waiting=len(waiting),
+            waiting_prefill_tokens=sum(s.num_prompt_tokens for s in waiting),
+            free_blocks=self.blocks.num_free,
+            preemptions=self.batcher.num_preemptions,
+        )
+
+    # ---- requests ---------------------------------------------------------------------------
+    def prompt_ids(
+        self,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        tools: list[dict] | None = None,
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The prompt as token ids: given ids as they are, chat messages (and tools) rendered by the
+        template. ``add_special_tokens`` None: yes for a prompt, no for a rendered chat (the
+        template writes them)."""
+        if prompt_token_ids is not None:
+            return list(prompt_token_ids)
+        tok = self.tokenizer
+        if messages is not None:
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools or None
+            )
+            return tok.encode(text, bool(add_special_tokens))
+        return tok.encode(prompt or "", add_special_tokens is not False)
+
+    def prompt_text(self, prompt_token_ids: list[int]) -> str:
+        """A prompt's text as echoed to the client (special tokens kept: it is what the model read)."""
+        return self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise if this request can never run here (checked before anything is queued)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary", "prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} "
+                f"tokens and max_tokens is {params.max_tokens} ({n + params.max_tokens} in total)",
+                "max_tokens" if n < self.max_model_len else "prompt",
+            )
+        need = blocks_for(n + params.max_tokens, self.config.block_size)
+        if need > self.blocks.capacity:
+            raise RequestTooLongError(
+                f"prompt + max_tokens = {n + params.max_tokens} tokens needs {need} KV blocks but the cache "
+                f"has only {self.blocks.capacity}",
+                "max_tokens",
+            )
+        if params.guided is not None:
+            self.grammars.compile(params.guided)  # a grammar that does not compile is a 400 here
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        prefill_only: bool = False,
+        resume_token_ids: list[int] | None = None,
+    ) -> Sequence:
+        """Queue a request. ``resume_token_ids``: output an earlier attempt already delivered (a
+        migration); they are recomputed with the prompt, like a preempted sequence's, and the
+        request continues after them."""
+        if request_id in self.requests or request_id in self.prefilled:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("either prompt or prompt_token_ids is required", "prompt")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        self.validate(prompt_token_ids, params)
+        resume = list(resume_token_ids or ())
+        if any(not 0 <= t < self.sampler.vocab_limit for t in resume):
+            raise InvalidRequestError(
+                "a token id to resume from is outside the vocabulary", "resume_token_ids"
+            )
+        grammar = self._grammar(params)
+        if grammar is not None and not all(map(grammar.advance, resume)):
+            raise InvalidRequestError(
+                "the tokens to resume from do not follow the request's grammar", "resume_token_ids"
+            )
+        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
+        seq.grammar = grammar
+        self._replay(self._track(seq), resume)
+        self.batcher.add(seq)
+        return seq
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request wherever it is; its final output (finish_reason "abort") comes from step()."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return self.release_prefilled(request_id) or self.cancel_reservation(request_id)
+        self.batcher.remove(req.seq)
+        req.seq.status = SequenceStatus.FINISHED
+        self._pending.append(self._output(req, [], "", None, finish_reason=reason))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.batcher.schedule()
+        if not batch:
+            return outputs
+        step_input, out_seqs = self.runner.prepare(batch)
+        try:
+            logits = self.model.forward(self.cache, step_input)
+        except Exception as e:  # a Paddle failure must end these requests, not hang them
+            log.exception("model step failed")
+            return outputs + self._fail_batch(batch, f"model step failed: {e}")
+        for seq in batch.decodes:
+            seq.num_computed_tokens = seq.num_tokens
+        for chunk in batch.prefills:
+            chunk.seq.num_computed_tokens = chunk.end
+        if logits is None:
+            return outputs
+        rows = logits.numpy()[: len(out_seqs)]
+        samples = self.sampler(rows, out_seqs)
+        for i, (seq, sample) in enumerate(zip(out_seqs, samples)):
+            out = self._append(self.requests[seq.request_id], sample)
+            if self.config.keep_logits:
+                out.logits = rows[i].copy()
+            outputs.append(out)
+        return outputs
+
+    def _append(self, req: _Request, sample: Sample) -> RequestOutput:
+        seq, p = req.seq, req.seq.params
+        token = sample.token_id
+        if seq.grammar is not None and not seq.grammar.advance(token):  # its mask allowed nothing
+            self._finish(req)
+            error = f"structured output: the grammar allows no next token ({seq.grammar.error})"
+            return self._output(req, [], "", None, finish_reason="error", error=error)
+        seq.output_token_ids.append(token)
+        logprobs = None
+        if p.logprobs is not None:
+            text_of = self.tokenizer.token_text
+            top = sample.top_logprobs
+            logprobs = [
+                TokenLogprob(
+                    token, sample.logprob, top, text_of(token), [text_of(t) for t, _ in top] if top else None
+                )
+            ]
+        text, reason = self._advance_text(req, token)
+        if reason is None:
+            if seq.grammar is not None and seq.grammar.done:  # the grammar is complete
+                end = "stop"
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                end = "length"
+            else:
+                end = None
+            if end is not None:
+                tail, matched = req.stop.feed(req.detok.flush())
+                text += tail if matched else tail + req.stop.flush()
+                reason = "stop" if matched else end
+        queued = {}
+        if seq.num_output_tokens == 1 and seq.scheduled_at is not None:
+            queued["queue_s"] = seq.scheduled_at - seq.arrival_time
+        if reason is not None:
+            self._finish(req)
+            return self._output(req, [token], text, logprobs, finish_reason=reason, **queued)
+        if seq.prefill_only:
+            self.batcher.running.remove(seq)
+            seq.status = SequenceStatus.PREFILLED
+            self.prefilled[seq.request_id] = seq
+            del self.requests[seq.request_id]
+            return self._output(req, [token], text, logprobs, prefilled=True, **queued)
+        return self._output(req, [token], text, logprobs, **queued)
+
+    def _advance_text(self, req: _Request, token: int) -> tuple[str, str | None]:
+        """Detokenize one token and apply EOS / stop-token / stop-string rules."""
+        p = req.seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids):
+            return req.stop.flush(), "stop"  # text held back as a possible stop prefix is released
+        text, matched = req.stop.feed(req.detok.add(token))
+        return text, ("stop" if matched else None)
+
+    def _finish(self, req: _Request) -> None:
+        self.batcher.remove(req.seq)
+        req.seq.status = SequenceStatus.FINISHED
+        self.requests.pop(req.seq.request_id, None)
+
+    def _fail_batch(self, batch, message: str) -> list[RequestOutput]:
+        out = []
+        for seq in {*(batch.decodes), *(c.seq for c in batch.prefills)}:
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                self._finish(req)
+                out.append(self._output(req, [], "", None, finish_reason="error", error=message))
+        return out
+
+    def _output(self, req: _Request, tokens, text, logprobs, **kw) -> RequestOutput:
+        seq = req.seq
+        finished = "finish_reason" in kw
+        return RequestOutput(
+            seq.request_id,
+            tokens,
+            text,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            finished=finished,
+            logprobs=logprobs,
+            **kw,
+        )
+
+    def _track(self, seq: Sequence) -> _Request:
+        p = seq.params
+        seq.rng = make_rng(p.seed)
+        req = _Request(
+            seq,
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens),
+            StopStringMatcher(p.stop, p.include_stop_str_in_output),
+        )
+        self.requests[seq.request_id] = req
+        return req
+
+    # ---- KV hand-off: prefill side ------------------------------------------------------------
+    def prefilled_blocks(self, request_id: str) -> list[int]:
+        """Blocks holding the prompt's K/V, in block-table order."""
+        seq = self.prefilled.get(request_id)
+        if seq is None:
+            raise EngineError(f"request {request_id!r} is not a prefilled sequence on this engine")
+        return seq.block_table[: blocks_for(seq.num_prompt_tokens, self.config.block_size)]
+
+    def kv_view(self) -> np.ndarray:
+        """The whole cache as bytes (zero-copy; the KV transport reads prefilled blocks from it)."""
+        return self.cache.raw_view()
+
+    def export_kv(self, request_id: str) -> bytes:
+        return self.cache.read_blocks(self.prefilled_blocks(request_id))
+
+    def release_prefilled(self, request_id: str) -> bool:
+        seq = self.prefilled.pop(request_id, None)
+        if seq is None:
+            return False
+        self.batcher.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        return True
+
+    # ---- KV hand-off: decode side ------------------------------------------------------------
+    def can_reserve(self, num_prompt_tokens: int) -> bool:
+        return self.blocks.can_allocate(blocks_for(num_prompt_tokens, self.config.block_size))
+
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
+        """Reserve blocks for an incoming prompt's K/V; raises EngineError when they are not free."""
+        if request_id in self.reserved or request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        need = blocks_for(num_prompt_tokens, self.config.block_size)
+        if not self.blocks.can_allocate(need):
+            raise EngineError(f"cannot reserve {need} KV blocks: {self.blocks.num_free} free")
+        self.reserved[request_id] = self.blocks.allocate(need)
+        return self.reserved[request_id]
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        blocks = self.reserved.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.blocks.free(blocks)
+        return True
+
+    def import_kv(self, request_id: str, data: bytes | memoryview) -> None:
+        self.cache.write_blocks(self.reserved[request_id], data)
+
+    def add_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams
+    ) -> Sequence:
+        """Continue a request whose prompt K/V now sits in its reserved blocks.
+
+        The first token was already reported by the prefill side; it is replayed through this
+        engine's detokenizer, stop matcher, sampler generator and grammar (without output) so that
+        text, stop holdback, seeded sampling and structured output continue exactly where the
+        prefill side left them.
+        """
+        if request_id not in self.reserved:
+            raise EngineError(f"no reserved blocks for request {request_id!r}")
+        grammar = self._grammar(params)
+        if grammar is not None and not grammar.advance(first_token):
+            raise EngineError(
+                f"the prefill's first token {first_token} does not follow the request's grammar"
+            )
+        blocks = self.reserved.pop(request_id)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq.grammar = grammar
+        seq.block_table = blocks
+        seq.num_computed_tokens = len(prompt_token_ids)
+        self._replay(self._track(seq), [first_token])
+        self.batcher.add_running(seq)
+        return seq
+
+    def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A constrained request's matcher at the grammar's start (None: no grammar). Tokens
+        generated elsewhere (resumed, or the prefill's first token) are replayed into it too."""
+        return None if params.guided is None else self.grammars.matcher(params.guided)
+
+    def _replay(self, req: _Request, tokens: list[int]) -> None:
+        """Take ``tokens`` as generated elsewhere: through the detokenizer, the stop matcher and
+        the sequence's generator (one draw each, as when they were sampled), without output."""
+        seq = req.seq
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            if not seq.params.is_greedy:
+                seq.rng.random()
+            req.stop.feed(req.detok.add(token))
+
+    def close(self) -> None:
+        self.cache.close()

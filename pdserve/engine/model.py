@@ -1,0 +1,314 @@
+"""Llama-family decoder in eager Paddle on a packed token axis, attending through the paged cache.
+
+One forward takes N tokens from many sequences at once: decodes (one token each, grouped by their
+padded context length) and prefill chunks. Dense work (norms, QKV, MLP, lm_head) runs on all N rows
+together; attention runs per group. Under ``MKL_CBWR=AUTO,STRICT`` GEMM rows are batch-invariant,
+and each sequence's attention shape depends only on that sequence, so a sequence gets the same bits
+alone or inside any batch. Attention never feeds a transposed view to matmul (Paddle's CPU matmul
+copies a strided operand first, many times slower): decode uses a block-diagonal q against K/V
+exactly as gathered. With the numba ``AttentionKernels`` (paged_kernel.py) RoPE and the K/V write
+are one pass, decode groups skip the gather and read the cache in place through their block
+tables, first prefill chunks run causal tiles, and SwiGLU and each residual add + RMSNorm are one
+numba pass; numpy and Paddle share memory through DLPack. With a ``PackedMkl`` (packed_gemm.py)
+the linear layers and lm_head multiply against weights packed once for MKL, which replace the
+plain ones; under ``MKL_CBWR=AUTO,STRICT`` its rows are batch-invariant too. Otherwise (and for the first and final
+norm) RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md, "CPU kernels").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from pdserve.engine.kernels.attention import AttentionKernels
+from pdserve.engine.kernels.cpu import Kernels
+from pdserve.engine.kernels.gemm import PackedMatrix, PackedMkl
+from pdserve.engine.kernels.paddle_setup import functional as F
+from pdserve.engine.kernels.paddle_setup import incubate_functional as IF
+from pdserve.engine.kernels.paddle_setup import paddle
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model_config import ModelConfig
+
+
+@dataclasses.dataclass
+class AttentionGroup:
+    """Tokens ``[start, start + num_tokens)`` of the packed batch that attend together.
+
+    Decode group: ``num_seqs`` sequences with one token each, K/V from ``num_chunks`` gathered chunks,
+    or, with the in-place kernel, read through ``tables``/``lengths`` (``num_chunks == 0``, no mask).
+    Prefill chunk: one sequence; ``num_chunks == 0`` means its first chunk (attend to own tokens only).
+    """
+
+    start: int
+    num_tokens: int
+    num_seqs: int
+    num_chunks: int  # rows of the step's combined gather this group owns (2 * seqs * blocks)
+    mask: np.ndarray | None  # additive float32: decode [B, 1, T]; fresh prefill [n, n]; chunk [n, 1, T]
+    is_decode: bool
+    tables: np.ndarray | None = None  # in-place kernel: int64 [B, nblk] block tables
+    lengths: np.ndarray | None = None  # in-place kernel: int64 [B] context lengths
+
+
+@dataclasses.dataclass
+class StepInput:
+    token_ids: np.ndarray  # int64 [N]
+    positions: np.ndarray  # int64 [N]
+    write_rows: np.ndarray  # int64 [L, 2*N*kvh]
+    gather: np.ndarray | None  # int64 [L, total chunks] for all groups, in group order
+    groups: list[AttentionGroup]
+    output_rows: np.ndarray  # int64 [M]: rows whose logits are needed
+
+
+def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+    freqs = np.outer(np.arange(max_len, dtype=np.float64), inv)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+LINEARS = ("qkv", "o", "gate_up", "down")  # each layer's weights, l{i}.{name} ([in, out])
+CAUSAL_TILE = 128  # query tokens per tile of a first prefill chunk (measured: 64-256 within noise)
+
+
+class Model:
+    """Functional forward over fused weights (see weights.load_weights for the names)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, np.ndarray],
+        max_len: int,
+        kernels: Kernels,
+        attention_kernels: AttentionKernels | None = None,
+        gemm: PackedMkl | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.kernels = attention_kernels  # None: every attention op in Paddle (the reference path)
+        self.gemm = gemm  # None: Paddle's matmul on plain weights
+        self.packed: dict[str, PackedMatrix] = {}
+        if gemm is not None:  # the packed copies replace the plain ones (the embedding stays for lookup)
+            names = [f"l{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS]
+            for name in names + ([] if cfg.tie_word_embeddings else ["lm_head"]):
+                self.packed[name] = gemm.pack(weights[name])
+            if cfg.tie_word_embeddings:
+                self.packed["lm_head"] = gemm.pack(weights["embed"], transposed=True)
+            weights = {k: v for k, v in weights.items() if k not in self.packed}
+        self._norm = self._fused_norm if kernels.rms_norm == "fused" else self._composed_norm
+        self._swiglu = F.swiglu if kernels.swiglu == "fused" else self._composed_swiglu
+        if attention_kernels is not None:  # numba's SwiGLU: ~2x Paddle's fused one (tiny prefill: 12 % of it)
+            self._swiglu = self._numba_swiglu
+        self.w = {k: paddle.to_tensor(v) for k, v in weights.items()}
+        self.w_np = {k: np.from_dlpack(self.w[k]) for k in self.w if k.endswith("norm")}  # the same memory
+        cos, sin = rope_tables(cfg, max_len)
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        qcos, qsin = cos * scale, sin * scale  # the softmax scale folded into q's tables
+        self.rope_np = (cos, sin, qcos, qsin)  # rope_write's operands
+        self.cos, self.sin = paddle.to_tensor(cos), paddle.to_tensor(sin)
+        self.qcos, self.qsin = paddle.to_tensor(qcos), paddle.to_tensor(qsin)
+        kvh = cfg.num_kv_heads
+        self.eye = paddle.eye(kvh).reshape([1, kvh, 1, kvh, 1])  # block-diagonal q selector
+        self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+
+    def _fused_norm(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        return IF.fused_rms_norm(x, w, None, self.cfg.rms_norm_eps, 1)[0]
+
+    def _composed_norm(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
+        # square, not pow: pow(2) is 7x slower on CPU. Row-wise, so still batch-invariant.
+        ms = paddle.mean(paddle.square(x), axis=-1, keepdim=True)
+        return x * paddle.rsqrt(ms + self.cfg.rms_norm_eps) * w
+
+    @staticmethod
+    def _composed_swiglu(gate_up: paddle.Tensor) -> paddle.Tensor:
+        gate, up = paddle.chunk(gate_up, 2, axis=-1)
+        return F.silu(gate) * up
+
+    def _add_norm(
+        self, x: paddle.Tensor, delta: paddle.Tensor, norm: str
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The residual add, then the RMSNorm ``norm`` of the sum: (sum, normed); one pass in numba."""
+        if self.kernels is None:
+            x = x + delta
+            return x, self._norm(x, self.w[norm])
+        x_out, h = self.kernels.add_rms_norm(
+            np.from_dlpack(x), np.from_dlpack(delta), self.w_np[norm], self.cfg.rms_norm_eps
+        )
+        return paddle.from_dlpack(x_out), paddle.from_dlpack(h)
+
+    def _numba_swiglu(self, gate_up: paddle.Tensor) -> paddle.Tensor:
+        return paddle.from_dlpack(self.kernels.swiglu(np.from_dlpack(gate_up)))
+
+    def _rope(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+        half = self.cfg.head_dim // 2
+        return x * cos + paddle.concat([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+    def _linear(self, x: paddle.Tensor, name: str) -> paddle.Tensor:
+        packed = self.packed.get(name)
+        if packed is None:
+            y = paddle.matmul(x, self.w[name])
+        else:
+            y = paddle.from_dlpack(self.gemm.matmul(np.from_dlpack(x), packed))
+        bias = self.w.get(name + "_bias")
+        return y if bias is None else y + bias
+
+    def forward(self, cache: KVCache, step: StepInput) -> paddle.Tensor | None:
+        """Run one packed step; writes the new tokens' K/V into ``cache`` and returns logits [M, V]
+        (None when no row needs logits, e.g. a step of non-final prefill chunks)."""
+        cfg = self.cfg
+        ids = paddle.to_tensor(step.token_ids)
+        x = F.embedding(ids, self.w["embed"])
+        attend = self._kernel_attention if self.kernels is not None else self._reference_attention
+        state = self._prepare(cache, step)
+        h = self._norm(x, self.w["l0.in_norm"])
+        for layer in range(cfg.num_layers):
+            o = attend(self._linear(h, f"l{layer}.qkv"), layer, cache, step, state)
+            x, h = self._add_norm(x, self._linear(o, f"l{layer}.o"), f"l{layer}.post_norm")
+            mlp = self._linear(self._swiglu(self._linear(h, f"l{layer}.gate_up")), f"l{layer}.down")
+            if layer + 1 < cfg.num_layers:
+                x, h = self._add_norm(x, mlp, f"l{layer + 1}.in_norm")
+            else:
+                x = x + mlp
+        if step.output_rows.size == 0:
+            return None
+        n = step.token_ids.shape[0]
+        if step.output_rows.shape[0] != n or not np.array_equal(step.output_rows, np.arange(n)):
+            x = paddle.index_select(x, paddle.to_tensor(step.output_rows))
+        x = self._norm(x, self.w["norm"])
+        if "lm_head" in self.packed or not cfg.tie_word_embeddings:
+            return self._linear(x, "lm_head")
+        return paddle.matmul(x, self.w["embed"], transpose_y=True)
+
+    def _prepare(self, cache: KVCache, step: StepInput) -> dict:
+        """Per-step tensors every layer's attention shares."""
+        state: dict = {
+            "gather": paddle.unbind(paddle.to_tensor(step.gather), 0) if step.gather is not None else None,
+            "masks": [None if g.mask is None else paddle.to_tensor(g.mask) for g in step.groups],
+        }
+        if self.kernels is not None:
+            state["rows"] = cache.kv_view().reshape(-1, self.cfg.head_dim)  # zero-copy
+        else:
+            pos = paddle.to_tensor(step.positions)
+            for name in ("cos", "sin", "qcos", "qsin"):
+                state[name] = paddle.index_select(getattr(self, name), pos).unsqueeze(1)
+            state["write_rows"] = paddle.unbind(paddle.to_tensor(step.write_rows), 0)
+        return state
+
+    def _reference_attention(
+        self, qkv: paddle.Tensor, layer: int, cache: KVCache, step: StepInput, state: dict
+    ) -> paddle.Tensor:
+        """RoPE, the K/V write and attention in Paddle ops: the reference and fallback path."""
+        H, KVH, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        n = qkv.shape[0]
+        q, k, v = paddle.split(qkv, self.sizes, axis=-1)
+        q = self._rope(q.reshape([n, H, D]), state["qcos"], state["qsin"])
+        k = self._rope(k.reshape([n, KVH, D]), state["cos"], state["sin"])
+        v = v.reshape([n, KVH, D])
+        paddle.scatter_(
+            cache.rows, state["write_rows"][layer], paddle.concat([k, v], 0).reshape([-1, D]), overwrite=True
+        )
+        kv_all = (
+            None if state["gather"] is None else paddle.index_select(cache.chunks, state["gather"][layer])
+        )
+        outs, chunk = [], 0
+        for g, mask in zip(step.groups, state["masks"]):
+            qg = q[g.start : g.start + g.num_tokens]
+            if g.num_chunks == 0:
+                kg, vg = k[g.start : g.start + g.num_tokens], v[g.start : g.start + g.num_tokens]
+                outs.append(self.dense_causal_attention(qg, kg, vg, mask))
+            else:
+                kv = kv_all[chunk : chunk + g.num_chunks]
+                chunk += g.num_chunks
+                outs.append(self.paged_attention(qg, kv, mask, g.num_seqs, g.is_decode))
+        return outs[0] if len(outs) == 1 else paddle.concat(outs, 0)
+
+    def _kernel_attention(
+        self, qkv: paddle.Tensor, layer: int, cache: KVCache, step: StepInput, state: dict
+    ) -> paddle.Tensor:
+        """The same attention through the numba kernels (paged_kernel.py), sharing memory with Paddle
+        through DLPack: RoPE and the K/V write in one pass, decode groups read the cache in place,
+        first prefill chunks run causal tiles, later chunks the reference's gather."""
+        H, KVH, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        kernels, rows = self.kernels, state["rows"]
+        q, k, v = kernels.rope_write(
+            np.from_dlpack(qkv), step.positions, self.rope_np, rows, step.write_rows[layer], (H, KVH, D)
+        )
+        out = np.empty((q.shape[0], H * D), np.float32)
+        kv_all = (
+            None if state["gather"] is None else paddle.index_select(cache.chunks, state["gather"][layer])
+        )
+        chunk = 0
+        for g, mask in zip(step.groups, state["masks"]):
+            span = slice(g.start, g.start + g.num_tokens)
+            if g.tables is not None:
+                shape = (self.cfg.num_layers, cache.block_size, KVH)
+                out[span] = kernels.decode(rows, shape, layer, q[span], g.tables, g.lengths).reshape(
+                    -1, H * D
+                )
+            elif g.num_chunks == 0:
+                out[span] = self.tiled_causal_attention(q[span], k[span], v[span])
+            else:
+                kv = kv_all[chunk : chunk + g.num_chunks]
+                chunk += g.num_chunks
+                o = self.paged_attention(paddle.from_dlpack(q[span]), kv, mask, g.num_seqs, g.is_decode)
+                out[span] = np.from_dlpack(o)
+        return paddle.from_dlpack(out)
+
+    def tiled_causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """A sequence's first chunk with the kernels: q [n,H,D] (pre-scaled), k/v [n,KVH,D] -> [n, H*D].
+
+        Per kv head and tile of ``CAUSAL_TILE`` query tokens, scores against only the keys up to the
+        tile's end (the causal half is never computed), Paddle matmuls on contiguous operands (never
+        a transposed view), the softmax in place in numba. A tile's shapes depend only on the
+        sequence, so batch invariance holds.
+        """
+        n, H, D = q.shape
+        KVH = k.shape[1]
+        G = H // KVH
+        qt = np.ascontiguousarray(q.reshape(n, KVH, G, D).transpose(1, 0, 2, 3))  # [KVH, n, G, D]
+        kt, vt = np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2))
+        out = np.empty((n, KVH, G, D), np.float32)
+        for h in range(KVH):
+            for t0 in range(0, n, CAUSAL_TILE):
+                t1 = min(n, t0 + CAUSAL_TILE)
+                queries = paddle.from_dlpack(qt[h, t0:t1].reshape(-1, D))
+                s = paddle.matmul(queries, paddle.from_dlpack(kt[h, :t1]), transpose_y=True)
+                self.kernels.causal_softmax(np.from_dlpack(s), t0, G)
+                o = paddle.matmul(s, paddle.from_dlpack(vt[h, :t1]))
+                out[t0:t1, h] = np.from_dlpack(o).reshape(t1 - t0, G, D)
+        return out.reshape(n, H * D)
+
+    def dense_causal_attention(
+        self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor
+    ) -> paddle.Tensor:
+        """A sequence's first chunk: attend to its own new tokens. q [n,H,D] (pre-scaled), k/v [n,KVH,D]."""
+        n = q.shape[0]
+        KVH, D = self.cfg.num_kv_heads, self.cfg.head_dim
+        G = self.cfg.num_heads // KVH
+        qt = q.reshape([n, KVH, G, D]).transpose([1, 2, 0, 3]).reshape([KVH, G * n, D])
+        kt, vt = k.transpose([1, 0, 2]), v.transpose([1, 0, 2])
+        s = paddle.matmul(qt, kt, transpose_y=True).reshape([KVH, G, n, n]) + mask
+        p = F.softmax(s, axis=-1).reshape([KVH, G * n, n])
+        return paddle.matmul(p, vt).reshape([KVH, G, n, D]).transpose([2, 0, 1, 3]).reshape([n, KVH * G * D])
+
+    def paged_attention(
+        self, q: paddle.Tensor, kv: paddle.Tensor, mask: paddle.Tensor, num_seqs: int, is_decode: bool
+    ) -> paddle.Tensor:
+        """Attend through gathered cache chunks without transposing K/V.
+
+        q [N,H,D] pre-scaled; kv [2*B*nblk, bs, KVH, D] as gathered. Decode: N == B, one query per
+        sequence. Prefill chunk: B == 1, N queries of one sequence. q is spread block-diagonally
+        over the KVH*D axis so each head only sees its own kv head.
+        """
+        n = q.shape[0]
+        H, KVH, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        G = H // KVH
+        kv = kv.reshape([2, num_seqs, -1, KVH * D])
+        kb, vb = kv[0], kv[1]  # [B, T, KVH*D]
+        qbd = (q.reshape([n, KVH, G, 1, D]) * self.eye).reshape([n, H, KVH * D])
+        if not is_decode:
+            kb, vb = kb[0], vb[0]  # [T, KVH*D]: one sequence, many queries
+        s = paddle.matmul(qbd, kb, transpose_y=True) + mask  # [N, H, T]
+        p = F.softmax(s, axis=-1)
+        o = paddle.matmul(p, vb).reshape([n, KVH, G, KVH, D])
+        return (o * self.eye).sum(3).reshape([n, H * D])

@@ -1,0 +1,184 @@
+"""Observability: the router's /metrics and the workers' --metrics-port, read after real traffic
+through a real splitwise stack (Redis, worker processes, router), parsed as Prometheus text."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.router import metrics as router_metrics
+from pdserve.router.app import create_app
+from pdserve.router.settings import RouterSettings
+from pdserve.scheduler.embedded import free_port
+from pdserve.worker import metrics as worker_metrics
+from tests.e2e.test_serving import client, model_name, start_stack
+
+pytestmark = pytest.mark.timeout(240)
+
+N = 9
+
+
+def scrape(url: str) -> dict[str, Metric]:
+    """Family name -> its family as exposed at ``url``."""
+    text = httpx.get(url, timeout=10).raise_for_status().text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def exposed_names(families: dict[str, Metric]) -> set[str]:
+    """The names as declared in pdserve (the parser strips a counter's ``_total``)."""
+    return {name + "_total" if f.type == "counter" else name for name, f in families.items()}
+
+
+def total(families: dict[str, Metric], sample: str, **labels: str) -> float:
+    """The sum of the samples called ``sample`` whose labels include ``labels``."""
+    return sum(
+        s.value
+        for f in families.values()
+        for s in f.samples
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def run_traffic(stack, n: int) -> int:
+    """``n`` requests (stream and not, chat and completions); the completion tokens clients got."""
+    c = client(stack)
+    tokens = 0
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            r = c.completions.create(model=model_name(stack), prompt=f"hello {i}", max_tokens=5 + i)
+            tokens += r.usage.completion_tokens
+        elif kind == 1:
+            r = c.chat.completions.create(
+                model=model_name(stack), messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=4 + i
+            )
+            tokens += r.usage.completion_tokens
+        else:
+            stream = c.completions.create(
+                model=model_name(stack),
+                prompt=f"stream {i}",
+                max_tokens=3 + i,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+            tokens += usage[-1].completion_tokens
+    return tokens
+
+
+def check_stack_metrics(stack, n: int, tokens: int) -> tuple[dict, list[dict]]:
+    router = scrape(stack.urls[0] + "/metrics")
+    ok = total(router, "pdserve_requests_total", status="200", error_kind="")
+    assert ok == n
+    assert total(router, "pdserve_requests_total") == n
+    assert total(router, "pdserve_generation_tokens_total") == tokens
+    for hist in (
+        "pdserve_ttft_seconds",
+        "pdserve_server_ttft_seconds",
+        "pdserve_kv_transfer_time_seconds",
+        "pdserve_e2e_latency_seconds",
+        "pdserve_inter_token_latency_seconds",
+    ):
+        assert total(router, hist + "_count") >= n if hist != "pdserve_inter_token_latency_seconds" else 1, (
+            hist
+        )
+    assert total(router, "pdserve_ttft_seconds_count") == n
+    assert total(router, "pdserve_selections_total", role="prefill") == n
+    assert total(router, "pdserve_selections_total", role="decode") == n
+    assert total(router, "pdserve_live_instances", role="prefill") == 1
+    assert total(router, "pdserve_live_instances", role="decode") == 1
+    assert total(router, "pdserve_in_flight_requests") == 0
+    # every request's messages went out in a pipelined round trip; the live set was read
+    assert 1 <= total(router, "pdserve_redis_round_trip_seconds_count", op="inbox_send") <= 2 * n
+    assert total(router, "pdserve_redis_round_trip_seconds_count", op="live_set") >= 1
+    assert total(router, "pdserve_redis_errors_total") == 0
+
+    workers = [scrape(f"http://127.0.0.1:{port}/metrics") for port in stack.metrics_ports.values()]
+    assert len(workers) == 2
+    generated = sum(total(w, "pdserve_worker_generation_tokens_total") for w in workers)
+    assert generated == tokens  # prefill made each first token, decode the rest
+    sent = sum(total(w, "pdserve_worker_kv_sent_bytes_total", protocol="shm") for w in workers)
+    received = sum(total(w, "pdserve_worker_kv_received_bytes_total") for w in workers)
+    assert sent > 0 and sent == received
+    assert sum(total(w, "pdserve_worker_kv_transfer_seconds_count", role="prefill") for w in workers) == n
+    assert all(total(w, "pdserve_worker_step_seconds_count") > 0 for w in workers)
+    assert all(total(w, "pdserve_worker_kv_blocks_total") > 0 for w in workers)
+    lag = [total(w, "pdserve_worker_inbox_lag_seconds_count") for w in workers]
+    assert all(count >= n for count in lag)  # prefill: generate; decode: reserve and prefilled (at least)
+    return router, workers
+
+
+@pytest.mark.parametrize("engine_kind", ["echo", "model"])
+def test_metrics_after_traffic(tiny_model_dir, redis_url, engine_kind) -> None:
+    stack = start_stack(tiny_model_dir, redis_url, prefill=1, decode=1, engine_kind=engine_kind, metrics=True)
+    try:
+        tokens = run_traffic(stack, N)
+        router, workers = check_stack_metrics(stack, N, tokens)
+        # every family the declaration modules name is exposed, and nothing undeclared is
+        assert set(router_metrics.NAMES) == exposed_names(router)
+        for w in workers:
+            assert set(worker_metrics.NAMES) == exposed_names(w)
+        if engine_kind == "model":
+            assert sum(total(w, "pdserve_worker_prompt_tokens_total") for w in workers) > 0
+        # an error is counted with its status and kind
+        with pytest.raises(openai.NotFoundError):
+            client(stack).completions.create(model="no-such-model", prompt="x", max_tokens=2)
+        router = scrape(stack.urls[0] + "/metrics")
+        assert total(router, "pdserve_requests_total", status="404") == 1
+        assert total(router, "pdserve_requests_total") == N + 1
+    finally:
+        assert stack.stop(grace_s=15) == []
+
+
+def test_metrics_off_and_open_with_api_keys(tiny_model_dir, redis_url) -> None:
+    """/metrics stays open when API keys guard /v1/*; --no-metrics turns it into a 404."""
+    for on in (True, False):
+        settings = RouterSettings(redis_url=redis_url, port=free_port(), api_key="secret", metrics=on)
+        app = create_app(settings)
+        transport = httpx.ASGITransport(app=app)
+
+        async def get(app=app, transport=transport):
+            async with (
+                app.router.lifespan_context(app),
+                httpx.AsyncClient(transport=transport, base_url="http://r") as c,
+            ):
+                return (await c.get("/metrics")), (await c.get("/v1/models"))
+
+        metrics, models = asyncio.run(get())
+        assert models.status_code == 401
+        if on:
+            assert metrics.status_code == 200
+            assert metrics.headers["content-type"].startswith("text/plain")
+            assert router_metrics.NAMES[0] in metrics.text
+        else:
+            assert metrics.status_code == 404
+
+
+def test_loop_histogram_matches_prometheus_client() -> None:
+    """The router's lock-free histogram exposes what prometheus_client's Histogram would."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from pdserve.router.metrics import ITL_BUCKETS, LoopHistogram
+
+    mine, theirs = CollectorRegistry(), CollectorRegistry()
+    a = LoopHistogram("pdserve_x_seconds", "x", ITL_BUCKETS, mine)
+    b = Histogram("pdserve_x_seconds", "x", buckets=ITL_BUCKETS, registry=theirs)
+    for v in (0.0, 0.0005, 0.00051, 0.001, 0.3, 5.0, 7.5, 1e9, *ITL_BUCKETS):
+        a.observe(v)
+        b.observe(v)
+
+    def samples(registry):
+        text = generate_latest(registry).decode()
+        return sorted(
+            (s.name, tuple(sorted(s.labels.items())), s.value)
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if not s.name.endswith("_created")
+        )
+
+    assert samples(mine) == samples(theirs)

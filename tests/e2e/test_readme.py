@@ -1,0 +1,240 @@
+"""Every shell command and Python snippet in the README works when pasted into a fresh shell.
+
+As a new user would run them after ``make up``: from a checkout folder holding the project's
+``.venv`` (a link to the venv running these tests), with a fresh ``HOME`` (so ``~/.cache/pdserve``
+is new), no ``PDSERVE_*`` or ``MKL_*`` variables, the venv not on ``PATH``, and the README's ports
+(8000, 8001, 6379) replaced by free ones so the test can run next to anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdserve.scheduler.embedded import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+VENV = Path(sys.executable).parent.parent
+
+# Every ```bash block is one of these, recognised by a line it contains.
+AFTER_UP, PIECES, OFFLINE = "curl http://127.0.0.1:8000", "pdserve redis --port", "pdserve generate"
+NOT_RUN = {
+    "make test": "the two commands: this test runs what `make up` runs, and `make test` runs this test",
+    "benchmarks/engine_bench.py": "a benchmark of about 15 minutes, run by hand",
+    "# host B": "needs two hosts: tests/e2e/test_multihost.py runs these commands in two network namespaces",
+}
+
+
+def blocks(lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", README, flags=re.S | re.M)
+
+
+def block(lang: str, marker: str) -> str:
+    (found,) = [b for b in blocks(lang) if marker in b]
+    return found
+
+
+@pytest.fixture
+def shell(tmp_path: Path):
+    """A fresh shell's environment in a fresh checkout folder, and the README's ports remapped."""
+    assert (VENV / "bin" / "pdserve").is_file(), f"tests must run from the project's venv, not {VENV}"
+    work, home = tmp_path / "checkout", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    (work / ".venv").symlink_to(VENV)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != VENV / "bin")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "MKL_", "VIRTUAL_ENV"))}
+    env |= {"HOME": str(home), "PATH": path}
+    ports = {"8000": free_port(), "8001": free_port(), "6379": free_port()}
+
+    def remap(text: str) -> str:
+        for old, new in ports.items():
+            text = text.replace(old, str(new))
+        return text
+
+    def run(script: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", "-e", "-c", remap(script)],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def python(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [".venv/bin/python", "-c", remap(code)],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    return work, env, ports, remap, run, python
+
+
+def test_every_bash_block_is_covered() -> None:
+    """A new README block must be added here: run by the test below, or excluded with a reason."""
+    for b in blocks("bash"):
+        kinds = [m for m in (AFTER_UP, PIECES, OFFLINE, *NOT_RUN) if m in b]
+        assert len(kinds) == 1, f"README block not covered by tests/e2e/test_readme.py:\n{b}"
+    assert len(blocks("python")) == 3
+
+
+def documented_key_patterns() -> list[re.Pattern]:
+    """The key shapes of docs/design.md's key table, as regexes (``<...>`` is one component)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = text[text.index("## 3. Redis key schema") : text.index("## 4.")]
+    shapes = re.findall(r"^\| `(pdserve:[^`]+)`", table, flags=re.M)
+    assert len(shapes) >= 7, shapes
+    return [
+        re.compile(re.sub(r"<[^>]+>", "[^:{}]+", re.escape(k).replace(r"\<", "<").replace(r"\>", ">")))
+        for k in shapes
+    ]
+
+
+def assert_keys_are_documented(record: dict) -> None:
+    """Every key on the running stack's Redis has a shape that docs/design.md describes."""
+    import redis
+
+    client = redis.Redis.from_url(record["redis_url"], decode_responses=True)
+    try:
+        keys = sorted(client.scan_iter("*"))
+    finally:
+        client.close()
+    patterns = documented_key_patterns()
+    assert len(keys) >= 7  # 2 instances, their index, 1 router, its index, 2 inboxes, the outbox
+    for key in keys:
+        assert any(p.fullmatch(key) for p in patterns), f"{key} is not described in docs/design.md"
+
+
+def wait_for(url: str, timeout_s: float, ok=lambda r: r.status_code == 200) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = httpx.get(url, timeout=2)
+            if ok(r):
+                return r
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} not ready after {timeout_s} s"
+        time.sleep(0.3)
+
+
+def stop_group(pgid: int, timeout_s: float = 60) -> None:
+    """SIGTERM a process group (workers drain), then wait until every member is gone."""
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.killpg(pgid, signal.SIGKILL)
+    pytest.fail(f"process group {pgid} did not stop within {timeout_s} s of SIGTERM")
+
+
+def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
+    work, env, ports, remap, run, python = shell
+    make_up = re.search(r"^up: .*\n\t\$\(BIN\)/pdserve (.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert make_up, "Makefile's up target changed shape"
+    t0 = time.monotonic()  # a fresh HOME: the tiny model is created first
+    up = subprocess.Popen(
+        [".venv/bin/pdserve", *make_up.group(1).split(), "--port", str(ports["8000"])],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        banner = ""
+        while "Ctrl-C stops everything" not in banner:
+            line = up.stdout.readline()
+            assert line, f"pdserve up exited early:\n{banner}"
+            banner += line
+            assert time.monotonic() - t0 < 60, banner
+        assert "(also" not in banner  # one router: no list of further URLs
+        assert "bin/pdserve status" in banner  # the venv is not on PATH in a fresh shell
+        assert f"curl http://127.0.0.1:{ports['8000']}/v1/chat/completions" in banner
+        assert "OpenAI(base_url=" in banner
+
+        after_up = run(block("bash", AFTER_UP))
+        assert after_up.returncode == 0, after_up.stderr
+        assert '"choices"' in after_up.stdout and '"usage"' in after_up.stdout
+        assert time.monotonic() - t0 < 60  # from `make up` to the first chat completion
+        # `pdserve status` found the stack's Redis by itself: it lists the stack's workers and router.
+        assert "cluster default: 2 instance(s), 1 router(s)" in after_up.stdout, after_up.stdout
+
+        assert_keys_are_documented(json.loads((Path(env["HOME"]) / ".cache/pdserve/up.json").read_text()))
+
+        client = python(block("python", "Once upon a time"))
+        assert client.returncode == 0, client.stderr
+        assert "CompletionUsage" in client.stdout
+        tools = python(block("python", "tool_choice="))
+        assert tools.returncode == 0, tools.stderr
+        assert (
+            tools.stdout.startswith('tool_calls Function(arguments=\'{"city":')
+            and "get_weather" in tools.stdout
+        )
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=90)
+    assert up.returncode == 0 and "stopped." in rest
+    assert not (Path(env["HOME"]) / ".cache" / "pdserve" / "up.json").exists()
+
+    # Running the pieces by hand: the block leaves Redis, two workers and two routers running.
+    log = work / "pieces.log"
+    with log.open("w") as out:  # not a pipe: the background jobs outlive the shell
+        pieces = subprocess.Popen(
+            ["bash", "-e", "-c", remap(block("bash", PIECES))],
+            cwd=work,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # the shell and its background jobs: one process group
+        )
+    try:
+        assert pieces.wait(timeout=180) == 0, log.read_text()
+        for port in (ports["8000"], ports["8001"]):
+            wait_for(f"http://127.0.0.1:{port}/ready", 120)
+        wait_for(
+            f"http://127.0.0.1:{ports['8000']}/v1/instances",
+            60,
+            lambda r: {i["role"] for i in r.json()["instances"]} == {"prefill", "decode"},
+        )
+        for port in (ports["8000"], ports["8001"]):
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"model": "tiny", "prompt": "Hello", "max_tokens": 8},
+                timeout=60,
+            )
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+    finally:
+        stop_group(pieces.pid)
+    assert (work / "models" / "tiny" / "config.json").is_file()
+
+    offline = run(block("bash", OFFLINE), timeout=300)
+    assert offline.returncode == 0, offline.stderr
+    assert (work / "models" / "small" / "model.safetensors.index.json").is_file()
+    assert '"usage"' in offline.stdout  # the --json line
+
+    api = python(block("python", "from pdserve import LLM"))
+    assert api.returncode == 0, api.stderr
+    # two generations (text, finish reason, usage) and one chat reply; split on "\n" only: a random
+    # model's text may hold characters str.splitlines() also breaks at (\x1e, \x1c, \u2028, ...)
+    assert api.stdout.count("'prompt_tokens':") == 2, api.stdout
+    assert len(api.stdout.rstrip("\n").split("\n")) >= 3, api.stdout

@@ -1,0 +1,86 @@
+"""Coalesced inbox sends against a real Redis: one round trip per loop iteration, per-message errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+from router_support import KEYS, redis_conn, run
+
+from pdserve.errors import ControlPlaneError
+from pdserve.router.sender import InboxSender
+from pdserve.scheduler import Abort, GenerateRequest, Inbox
+
+
+def gen(request_id: str) -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, router_id="r1", prompt="hi", deadline=time.time() + 60)
+
+
+def test_sends_of_one_iteration_share_a_round_trip(redis_url: str, redis_client: redis.Redis) -> None:
+    async def main() -> None:
+        async with redis_conn(redis_url) as r:
+            sender = InboxSender(r, KEYS)
+            await asyncio.gather(*(sender.send(f"w{i % 2}", gen(f"q{i}")) for i in range(10)))
+            sender.send_nowait("w0", Abort(request_id="q0", reason="test"))
+            await sender.drain()
+            assert (sender.num_batches, sender.num_messages) == (2, 11)
+            inbox = Inbox(r, KEYS, "w0")
+            await inbox.ensure_group()
+            got = [m for _, m in await inbox.read(count=20, block_ms=10)]
+            assert [m.request_id for m in got] == ["q0", "q2", "q4", "q6", "q8", "q0"]
+            assert isinstance(got[-1], Abort)
+
+    run(main())
+
+
+def test_a_failed_send_raises_only_for_its_message(redis_url: str, redis_client: redis.Redis) -> None:
+    redis_client.set(KEYS.inbox("broken"), "not a stream")
+
+    async def main() -> None:
+        async with redis_conn(redis_url) as r:
+            sender = InboxSender(r, KEYS)
+            results = await asyncio.gather(
+                sender.send("ok", gen("a")), sender.send("broken", gen("b")), return_exceptions=True
+            )
+            assert results[0] is None
+            assert isinstance(results[1], ControlPlaneError) and "broken" in str(results[1])
+            sender.send_nowait("broken", Abort(request_id="b", reason="test"))  # logged, never raised
+            await sender.drain()
+
+    run(main())
+
+
+def test_an_unreachable_redis_fails_every_message(redis_url: str) -> None:
+    from pdserve.scheduler import RedisSettings
+
+    async def main() -> None:
+        r = RedisSettings.from_url("redis://127.0.0.1:1/0", retries=0, connect_timeout_s=0.2).connect()
+        try:
+            with pytest.raises(ControlPlaneError, match="inbox of w0"):
+                await InboxSender(r, KEYS).send("w0", gen("a"))
+        finally:
+            await r.aclose()
+
+    run(main())
+
+
+def test_round_trips_and_failures_reach_the_observer(redis_url: str, redis_client: redis.Redis) -> None:
+    """The metrics hook: one timed round trip per batch, and the error of a failed one."""
+    from pdserve.router.metrics import RouterMetrics
+
+    redis_client.set(KEYS.inbox("broken2"), "not a stream")
+    metrics = RouterMetrics()
+
+    async def main() -> None:
+        async with redis_conn(redis_url) as r:
+            sender = InboxSender(r, KEYS, observe=metrics.on_redis)
+            await asyncio.gather(*(sender.send("w0", gen(f"o{i}")) for i in range(3)))
+            with pytest.raises(ControlPlaneError):
+                await sender.send("broken2", gen("o9"))
+
+    run(main())
+    text = metrics.render().decode()
+    assert 'pdserve_redis_round_trip_seconds_count{op="inbox_send"} 1.0' in text
+    assert 'pdserve_redis_errors_total{error="ResponseError",op="inbox_send"} 1.0' in text

@@ -1,0 +1,201 @@
+"""The worker service in this process (echo engine, real Redis): what happens when Redis refuses a
+command, and how a loop that dies ends the instance."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+
+import pytest
+import redis as redis_sync
+
+from pdserve.engine.config import EngineConfig
+from pdserve.scheduler import (
+    GenerateRequest,
+    InstanceRegistry,
+    Keys,
+    RedisSettings,
+    RouterInfo,
+    RouterRegistry,
+    StepOutput,
+    send_to_inbox,
+)
+from pdserve.scheduler.messages import decode_as
+from pdserve.scheduler.streams import FIELD
+from pdserve.worker.service import WorkerService
+from pdserve.worker.settings import WorkerSettings
+
+ROUTER = "router-svc"
+
+
+def settings(redis_url: str, tmp_path, cluster: str) -> WorkerSettings:
+    return WorkerSettings(
+        model_dir=tmp_path,
+        role="mixed",
+        redis_url=redis_url,
+        cluster=cluster,
+        ttl_s=3.0,
+        engine_kind="echo",
+        instance_id=f"mixed-{uuid.uuid4().hex[:6]}",
+        engine=EngineConfig(num_blocks=64),
+    )
+
+
+async def started(service: WorkerService) -> asyncio.Task:
+    task = asyncio.create_task(service.run())
+    deadline = time.monotonic() + 20
+    while await service.registry.get(service.id) is None:
+        assert not task.done(), task.exception()
+        assert time.monotonic() < deadline, "the worker did not register"
+        await asyncio.sleep(0.05)
+    return task
+
+
+async def ask(redis, keys: Keys, instance_id: str, request_id: str, n: int) -> list[int]:
+    """One generate straight into the inbox; the tokens of its final event from the router's outbox."""
+    msg = GenerateRequest(
+        request_id=request_id,
+        router_id=ROUTER,
+        prompt_token_ids=[7, 8],
+        deadline=time.time() + 30,
+        sampling={"max_tokens": n, "temperature": 0.0},
+    )
+    await send_to_inbox(redis, keys, instance_id, msg)
+    tokens, last = [], b"0-0"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        reply = await redis.xread({keys.outbox(ROUTER): last}, block=500)
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                last = entry_id
+                for delta in decode_as(StepOutput, fields[FIELD]).items:
+                    if delta.request_id == request_id:
+                        tokens += delta.token_ids
+                        if delta.is_final:
+                            assert delta.error is None, delta.error
+                            return tokens
+    raise AssertionError(f"{request_id} got no final event")
+
+
+async def router_registered(redis_url: str, cluster: str):
+    """A client and the cluster's keys, with ROUTER registered (workers serve only live routers)."""
+    redis = RedisSettings.from_url(redis_url).connect()
+    keys = Keys(cluster)
+    await RouterRegistry(redis, keys, ttl_s=30).register(
+        RouterInfo(id=ROUTER, host="h", pid=1, port=1, started_at=0.0)
+    )
+    return redis, keys
+
+
+@pytest.fixture
+def cluster(redis_url):
+    name = f"svc{uuid.uuid4().hex[:6]}"
+    client = redis_sync.Redis.from_url(redis_url)
+    yield name
+    for key in client.scan_iter(f"pdserve:{name}:*"):
+        client.delete(key)
+    client.close()
+
+
+def test_the_registration_says_the_vocabulary_size(redis_url, tmp_path, tiny_model_dir, cluster) -> None:
+    """The router bounds token ids by it: the echo engine says its tokenizer's size, or nothing
+    without one (it takes any id)."""
+    from pdserve.engine.tokenizer import Tokenizer
+
+    async def registered(model_dir) -> int | None:
+        service = WorkerService(
+            dataclasses.replace(settings(redis_url, tmp_path, cluster), model_dir=model_dir)
+        )
+        task = await started(service)
+        try:
+            return (await service.registry.get(service.id)).vocab_size
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+
+    assert asyncio.run(registered(tiny_model_dir)) == Tokenizer.from_dir(tiny_model_dir).vocab_size > 0
+    assert asyncio.run(registered(tmp_path)) is None
+
+
+def test_a_redis_user_denied_xdel_does_not_stop_the_worker(redis_url, tmp_path, cluster) -> None:
+    """Acking an inbox entry is XACK+XDEL: when Redis refuses, the worker logs it and keeps serving."""
+    admin = redis_sync.Redis.from_url(redis_url)
+    admin.execute_command("ACL", "SETUSER", "nodel", "on", ">nodel-pw", "~*", "&*", "+@all", "-xdel")
+    limited = redis_url.replace("redis://", "redis://nodel:nodel-pw@")
+
+    async def main() -> None:
+        service = WorkerService(settings(limited, tmp_path, cluster))
+        redis, keys = await router_registered(redis_url, cluster)
+        task = await started(service)
+        try:
+            assert await ask(redis, keys, service.id, "r1", 5) == [7, 8, 7, 8, 7]
+            assert await ask(redis, keys, service.id, "r2", 3) == [7, 8, 7]  # still serving
+            assert service.failed is None and not task.done()
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+            await redis.aclose()
+        assert service.failed is None
+
+    try:
+        asyncio.run(main())
+    finally:
+        admin.execute_command("ACL", "DELUSER", "nodel")
+        admin.close()
+
+
+def test_a_loop_that_dies_stops_the_instance_and_says_which(redis_url, tmp_path, cluster) -> None:
+    async def main() -> None:
+        service = WorkerService(settings(redis_url, tmp_path, cluster))
+        task = await started(service)
+
+        async def broken() -> None:
+            raise RuntimeError("a bug in housekeeping")
+
+        service.handler.tick = broken  # the next housekeeping round dies
+        await asyncio.wait_for(task, 30)
+        assert service.failed == "housekeeping"  # run_worker turns this into exit status 1
+        redis = RedisSettings.from_url(redis_url).connect()
+        assert await InstanceRegistry(redis, Keys(cluster)).get(service.id) is None  # deregistered
+        await redis.aclose()
+
+    asyncio.run(main())
+
+
+def test_inbox_messages_do_not_wait_one_engine_step_each(redis_url, tmp_path, cluster) -> None:
+    """While the engine takes long steps (the echo engine slowed to 0.25 s a step, like a big model's
+    prefill), a burst of 16 generates is admitted together, not one per step: before, every message
+    that needs the engine thread queued behind a whole step, and a busy prefill's reserves missed
+    their deadline this way."""
+    step_s = 0.25
+
+    async def main() -> float:
+        service = WorkerService(settings(redis_url, tmp_path, cluster))
+        redis, keys = await router_registered(redis_url, cluster)
+        task = await started(service)
+        engine = service.engine._engine
+        fast_step = engine.step
+
+        def slow_step():
+            time.sleep(step_s)
+            return fast_step()
+
+        engine.step = slow_step
+        try:
+            busy = asyncio.create_task(ask(redis, keys, service.id, "busy", 24))  # keeps it stepping
+            await asyncio.sleep(3 * step_s)
+            t0 = time.monotonic()
+            got = await asyncio.gather(*(ask(redis, keys, service.id, f"q{i}", 1) for i in range(16)))
+            elapsed = time.monotonic() - t0
+            assert got == [[7]] * 16
+            busy.cancel()
+            return elapsed
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 60)
+            await redis.aclose()
+
+    elapsed = asyncio.run(main())
+    assert elapsed < 6 * step_s, f"16 one-token requests took {elapsed:.2f} s at {step_s} s a step"
