@@ -23,10 +23,12 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check pdserve tests benchmarks
 	$(BIN)/ruff format --check pdserve tests benchmarks
+	$(BIN)/mypy
 	MKL_CBWR=AUTO,STRICT $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check pdserve tests benchmarks
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format pdserve tests benchmarks
