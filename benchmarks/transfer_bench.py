@@ -32,25 +32,23 @@ LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE_BYTES = 18, 2, 64, 16, 4
 BLOCK_BYTES = 2 * LAYERS * BLOCK_SIZE * KV_HEADS * HEAD_DIM * DTYPE_BYTES
 NUM_BLOCKS = 256
 CASES = {"prompt_512_tokens": 32, "scattered_64_blocks": 64}
+OPTIONS = {"transfer_address": "127.0.0.1", "mooncake_protocol": "tcp"}  # the worker flags backends read
 
 
-def decode_side(conn, mooncake: bool) -> None:
-    """The child: a shared-memory cache (and a Mooncake agent over it); answers checksum requests."""
+def decode_side(conn, protocols: list[str]) -> None:
+    """The child: a shared-memory cache with each transport's local side over it, as a decode
+    worker opens them; sends their endpoints, then answers checksum requests."""
     from pdserve.cache_transfer import shm
+    from pdserve.cache_transfer.base import LocalCache
+    from pdserve.cache_transfer.transports import close_backends, open_backends
 
     segment = shm.create_segment(f"pdserve-bench-{os.getpid()}", NUM_BLOCKS * BLOCK_BYTES)
     cache = np.ndarray((NUM_BLOCKS * BLOCK_BYTES,), dtype=np.uint8, buffer=segment.buf)
-    agent = None
-    if mooncake:
-        from pdserve.cache_transfer.mooncake import MooncakeAgent
-
-        agent = MooncakeAgent("127.0.0.1")
-        agent.register(cache)
-    conn.send({"shm": segment.name, "mooncake": agent.endpoint if agent else None})
+    backends = open_backends(protocols, OPTIONS, LocalCache(cache, segment.name))
+    conn.send({protocol: backend.endpoint() for protocol, backend in backends.items()})
     while (msg := conn.recv()) is not None:
         conn.send(digest(cache, msg))
-    if agent:
-        agent.close()
+    close_backends(backends)
     del cache
     segment.close()  # and removes it
 
@@ -91,28 +89,26 @@ def main() -> int:
     args = ap.parse_args()
 
     from pdserve.cache_transfer import mooncake
-    from pdserve.cache_transfer.connect import open_transport
+    from pdserve.cache_transfer.base import LocalCache
     from pdserve.cache_transfer.regions import block_regions, pair_regions
+    from pdserve.cache_transfer.transports import close_backends, configured, open_backends, open_writer
 
-    have_mooncake = mooncake.available()
-    if not have_mooncake:
+    protocols = configured("auto")
+    if mooncake.PROTOCOL not in protocols:
         print(
             "mooncake is not available here (pip install 'pdserve[mooncake]'): measuring shm only",
             file=sys.stderr,
         )
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=decode_side, args=(child, have_mooncake))
+    proc = mp.get_context("spawn").Process(target=decode_side, args=(child, protocols))
     proc.start()
     endpoint = parent.recv()
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, NUM_BLOCKS * BLOCK_BYTES, dtype=np.uint8)
     local_dst = np.zeros_like(src)
-    paths = {"memcpy": None, "shm": open_transport("shm", endpoint)}
-    agent = None
-    if have_mooncake:
-        agent = mooncake.MooncakeAgent("127.0.0.1")
-        agent.register(src)
-        paths["mooncake_tcp"] = open_transport("mooncake", endpoint, agent)
+    backends = open_backends(protocols, OPTIONS, LocalCache(src))
+    names = {mooncake.PROTOCOL: "mooncake_tcp"}  # the path names of earlier results
+    paths = {"memcpy": None} | {names.get(p, p): open_writer(backends, p, endpoint) for p in protocols}
     results: dict[str, dict[str, dict[str, float]]] = {}
     for case, n in CASES.items():
         src_blocks = [int(b) for b in rng.choice(NUM_BLOCKS, n, replace=False)]
@@ -142,8 +138,7 @@ def main() -> int:
     for transport in paths.values():
         if transport is not None:
             transport.close()
-    if agent:
-        agent.close()
+    close_backends(backends)
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "geometry": {"block_bytes": BLOCK_BYTES, "preset": "small"},

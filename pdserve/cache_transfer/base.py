@@ -1,18 +1,23 @@
-"""The KV transport interface: move a prefill instance's blocks into a decode instance's blocks.
+"""The KV transport interfaces: a backend per protocol, and the writer it opens to one peer.
 
 A transport is chosen per prefill/decode pair (``disaggregate_info.protocol``); both sides walk
-their block lists in block-table order (see regions.py). ``shm`` is the same-host backend; a
-cross-host backend (Mooncake TCP/RDMA) implements the same method. ``connect.open_transport``
-picks the backend; this module knows none of them.
+their block lists in block-table order (see regions.py). Each protocol is one module implementing
+:class:`TransportBackend` (``shm.py``, ``mooncake.py``), registered in ``transports.TRANSPORTS``;
+this module knows none of them, and the worker names none of them.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from pdserve.cache_transfer.regions import Region, pair_regions
+
+B = TypeVar("B", bound="TransportBackend")
 
 
 class KVTransport(abc.ABC):
@@ -29,3 +34,49 @@ class KVTransport(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or mappings to the peer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalCache:
+    """This instance's KV cache, as a backend's local side sees it."""
+
+    view: np.ndarray  # the whole cache as uint8: alive and unmoved until the backend is closed
+    shm_name: str | None = None  # the shared-memory segment holding it (a decode instance's), if any
+
+
+class TransportBackend(abc.ABC):
+    """One KV transport protocol on this instance: its local side, its advertised endpoint, and
+    writers into peers' caches. The worker opens one per offered protocol at start-up, publishes
+    each :meth:`endpoint` as its registration's ``transfer.endpoint[protocol]``, opens writers
+    through it by the pair's protocol, and closes it at shutdown, before the cache's memory goes.
+    """
+
+    protocol: ClassVar[str]
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this host cannot run the transport (``--kv-transfer auto`` then leaves it out); None if it can.
+
+        Cheap: loads no engine, opens nothing."""
+        return None
+
+    @classmethod
+    def from_options(cls: type[B], options: Mapping[str, Any]) -> B:
+        """A closed backend configured from the worker's settings by field name (its flags' dests);
+        each backend reads only the options it declares, missing ones take their defaults."""
+        return cls()
+
+    @abc.abstractmethod
+    def open(self, local: LocalCache) -> None:
+        """Open the local side over this instance's cache (start engines, register memory)."""
+
+    @abc.abstractmethod
+    def endpoint(self) -> Any:
+        """What peers need to write into this cache (JSON-able), or None when peers cannot write here."""
+
+    @abc.abstractmethod
+    def writer(self, peer: Any) -> KVTransport:
+        """A writer into the peer whose registration advertises ``peer`` as this protocol's endpoint."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Close the local side: afterwards no peer can write into this cache through it."""

@@ -7,6 +7,7 @@ cache registered. A decode instance publishes :attr:`MooncakeAgent.endpoint` (it
 session, the registered buffer's address and length) in its registration; a prefill instance
 writes its blocks straight into those addresses, adjacent blocks merged, one batch call per
 hand-off. The optional extra ``pip install 'pdserve[mooncake]'`` brings the CPU-only wheel.
+:class:`MooncakeBackend` is the transport as the worker sees it (``base.TransportBackend``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pdserve.cache_transfer.base import KVTransport
+from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBackend
 from pdserve.cache_transfer.regions import Segment
 from pdserve.errors import ConfigError, TransferError
 
@@ -47,13 +48,18 @@ def load_engine_class() -> Any:
     return TransferEngine
 
 
-def available() -> bool:
-    """Whether this host can run the Mooncake transport (wheel and system libraries present)."""
+def unavailable() -> str | None:
+    """Why this host cannot run the Mooncake transport (wheel or system libraries missing); None if it can."""
     try:
         load_engine_class()
-    except ConfigError:
-        return False
-    return True
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    """Whether this host can run the Mooncake transport (wheel and system libraries present)."""
+    return unavailable() is None
 
 
 @contextlib.contextmanager
@@ -180,3 +186,41 @@ class MooncakeWriter(KVTransport):
 
     def write(self, src: np.ndarray, segments: list[Segment]) -> int:
         return self.agent.write(self.peer, src, segments)
+
+
+class MooncakeBackend(TransportBackend):
+    """One :class:`MooncakeAgent` over this instance's whole cache (a prefill's too: writes go from
+    registered memory). Options: ``transfer_address`` (default: :func:`default_address`) and
+    ``mooncake_protocol`` (the wire, ``tcp`` or ``rdma``): the worker's flags of those names."""
+
+    protocol = PROTOCOL
+
+    def __init__(self, address: str = "", wire: str = "tcp") -> None:
+        self.address, self.wire = address, wire
+        self.agent: MooncakeAgent | None = None
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return unavailable()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> MooncakeBackend:
+        return cls(options.get("transfer_address") or "", options.get("mooncake_protocol") or "tcp")
+
+    def open(self, local: LocalCache) -> None:
+        agent = MooncakeAgent(self.address or default_address(), self.wire)
+        agent.register(local.view)
+        self.agent = agent
+
+    def endpoint(self) -> dict[str, Any] | None:
+        return self.agent.endpoint if self.agent is not None else None
+
+    def writer(self, peer: Any) -> MooncakeWriter:
+        if self.agent is None:
+            raise TransferError("the mooncake transport is not open here")
+        return MooncakeWriter(self.agent, peer)
+
+    def close(self) -> None:
+        """Unregister the cache (before its memory goes: no peer may write into it after)."""
+        if self.agent is not None:
+            self.agent.close()

@@ -16,10 +16,11 @@ import os
 import stat
 import sys
 from multiprocessing import resource_tracker, shared_memory
+from typing import Any
 
 import numpy as np
 
-from pdserve.cache_transfer.base import KVTransport
+from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBackend
 from pdserve.cache_transfer.regions import Segment
 from pdserve.errors import ConfigError, TransferError
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 
 SHM_DIR = "/dev/shm"
+PROTOCOL = "shm"
 PREFIX = "pdserve-"  # every segment pdserve creates; the sweeper looks at no other name
 _CREATE_TRIES = 5
 
@@ -194,11 +196,11 @@ def attach_segment(name: str) -> shared_memory.SharedMemory:
         if sys.version_info >= (3, 13):
             return shared_memory.SharedMemory(name=name, create=False, track=False)
         register = resource_tracker.register
-        resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
+        resource_tracker.register = lambda *args, **kwargs: None
         try:
             return shared_memory.SharedMemory(name=name, create=False)
         finally:
-            resource_tracker.register = register  # type: ignore[assignment]
+            resource_tracker.register = register
     except FileNotFoundError:
         raise TransferError(f"shared memory segment {name!r} not found (decode instance gone?)") from None
 
@@ -206,7 +208,7 @@ def attach_segment(name: str) -> shared_memory.SharedMemory:
 class ShmWriter(KVTransport):
     """Writes KV byte ranges of a local cache into a peer's shared-memory cache."""
 
-    protocol = "shm"
+    protocol = PROTOCOL
 
     def __init__(self, segment_name: str) -> None:
         self.segment_name = segment_name
@@ -226,3 +228,25 @@ class ShmWriter(KVTransport):
     def close(self) -> None:
         del self._dst
         self._shm.close()
+
+
+class ShmBackend(TransportBackend):
+    """Same host, one copy: a decode instance's cache already lives in a segment (the engine creates
+    it, ``engine/kv_cache.py``); its name is the endpoint, and peers attach to it and copy."""
+
+    protocol = PROTOCOL
+
+    def __init__(self) -> None:
+        self.segment: str | None = None
+
+    def open(self, local: LocalCache) -> None:
+        self.segment = local.shm_name  # None for a cache outside shared memory (a prefill's)
+
+    def endpoint(self) -> str | None:
+        return self.segment
+
+    def writer(self, peer: Any) -> ShmWriter:
+        return ShmWriter(str(peer))
+
+    def close(self) -> None:
+        self.segment = None  # the segment itself goes with the engine's cache

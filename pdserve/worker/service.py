@@ -17,8 +17,8 @@ import os
 import signal
 from typing import Any
 
-from pdserve.cache_transfer import mooncake, shm
-from pdserve.cache_transfer.mooncake import MooncakeAgent
+from pdserve.cache_transfer import shm, transports
+from pdserve.cache_transfer.base import LocalCache
 from pdserve.errors import ConfigError, ControlPlaneError, EngineError
 from pdserve.scheduler import (
     Heartbeat,
@@ -60,9 +60,7 @@ class WorkerService:
         self.registry = InstanceRegistry(self.redis, self.keys, ttl_s=settings.ttl_s)
         self.inbox = Inbox(self.redis, self.keys, self.id)
         self.heartbeat = Heartbeat(self.registry, self.info)
-        self.transports = Transports()
-        self.protocols: list[str] = []  # the KV transports this instance offers (run() decides)
-        self.agent: MooncakeAgent | None = None
+        self.transports = Transports()  # its backends: the KV transports this instance offers
         self.engine: EngineClient | None = None  # built by run(), on the engine thread
         self.handler: RequestHandler | None = None  # built by run(), once the engine is up
         self.metrics: WorkerMetrics | None = None  # with --metrics-port
@@ -82,7 +80,7 @@ class WorkerService:
                     f"--instance-id {self.id} is registered by a live instance; pick another id"
                 )
             self.engine = await EngineClient.start(self._build_engine)
-            self.protocols = await self._start_transfer()
+            await self._start_transfer()
             self._start_metrics()
             messenger = Messenger(self.redis, self.keys, self.id, give_up_after_s=self.settings.ttl_s)
             ctx = Context(self.id, self.engine, messenger, self.clock, self.transports, self.metrics)
@@ -99,6 +97,7 @@ class WorkerService:
         if not self.settings.metrics_port:
             return
         engine = self.engine
+        assert engine is not None
         metrics = WorkerMetrics(self.settings.role, self.id)
         metrics.watch(lambda: engine.load, engine.facts)
         metrics.serve(self.settings.metrics_port)
@@ -107,6 +106,8 @@ class WorkerService:
     def _build_engine(self):
         """On the engine thread: a decode instance's cache lives in shm, so same-host prefills write
         into it; first it removes the segments of dead instances, whose memory its own may need."""
+        model_dir = self.settings.model_dir
+        assert model_dir is not None  # WorkerSettings requires it
         shared = self.settings.role == "decode"
         if shared:
             shm.sweep_dead_segments()
@@ -116,29 +117,30 @@ class WorkerService:
         if self.settings.engine_kind == "echo":
             from pdserve.engine.echo import EchoEngine
 
-            return EchoEngine(self.settings.model_dir, config)
+            return EchoEngine(model_dir, config)
         from pdserve.engine.llm_engine import LLMEngine
 
-        return LLMEngine(self.settings.model_dir, config)
+        return LLMEngine(model_dir, config)
 
-    async def _start_transfer(self) -> list[str]:
-        """The KV transports to offer, and this process's Mooncake engine when one of them is mooncake."""
+    async def _start_transfer(self) -> None:
+        """Open the local side of each KV transport ``--kv-transfer`` asks for (a mixed instance: none)."""
         s = self.settings
         if s.role == "mixed":
-            return []
-        choice = s.kv_transfer
-        protocols = {"shm": ["shm"], "mooncake": ["mooncake"], "both": ["shm", "mooncake"]}.get(
-            choice, ["shm"]
+            return
+        assert self.engine is not None
+        protocols = transports.configured(s.kv_transfer)
+        local = LocalCache(self.engine.kv_view(), self.engine.facts.shm_name)
+        options = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}  # each backend reads its own
+        backends = await asyncio.to_thread(transports.open_backends, protocols, options, local)
+        self.transports.backends.update(backends)
+        log.info(
+            "KV transfer: %s%s", ", ".join(protocols), " (auto)" if s.kv_transfer == transports.AUTO else ""
         )
-        if choice == "auto" and mooncake.available():
-            protocols.append("mooncake")
-        if "mooncake" in protocols:
-            address = s.transfer_address or mooncake.default_address()
-            self.agent = await asyncio.to_thread(MooncakeAgent, address, s.mooncake_protocol)
-            self.agent.register(self.engine.kv_view())
-            self.transports.agent = self.agent
-        log.info("KV transfer: %s%s", ", ".join(protocols), "" if choice != "auto" else " (auto)")
-        return protocols
+
+    @property
+    def protocols(self) -> list[str]:
+        """The KV transports this instance offers, in the order it prefers them."""
+        return list(self.transports.backends)
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -192,8 +194,7 @@ class WorkerService:
             await self.handler.fail_all("instance is shutting down")
         self.transports.close()
         await self.heartbeat.stop(deregister=True)  # only what it registered: not a live id we were refused
-        if self.agent is not None:
-            self.agent.close()  # before the cache's memory goes
+        self.transports.close_backends()  # before the cache's memory goes
         if self.metrics is not None:
             self.metrics.close()
         if self.engine is not None:
@@ -241,15 +242,17 @@ class WorkerService:
         """Where peers write into this instance's cache: only a decode instance is written into."""
         if self.settings.role != "decode":
             return {}
-        endpoint: dict[str, Any] = {}
-        if "shm" in self.protocols and self.engine.facts.shm_name:
-            endpoint["shm"] = self.engine.facts.shm_name
-        if self.agent is not None:
-            endpoint["mooncake"] = self.agent.endpoint
-        return endpoint
+        endpoints = {protocol: b.endpoint() for protocol, b in self.transports.backends.items()}
+        return {protocol: endpoint for protocol, endpoint in endpoints.items() if endpoint is not None}
 
     # ---- loops -----------------------------------------------------------------------------------
+    def _running(self) -> tuple[EngineClient, RequestHandler]:
+        """The engine and the request handler: run() builds both before any loop starts."""
+        assert self.engine is not None and self.handler is not None
+        return self.engine, self.handler
+
     async def _inbox_loop(self) -> None:
+        _, handler = self._running()
         failures = 0
         while True:
             try:
@@ -259,7 +262,7 @@ class WorkerService:
                     self.metrics.on_inbox_read([entry_id for entry_id, _ in entries])
             except ControlPlaneError as e:
                 failures += 1
-                self.handler.control_plane_failed()
+                handler.control_plane_failed()
                 log.warning("reading the inbox failed (%s); retry %d", e, failures)
                 await asyncio.sleep(min(0.1 * 2**failures, 2.0))
                 continue
@@ -267,7 +270,7 @@ class WorkerService:
             try:
                 for _entry_id, msg in entries:
                     try:
-                        await self.handler.handle(msg)
+                        await handler.handle(msg)
                     except Exception:
                         log.exception("handling %s for %s failed", msg.type, msg.request_id)
             finally:
@@ -280,10 +283,11 @@ class WorkerService:
                 self._wake.set()
 
     async def _engine_loop(self) -> None:
+        engine, handler = self._running()
         while True:
-            if not self.engine.unfinished:
+            if not engine.unfinished:
                 self._wake.clear()
-                if self.handler.draining and not self.handler.in_flight():
+                if handler.draining and not handler.in_flight():
                     self._stop.set()
                     return
                 with contextlib.suppress(TimeoutError):
@@ -295,17 +299,18 @@ class WorkerService:
                 # a busy prefill's 512-token steps made a batch of reserves miss their deadline.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._inbox_idle.wait(), timeout=INBOX_FIRST_S)
-            await self.handler.on_outputs(await self.engine.step())
+            await handler.on_outputs(await engine.step())
 
     async def _housekeeping_loop(self) -> None:
+        _, handler = self._running()
         while True:
             await asyncio.sleep(0.1)
             try:
-                await self.handler.tick()
+                await handler.tick()
             except ControlPlaneError as e:
                 log.warning("housekeeping: %s", e)
-            if self.handler.draining and self.clock.monotonic() > self._drain_deadline:
-                log.warning("drain timeout: failing %d requests still in flight", self.handler.in_flight())
+            if handler.draining and self.clock.monotonic() > self._drain_deadline:
+                log.warning("drain timeout: failing %d requests still in flight", handler.in_flight())
                 self._stop.set()
 
 

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 from pdserve.cache_transfer.mooncake import MOONCAKE_PROTOCOLS
+from pdserve.cache_transfer.transports import KV_TRANSFERS
 from pdserve.engine.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
@@ -18,7 +19,6 @@ from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 
 ROLES = ("prefill", "decode", "mixed")
-KV_TRANSFERS = ("auto", "shm", "mooncake", "both")
 ENGINES = ("model", "echo")
 
 
@@ -65,6 +65,8 @@ class WorkerSettings:
         "hosts), both; auto: shm, plus mooncake when it is installed (default %(default)s)",
         choices=KV_TRANSFERS,
     )
+    # The flags of one transport, read by its backend by field name (TransportBackend.from_options):
+    # declared here, as cache_transfer may not import pdserve.flags, and their names and variables stay.
     mooncake_protocol: str = setting(
         "tcp",
         "mooncake's wire: tcp, or rdma where the NICs exist (default %(default)s)",

@@ -9,9 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from pdserve.cache_transfer.connect import open_transport
-from pdserve.cache_transfer.mooncake import MooncakeAgent
+from pdserve.cache_transfer.base import LocalCache
+from pdserve.cache_transfer.mooncake import MooncakeAgent, MooncakeBackend
 from pdserve.cache_transfer.regions import block_regions
+from pdserve.cache_transfer.transports import TRANSPORTS, configured, open_writer
 from pdserve.errors import TransferError
 
 pytestmark = pytest.mark.usefixtures("mooncake_ready")
@@ -33,8 +34,15 @@ def agents():
     decode.close()
 
 
+def backend(agent: MooncakeAgent) -> MooncakeBackend:
+    """The backend as the worker holds it, over an agent already open."""
+    b = MooncakeBackend()
+    b.agent = agent
+    return b
+
+
 def hand_off(prefill, decode, src, src_blocks, dst_blocks) -> int:
-    writer = open_transport("mooncake", {"mooncake": decode.endpoint}, prefill)
+    writer = open_writer({"mooncake": backend(prefill)}, "mooncake", {"mooncake": decode.endpoint})
     return writer.write_blocks(src, block_regions(src_blocks, BLOCK), block_regions(dst_blocks, BLOCK))
 
 
@@ -67,7 +75,7 @@ def test_a_write_past_the_peer_cache_is_refused_before_it_is_sent(agents) -> Non
 def test_an_unreachable_peer_is_a_transfer_error(agents) -> None:
     prefill, decode, src, _dst = agents
     gone = {**decode.endpoint, "session": "127.0.0.1:1"}
-    writer = open_transport("mooncake", {"mooncake": gone}, prefill)
+    writer = open_writer({"mooncake": backend(prefill)}, "mooncake", {"mooncake": gone})
     t0 = time.monotonic()
     with pytest.raises(TransferError, match=r"mooncake write to 127\.0\.0\.1:1 failed"):
         writer.write_blocks(src, block_regions([0], BLOCK), block_regions([0], BLOCK))
@@ -88,9 +96,44 @@ def test_transfers_after_idle_gaps_longer_than_five_seconds(agents) -> None:
 def test_without_an_agent_or_an_endpoint_there_is_no_mooncake(agents) -> None:
     _prefill, decode, _src, _dst = agents
     with pytest.raises(TransferError, match="does not offer the mooncake transport"):
-        open_transport("mooncake", {"mooncake": decode.endpoint}, None)
+        open_writer({}, "mooncake", {"mooncake": decode.endpoint})
     with pytest.raises(TransferError, match="no mooncake endpoint"):
-        open_transport("mooncake", {"shm": "x"}, decode)
+        open_writer({"mooncake": backend(decode)}, "mooncake", {"shm": "x"})
+
+
+def test_the_backend_opens_an_engine_over_the_cache_and_advertises_it() -> None:
+    """As a worker starts it: options by its flags' names, the whole cache registered, the endpoint
+    what the registration publishes; closed, it advertises nothing."""
+    assert TRANSPORTS["mooncake"] is MooncakeBackend and "mooncake" in configured("auto")
+    cache = np.zeros(4 * BLOCK, dtype=np.uint8)
+    b = MooncakeBackend.from_options(
+        {"transfer_address": "127.0.0.1", "mooncake_protocol": "tcp", "role": "x"}
+    )
+    b.open(LocalCache(cache))
+    try:
+        ep = b.endpoint()
+        assert ep["session"].startswith("127.0.0.1:") and (ep["addr"], ep["length"]) == (
+            cache.ctypes.data,
+            cache.nbytes,
+        )
+    finally:
+        b.close()
+    assert b.agent is not None and b.agent._buffer is None  # unregistered
+
+
+def test_explicitly_asked_for_without_the_wheel_it_says_what_to_install() -> None:
+    code = (
+        "import sys; sys.modules['mooncake'] = None\n"
+        "import numpy as np\n"
+        "from pdserve.cache_transfer.base import LocalCache\n"
+        "from pdserve.cache_transfer.transports import configured, open_backends\n"
+        "from pdserve.errors import ConfigError\n"
+        "print(configured('auto'), configured('mooncake'))\n"
+        "try:\n    open_backends(['mooncake'], {}, LocalCache(np.zeros(8, np.uint8)))\n"
+        "except ConfigError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "['shm'] ['mooncake']" in out.stdout and "pip install 'pdserve[mooncake]'" in out.stdout, out
 
 
 def test_a_missing_wheel_names_what_to_install() -> None:

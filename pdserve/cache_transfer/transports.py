@@ -1,0 +1,90 @@
+"""The one table of KV transports, and what ``--kv-transfer`` and a peer's registration select from it.
+
+Adding a transport: one module implementing :class:`~pdserve.cache_transfer.base.TransportBackend`
+and one line in :data:`TRANSPORTS` (its flags, if it has any, in ``worker/settings.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBackend
+from pdserve.cache_transfer.mooncake import MooncakeBackend
+from pdserve.cache_transfer.shm import ShmBackend
+from pdserve.errors import ConfigError, TransferError
+
+log = logging.getLogger(__name__)
+
+# protocol name -> backend; the order is the order an instance advertises them in
+TRANSPORTS: dict[str, type[TransportBackend]] = {
+    ShmBackend.protocol: ShmBackend,
+    MooncakeBackend.protocol: MooncakeBackend,
+}
+AUTO, ALL = "auto", "both"  # every available transport; every transport ("both" of the first two)
+KV_TRANSFERS = (AUTO, *TRANSPORTS, ALL)  # the choices of --kv-transfer
+
+
+def configured(choice: str) -> list[str]:
+    """The protocols ``--kv-transfer choice`` offers: ``auto`` those this host can run (the reason
+    each other one is left out is logged), ``both`` all of them, a protocol name just that one."""
+    if choice == AUTO:
+        offered = []
+        for protocol, backend in TRANSPORTS.items():
+            reason = backend.unavailable()
+            if reason is None:
+                offered.append(protocol)
+            else:
+                log.info("KV transport %s left out (--kv-transfer auto): %s", protocol, reason)
+        return offered
+    if choice == ALL:
+        return list(TRANSPORTS)
+    if choice in TRANSPORTS:
+        return [choice]
+    raise ConfigError(f"--kv-transfer must be one of {', '.join(KV_TRANSFERS)}, got {choice!r}")
+
+
+def open_writer(
+    backends: Mapping[str, TransportBackend], protocol: str, endpoint: Mapping[str, Any] | None
+) -> KVTransport:
+    """A writer over ``protocol`` into the peer whose registration's ``transfer.endpoint`` is
+    ``endpoint``, through this instance's open backend of that protocol (``backends``)."""
+    if protocol not in TRANSPORTS:
+        raise TransferError(
+            f"unsupported KV transfer protocol {protocol!r} (supported: {', '.join(TRANSPORTS)})"
+        )
+    backend = backends.get(protocol)
+    if backend is None:
+        raise TransferError(f"this instance does not offer the {protocol} transport (--kv-transfer)")
+    peer = (endpoint or {}).get(protocol)
+    if not peer:
+        raise TransferError(f"peer advertises no {protocol} endpoint (transfer.endpoint.{protocol})")
+    return backend.writer(peer)
+
+
+def open_backends(
+    protocols: list[str], options: Mapping[str, Any], local: LocalCache
+) -> dict[str, TransportBackend]:
+    """Each of ``protocols`` configured from ``options`` (see ``TransportBackend.from_options``) with
+    its local side open over ``local``; blocking (engines start). If one fails, those already open
+    are closed before the error propagates."""
+    backends: dict[str, TransportBackend] = {}
+    try:
+        for protocol in protocols:
+            backend = TRANSPORTS[protocol].from_options(options)
+            backend.open(local)
+            backends[protocol] = backend
+    except BaseException:
+        close_backends(backends)
+        raise
+    return backends
+
+
+def close_backends(backends: Mapping[str, TransportBackend]) -> None:
+    """Close every local side (before the cache's memory goes); one failing does not stop the others."""
+    for protocol, backend in backends.items():
+        try:
+            backend.close()
+        except Exception:
+            log.exception("closing the %s transport failed", protocol)

@@ -1,0 +1,137 @@
+"""The worker's KV transports: one writer per decode peer, reopened when the peer restarts; and the
+service offering, advertising and closing whatever backends the table holds, naming none."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBackend
+from pdserve.cache_transfer.transports import TRANSPORTS
+from pdserve.engine.config import EngineConfig
+from pdserve.worker.service import WorkerService
+from pdserve.worker.settings import WorkerSettings
+from pdserve.worker.splitwise import Transports
+
+
+class CountingWriter(KVTransport):
+    protocol = "counting"
+
+    def __init__(self, peer: Any) -> None:
+        self.peer, self.closed = peer, False
+
+    def write(self, src: np.ndarray, segments: list[tuple[int, int, int]]) -> int:
+        return sum(n for _, _, n in segments)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class CountingBackend(TransportBackend):
+    """A transport that moves nothing and remembers what it was asked."""
+
+    protocol = "counting"
+    instances: ClassVar[list[CountingBackend]] = []
+
+    def __init__(self) -> None:
+        self.local: LocalCache | None = None
+        self.writers: list[CountingWriter] = []
+        self.closed = False
+        self.instances.append(self)
+
+    def open(self, local: LocalCache) -> None:
+        self.local = local
+
+    def endpoint(self) -> dict[str, Any] | None:
+        return {"bytes": self.local.view.nbytes} if self.local is not None else None
+
+    def writer(self, peer: Any) -> KVTransport:
+        self.writers.append(CountingWriter(peer))
+        return self.writers[-1]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    monkeypatch.setitem(TRANSPORTS, "counting", CountingBackend)
+    CountingBackend.instances.clear()
+    return CountingBackend
+
+
+def test_one_writer_per_peer_reopened_when_its_endpoint_changes(counting) -> None:
+    backend = counting()
+    transports = Transports({"counting": backend})
+    first = transports.get("counting", "d0", {"endpoint": {"counting": {"session": 1}}})
+    assert transports.get("counting", "d0", {"endpoint": {"counting": {"session": 1}}}) is first
+    restarted = transports.get("counting", "d0", {"endpoint": {"counting": {"session": 2}}})
+    assert restarted is not first and first.closed and restarted.peer == {"session": 2}
+    other = transports.get("counting", "d1", {"endpoint": {"counting": {"session": 1}}})
+    assert other is not restarted
+    transports.drop("d0")  # after a failure: the next hand-off reopens it
+    assert restarted.closed and transports.get("counting", "d0", {"endpoint": {"counting": {"session": 2}}})
+    transports.close()
+    assert all(w.closed for w in backend.writers) and not backend.closed  # writers only
+    transports.close_backends()
+    assert backend.closed and transports.backends == {}
+
+
+def service_settings(redis_url: str, tmp_path, role: str, kv_transfer: str) -> WorkerSettings:
+    return WorkerSettings(
+        model_dir=tmp_path,
+        role=role,
+        redis_url=redis_url,
+        cluster=f"tr{uuid.uuid4().hex[:6]}",
+        ttl_s=3.0,
+        engine_kind="echo",
+        instance_id=f"{role}-{uuid.uuid4().hex[:6]}",
+        kv_transfer=kv_transfer,
+        engine=EngineConfig(num_blocks=16),
+    )
+
+
+async def registered(service: WorkerService) -> dict[str, Any]:
+    """The service's transfer registration while it runs; it is drained and stopped after."""
+    task = asyncio.create_task(service.run())
+    try:
+        for _ in range(400):
+            info = await service.registry.get(service.id)
+            if info is not None:
+                return info.transfer.model_dump()
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.05)
+        raise AssertionError("the worker did not register")
+    finally:
+        service.begin_drain()
+        await asyncio.wait_for(task, 30)
+
+
+def test_a_decode_instance_advertises_each_backend_it_opened_and_closes_them(
+    redis_url, tmp_path, counting
+) -> None:
+    service = WorkerService(service_settings(redis_url, tmp_path, "decode", "counting"))
+    transfer = asyncio.run(registered(service))
+    (backend,) = counting.instances
+    assert backend.local is not None and backend.local.shm_name == f"pdserve-{service.id}"
+    assert transfer == {
+        "protocols": ["counting"],
+        "endpoint": {"counting": {"bytes": backend.local.view.nbytes}},
+    }
+    assert backend.closed and service.transports.backends == {}
+
+
+def test_shm_on_decode_is_the_segment_a_prefill_offers_without_an_endpoint(redis_url, tmp_path) -> None:
+    decode = WorkerService(service_settings(redis_url, tmp_path, "decode", "shm"))
+    assert asyncio.run(registered(decode)) == {
+        "protocols": ["shm"],
+        "endpoint": {"shm": f"pdserve-{decode.id}"},
+    }
+    prefill = WorkerService(service_settings(redis_url, tmp_path, "prefill", "shm"))
+    assert asyncio.run(registered(prefill)) == {"protocols": ["shm"], "endpoint": None}
+    mixed = WorkerService(service_settings(redis_url, tmp_path, "mixed", "both"))
+    assert asyncio.run(registered(mixed)) == {"protocols": [], "endpoint": None}
