@@ -7,6 +7,8 @@ import functools
 import logging
 import signal
 import sys
+import types
+import typing
 import warnings
 from collections.abc import Sequence
 
@@ -15,6 +17,7 @@ import orjson
 from pdserve import __version__
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.flags import add_flag, add_flags, env, from_args
+from pdserve.sampling_params import SamplingParams, declared
 
 log = logging.getLogger("pdserve")
 
@@ -32,61 +35,37 @@ def engine_config(args: argparse.Namespace):
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field declared with one (sampling_params.py), typed as the field."""
     g = p.add_argument_group("sampling (OpenAI semantics)")
-    g.add_argument(
-        "--max-tokens", type=int, default=64, help="tokens to generate at most (default %(default)s)"
-    )
-    g.add_argument("--min-tokens", type=int, default=0, help="tokens to generate before EOS/stop may end it")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    g.add_argument("--top-k", type=int, default=-1, help="sample among the k best tokens (-1: off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the best probability")
-    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument(
-        "--stop-token-id",
-        dest="stop_token_ids",
-        action="append",
-        type=int,
-        default=[],
-        help="stop token id (repeatable)",
-    )
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    g.add_argument(
-        "--logprobs", type=int, default=None, help="return each token's logprob and N alternatives"
-    )
+    hints = typing.get_type_hints(SamplingParams)
+    for f, how in declared():
+        name = how.flag_name(f.name)
+        if name is None:
+            continue
+        if hints[f.name] is bool:
+            g.add_argument(name, dest=f.name, action="store_true", help=how.help)
+            continue
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):  # X | None: a flag of type X, default None
+            (kind,) = (t for t in typing.get_args(kind) if t is not type(None))
+        if typing.get_origin(kind) is list:  # repeatable
+            (item,) = typing.get_args(kind)
+            g.add_argument(name, dest=f.name, action="append", type=item, default=[], help=how.help)
+            continue
+        default, text = f.default, how.help
+        if how.flag_default is not None:  # the command line's own default: worth saying
+            default, text = how.flag_default, f"{text} (default %(default)s)"
+        g.add_argument(name, dest=f.name, type=kind, default=default, help=text)
 
 
-_SAMPLING_FLAGS = {
-    "max_tokens": "--max-tokens",
-    "min_tokens": "--min-tokens",
-    "temperature": "--temperature",
-    "top_p": "--top-p",
-    "top_k": "--top-k",
-    "min_p": "--min-p",
-    "seed": "--seed",
-    "presence_penalty": "--presence-penalty",
-    "frequency_penalty": "--frequency-penalty",
-    "repetition_penalty": "--repetition-penalty",
-    "stop": "--stop",
-    "stop_token_ids": "--stop-token-id",
-    "logprobs": "--logprobs",
-}
-
-
-def sampling_params(args: argparse.Namespace, parser: argparse.ArgumentParser):
+def sampling_params(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingParams:
     from pdserve.errors import InvalidRequestError
-    from pdserve.sampling_params import SamplingParams
 
+    flags = {f.name: name for f, how in declared() if (name := how.flag_name(f.name))}
     try:
-        return SamplingParams(
-            **{field: getattr(args, field) for field in _SAMPLING_FLAGS}, ignore_eos=args.ignore_eos
-        )
+        return SamplingParams(**{field: getattr(args, field) for field in flags})
     except InvalidRequestError as e:
-        parser.error(f"{_SAMPLING_FLAGS.get(e.param or '', e.param)}: {e.message}")
+        parser.error(f"{flags.get(e.param or '', e.param)}: {e.message}")
 
 
 # ---- pdserve model init -------------------------------------------------------------------------
@@ -370,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(worker)
     worker.set_defaults(func=lambda a: cmd_worker(a, worker))
 
-    from pdserve.router.settings import add_router_arguments, run_router
+    from pdserve.router import add_router_arguments, run_router
 
     router = add_command(
         "router",

@@ -1,10 +1,16 @@
-"""Per-request sampling settings (OpenAI semantics and ranges): validated once by the router, carried in
-``GenerateRequest.sampling`` and used by the engine. Part of the message schema, so it lives here."""
+"""Per-request sampling settings (OpenAI semantics and ranges): validated once by the router, carried
+as a typed field of ``GenerateRequest`` and ``ReserveBlocks`` and used by the engine.
+
+Each field is declared once, with :func:`param`: its default, its help, and where it comes from
+outside (a plain field of the OpenAI request bodies, a ``pdserve generate`` flag). The router's
+request models and the CLI's flags are generated from these declarations.
+"""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from pdserve.errors import InvalidRequestError
 
@@ -14,6 +20,44 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces
 GUIDED_PARAMS = {"json": "response_format", "regex": "guided_regex", "choice": "guided_choice"}
 """Structured-output kinds (``SamplingParams.guided["kind"]``) and the request field an error about
 each is reported under (a schema that came as ``guided_json`` is reported as ``response_format``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingField:
+    """How one SamplingParams field is given from outside (``metadata["param"]`` of the field).
+
+    ``request``: the completions and chat bodies take it as a plain field of the same name, one of
+    OpenAI's or a vLLM-style extension; None: the router maps it itself (``max_tokens``,
+    ``logprobs`` and ``guided`` come from fields named or shaped differently per endpoint).
+    ``body_type``: its type in a request body where that is not the field's. ``flag``: ``pdserve
+    generate`` has ``--<name-with-dashes>`` (or the name given) for it; ``flag_default``: the flag's
+    default where it is not the field's (None: the field's).
+    """
+
+    help: str
+    request: Literal["openai", "extension"] | None = None
+    body_type: Any = None
+    flag: bool | str = False
+    flag_default: Any = None
+
+    def flag_name(self, field: str) -> str | None:
+        """``field``'s ``pdserve generate`` flag, or None."""
+        if not self.flag:
+            return None
+        return self.flag if isinstance(self.flag, str) else "--" + field.replace("_", "-")
+
+
+def param(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None, **how: Any) -> Any:
+    """A SamplingParams field: its default (or ``factory``) and how it is given (:class:`SamplingField`)."""
+    meta = {"param": SamplingField(help, **how)}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def declared() -> list[tuple[dataclasses.Field[Any], SamplingField]]:
+    """Every SamplingParams field with its declaration, in order."""
+    return [(f, f.metadata["param"]) for f in dataclasses.fields(SamplingParams)]
 
 
 @dataclasses.dataclass
@@ -28,26 +72,47 @@ class SamplingParams:
     ``{"kind": "choice", "spec": [<string>, ...]}``: the output must match it. How many ``stop`` strings (and how long)
     and ``stop_token_ids`` a request may carry is a router setting (``--max-stop-strings`` ...), checked
     by the router's parser: the worker's stop matching costs the same per token whatever they are.
+
+    Constructing one validates it. As a field of a control-plane message (scheduler/messages.py)
+    pydantic checks only its types, and unknown keys are refused: the router validated the values,
+    and a worker must not ignore a setting it does not know.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop: list[str] = dataclasses.field(default_factory=list)
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    logit_bias: dict[int, float] | None = None
-    guided: dict[str, Any] | None = None
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}  # a message's unknown key: refused
+
+    temperature: float = param(1.0, "0 = greedy", request="openai", flag=True, flag_default=0.0)
+    top_p: float = param(1.0, "nucleus sampling mass in (0, 1]", request="openai", flag=True)
+    top_k: int = param(-1, "sample among the k best tokens (-1: off)", request="extension", flag=True)
+    min_p: float = param(
+        0.0, "drop tokens below min-p x the best probability", request="extension", flag=True
+    )
+    seed: int | None = param(None, "makes sampling reproducible", request="openai", flag=True)
+    presence_penalty: float = param(0.0, "in [-2, 2]", request="openai", flag=True)
+    frequency_penalty: float = param(0.0, "in [-2, 2]", request="openai", flag=True)
+    repetition_penalty: float = param(1.0, "> 0; 1 = off", request="extension", flag=True)
+    max_tokens: int = param(16, "tokens to generate at most", flag=True, flag_default=64)
+    min_tokens: int = param(
+        0, "tokens to generate before EOS/stop may end it", request="extension", flag=True
+    )
+    stop: list[str] = param(
+        help="stop string (repeatable)", factory=list, request="openai", body_type=str | list[str], flag=True
+    )
+    stop_token_ids: list[int] = param(
+        help="stop token id (repeatable)", factory=list, request="extension", flag="--stop-token-id"
+    )
+    ignore_eos: bool = param(False, "keep generating past EOS", request="extension", flag=True)
+    logprobs: int | None = param(None, "return each token's logprob and N alternatives", flag=True)
+    skip_special_tokens: bool = param(True, "leave special tokens out of the text", request="extension")
+    include_stop_str_in_output: bool = param(
+        False, "end the text with the stop string that ended it", request="extension"
+    )
+    logit_bias: dict[int, float] | None = param(
+        None,
+        "token id (a string, as JSON keys are) -> bias in [-100, 100], added to the logits",
+        request="openai",
+        body_type=dict[str, float],
+    )
+    guided: dict[str, Any] | None = param(None, "structured output: the grammar the text must match")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,10 +145,7 @@ class SamplingParams:
             )
         _integer("max_tokens", self.max_tokens, lo=1)
         _integer("min_tokens", self.min_tokens, lo=0)
-        if self.min_tokens > self.max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
-            )
+        self._check_min_tokens()
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop sequences must be non-empty strings", "stop")
@@ -97,8 +159,28 @@ class SamplingParams:
         if self.guided is not None:
             _guided(self.guided)
 
+    def _check_min_tokens(self) -> None:
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens"
+            )
+
     def replace(self, **changes: Any) -> SamplingParams:
+        """A validated copy with ``changes``."""
         return dataclasses.replace(self, **changes)
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """A copy that generates at most ``max_tokens`` (>= 1): the worker's fill-in for a request that
+        set no limit. Only what the change can break is checked again (``min_tokens``)."""
+        params = copy.copy(self)
+        params.max_tokens = max_tokens
+        params._check_min_tokens()
+        return params
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        """As a message field: the fields' types are checked, ``__post_init__`` (validation) is not run."""
+        return {**handler(source), "post_init": False}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

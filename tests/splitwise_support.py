@@ -17,9 +17,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from pdserve.cache_transfer.base import LocalCache
+from pdserve.cache_transfer.shm import ShmBackend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.echo import EchoEngine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import (
     DisaggregateInfo,
     GenerateRequest,
@@ -155,10 +158,10 @@ class Pair:
     def __init__(self, redis: aioredis.Redis, keys: Keys, clock: ManualClock) -> None:
         self.redis, self.keys, self.clock = redis, keys, clock
         self.ids = itertools.count()
-        self.transports = Transports()
+        self.transports = Transports({"shm": ShmBackend()})  # writers only: shm's local side needs nothing
         self.decode_transfer: dict[str, Any] = {}  # the decode instance's registered TransferInfo
         self.protocol = "shm"  # how requests' KV moves
-        self.agents: dict[str, Any] = {}  # instance id -> its MooncakeAgent (mooncake pairs)
+        self.backends: dict[str, Any] = {}  # instance id -> its open MooncakeBackend (mooncake pairs)
 
     async def instance(self, instance_id: str, role: str, stub: StubEngine) -> Instance:
         engine = await EngineClient.start(lambda: stub)
@@ -203,7 +206,7 @@ class Pair:
             request_id=request_id,
             router_id=ROUTER,
             prompt_token_ids=prompt,
-            sampling={"max_tokens": max_tokens, "temperature": 0.0},
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
             deadline=now + 30,
             attempt=attempt,
             disaggregate_info=info,
@@ -242,18 +245,21 @@ async def pair(
     decode = await p.instance("decode", "decode", StubEngine(decode_blocks, shared=True))
     p.decode_transfer = {"protocols": ["shm"], "endpoint": {"shm": decode.engine.facts.shm_name}}
     if mooncake:
-        from pdserve.cache_transfer.mooncake import MooncakeAgent
+        from pdserve.cache_transfer.mooncake import MooncakeBackend
 
         for inst in (prefill, decode):
-            p.agents[inst.id] = MooncakeAgent("127.0.0.1")
-            p.agents[inst.id].register(inst.stub.cache)
-        p.transports.agent, p.protocol = p.agents["prefill"], "mooncake"
-        p.decode_transfer = {"protocols": ["mooncake"], "endpoint": {"mooncake": p.agents["decode"].endpoint}}
+            p.backends[inst.id] = MooncakeBackend("127.0.0.1")
+            p.backends[inst.id].open(LocalCache(inst.stub.cache))
+        p.transports.backends["mooncake"], p.protocol = p.backends["prefill"], "mooncake"
+        p.decode_transfer = {
+            "protocols": ["mooncake"],
+            "endpoint": {"mooncake": p.backends["decode"].endpoint()},
+        }
     try:
         yield p, prefill, decode
     finally:
-        for agent in p.agents.values():
-            agent.close()  # before the caches go
+        for backend in p.backends.values():
+            backend.close()  # before the caches go
         p.transports.close()
         for inst in (prefill, decode):
             await inst.engine.close()

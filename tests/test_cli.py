@@ -251,3 +251,21 @@ def test_status_check_is_a_health_check(redis_url, capsys) -> None:
     assert main([*base, "decode-a"]) == 0 and "decode-a: ready" in capsys.readouterr().out
     assert main([*base, "decode-b"]) == 1 and "draining" in capsys.readouterr().err
     assert main([*base, "decode-c"]) == 1 and "not registered" in capsys.readouterr().err
+
+
+def test_generate_sampling_flags_come_from_sampling_params(capsys) -> None:
+    """Each flagged SamplingParams field is a `generate` flag; a bad value names the flag."""
+    from pdserve.cli import sampling_params
+    from pdserve.sampling_params import SamplingParams
+
+    parser = build_parser()
+    gen = subcommands(parser)["generate"]
+    argv = ["--model", "m", "--prompt", "p", "--seed", "3", "--stop", "a", "--stop", "b"]
+    args = parser.parse_args(["generate", *argv, "--stop-token-id", "7", "--ignore-eos"])
+    assert sampling_params(args, gen) == SamplingParams(
+        temperature=0.0, max_tokens=64, seed=3, stop=["a", "b"], stop_token_ids=[7], ignore_eos=True
+    )
+    for flag, value in (("--top-p", "0"), ("--stop-token-id", "-1"), ("--logprobs", "21")):
+        with pytest.raises(SystemExit):
+            sampling_params(parser.parse_args(["generate", flag, value]), gen)
+        assert f"{flag}: " in capsys.readouterr().err

@@ -2,8 +2,8 @@
 schemas, registries (TTL liveness + cached live set) and the inbox/outbox streams.
 
 It imports nothing from ``pdserve.router`` or ``pdserve.worker``; both depend on it. The names
-below load their module on first use, so importing one light module (``sampling_params``,
-``keys``) does not load redis-py.
+below load their module on first use, so importing one light module (``keys``) does not load
+redis-py.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "InstanceInfo",
         "KVInfo",
         "LoadInfo",
+        "LogprobInfo",
         "Message",
         "PeerInfo",
         "PhaseDeadlines",
@@ -50,12 +51,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "StepOutput",
         "Timing",
         "Tokenize",
-        "TokenLogprob",
         "TopLogprob",
         "TransferInfo",
         "Usage",
-        "decode",
         "decode_as",
+        "decode_message",
         "encode",
     ),
     "registry": (

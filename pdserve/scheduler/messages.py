@@ -20,14 +20,19 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdserve.errors import MessageError, PdserveError
+from pdserve.sampling_params import SamplingParams
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The newest message schema (major) version this code reads and writes.
 
 2: ``ErrorInfo`` carries the exception tree's ``kind`` and ``param`` instead of ``code``/``type``;
 fields nothing produced or read are gone (``detokenize``, ``arrival_time``, ``first_logprobs``,
 ``num_cached_tokens``). Additive since: ``RequestDelta.timing``, ``GenerateRequest.echo`` with
 ``RequestDelta.prompt_text`` (older readers ignore them).
+
+3: ``GenerateRequest.sampling`` and ``ReserveBlocks.sampling`` are a typed ``SamplingParams``
+(``None`` fields left out; unknown keys refused); a request without ``max_tokens`` says
+``GenerateRequest.fill_max_tokens`` instead of ``sampling.max_tokens = null``.
 """
 
 ANY_ATTEMPT = -1
@@ -137,7 +142,7 @@ class TopLogprob(_Model):
     logprob: float
 
 
-class TokenLogprob(_Model):
+class LogprobInfo(_Model):
     """Logprob of one sampled token, with the requested number of best alternatives."""
 
     token_id: int
@@ -193,7 +198,7 @@ class RequestDelta(_Model):
     request_id: str
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[LogprobInfo] | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
     error: ErrorInfo | None = None
@@ -226,8 +231,9 @@ class GenerateRequest(_Message):
     """Router -> instance inbox: run one request (with ``disaggregate_info`` when split over P and D).
 
     Exactly one of ``prompt_token_ids``, ``prompt`` and ``messages`` (chat) is set. ``sampling``
-    is ``SamplingParams.to_dict()`` (sampling_params.py): validated by the router, re-read by the
-    engine with ``SamplingParams.from_dict``, so its fields can change without a schema bump here.
+    was validated by the router; decoding checks its types only. ``fill_max_tokens``: the client
+    set no ``max_tokens`` (chat), so ``sampling.max_tokens`` is a placeholder: the worker makes it
+    the model length minus the prompt length, which only it knows after tokenizing.
 
     ``echo``: put the prompt's text (its token ids decoded) in the first token's delta as
     ``prompt_text``; the router asks only for token-id prompts, whose text only a worker can make.
@@ -248,7 +254,8 @@ class GenerateRequest(_Message):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
-    sampling: dict[str, Any] = Field(default_factory=dict)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    fill_max_tokens: bool | None = None
     deadline: float
     attempt: int = 0
     disaggregate_info: DisaggregateInfo | None = None
@@ -268,8 +275,9 @@ class GenerateRequest(_Message):
 class ReserveBlocks(_Message):
     """Prefill -> decode inbox: reserve KV blocks for ``num_tokens`` prompt tokens, answer ``reply_to``.
 
-    Carries what decode needs to continue the request. Decode frees the reservation if no
-    :class:`Prefilled` arrives by ``deadlines.transfer`` (a lease, not a leak).
+    Carries what decode needs to continue the request (``sampling`` with ``max_tokens`` filled in).
+    Decode frees the reservation if no :class:`Prefilled` arrives by ``deadlines.transfer`` (a
+    lease, not a leak).
     """
 
     type: Literal["reserve"] = "reserve"
@@ -279,7 +287,7 @@ class ReserveBlocks(_Message):
     reply_to: str
     deadline: float
     deadlines: PhaseDeadlines
-    sampling: dict[str, Any] = Field(default_factory=dict)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
     prompt_token_ids: list[int]
     attempt: int = 0
 
@@ -379,7 +387,7 @@ def encode(msg: BaseModel) -> bytes:
     return msg.model_dump_json(exclude_none=True).encode()
 
 
-def decode(data: bytes | str) -> Message:
+def decode_message(data: bytes | str) -> Message:
     """Parse one stream message; raise MessageError with a clear reason when it cannot be used."""
     raw = _load(data)
     kind = raw.get("type")

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -62,7 +62,7 @@ class Registry(Generic[InfoT]):
         self.redis = redis
         self.keys = keys
         self.kind = kind
-        self.model = model
+        self.model: type[InfoT] = model
         self.ttl_s = ttl_s
         self.clock = clock
         self._prune = redis.register_script(_PRUNE_LUA)
@@ -118,11 +118,12 @@ class Registry(Generic[InfoT]):
         """
         index = self.keys.index(self.kind)
         with redis_errors(f"listing live {self.kind}s"):
-            ids = [raw.decode() for raw in await self.redis.zrange(index, 0, -1)]
+            members = cast(list[bytes], await self.redis.zrange(index, 0, -1))  # bytes responses
+            ids = [raw.decode() for raw in members]
             if not ids:
                 return []
             values = await self.redis.mget([self.keys.member(self.kind, i) for i in ids])
-            gone = [i for i, value in zip(ids, values, strict=True) if value is None]
+            gone: list[str] = [i for i, value in zip(ids, values, strict=True) if value is None]
             if gone:
                 now_ms = int((self.clock() if now is None else now) * 1000)
                 pruned = await self._prune(keys=[index], args=[now_ms, *gone])
@@ -130,7 +131,7 @@ class Registry(Generic[InfoT]):
         infos = (self._parse(i, value) for i, value in zip(ids, values, strict=True) if value is not None)
         return [info for info in infos if info is not None]
 
-    def _parse(self, member_id: str, raw: bytes) -> InfoT | None:
+    def _parse(self, member_id: str, raw: bytes | str) -> InfoT | None:
         try:
             info = decode_as(self.model, raw)
         except MessageError as e:
@@ -183,7 +184,7 @@ class LiveSetCache(Generic[InfoT]):
         clock: Callable[[], float] = time.monotonic,
         observe: RedisObserver | None = None,
     ) -> None:
-        self.registry = registry
+        self.registry: Registry[InfoT] = registry
         self.max_age_s = max_age_s
         self.clock = clock
         self.observe = observe  # op "live_set"
@@ -244,8 +245,8 @@ class Heartbeat(Generic[InfoT]):
         interval_s: float | None = None,
         max_backoff_s: float = 2.0,
     ) -> None:
-        self.registry = registry
-        self.info = info
+        self.registry: Registry[InfoT] = registry
+        self.info: Callable[[], InfoT] = info
         self.interval_s = registry.ttl_s / 3 if interval_s is None else interval_s
         self.max_backoff_s = max_backoff_s
         self.last_ok: float | None = None
@@ -308,6 +309,6 @@ class Heartbeat(Generic[InfoT]):
         return min(0.1 * 2 ** (failures - 1), self.max_backoff_s)
 
 
-def _retrieve(future: asyncio.Future[object]) -> None:
+def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()

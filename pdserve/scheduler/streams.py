@@ -20,12 +20,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, ResponseError
+from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
 from pdserve.errors import (
     ControlPlaneError,
@@ -41,8 +42,8 @@ from pdserve.scheduler.messages import (
     InboxMessage,
     RequestDelta,
     StepOutput,
-    decode,
     decode_as,
+    decode_message,
     encode,
 )
 from pdserve.scheduler.tasks import cancel_and_wait
@@ -174,7 +175,7 @@ class Inbox:
         return int(summary["pending"])
 
     async def _xreadgroup(self, start: bytes | str, count: int, block_ms: int | None) -> list[Any]:
-        streams = {self.key: start}
+        streams: dict[KeyT, StreamIdT] = {self.key: start}
         with redis_errors(f"reading {self.key}"):
             try:
                 reply = await self.redis.xreadgroup(
@@ -190,7 +191,8 @@ class Inbox:
                 reply = await self.redis.xreadgroup(
                     INBOX_GROUP, self.consumer, streams, count=count, block=block_ms
                 )
-        return reply[0][1] if reply else []
+        # redis-py's default (legacy, RESP2-shaped) replies: a list of [stream, entries] pairs
+        return cast(list[Any], reply)[0][1] if reply else []
 
     async def _touch(self) -> None:
         """Refresh the inbox TTL every ttl/10 while this reader lives (an idle inbox must not expire)."""
@@ -210,7 +212,7 @@ class Inbox:
                 discard.append(entry_id)
                 continue
             try:
-                msg = decode(data)
+                msg = decode_message(data)
                 if not isinstance(msg, InboxMessage):
                     raise MessageError(f"a {msg.type!r} message does not belong in an inbox")
             except MessageError as e:
@@ -226,7 +228,7 @@ class Inbox:
         dead_key = self.keys.dead_letters(self.instance_id)
         for entry_id, data, error in bad:
             logger.error("%s: dead-lettering entry %s: %s", self.key, entry_id.decode(), error)
-            fields = {FIELD: data, b"error": str(error), b"entry": entry_id}
+            fields: dict[FieldT, EncodableT] = {FIELD: data, b"error": str(error), b"entry": entry_id}
             pipe.xadd(dead_key, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
             pipe.expire(dead_key, DEAD_LETTER_TTL_S)
             self._stage_rejection(pipe, data, error)

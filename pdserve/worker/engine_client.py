@@ -131,14 +131,14 @@ class EngineClient:
         return ids, ""
 
     async def prepare(self, msg: GenerateRequest) -> Prepared:
-        """Tokenize and validate; ``max_tokens`` None (chat without a limit) means up to the model length."""
+        """Tokenize and check against the engine (the router validated the sampling settings);
+        ``fill_max_tokens`` (chat without a limit) means up to the model length."""
 
         def prepare() -> Prepared:
             ids = self._engine.prompt_ids(msg.prompt, msg.messages, msg.prompt_token_ids, msg.tools)
-            fields = dict(msg.sampling)
-            if fields.get("max_tokens") is None:
-                fields["max_tokens"] = max(1, self.facts.max_model_len - len(ids))
-            params = SamplingParams.from_dict(fields)
+            params = msg.sampling
+            if msg.fill_max_tokens:
+                params = params.with_max_tokens(max(1, self.facts.max_model_len - len(ids)))
             self._engine.validate(ids, params)
             resume = list(msg.resume_token_ids or ())
             if len(resume) >= params.max_tokens:

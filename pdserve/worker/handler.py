@@ -87,7 +87,8 @@ class RequestHandler:
         try:
             ids, text = await self.ctx.engine.tokenize(msg)
         except InvalidRequestError as e:
-            return await self.ctx.messenger.fail(owner, e)
+            await self.ctx.messenger.fail(owner, e)
+            return
         usage = Usage(prompt_tokens=len(ids), completion_tokens=0)
         delta = RequestDelta(
             request_id=msg.request_id, token_ids=ids, text=text, finish_reason="stop", usage=usage
@@ -100,11 +101,13 @@ class RequestHandler:
         messenger = self.ctx.messenger
         if self.draining:
             error = UnavailableError(f"instance {self.ctx.instance_id} is draining")
-            return await messenger.fail(owner, error, retryable=True)
+            await messenger.fail(owner, error, retryable=True)
+            return
         if self.ctx.clock.time() > msg.deadline:
-            return await messenger.fail(
+            await messenger.fail(
                 owner, RequestTimeoutError("the request's deadline passed before it started")
             )
+            return
         if not await self._router_alive(msg.router_id):
             log.info("dropping %s: router %s is gone", msg.request_id, msg.router_id)
             return None
@@ -113,7 +116,8 @@ class RequestHandler:
         except InvalidRequestError as e:
             if msg.messages is not None and e.param == "prompt":
                 e.param = "messages"  # the field the client sent
-            return await messenger.fail(owner, e)
+            await messenger.fail(owner, e)
+            return
         info = msg.disaggregate_info
         if info is not None and self.role == "prefill" and info.decode.id != self.ctx.instance_id:
             await self.splitwise.start_prefill(msg, prepared)
@@ -130,7 +134,8 @@ class RequestHandler:
                 del self.owners[key]
                 self._started.pop(key, None)
                 self._echo.pop(key, None)
-                return await messenger.fail(owner, e)
+                await messenger.fail(owner, e)
+                return
 
     async def on_abort(self, msg: Abort) -> None:
         prefix = f"{msg.request_id}/"

@@ -18,16 +18,15 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import redis.asyncio as aioredis
 
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.outputs import TokenLogprob as EngineLogprob
+from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.errors import ControlPlaneError, EngineError, PdserveError
 from pdserve.scheduler import (
     ErrorInfo,
     InboxMessage,
     Keys,
+    LogprobInfo,
     Outbox,
     RequestDelta,
-    TokenLogprob,
     TopLogprob,
     Usage,
     send_to_inbox,
@@ -68,10 +67,10 @@ def to_delta(out: RequestOutput, owner: Owner) -> RequestDelta:
     return delta
 
 
-def _logprob(lp: EngineLogprob) -> TokenLogprob:
+def _logprob(lp: TokenLogprob) -> LogprobInfo:
     pairs = zip(lp.top_logprobs or [], lp.top_tokens or [])
     top = [TopLogprob(token_id=t, token=text, logprob=v) for (t, v), text in pairs]
-    return TokenLogprob(token_id=lp.token_id, token=lp.token, logprob=lp.logprob, top=top)
+    return LogprobInfo(token_id=lp.token_id, token=lp.token, logprob=lp.logprob, top=top)
 
 
 class Messenger:

@@ -134,7 +134,7 @@ class WorkerMetrics:
         """Observe each read entry's lag (``<ms>-<seq>`` ids carry Redis's time of the XADD)."""
         now_ms = time.time() * 1e3
         for entry_id in entry_ids:
-            ms = entry_id.split(b"-" if isinstance(entry_id, bytes) else "-", 1)[0]
+            ms = entry_id.split(b"-", 1)[0] if isinstance(entry_id, bytes) else entry_id.split("-", 1)[0]
             self.inbox_lag.observe(max(0.0, now_ms - int(ms)) / 1e3)
 
     def watch(self, load: Callable[[], EngineLoad], facts: EngineFacts) -> None:

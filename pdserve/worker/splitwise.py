@@ -25,14 +25,12 @@ import asyncio
 import dataclasses
 import enum
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from pdserve.cache_transfer.base import KVTransport
-from pdserve.cache_transfer.connect import open_transport
+from pdserve.cache_transfer.base import KVTransport, TransportBackend
+from pdserve.cache_transfer.transports import close_backends, open_writer
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import PdserveError, RequestTimeoutError, TransferError, UnavailableError
-from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import (
     Abort,
     ErrorInfo,
@@ -83,13 +81,13 @@ class Context:
 
 
 class Transports:
-    """One open transport per decode peer, reopened when the peer's registration changes (a restart)
-    and dropped after a failure (the next hand-off reopens it)."""
+    """This instance's open KV transport backends (by protocol), and one writer per decode peer
+    through them, reopened when the peer's registration changes (a restart) and dropped after a
+    failure (the next hand-off reopens it)."""
 
-    def __init__(self, agent: Any = None, opener: Callable[..., KVTransport] = open_transport) -> None:
+    def __init__(self, backends: dict[str, TransportBackend] | None = None) -> None:
         self._open: dict[str, tuple[tuple[str, Any], KVTransport]] = {}
-        self.agent = agent  # this process's MooncakeAgent, when it offers mooncake
-        self.opener = opener
+        self.backends: dict[str, TransportBackend] = backends if backends is not None else {}
 
     def get(self, protocol: str, peer_id: str, transfer: dict[str, Any]) -> KVTransport:
         """``transfer`` is the peer's registered TransferInfo."""
@@ -98,7 +96,7 @@ class Transports:
         if cached is not None and cached[0] == (protocol, endpoint):
             return cached[1]
         self.drop(peer_id)
-        transport = self.opener(protocol, endpoint, self.agent)
+        transport = open_writer(self.backends, protocol, endpoint)
         self._open[peer_id] = ((protocol, endpoint), transport)
         return transport
 
@@ -108,8 +106,14 @@ class Transports:
             cached[1].close()
 
     def close(self) -> None:
+        """Close every writer; the backends stay open (:meth:`close_backends`)."""
         for peer_id in list(self._open):
             self.drop(peer_id)
+
+    def close_backends(self) -> None:
+        """Close the backends' local sides, before the cache's memory goes."""
+        close_backends(self.backends)
+        self.backends.clear()
 
 
 class PrefillHandoff:
@@ -151,7 +155,7 @@ class PrefillHandoff:
             reply_to=self.ctx.instance_id,
             deadline=m.deadline,
             deadlines=self.info.deadlines,
-            sampling=self.prepared.params.to_dict(),
+            sampling=self.prepared.params,
             prompt_token_ids=self.prepared.prompt_ids,
             attempt=m.attempt,
         )
@@ -314,7 +318,7 @@ class DecodeLease:
             self.ctx.metrics.kv_received.inc(len(self.blocks) * self.ctx.engine.facts.block_bytes)
         owner = Owner(self.msg.router_id, msg.request_id, msg.attempt)
         try:  # the engine rebuilds the request's state (a grammar's included) from the first token
-            params = SamplingParams.from_dict(self.msg.sampling)
+            params = self.msg.sampling
             await self.ctx.engine.add_prefilled(self.key, list(msg.prompt_token_ids), msg.first_token, params)
         except PdserveError as e:
             log.warning("%s: could not continue the prefilled request: %s", self.key, e.message)

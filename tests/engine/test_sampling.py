@@ -138,14 +138,17 @@ def test_logit_bias_forces_bans_and_nudges(llm, baseline) -> None:
 
 
 def test_logit_bias_is_validated_and_crosses_the_wire_as_json() -> None:
+    import orjson
+
     from pdserve.errors import InvalidRequestError
-    from pdserve.scheduler.messages import GenerateRequest, decode, encode
+    from pdserve.scheduler.messages import GenerateRequest, decode_message, encode
 
     params = SamplingParams(logit_bias={"17": 5, 3: -100.0})
     assert params.logit_bias == {17: 5, 3: -100.0}
-    msg = GenerateRequest(request_id="r", router_id="x", prompt="p", deadline=1.0, sampling=params.to_dict())
-    wire = decode(encode(msg)).sampling
+    data = encode(GenerateRequest(request_id="r", router_id="x", prompt="p", deadline=1.0, sampling=params))
+    wire = orjson.loads(data)["sampling"]
     assert wire["logit_bias"] == {"17": 5, "3": -100.0}  # JSON keys are strings
+    assert decode_message(data).sampling == params
     assert SamplingParams.from_dict(wire) == params
     assert SamplingParams(logit_bias={}).logit_bias is None
     for bad, text in (

@@ -281,9 +281,9 @@ def chat(**fields) -> bytes:
     ],
 )
 def test_the_router_parses_structured_output_into_sampling(fields, guided) -> None:
-    assert parse_chat(chat(**fields), LIMITS).samplings[0]["guided"] == guided
+    assert parse_chat(chat(**fields), LIMITS).samplings[0].guided == guided
     body = json.dumps({"prompt": "x", "n": 2, **fields}).encode()
-    assert [s["guided"] for s in parse_completion(body, LIMITS).samplings] == [guided, guided]
+    assert [s.guided for s in parse_completion(body, LIMITS).samplings] == [guided, guided]
 
 
 @pytest.mark.parametrize(

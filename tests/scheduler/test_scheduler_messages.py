@@ -9,6 +9,7 @@ import pytest
 from pydantic import BaseModel
 
 from pdserve.errors import EngineError, MessageError, RequestTooLongError, TransferError
+from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import (
     SCHEMA_VERSION,
     Abort,
@@ -26,8 +27,8 @@ from pdserve.scheduler import (
     RouterInfo,
     StepOutput,
     Usage,
-    decode,
     decode_as,
+    decode_message,
     encode,
 )
 
@@ -58,7 +59,8 @@ MESSAGES: list[BaseModel] = [
         request_id="req-1",
         router_id="r1",
         messages=[{"role": "user", "content": "héllo"}],
-        sampling={"temperature": 0.0, "max_tokens": 8, "stop": ["\n"]},
+        sampling=SamplingParams(temperature=0.0, max_tokens=8, stop=["\n"], seed=3),
+        fill_max_tokens=True,
         deadline=NOW + 30,
         attempt=1,
         disaggregate_info=_disagg(),
@@ -71,7 +73,7 @@ MESSAGES: list[BaseModel] = [
         reply_to="p0",
         deadline=NOW + 30,
         deadlines=DEADLINES,
-        sampling={"max_tokens": 8},
+        sampling=SamplingParams(max_tokens=8, logit_bias={7: -1.5}),
         prompt_token_ids=[1, 2, 3],
     ),
     ReserveReply(request_id="req-1", ok=True, block_ids=[4, 9]),
@@ -103,7 +105,7 @@ MESSAGES: list[BaseModel] = [
 def test_round_trip(msg: BaseModel) -> None:
     data = encode(msg)
     assert isinstance(data, bytes)
-    back = decode(data)
+    back = decode_message(data)
     assert type(back) is type(msg)
     assert back == msg
     raw = orjson.loads(data)
@@ -146,9 +148,9 @@ def test_registration_values_round_trip() -> None:
 
 def test_unknown_type_is_rejected() -> None:
     with pytest.raises(MessageError, match=r"unknown message type 'tokens'; known types: \['abort'"):
-        decode(b'{"v":1,"type":"tokens","request_id":"x"}')
+        decode_message(b'{"v":1,"type":"tokens","request_id":"x"}')
     with pytest.raises(MessageError, match="unknown message type None"):
-        decode(b'{"v":1,"request_id":"x"}')
+        decode_message(b'{"v":1,"request_id":"x"}')
 
 
 def test_newer_major_version_is_rejected() -> None:
@@ -157,7 +159,7 @@ def test_newer_major_version_is_rejected() -> None:
         MessageError,
         match=rf"schema v{SCHEMA_VERSION + 1} is newer than this pdserve understands \(v{SCHEMA_VERSION}\)",
     ):
-        decode(data)
+        decode_message(data)
     with pytest.raises(MessageError, match="newer"):
         newer = SCHEMA_VERSION + 1
         decode_as(RouterInfo, b'{"v":%d,"id":"r","host":"h","pid":1,"port":1,"started_at":0}' % newer)
@@ -165,30 +167,50 @@ def test_newer_major_version_is_rejected() -> None:
 
 def test_bad_fields_are_named() -> None:
     with pytest.raises(MessageError, match=r"invalid step message: items\.0\.token_ids\.0: "):
-        decode(b'{"v":1,"type":"step","instance_id":"d0","items":[{"request_id":"a","token_ids":["x"]}]}')
+        decode_message(
+            b'{"v":1,"type":"step","instance_id":"d0","items":[{"request_id":"a","token_ids":["x"]}]}'
+        )
     with pytest.raises(MessageError, match=r"invalid abort message: reason: Field required"):
-        decode(b'{"v":1,"type":"abort","request_id":"a"}')
+        decode_message(b'{"v":1,"type":"abort","request_id":"a"}')
     with pytest.raises(MessageError, match=r"v: Input should be greater than or equal to 1"):
-        decode(b'{"v":0,"type":"abort","request_id":"a","reason":"x"}')
+        decode_message(b'{"v":0,"type":"abort","request_id":"a","reason":"x"}')
 
 
 def test_generate_needs_exactly_one_prompt() -> None:
     base = {"v": 1, "type": "generate", "request_id": "a", "router_id": "r", "deadline": NOW}
     with pytest.raises(MessageError, match="exactly one of prompt_token_ids, prompt, messages"):
-        decode(orjson.dumps(base))
+        decode_message(orjson.dumps(base))
     with pytest.raises(MessageError, match="exactly one of"):
-        decode(orjson.dumps({**base, "prompt": "hi", "prompt_token_ids": [1]}))
+        decode_message(orjson.dumps({**base, "prompt": "hi", "prompt_token_ids": [1]}))
 
 
 def test_not_json_or_not_an_object() -> None:
     with pytest.raises(MessageError, match="not valid JSON"):
-        decode(b"\x80\x04pickle")
+        decode_message(b"\x80\x04pickle")
     with pytest.raises(MessageError, match="must be a JSON object, got list"):
-        decode(b"[1]")
+        decode_message(b"[1]")
+
+
+def test_sampling_is_typed_checked_for_types_only_and_strict_about_keys() -> None:
+    """The router validated the values; the wire form leaves out None fields; an unknown key is
+    refused, so a worker never ignores a setting it does not know."""
+    base = {"v": SCHEMA_VERSION, "type": "generate", "request_id": "a", "router_id": "r", "deadline": NOW}
+    sampling = SamplingParams(temperature=0.5, logit_bias={"7": 2})
+    raw = orjson.loads(encode(GenerateRequest(**base, prompt="hi", sampling=sampling)))
+    assert "seed" not in raw["sampling"] and raw["sampling"]["logit_bias"] == {"7": 2.0}
+    msg = decode_message(orjson.dumps({**base, "prompt": "hi", "sampling": {"temperature": 5, "top_k": 3}}))
+    assert isinstance(msg, GenerateRequest) and isinstance(msg.sampling, SamplingParams)
+    assert (msg.sampling.temperature, msg.sampling.top_k, msg.sampling.seed) == (5.0, 3, None)
+    with pytest.raises(MessageError, match=r"invalid generate message: sampling\.top_a: "):
+        decode_message(orjson.dumps({**base, "prompt": "hi", "sampling": {"top_a": 0.1}}))
+    with pytest.raises(MessageError, match=r"sampling\.temperature: "):
+        decode_message(orjson.dumps({**base, "prompt": "hi", "sampling": {"temperature": "hot"}}))
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
-    msg = decode(b'{"v":%d,"type":"abort","request_id":"a","reason":"x","added_later":true}' % SCHEMA_VERSION)
+    msg = decode_message(
+        b'{"v":%d,"type":"abort","request_id":"a","reason":"x","added_later":true}' % SCHEMA_VERSION
+    )
     assert msg == Abort(request_id="a", reason="x")
 
 
@@ -208,6 +230,6 @@ def test_step_codec_is_fast() -> None:
     n = 200
     t0 = time.perf_counter()
     for _ in range(n):
-        decode(encode(step))
+        decode_message(encode(step))
     per_call = (time.perf_counter() - t0) / n
     assert per_call < 1e-3, f"{per_call * 1e6:.0f} µs per encode+decode of {len(data)} bytes"

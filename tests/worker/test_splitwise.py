@@ -282,7 +282,7 @@ def test_abort_while_transferring_frees_after_the_write(redis_url) -> None:
     async def main() -> None:
         async with pair(redis_url) as (p, prefill, decode):
             gated = GatedTransport(decode.engine.facts.shm_name)
-            p.transports.opener = lambda protocol, endpoint, agent: gated
+            p.transports.backends["shm"].writer = lambda peer: gated
             await to_blocks_ready(p, prefill, decode)
             stepping = asyncio.create_task(prefill.step())
             await asyncio.to_thread(gated.entered.wait, 5)
@@ -455,7 +455,7 @@ def test_a_decode_cache_gone_from_mooncake_fails_the_hand_off_and_frees_both(
     async def main() -> None:
         async with pair(redis_url, mooncake=True) as (p, prefill, decode):
             await to_blocks_ready(p, prefill, decode)
-            p.agents["decode"].close()  # the decode side stops accepting writes (as when it goes away)
+            p.backends["decode"].close()  # the decode side stops accepting writes (as when it goes away)
             await prefill.step()
             error = assert_failed(await p.events(), "kv_transfer_failed")
             assert "mooncake write" in error.message
@@ -501,7 +501,7 @@ def test_decode_continues_with_the_logit_bias_prefill_sampled_with(redis_url) ->
     async def main() -> None:
         async with pair(redis_url) as (p, prefill, decode):
             msg = p.request(PROMPT)
-            msg.sampling["logit_bias"] = {7: 100.0, 9: -3}
+            msg.sampling.logit_bias = {7: 100.0, 9: -3}
             await p.send(prefill, msg)
             await prefill.receive()
             assert prefill.stub.requests["req-0/0"].params.logit_bias == {7: 100.0, 9: -3}

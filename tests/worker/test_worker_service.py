@@ -12,6 +12,7 @@ import pytest
 import redis as redis_sync
 
 from pdserve.engine.config import EngineConfig
+from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import (
     GenerateRequest,
     InstanceRegistry,
@@ -60,7 +61,7 @@ async def ask(redis, keys: Keys, instance_id: str, request_id: str, n: int) -> l
         router_id=ROUTER,
         prompt_token_ids=[7, 8],
         deadline=time.time() + 30,
-        sampling={"max_tokens": n, "temperature": 0.0},
+        sampling=SamplingParams(max_tokens=n, temperature=0.0),
     )
     await send_to_inbox(redis, keys, instance_id, msg)
     tokens, last = [], b"0-0"
