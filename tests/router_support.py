@@ -26,13 +26,13 @@ from pdserve.scheduler import (
     Keys,
     KVInfo,
     LoadInfo,
+    LogprobInfo,
     Outbox,
     Prefilled,
     RedisSettings,
     RequestDelta,
     ReserveBlocks,
     StepOutput,
-    TokenLogprob,
     TopLogprob,
     TransferInfo,
     Usage,
@@ -214,8 +214,8 @@ class FakeWorker:
             await asyncio.sleep(0.01)
 
 
-def token(i: int, text: str, logprob: float = -0.5) -> TokenLogprob:
-    return TokenLogprob(
+def token(i: int, text: str, logprob: float = -0.5) -> LogprobInfo:
+    return LogprobInfo(
         token_id=i, token=text, logprob=logprob, top=[TopLogprob(token_id=i, token=text, logprob=logprob)]
     )
 

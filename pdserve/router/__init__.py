@@ -1,17 +1,24 @@
 """The stateless OpenAI-compatible router: validates requests, picks a prefill/decode pair from the
 live set in Redis, sends one message to the pair's inbox and relays the tokens from its outbox.
 
-Modules: ``settings`` (RouterSettings, flags, uvicorn entry point), ``protocol`` (OpenAI request
-bodies -> SamplingParams), ``responses`` (response/SSE bodies), ``errors`` (exception tree ->
-OpenAI error bodies), ``policies`` (round_robin, random, least_load), ``dispatch`` (pair
-selection, attempts, retries, watcher), ``serving`` (the generation endpoints), ``app`` (FastAPI).
+Modules: ``settings`` (RouterSettings, flags), ``server`` (``pdserve router``: uvicorn), ``app``
+(FastAPI app, route registration, operator endpoints), ``state`` (RouterState: what the lifespan
+builds), ``asgi`` (request id, body, the one JSON/error path), ``protocol`` (OpenAI request bodies ->
+SamplingParams), ``tools`` (tool models and calls), ``responses`` (response/SSE bodies), ``errors``
+(exception tree -> OpenAI error bodies), ``policies`` (the policy registry: round_robin, random,
+least_load, prefix_affinity), ``selection`` (model check, pair rules), ``dispatch`` (attempts,
+retries, watcher), ``serving`` and ``tokenize`` (the raw ASGI endpoints).
+
+Importing this package loads no FastAPI or uvicorn: ``create_app`` and ``run_router`` import them
+when called.
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import TYPE_CHECKING
 
-from pdserve.router.settings import RouterSettings, add_router_arguments, run_router
+from pdserve.router.settings import RouterSettings, add_router_arguments
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -24,3 +31,10 @@ def create_app(settings: RouterSettings) -> FastAPI:
     from pdserve.router.app import create_app as _create_app
 
     return _create_app(settings)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Entry point of ``pdserve router`` (imports uvicorn only when called)."""
+    from pdserve.router.server import run_router as _run_router
+
+    return _run_router(args)

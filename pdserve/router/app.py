@@ -1,9 +1,11 @@
 """The router's FastAPI application: lifespan (Redis, registration, outbox reader, watcher) and the
-small operator endpoints. The generation endpoints are raw ASGI apps from :mod:`.serving`.
+small operator endpoints. The generation endpoints are raw ASGI apps from :mod:`.serving`, each
+registered once (:meth:`RouterApp.add_raw_post`); every endpoint answers JSON and errors through
+:mod:`.asgi`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``POST /tokenize`` and ``/detokenize`` (:mod:`.tokenize`), ``GET /health`` (the process is up), ``GET /ready`` (Redis answers and
-something can generate), ``GET /version``, ``GET /v1/instances`` (the live set plus this router's
+``GET /v1/models/{id}``, ``POST /tokenize`` and ``/detokenize`` (:mod:`.tokenize`), ``GET /health``
+(the process is up), ``GET /ready`` (Redis answers and something can generate), ``GET /version``, ``GET /v1/instances`` (the live set plus this router's
 in-flight counts, for operators), ``GET /metrics`` (Prometheus text; open like /health; 404 with
 ``--no-metrics``).
 """
@@ -13,33 +15,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import logging
-import os
-import socket
-import time
 import uuid
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve import __version__
 from pdserve.errors import PdserveError
-from pdserve.router.admission import Admission
-from pdserve.router.dispatch import Dispatcher
-from pdserve.router.errors import (
-    AuthenticationError,
-    ModelNotFoundError,
-    NoCapacityError,
-    error_body,
-    error_status,
-)
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.asgi import JsonResponse, error_response, send_error
+from pdserve.router.errors import AuthenticationError, ModelNotFoundError, NoCapacityError, error_body
 from pdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,14 +40,11 @@ from pdserve.router.protocol import (
     parse_chat,
     parse_completion,
 )
-from pdserve.router.serving import GenerateEndpoint, send_error
+from pdserve.router.serving import GenerateEndpoint
 from pdserve.router.settings import RouterSettings
+from pdserve.router.state import RouterState
 from pdserve.router.tokenize import TokenizeEndpoint
-from pdserve.scheduler.connection import RedisSettings, wait_for_redis
-from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.messages import InstanceInfo, RouterInfo
-from pdserve.scheduler.registry import Heartbeat, InstanceRegistry, LiveSetCache, RouterRegistry
-from pdserve.scheduler.streams import OutboxReader
+from pdserve.scheduler.messages import InstanceInfo
 
 logger = logging.getLogger(__name__)
 
@@ -63,90 +52,52 @@ READY_TIMEOUT_S = 2.0
 """/ready answers within this long even when Redis hangs (a probe must not time out instead)."""
 
 
-class RouterState:
-    """What the lifespan builds and every endpoint shares (one per app)."""
-
-    def __init__(self, settings: RouterSettings) -> None:
-        self.settings = settings
-        self.started_at = time.time()
-        self.redis: aioredis.Redis | None = None
-        self.reader: OutboxReader | None = None
-        self.heartbeat: Heartbeat[RouterInfo] | None = None
-        self._dispatcher: Dispatcher | None = None
-        self.metrics = RouterMetrics() if settings.metrics else None
-        self.admission = Admission(
-            settings.max_in_flight, settings.max_queued, settings.first_token_timeout_s
-        )
-
-    @property
-    def dispatcher(self) -> Dispatcher:
-        if self._dispatcher is None:
-            raise NoCapacityError("the router is starting or stopping")
-        return self._dispatcher
-
-    async def start(self) -> None:
-        """Connect to Redis, start reading the outbox, register, and start the watcher."""
-        s = self.settings
-        try:
-            self.redis = RedisSettings.from_url(s.redis_url, client_name=s.router_id).connect()
-            await wait_for_redis(self.redis, s.redis_wait_s)
-            keys = Keys(s.cluster)
-            observe = self.metrics.on_redis if self.metrics is not None else None
-            live = LiveSetCache(
-                InstanceRegistry(self.redis, keys, s.ttl_s), s.live_set_max_age_s, observe=observe
-            )
-            self.reader = OutboxReader(self.redis, keys, s.router_id, observe=observe)
-            await self.reader.start()
-            self.heartbeat = Heartbeat(RouterRegistry(self.redis, keys, s.ttl_s), self._router_info)
-            await self.heartbeat.start()
-            dispatcher = Dispatcher(self.redis, keys, live, self.reader, s, metrics=self.metrics)
-            if self.metrics is not None:
-                self.metrics.watch_live(live)
-            dispatcher.start()
-            self._dispatcher = dispatcher
-        except BaseException:
-            await self.stop()
-            raise
-        logger.info("router %s ready on %s (cluster %s)", s.router_id, s.url, s.cluster)
-
-    async def stop(self) -> None:
-        """Stop the watcher, fail what is still in flight, deregister, disconnect."""
-        dispatcher, self._dispatcher = self._dispatcher, None
-        if dispatcher is not None:
-            await dispatcher.stop()
-        if self.reader is not None:
-            await self.reader.stop()
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
-        if self.redis is not None:
-            await self.redis.aclose()
-
-    def _router_info(self) -> RouterInfo:
-        s = self.settings
-        return RouterInfo(
-            id=s.router_id,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            port=s.port,
-            started_at=self.started_at,
-        )
-
-
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 """Besides /v1/*: the routes that use an instance's work, guarded by --api-key too."""
 
 
+class RawPostRoute(APIRoute):
+    """``POST path`` served by a raw ASGI endpoint: FastAPI only documents its request body (in
+    /openapi.json) and answers other methods with 405; the endpoint reads and checks the body itself."""
+
+    def __init__(self, path: str, endpoint: ASGIApp, body: type[BaseModel], summary: str, name: str) -> None:
+        super().__init__(
+            path, _Documented(body), methods=["POST"], summary=summary, name=name, response_model=None
+        )
+        self.app = endpoint
+
+
+class _Documented:
+    """A FastAPI endpoint whose signature is ``(body: <body>)``, for the schema only: a
+    :class:`RawPostRoute` never calls it."""
+
+    def __init__(self, body: type[BaseModel]) -> None:
+        param = inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=body)
+        self.__signature__ = inspect.Signature([param], return_annotation=None)
+
+    async def __call__(self, body: Any) -> None:  # pragma: no cover - never called
+        raise AssertionError("served by the raw endpoint")
+
+
 class RouterApp(FastAPI):
-    """FastAPI with a direct path to the generation endpoints: a POST to one of them skips the
-    middleware stack and route matching (measurably cheaper per request); everything else, and
-    every other method on those paths, goes through FastAPI as usual."""
+    """FastAPI with a direct path to the raw endpoints (:meth:`add_raw_post`): a POST to one of them
+    skips the middleware stack and route matching (measurably cheaper per request); everything
+    else, and every other method on those paths, goes through FastAPI as usual."""
 
     def __init__(self, api_keys: frozenset[str] = frozenset(), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.fast_routes: dict[str, GenerateEndpoint | TokenizeEndpoint] = {}
+        self.fast_routes: dict[str, ASGIApp] = {}
         self.api_keys = [k.encode() for k in api_keys]
 
-    def authorized(self, scope: MutableMapping[str, Any]) -> bool:
+    def add_raw_post(
+        self, path: str, endpoint: ASGIApp, body: type[BaseModel], summary: str, name: str
+    ) -> None:
+        """Register ``endpoint`` for ``POST path`` once: the fast path, the 405 for other methods and
+        the OpenAPI entry (``body`` as its request schema) come from this one call."""
+        self.fast_routes[path] = endpoint
+        self.router.routes.append(RawPostRoute(path, endpoint, body, summary, name))
+
+    def authorized(self, scope: Scope) -> bool:
         """Open when no keys are set; else /v1/*, /tokenize and /detokenize need
         ``Authorization: Bearer <one of the keys>``."""
         path = scope["path"]
@@ -159,7 +110,7 @@ class RouterApp(FastAPI):
         # compare with every key (constant time each), so timing says nothing about which one is close
         return sum(hmac.compare_digest(token.strip(), key) for key in self.api_keys) > 0
 
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self.authorized(scope):
             await send_error(send, AuthenticationError(), uuid.uuid4().hex)
             return
@@ -171,7 +122,7 @@ class RouterApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def create_app(settings: RouterSettings) -> FastAPI:
+def create_app(settings: RouterSettings) -> RouterApp:
     """The router application; Redis is connected by its lifespan (run it, or serve it with uvicorn)."""
     state = RouterState(settings)
 
@@ -187,47 +138,45 @@ def create_app(settings: RouterSettings) -> FastAPI:
         api_keys=settings.api_keys, title="pdserve router", version=__version__, lifespan=lifespan
     )
     app.state.router = state
-    for path, parse in (("/v1/completions", parse_completion), ("/v1/chat/completions", parse_chat)):
-        endpoint = GenerateEndpoint(state, parse, path)
-        app.fast_routes[path] = endpoint
-        app.router.routes.insert(0, Route(path, endpoint, methods=["POST"]))  # 405 for other methods
-    for path, detokenize in (("/tokenize", False), ("/detokenize", True)):
-        app.fast_routes[path] = tokenizer = TokenizeEndpoint(state, detokenize)
-        app.router.routes.insert(0, Route(path, tokenizer, methods=["POST"]))
+    app.add_raw_post(
+        "/v1/completions",
+        GenerateEndpoint(state, parse_completion, "/v1/completions"),
+        CompletionRequest,
+        "Create a completion (OpenAI API)",
+        "completions",
+    )
+    app.add_raw_post(
+        "/v1/chat/completions",
+        GenerateEndpoint(state, parse_chat, "/v1/chat/completions"),
+        ChatCompletionRequest,
+        "Create a chat completion (OpenAI API)",
+        "chat_completions",
+    )
+    app.add_raw_post(
+        "/tokenize",
+        TokenizeEndpoint(state, detokenize=False),
+        TokenizeRequest,
+        "Token ids of a prompt or chat (vLLM's shape)",
+        "tokenize",
+    )
+    app.add_raw_post(
+        "/detokenize",
+        TokenizeEndpoint(state, detokenize=True),
+        DetokenizeRequest,
+        "The text of token ids (vLLM's shape)",
+        "detokenize",
+    )
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     _add_operator_routes(app, state)
-    _document_generation_routes(app)
     return app
-
-
-def _document_generation_routes(app: FastAPI) -> None:
-    """The generation endpoints in /openapi.json with their request schemas (so clients and fuzzers
-    see them). Only the schema comes from these routes: a POST never reaches them (the raw ASGI
-    endpoint answers first)."""
-
-    @app.post("/v1/completions", summary="Create a completion (OpenAI API)", response_model=None)
-    async def completions(body: CompletionRequest) -> None:  # pragma: no cover - documentation only
-        raise AssertionError("served by the raw endpoint")
-
-    @app.post("/v1/chat/completions", summary="Create a chat completion (OpenAI API)", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest) -> None:  # pragma: no cover - documentation only
-        raise AssertionError("served by the raw endpoint")
-
-    @app.post("/tokenize", summary="Token ids of a prompt or chat (vLLM's shape)", response_model=None)
-    async def tokenize(body: TokenizeRequest) -> None:  # pragma: no cover - documentation only
-        raise AssertionError("served by the raw endpoint")
-
-    @app.post("/detokenize", summary="The text of token ids (vLLM's shape)", response_model=None)
-    async def detokenize(body: DetokenizeRequest) -> None:  # pragma: no cover - documentation only
-        raise AssertionError("served by the raw endpoint")
 
 
 def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
         """The process is up (says nothing about Redis or instances: see /ready)."""
-        return _json(request, {"status": "ok", "router_id": state.settings.router_id})
+        return JsonResponse({"status": "ok", "router_id": state.settings.router_id}, _rid(request))
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -242,21 +191,21 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
         try:
             live = await _live(state)
         except PdserveError as e:
-            return _error(request, e)
+            return error_response(e, _rid(request))
         if state.reader is not None and not state.reader.healthy:
-            return _error(request, NoCapacityError("the router lost contact with Redis"))
+            return error_response(NoCapacityError("the router lost contact with Redis"), _rid(request))
         generating = [i for i in live if not i.draining and i.role in ("decode", "mixed")]
         if not generating:
             reason = (
                 "no instance is registered" if not live else "no decode or mixed instance can take requests"
             )
-            return _error(request, NoCapacityError(reason))
+            return error_response(NoCapacityError(reason), _rid(request))
         body = {
             "status": "ready",
             "router_id": state.settings.router_id,
             "models": sorted({i.model for i in generating}),
         }
-        return _json(request, body)
+        return JsonResponse(body, _rid(request))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -264,8 +213,8 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
         try:
             live = await _live(state)
         except PdserveError as e:
-            return _error(request, e)
-        return _json(request, {"object": "list", "data": models_list(live)})
+            return error_response(e, _rid(request))
+        return JsonResponse({"object": "list", "data": models_list(live)}, _rid(request))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
@@ -274,14 +223,16 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
         try:
             live = await _live(state)
         except PdserveError as e:
-            return _error(request, e)
+            return error_response(e, _rid(request))
         found = models_list([i for i in live if i.model == model_id])
-        return _json(request, found[0]) if found else _error(request, ModelNotFoundError(model_id))
+        if not found:
+            return error_response(ModelNotFoundError(model_id), _rid(request))
+        return JsonResponse(found[0], _rid(request))
 
     @app.get("/version")
     async def version(request: Request) -> Response:
         """The pdserve version this router runs."""
-        return _json(request, {"version": __version__})
+        return JsonResponse({"version": __version__}, _rid(request))
 
     @app.get("/v1/instances")
     async def instances(request: Request) -> Response:
@@ -289,7 +240,7 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
         try:
             live = await _live(state)
         except PdserveError as e:
-            return _error(request, e)
+            return error_response(e, _rid(request))
         in_flight = state.dispatcher.in_flight
         body = {
             "router_id": state.settings.router_id,
@@ -302,7 +253,7 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
             "retries": state.dispatcher.num_retries,
             "migrations": state.dispatcher.num_migrations,
         }
-        return _json(request, body)
+        return JsonResponse(body, _rid(request))
 
 
 def models_list(live: list[InstanceInfo]) -> list[dict]:
@@ -333,30 +284,14 @@ def _rid(request: Request) -> str:
     return request.headers.get("x-request-id") or uuid.uuid4().hex
 
 
-def _json(
-    request: Request, body: object, status: int = 200, headers: dict[str, str] | None = None
-) -> Response:
-    return Response(
-        orjson.dumps(body),
-        status,
-        {"x-request-id": _rid(request), **(headers or {})},
-        media_type="application/json",
-    )
-
-
-def _error(request: Request, exc: BaseException) -> Response:
-    status, body, headers = error_status(exc)
-    return _json(request, body, status, headers)
-
-
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Unknown paths (404) and wrong methods (405) in OpenAI's error shape."""
     assert isinstance(exc, StarletteHTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     body = error_body(str(exc.detail), "invalid_request_error", None, code)
-    return _json(request, body, exc.status_code, dict(exc.headers or {}))
+    return JsonResponse(body, _rid(request), exc.status_code, dict(exc.headers or {}))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _error(request, exc)
+    return error_response(exc, _rid(request))

@@ -2,7 +2,7 @@
 
 One :class:`Dispatcher` per router process holds what requests share: the cached live set, the
 two policies, this router's in-flight count per instance, and the watcher task that notices
-instances leaving the live set. One :class:`Generation` per client choice runs its attempts.
+instances leaving the live set. One :class:`RoutedGeneration` per client choice runs its attempts.
 
 Every way a request can end arrives as a final :class:`RequestDelta` in its queue, so a
 generation has a single loop: worker deltas (from the OutboxReader), a timer's ``timeout``, the
@@ -18,8 +18,8 @@ What the router relies on from workers (the contract):
   outbox to publish to; exactly one of ``prompt``/``prompt_token_ids``/``messages`` is set (messages
   are ``{role, content: str[, name]}``; the worker tokenizes and applies the chat template);
   ``echo`` asks for the prompt's text in the first token's delta (``prompt_text``);
-  ``sampling`` holds SamplingParams fields, where ``max_tokens = None`` means "up to the model
-  length minus the prompt length"; ``deadline`` ends the whole request (unix s); ``attempt``
+  ``sampling`` is the choice's validated SamplingParams, and ``fill_max_tokens`` means "up to the
+  model length minus the prompt length"; ``deadline`` ends the whole request (unix s); ``attempt``
   counts from 0.
 - Deltas for the request go to the router's outbox with the request's ``attempt``. The router
   relays the current attempt's deltas in stream order, whoever sent them: in splitwise, prefill
@@ -42,7 +42,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -54,10 +53,12 @@ from pdserve.errors import (
     RequestTimeoutError,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.protocol import ParsedRequest, Prompt
+from pdserve.router.policies import PolicyRequest
+from pdserve.router.protocol import ParsedPrompt, ParsedRequest
 from pdserve.router.selection import Route, Selector
 from pdserve.router.sender import InboxSender
 from pdserve.router.settings import RouterSettings
+from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import (
     ANY_ATTEMPT,
@@ -104,7 +105,7 @@ class Dispatcher:
         )
         self.in_flight = self.selector.in_flight
         """This router's open requests per instance id (prefill counts until the first token)."""
-        self.generations: dict[str, Generation] = {}
+        self.generations: dict[str, RoutedGeneration] = {}
         self.num_retries = 0
         self.num_migrations = 0
         self.stopping = False
@@ -112,9 +113,11 @@ class Dispatcher:
         self.sender = InboxSender(redis, keys, observe=metrics.on_redis if metrics is not None else None)
         self._watcher: asyncio.Task[None] | None = None
 
-    def route(self, live: Sequence[InstanceInfo], model: str, exclude: Collection[str] = ()) -> Route:
-        """Where to run a request of ``model`` now (see :meth:`Selector.route`)."""
-        return self.selector.route(live, model, exclude)
+    def route(
+        self, live: Sequence[InstanceInfo], request: PolicyRequest, exclude: Collection[str] = ()
+    ) -> Route:
+        """Where to run ``request`` now (see :meth:`Selector.route`)."""
+        return self.selector.route(live, request, exclude)
 
     def peer(self, info: InstanceInfo) -> PeerInfo:
         """The PeerInfo of an instance, built once per registration value seen."""
@@ -128,7 +131,7 @@ class Dispatcher:
 
     async def open(
         self, parsed: ParsedRequest, request_id: str, model: str, arrived: float | None = None
-    ) -> list[Generation]:
+    ) -> list[RoutedGeneration]:
         """Start one generation per choice, in OpenAI's choice order (``n`` per prompt), each
         sending its message; on failure none stays open. ``arrived``: time.monotonic() of the
         request's arrival (its TTFT counts from there)."""
@@ -136,10 +139,10 @@ class Dispatcher:
         deadline = now + self.settings.request_timeout_s
         choices = parsed.choices()
         ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
-        gens: list[Generation] = []
+        gens: list[RoutedGeneration] = []
         try:
             for rid, (prompt, sampling) in zip(ids, choices):
-                gen = Generation(self, rid, parsed, prompt, sampling, model, deadline)
+                gen = RoutedGeneration(self, rid, parsed, prompt, sampling, model, deadline)
                 if arrived is not None:
                     gen.arrived = arrived
                 gens.append(gen)
@@ -214,7 +217,7 @@ class Dispatcher:
                     gen.lost(gen.watched[-1], f"sent nothing for {self.settings.stall_timeout_s:g} s")
 
 
-class Generation:
+class RoutedGeneration:
     """One choice of one client request, over its attempts. Use ``start``, then ``next`` until a
     final delta, then ``close`` (always: it releases counts and aborts unfinished work)."""
 
@@ -223,8 +226,8 @@ class Generation:
         dispatcher: Dispatcher,
         request_id: str,
         parsed: ParsedRequest,
-        prompt: Prompt,
-        sampling: dict[str, Any],
+        prompt: ParsedPrompt,
+        sampling: SamplingParams,
         model: str,
         deadline: float,
     ) -> None:
@@ -236,6 +239,8 @@ class Generation:
         self._echo = parsed.echo
         """Still to prefix the first text with the prompt's (``echo``); done once over all attempts."""
         self.model = model
+        self.policy_request = PolicyRequest(model, prompt.text, prompt.token_ids, prompt.messages)
+        """What the policies see of this choice (the same for all its attempts)."""
         self.deadline = deadline
         self.attempt = 0
         self.route: Route | None = None
@@ -385,8 +390,8 @@ class Generation:
         d = self.dispatcher
         live = await d.live.get()
         if self.delivered:  # a migration: continue on one instance after what the client has
-            return d.selector.route_whole(live, self.model, self._exclude)
-        return d.route(live, self.model, self._exclude)
+            return d.selector.route_whole(live, self.policy_request, self._exclude)
+        return d.route(live, self.policy_request, self._exclude)
 
     async def _submit(self, route: Route) -> None:
         d = self.dispatcher
@@ -423,8 +428,8 @@ class Generation:
                 deadlines=deadlines,
             )
         p = self.prompt
-        # sampling["max_tokens"] is None when the client gave none (chat): the worker then fills
-        # in "model length - prompt length", which only it knows after tokenizing.
+        # fill_max_tokens when the client gave no max_tokens (chat): the worker then fills in
+        # "model length - prompt length", which only it knows after tokenizing.
         return GenerateRequest(
             request_id=self.request_id,
             router_id=d.router_id,
@@ -433,6 +438,7 @@ class Generation:
             messages=p.messages,
             tools=p.tools,
             sampling=self.sampling,
+            fill_max_tokens=self.parsed.fill_max_tokens or None,
             deadline=self.deadline,
             attempt=self.attempt,
             disaggregate_info=info,

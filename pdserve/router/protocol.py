@@ -7,31 +7,45 @@ ids against the vocabulary, which only the live instances know (:meth:`ParsedReq
 Every field is accounted for (:class:`FieldPolicy`: honoured, advisory, rejected); an unknown one is
 refused. Every problem raises :class:`InvalidRequestError` whose ``param`` names the field.
 
+The plain sampling fields of both bodies (:data:`SAMPLING_FIELDS`) are generated from
+SamplingParams's declarations (sampling_params.py) and map onto its fields of the same name.
+
 Chat requests without ``max_tokens``/``max_completion_tokens`` (and completions with an explicit
-``"max_tokens": null``) send ``sampling["max_tokens"] = None``: the worker then generates up to
+``"max_tokens": null``) are sent with ``fill_max_tokens``: the worker then generates up to
 "model length - prompt length" tokens.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import SkipJsonSchema
 
 from pdserve.errors import InvalidRequestError
-from pdserve.router.tools import ToolUse, template_call, template_tools, tool_use_of
-from pdserve.sampling_params import MAX_TOKEN_ID, SamplingParams
+from pdserve.router.strict import StrictModel
+from pdserve.router.tools import (
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolUse,
+    template_call,
+    template_tools,
+    tool_use_of,
+)
+from pdserve.sampling_params import MAX_TOKEN_ID, SamplingField, SamplingParams, declared
 
 if TYPE_CHECKING:
     from pdserve.router.settings import RouterSettings
 
 MAX_N = 16
 """Most choices per prompt (``n``); each is an independent request to the cluster."""
-_UNBOUNDED = 2**31 - 1  # stands for "no max_tokens" while SamplingParams validates
+_UNBOUNDED = 2**31 - 1  # "no max_tokens" in SamplingParams: validated so, then replaced by the worker
 _SEED_SPAN = 2**64
 
 
@@ -56,16 +70,11 @@ class FieldPolicy:
         return self.honoured | self.advisory | frozenset(self.rejected)
 
 
+SAMPLING_FIELDS: dict[str, SamplingField] = {f.name: how for f, how in declared() if how.request is not None}
+"""The plain sampling fields of both bodies: the SamplingParams fields of the same name."""
 EXTRAS = frozenset(
     {
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "stop_token_ids",
-        "skip_special_tokens",
-        "include_stop_str_in_output",
+        *(name for name, how in SAMPLING_FIELDS.items() if how.request == "extension"),
         "return_token_ids",
         "guided_json",
         "guided_regex",
@@ -81,13 +90,7 @@ _COMMON = frozenset(
         "stream",
         "stream_options",
         "max_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "stop",
-        "logit_bias",
+        *(name for name, how in SAMPLING_FIELDS.items() if how.request == "openai"),
         "response_format",
         "guided_json",
         "guided_regex",
@@ -163,16 +166,12 @@ Rejected = SkipJsonSchema[Any]
 """A field that is refused when given (kept out of /openapi.json: clients should not send it)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     """``response_format.json_schema``. ``strict`` is accepted and the schema is always enforced."""
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
@@ -182,72 +181,36 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class FunctionDefinition(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    """A JSON schema of the arguments object (none: the function takes no arguments)."""
-    strict: bool | None = None
-    """Accepted; where pdserve enforces arguments (``tool_choice`` required or named) it always does."""
+def _sampling_body() -> type[StrictModel]:
+    """A model of :data:`SAMPLING_FIELDS`, each optional (``None`` = SamplingParams's default), typed
+    as its SamplingParams field unless declared otherwise (``body_type``)."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields: dict[str, Any] = {
+        name: ((how.body_type or hints[name]) | None, Field(None, description=how.help))
+        for name, how in SAMPLING_FIELDS.items()
+    }
+    return create_model("SamplingBody", __base__=StrictModel, **fields)
 
 
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
+if TYPE_CHECKING:  # the fields are made at runtime: read them with _Common.given_sampling()
+    _SamplingBody = StrictModel
+else:
+    _SamplingBody = _sampling_body()
 
 
-class FunctionName(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str
-    """The arguments object as JSON text (as OpenAI returns it)."""
-
-
-class ToolCall(_Strict):
-    """A call in an earlier assistant message of the conversation."""
-
-    id: str
-    type: Literal["function"]
-    function: FunctionCall
-
-
-class _Common(_Strict):
+class _Common(_SamplingBody):
     """Fields shared by both endpoints (OpenAI's plus vLLM-style extras). ``None`` = default."""
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    """Token id (a string, as JSON keys are) -> bias in [-100, 100], added to the logits."""
     user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None
     """Extension (as vLLM's): each choice also carries the generated ``token_ids``."""
     response_format: ResponseFormat | None = None
@@ -256,6 +219,10 @@ class _Common(_Strict):
     guided_choice: list[str] | None = None
     """Structured output (``response_format`` as OpenAI's, ``guided_*`` as vLLM's): :func:`_guided`."""
     guided_grammar: Rejected = None
+
+    def given_sampling(self) -> dict[str, Any]:
+        """The plain sampling fields the body sets (not null), by SamplingParams field name."""
+        return {name: value for name in SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
 
 
 class CompletionRequest(_Common):
@@ -281,7 +248,7 @@ class ContentPart(BaseModel):
     prompt_cache_breakpoint: Any = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -322,7 +289,7 @@ class ChatCompletionRequest(_Common):
     moderation: Rejected = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """vLLM's two forms in one: ``prompt`` (completions) or ``messages`` (chat, with ``tools``)."""
 
     model: str | None = None
@@ -337,28 +304,9 @@ class TokenizeRequest(_Strict):
     """Only false is accepted: per-token strings are not returned."""
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int]
-
-
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-    "logit_bias",
-)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -384,7 +332,12 @@ class InputLimits:
 
     def check(self, req: _Common) -> None:
         """Raise InvalidRequestError naming ``stop``, ``stop_token_ids`` or ``logit_bias`` when one is too large."""
-        stop, stop_token_ids = req.stop, req.stop_token_ids
+        given = req.given_sampling()
+        stop, stop_token_ids, logit_bias = (
+            given.get("stop"),
+            given.get("stop_token_ids"),
+            given.get("logit_bias"),
+        )
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > self.max_stop_strings:
             raise InvalidRequestError(
@@ -400,9 +353,9 @@ class InputLimits:
                 f"at most {self.max_stop_token_ids} stop_token_ids are allowed, got {len(stop_token_ids)}",
                 "stop_token_ids",
             )
-        if req.logit_bias is not None and len(req.logit_bias) > self.max_logit_bias:
+        if logit_bias is not None and len(logit_bias) > self.max_logit_bias:
             raise InvalidRequestError(
-                f"at most {self.max_logit_bias} logit_bias entries are allowed, got {len(req.logit_bias)}",
+                f"at most {self.max_logit_bias} logit_bias entries are allowed, got {len(logit_bias)}",
                 "logit_bias",
             )
 
@@ -417,7 +370,7 @@ class InputLimits:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Prompt:
+class ParsedPrompt:
     """One prompt as a worker takes it: exactly one of the three is set."""
 
     text: str | None = None
@@ -433,9 +386,9 @@ class ParsedRequest:
 
     kind: Literal["completion", "chat"]
     model: str | None
-    prompts: list[Prompt]
-    samplings: list[dict[str, Any]]
-    """One ``SamplingParams`` dict per choice of a prompt (seeded choices get ``seed + i``)."""
+    prompts: list[ParsedPrompt]
+    samplings: list[SamplingParams]
+    """One per choice of a prompt (seeded choices get ``seed + i``)."""
     stream: bool
     include_usage: bool
     logprobs: bool
@@ -444,13 +397,16 @@ class ParsedRequest:
     """Each choice's text starts with its prompt's text."""
     tool_use: ToolUse | None = None
     """Chat with tools (``tool_choice`` other than none): how the output is read as tool calls."""
+    fill_max_tokens: bool = False
+    """No ``max_tokens`` was given: the worker fills in the model length minus the prompt length
+    (``GenerateRequest.fill_max_tokens``; ``max_tokens`` of the samplings is a placeholder)."""
 
     @property
     def n(self) -> int:
         """Choices per prompt."""
         return len(self.samplings)
 
-    def choices(self) -> list[tuple[Prompt, dict[str, Any]]]:
+    def choices(self) -> list[tuple[ParsedPrompt, SamplingParams]]:
         """Every choice in OpenAI's order: choice ``i`` of prompt ``p`` has index ``p * n + i``."""
         return [(prompt, sampling) for prompt in self.prompts for sampling in self.samplings]
 
@@ -463,8 +419,8 @@ class ParsedRequest:
         sampling = self.samplings[0]
         for name, ids in (
             *(("prompt", p.token_ids) for p in self.prompts),
-            ("stop_token_ids", sampling["stop_token_ids"]),
-            ("logit_bias", sampling["logit_bias"]),
+            ("stop_token_ids", sampling.stop_token_ids),
+            ("logit_bias", sampling.logit_bias),
         ):
             if ids and (bad := max(ids)) >= vocab_size:
                 raise InvalidRequestError(
@@ -516,7 +472,7 @@ def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     tool_use = tool_use_of(req.tools, req.tool_choice, req.parallel_tool_calls)
     guided = tool_use.guided() if tool_use is not None else None
-    if guided is not None and _guided(req) is not None:
+    if tool_use is not None and guided is not None and _guided(req) is not None:
         raise InvalidRequestError(
             f"tool_choice {tool_use.mode!r} constrains the output itself: it cannot be combined with "
             "response_format or guided_*",
@@ -529,7 +485,7 @@ def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
         req,
         params,
         max_tokens is None,
-        [Prompt(messages=messages, tools=tools)],
+        [ParsedPrompt(messages=messages, tools=tools)],
         limits,
         logprobs=bool(req.logprobs),
     )
@@ -609,15 +565,17 @@ def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
-def _prompts(prompt: str | list[Any]) -> list[Prompt]:
+def _prompts(prompt: str | list[Any]) -> list[ParsedPrompt]:
     """The prompts of a completions body (pydantic already checked the shape: one kind per list)."""
     if isinstance(prompt, str):
-        return [Prompt(text=prompt)]
+        return [ParsedPrompt(text=prompt)]
     if not prompt:
         raise InvalidRequestError("prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
-        return [Prompt(token_ids=_token_ids(prompt))]
-    return [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=_token_ids(p)) for p in prompt]
+        return [ParsedPrompt(token_ids=_token_ids(prompt))]
+    return [
+        ParsedPrompt(text=p) if isinstance(p, str) else ParsedPrompt(token_ids=_token_ids(p)) for p in prompt
+    ]
 
 
 def _token_ids(ids: list[int]) -> list[int]:
@@ -670,7 +628,7 @@ def _sampling(
     guided: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """``guided``: a constraint the request's tools make (else its structured-output fields')."""
-    kwargs = {name: value for name in _SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+    kwargs = req.given_sampling()
     kwargs["max_tokens"] = _UNBOUNDED if max_tokens is None else max_tokens
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
@@ -730,7 +688,7 @@ def _parsed(
     req: _Common,
     params: SamplingParams,
     unbounded: bool,
-    prompts: list[Prompt],
+    prompts: list[ParsedPrompt],
     limits: InputLimits,
     *,
     logprobs: bool,
@@ -740,10 +698,7 @@ def _parsed(
     if not 1 <= n <= MAX_N:
         raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {n}", "n")
     limits.check_choices(len(prompts), n)
-    base = dict(vars(params))  # to_dict() (dataclasses.asdict) deep-copies: ~70 µs per request
-    if unbounded:
-        base["max_tokens"] = None  # the worker fills in "model length - prompt length"
-    samplings = [base] + [_choice_sampling(base, i) for i in range(1, n)]
+    samplings = [params] + [_choice_sampling(params, i) for i in range(1, n)]
     stream = bool(req.stream)
     include_usage = bool(stream and req.stream_options is not None and req.stream_options.include_usage)
     return ParsedRequest(
@@ -756,14 +711,18 @@ def _parsed(
         logprobs=logprobs,
         return_token_ids=bool(req.return_token_ids),
         echo=echo,
+        fill_max_tokens=unbounded,
     )
 
 
-def _choice_sampling(base: dict[str, Any], i: int) -> dict[str, Any]:
-    """Choice ``i`` of a seeded request uses ``seed + i`` (wrapped into the valid seed range)."""
-    if base["seed"] is None:
+def _choice_sampling(base: SamplingParams, i: int) -> SamplingParams:
+    """Choice ``i`` of a seeded request uses ``seed + i`` (wrapped into the valid seed range): a
+    copy of the validated ``base``, valid by construction, so not validated again."""
+    if base.seed is None:
         return base
-    seed = base["seed"] + i
+    seed = base.seed + i
     if seed >= _SEED_SPAN:
         seed -= _SEED_SPAN
-    return {**base, "seed": seed}
+    choice = copy.copy(base)
+    choice.seed = seed
+    return choice

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from pdserve.router.tools import ToolStream, ToolUse
-from pdserve.scheduler.messages import RequestDelta, Timing, TokenLogprob, Usage
+from pdserve.scheduler.messages import LogprobInfo, RequestDelta, Timing, Usage
 
 DONE = b"data: [DONE]\n\n"
 
@@ -31,7 +31,7 @@ class Choice:
 
     def __init__(self) -> None:
         self.texts: list[str] = []
-        self.logprobs: list[TokenLogprob] = []
+        self.logprobs: list[LogprobInfo] = []
         self.num_tokens = 0
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -184,7 +184,7 @@ class ResponseBuilder:
             body |= extra
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    def _logprobs(self, items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    def _logprobs(self, items: list[LogprobInfo], offset: int) -> dict[str, Any]:
         if self.chat:
             return {"content": [_chat_logprob(t) for t in items]}
         offsets = []
@@ -199,7 +199,7 @@ class ResponseBuilder:
         }
 
 
-def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
+def _chat_logprob(t: LogprobInfo) -> dict[str, Any]:
     return {
         "token": t.token,
         "logprob": t.logprob,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import InvalidRequestError
 from pdserve.router.errors import ModelNotFoundError, NoCapacityError
-from pdserve.router.policies import Policy, make_policy
+from pdserve.router.policies import Policy, PolicyRequest, make_policy
 from pdserve.scheduler.messages import InstanceInfo
 
 logger = logging.getLogger(__name__)
@@ -130,24 +130,31 @@ class Selector:
         self._live: Sequence[InstanceInfo] | None = None
         self._live_by_id: Sequence[InstanceInfo] = ()
 
-    def route(self, live: Sequence[InstanceInfo], model: str, exclude: Collection[str] = ()) -> Route:
-        """Where to run a request of ``model``, avoiding ``exclude`` when anything else can serve.
+    def route(
+        self, live: Sequence[InstanceInfo], request: PolicyRequest, exclude: Collection[str] = ()
+    ) -> Route:
+        """Where to run ``request`` (of ``request.model``), avoiding ``exclude`` when anything else
+        can serve.
 
         Raises NoCapacityError saying why when nothing can.
         """
+        model = request.model
         candidates = [info for info in self._by_id(live) if info.model == model and not info.draining]
         if exclude:
-            route = self._route([info for info in candidates if info.id not in exclude])
+            route = self._route([info for info in candidates if info.id not in exclude], request)
             if route is not None:
                 return route
-        route = self._route(candidates)
+        route = self._route(candidates, request)
         if route is None:
             raise NoCapacityError(no_route_reason(live, model, self.aggregated_fallback))
         return route
 
-    def route_whole(self, live: Sequence[InstanceInfo], model: str, exclude: Collection[str] = ()) -> Route:
+    def route_whole(
+        self, live: Sequence[InstanceInfo], request: PolicyRequest, exclude: Collection[str] = ()
+    ) -> Route:
         """Where a migrated request continues: one mixed (preferred) or decode instance, never a
         pair (it recomputes prompt + delivered tokens itself), avoiding ``exclude`` when it can."""
+        model = request.model
         candidates = [
             info
             for info in self._by_id(live)
@@ -157,7 +164,7 @@ class Selector:
         if not candidates:
             raise NoCapacityError(f"no decode or mixed instance of model {model!r} is live to continue on")
         mixed = [info for info in candidates if info.role == "mixed"]
-        return Route(decode=self.decode_policy.pick(mixed or candidates, self.in_flight))
+        return Route(decode=self.decode_policy.pick(mixed or candidates, self.in_flight, request))
 
     def _by_id(self, live: Sequence[InstanceInfo]) -> Sequence[InstanceInfo]:
         """``live`` sorted by id (round robin needs a stable order; the registry lists by expiry),
@@ -166,24 +173,26 @@ class Selector:
             self._live, self._live_by_id = live, sorted(live, key=lambda info: info.id)
         return self._live_by_id
 
-    def _route(self, candidates: list[InstanceInfo]) -> Route | None:
+    def _route(self, candidates: list[InstanceInfo], request: PolicyRequest) -> Route | None:
         prefills = [info for info in candidates if info.role == "prefill"]
         decodes = [info for info in candidates if info.role == "decode"]
         if prefills and decodes:
-            route = self._pair(prefills, decodes)
+            route = self._pair(prefills, decodes, request)
             if route is not None:
                 return route
         mixed = [info for info in candidates if info.role == "mixed"]
         if mixed:
-            return Route(decode=self.decode_policy.pick(mixed, self.in_flight))
+            return Route(decode=self.decode_policy.pick(mixed, self.in_flight, request))
         if not decodes or not self.aggregated_fallback:
             return None
         self._warn_aggregated(bool(prefills))
-        return Route(decode=self.decode_policy.pick(decodes, self.in_flight))
+        return Route(decode=self.decode_policy.pick(decodes, self.in_flight, request))
 
-    def _pair(self, prefills: list[InstanceInfo], decodes: list[InstanceInfo]) -> Route | None:
+    def _pair(
+        self, prefills: list[InstanceInfo], decodes: list[InstanceInfo], request: PolicyRequest
+    ) -> Route | None:
         while prefills:
-            prefill = self.prefill_policy.pick(prefills, self.in_flight)
+            prefill = self.prefill_policy.pick(prefills, self.in_flight, request)
             usable = {
                 d.id: p
                 for d in decodes
@@ -192,7 +201,9 @@ class Selector:
                 and (p := transfer_protocol(prefill, d))
             }
             if usable:
-                decode = self.decode_policy.pick([d for d in decodes if d.id in usable], self.in_flight)
+                decode = self.decode_policy.pick(
+                    [d for d in decodes if d.id in usable], self.in_flight, request
+                )
                 return Route(decode=decode, prefill=prefill, protocol=usable[decode.id])
             prefills = [p for p in prefills if p is not prefill]  # no partner: skip this prefill
         return None

@@ -15,108 +15,36 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
 
-import orjson
-
-from pdserve.errors import InvalidRequestError, PdserveError
-from pdserve.router.dispatch import Generation
-from pdserve.router.errors import BodyTooLargeError, UpstreamError, error_event, error_status
+from pdserve.errors import PdserveError
+from pdserve.router.asgi import (
+    ClientGone,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    request_id,
+    send_error,
+    send_json,
+)
+from pdserve.router.dispatch import RoutedGeneration
+from pdserve.router.errors import UpstreamError, error_event, error_status
 from pdserve.router.protocol import InputLimits, ParsedRequest
 from pdserve.router.responses import DONE, Choice, ResponseBuilder
 from pdserve.router.responses import timing as timing_fields
 from pdserve.router.selection import resolve_model, vocab_size
+from pdserve.router.state import RouterState
 from pdserve.scheduler.messages import ErrorInfo, RequestDelta, Timing
-
-if TYPE_CHECKING:
-    from pdserve.router.app import RouterState
 
 logger = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-JSON = b"application/json"
-MAX_REQUEST_ID_LEN = 128
 DISCONNECT_WATCH_AFTER_S = 0.2
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request body was complete."""
-
-
-def request_id(headers: list[tuple[bytes, bytes]], default: str | None = None) -> str:
-    """The client's ``x-request-id`` (checked: 1-128 visible ASCII characters), else ``default``
-    or a fresh uuid4 hex."""
-    for name, value in headers:
-        if name == b"x-request-id":
-            if (
-                0 < len(value) <= MAX_REQUEST_ID_LEN
-                and value.isascii()
-                and all(33 <= c <= 126 for c in value)
-            ):
-                return value.decode()
-            raise InvalidRequestError(
-                f"x-request-id must be 1-{MAX_REQUEST_ID_LEN} visible ASCII characters", "x-request-id"
-            )
-    return default or uuid.uuid4().hex
-
-
-async def read_body(headers: list[tuple[bytes, bytes]], receive: Receive, limit: int) -> bytes:
-    """The request body; BodyTooLargeError past ``limit`` bytes, by Content-Length and by counting
-    (so chunked bodies are caught too, without reading more than ``limit`` of them)."""
-    for name, value in headers:
-        if name == b"content-length":
-            if not value.isdigit():
-                raise InvalidRequestError("invalid Content-Length header", None)
-            if int(value) > limit:
-                raise BodyTooLargeError(limit)
-    message = await receive()
-    body = message.get("body", b"")
-    if not message.get("more_body", False) and message["type"] == "http.request":
-        if len(body) > limit:
-            raise BodyTooLargeError(limit)
-        return body
-    parts, size = [body], len(body)
-    while message.get("more_body", False):
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLargeError(limit)
-        parts.append(chunk)
-    if message["type"] == "http.disconnect":
-        raise ClientGone()
-    return b"".join(parts)
-
-
-async def send_json(
-    send: Send, status: int, body: bytes, rid: str, headers: dict[str, str] | None = None
-) -> None:
-    raw = [
-        (b"content-type", JSON),
-        (b"content-length", str(len(body)).encode()),
-        (b"x-request-id", rid.encode()),
-    ]
-    if headers:
-        raw.extend((k.encode(), v.encode()) for k, v in headers.items())
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def send_error(send: Send, exc: BaseException, rid: str) -> None:
-    status, body, headers = error_status(exc)
-    if status >= 500 and not isinstance(exc, PdserveError):
-        logger.error("request %s failed", rid, exc_info=exc)
-    await send_json(send, status, orjson.dumps(body), rid, headers)
 
 
 class GenerateEndpoint:
@@ -232,7 +160,7 @@ class StatusSend:
         self.send = send
         self.status = 499
 
-    def __call__(self, message: dict[str, Any]) -> Awaitable[None]:
+    def __call__(self, message: Message) -> Awaitable[None]:
         if message["type"] == "http.response.start":
             self.status = message["status"]
         return self.send(message)
@@ -247,7 +175,7 @@ class DisconnectWatch:
 
     __slots__ = ("_gens", "_receive", "_task", "_timer")
 
-    def __init__(self, receive: Receive, gens: list[Generation]) -> None:
+    def __init__(self, receive: Receive, gens: list[RoutedGeneration]) -> None:
         self._receive = receive
         self._gens = gens
         self._task: asyncio.Task[None] | None = None
@@ -268,7 +196,7 @@ class DisconnectWatch:
             gen.cancel("the client disconnected")
 
 
-async def _collect(gen: Generation) -> Choice:
+async def _collect(gen: RoutedGeneration) -> Choice:
     choice = Choice()
     while True:
         delta = await gen.next()
@@ -279,7 +207,7 @@ async def _collect(gen: Generation) -> Choice:
             return choice
 
 
-async def _complete(send: Send, rid: str, gens: list[Generation], builder: ResponseBuilder) -> None:
+async def _complete(send: Send, rid: str, gens: list[RoutedGeneration], builder: ResponseBuilder) -> None:
     try:
         if len(gens) == 1:
             choices = [await _collect(gens[0])]
@@ -292,7 +220,7 @@ async def _complete(send: Send, rid: str, gens: list[Generation], builder: Respo
     await send_json(send, 200, builder.response(choices), rid, headers)
 
 
-def route_headers(gen: Generation) -> dict[str, str]:
+def route_headers(gen: RoutedGeneration) -> dict[str, str]:
     """Which instances served the request and how (``x-pdserve-mode``: splitwise, mixed, aggregated)."""
     return gen.route.headers() if gen.route is not None else {}
 
@@ -318,7 +246,7 @@ async def _gather(coros: list[Awaitable[Choice]]) -> list[Choice]:
             task.cancel()
 
 
-async def _stream(send: Send, rid: str, gens: list[Generation], builder: ResponseBuilder) -> None:
+async def _stream(send: Send, rid: str, gens: list[RoutedGeneration], builder: ResponseBuilder) -> None:
     try:
         firsts = [await gen.next() for gen in gens]
     except Exception as e:
@@ -336,6 +264,7 @@ async def _stream(send: Send, rid: str, gens: list[Generation], builder: Respons
     if builder.chat:
         for i in range(len(gens)):
             out += builder.role_chunk(i)
+    error: ErrorInfo | Exception | None
     try:
         for i, delta in enumerate(firsts):
             choices[i].note(delta)
@@ -357,7 +286,7 @@ async def _stream(send: Send, rid: str, gens: list[Generation], builder: Respons
 
 
 async def _relay_one(
-    send: Send, out: bytearray, gen: Generation, choice: Choice, builder: ResponseBuilder
+    send: Send, out: bytearray, gen: RoutedGeneration, choice: Choice, builder: ResponseBuilder
 ) -> ErrorInfo | None:
     """Relay one choice until its final delta; returns the ErrorInfo that ended it, if any."""
     delta = None
@@ -378,12 +307,12 @@ async def _relay_one(
 
 
 async def _relay_many(
-    send: Send, out: bytearray, gens: list[Generation], choices: list[Choice], builder: ResponseBuilder
+    send: Send, out: bytearray, gens: list[RoutedGeneration], choices: list[Choice], builder: ResponseBuilder
 ) -> ErrorInfo | Exception | None:
     """Relay n choices through one queue; the first error ends the whole stream."""
     merged: asyncio.Queue[tuple[int, RequestDelta | Exception]] = asyncio.Queue()
 
-    async def pump(index: int, gen: Generation) -> None:
+    async def pump(index: int, gen: RoutedGeneration) -> None:
         try:
             while True:
                 delta = await gen.next()

@@ -1,4 +1,5 @@
-"""Router configuration: one validated dataclass, its command-line flags, and the server entry point.
+"""Router configuration: one validated dataclass and its command-line flags (the server entry point
+is :func:`pdserve.router.server.run_router`).
 
 Flags default from ``PDSERVE_*`` environment variables (:mod:`pdserve.flags`).
 """
@@ -7,20 +8,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import secrets
 import socket
 from pathlib import Path
-from typing import Any
 
 from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting
-from pdserve.router.policies import POLICIES as POLICY_NAMES
+from pdserve.router.policies import POLICY_NAMES
 from pdserve.scheduler.connection import DEFAULT_URL
 from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
 from pdserve.scheduler.registry import DEFAULT_TTL_S
-
-logger = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 
@@ -41,10 +38,13 @@ class RouterSettings:
     port: int = setting(8000, "port to listen on (default %(default)s)")
     router_id: str = setting("", "this router's id (default router-<hostname>-<port>-<random>)")
     prefill_policy: str = setting(
-        "least_load", "how to pick the prefill instance (default %(default)s)", choices=POLICY_NAMES
+        "least_load",
+        "how to pick the prefill instance; prefix_affinity sends prompts that begin alike to one instance "
+        "while its load allows (default %(default)s)",
+        choices=POLICY_NAMES,
     )
     decode_policy: str = setting(
-        "least_load", "how to pick the decode instance (default %(default)s)", choices=POLICY_NAMES
+        "least_load", "how to pick the decode or mixed instance (default %(default)s)", choices=POLICY_NAMES
     )
     request_timeout_s: float = setting(600.0, "seconds a request may take in all (default %(default)s)")
     """Every request ends (with a 504 ``timeout`` error at worst) this long after it arrived."""
@@ -196,50 +196,3 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     """Build (and validate) RouterSettings from parsed ``pdserve router`` flags."""
     return from_args(RouterSettings, args)
-
-
-def uvicorn_config(settings: RouterSettings, app: Any) -> Any:
-    """The uvicorn configuration of a router: uvloop + httptools (uvloop sets TCP_NODELAY on every
-    accepted socket; ``tests/router/test_router_settings.py`` checks it), access log off unless asked."""
-    import uvicorn
-
-    return uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=settings.access_log,
-        log_config=None,
-        timeout_keep_alive=75,
-        server_header=False,
-    )
-
-
-def run_router(args: argparse.Namespace) -> int:
-    """Entry point of ``pdserve router``: serve until interrupted; returns the exit status."""
-    import uvicorn
-
-    from pdserve.router.app import create_app
-
-    settings = settings_from_args(args)
-    server = uvicorn.Server(uvicorn_config(settings, create_app(settings)))
-    logger.info(
-        "router %s listening on %s (Redis %s, cluster %s)",
-        settings.router_id,
-        settings.url,
-        _redacted(settings.redis_url),
-        settings.cluster,
-    )
-    server.run()
-    return 0 if server.started else 1
-
-
-def _redacted(url: str) -> str:
-    from pdserve.scheduler.connection import RedisSettings
-
-    try:
-        return RedisSettings.from_url(url).display_url
-    except ConfigError:
-        return "<invalid url>"

@@ -11,29 +11,18 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from pdserve.errors import InvalidRequestError, RequestTimeoutError
+from pdserve.router.asgi import ClientGone, Receive, Scope, Send, read_body, request_id, send_error, send_json
 from pdserve.router.errors import NoCapacityError, UpstreamError
 from pdserve.router.protocol import DetokenizeRequest, TokenizeRequest, message_dict, validate_body
 from pdserve.router.selection import resolve_model
-from pdserve.router.serving import (
-    ClientGone,
-    Receive,
-    Scope,
-    Send,
-    read_body,
-    request_id,
-    send_error,
-    send_json,
-)
+from pdserve.router.state import RouterState
 from pdserve.router.tools import template_tools, tool_use_of
 from pdserve.scheduler.messages import InstanceInfo, RequestDelta, Tokenize
-
-if TYPE_CHECKING:
-    from pdserve.router.app import RouterState
 
 TOKENIZE_TIMEOUT_S = 30.0
 
@@ -73,16 +62,14 @@ class TokenizeEndpoint:
         await send_json(send, 200, orjson.dumps(out), client_rid)
 
     def _message(self, body: bytes, rid: str) -> tuple[Tokenize, str | None]:
-        common = {
-            "request_id": rid,
-            "router_id": self.state.settings.router_id,
-            "deadline": time.time() + TOKENIZE_TIMEOUT_S,
-        }
+        """The Tokenize message a body asks for, and the model it names."""
+        router_id, deadline = self.state.settings.router_id, time.time() + TOKENIZE_TIMEOUT_S
         if self.detokenize:
-            req = validate_body(DetokenizeRequest, body)
-            if not req.tokens:
+            detok = validate_body(DetokenizeRequest, body)
+            if not detok.tokens:
                 raise InvalidRequestError("tokens must not be empty", "tokens")
-            return Tokenize(token_ids=req.tokens, **common), req.model
+            msg = Tokenize(request_id=rid, router_id=router_id, deadline=deadline, token_ids=detok.tokens)
+            return msg, detok.model
         req = validate_body(TokenizeRequest, body)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
@@ -94,23 +81,30 @@ class TokenizeEndpoint:
             if req.tools is not None or req.add_generation_prompt is not None:
                 field = "tools" if req.tools is not None else "add_generation_prompt"
                 raise InvalidRequestError(f"{field} goes with messages, not prompt", field)
-            return Tokenize(prompt=req.prompt, add_special_tokens=req.add_special_tokens, **common), req.model
+            msg = Tokenize(
+                request_id=rid,
+                router_id=router_id,
+                deadline=deadline,
+                prompt=req.prompt,
+                add_special_tokens=req.add_special_tokens,
+            )
+            return msg, req.model
         if not req.messages:
             raise InvalidRequestError("messages must be a non-empty list", "messages")
         tools = None
         if req.tools:
             tool_use_of(req.tools, None, None)  # checks names and schemas: 400s name the field
             tools = template_tools(req.tools)
-        return (
-            Tokenize(
-                messages=[message_dict(i, m) for i, m in enumerate(req.messages)],
-                tools=tools,
-                add_special_tokens=req.add_special_tokens,
-                add_generation_prompt=req.add_generation_prompt is not False,
-                **common,
-            ),
-            req.model,
+        msg = Tokenize(
+            request_id=rid,
+            router_id=router_id,
+            deadline=deadline,
+            messages=[message_dict(i, m) for i, m in enumerate(req.messages)],
+            tools=tools,
+            add_special_tokens=req.add_special_tokens,
+            add_generation_prompt=req.add_generation_prompt is not False,
         )
+        return msg, req.model
 
     async def _ask(self, live: list[InstanceInfo], model: str, msg: Tokenize) -> tuple[RequestDelta, int]:
         """Send ``msg`` to the least busy instance of ``model``; its answer and the model's length."""

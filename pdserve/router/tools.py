@@ -1,4 +1,5 @@
-"""Tool calling: a chat request's ``tools`` / ``tool_choice``, and the model's output read as calls.
+"""Tool calling: a chat request's ``tools`` / ``tool_choice`` (their request models and checks), and the
+model's output read as calls.
 
 ``tool_choice`` ``required`` and a named function are enforced by the structured-output grammar
 (``SamplingParams.guided``: the worker's llguidance, the path ``response_format`` takes, so it holds in
@@ -20,18 +21,59 @@ import dataclasses
 import json
 import re
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pdserve.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from pdserve.router.protocol import NamedToolChoice, Tool, ToolCall
+from pdserve.router.strict import StrictModel
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """OpenAI's rule for function names."""
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 _JSON_TOOLS = "tools"  # the field a grammar error names: the schemas came from the tools
+
+
+# -- the request's tool objects (parts of a chat request body) ---------------------------------
+
+
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object (none: the function takes no arguments)."""
+    strict: bool | None = None
+    """Accepted; where pdserve enforces arguments (``tool_choice`` required or named) it always does."""
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str
+    """The arguments object as JSON text (as OpenAI returns it)."""
+
+
+class ToolCall(StrictModel):
+    """A call in an earlier assistant message of the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+# -- reading the output ---------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,7 +91,7 @@ class ToolUse:
     def guided(self) -> dict[str, Any] | None:
         """The grammar that enforces ``required`` or a named function (``auto``: none)."""
         if self.mode == "named":
-            return {"kind": "json", "spec": self.schemas[self.name], "param": _JSON_TOOLS}
+            return {"kind": "json", "spec": self.schemas[self.name or ""], "param": _JSON_TOOLS}
         if self.mode == "required":
             calls = [
                 {

@@ -199,3 +199,29 @@ def test_generation_endpoints_are_in_the_openapi_schema(redis_url: str, redis_cl
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
     run(main())
+
+
+def test_every_endpoint_answers_json_and_errors_the_same_way(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Operator endpoints, FastAPI's 404/405 and the raw endpoints share one JSON/error path."""
+
+    async def main() -> None:
+        async with router(redis_url) as client:
+            ok = await client.get("/health", headers={"x-request-id": "h"})
+            errors = [
+                await client.get("/v1/models/nope", headers={"x-request-id": "e1"}),
+                await client.get("/nothing", headers={"x-request-id": "e2"}),
+                await client.put("/tokenize", headers={"x-request-id": "e3"}),
+                await client.post("/v1/completions", json={}, headers={"x-request-id": "e4"}),
+                await client.post("/tokenize", json={}, headers={"x-request-id": "e5"}),
+            ]
+            assert [r.status_code for r in errors] == [404, 404, 405, 400, 400]
+            for i, r in enumerate([ok, *errors]):
+                assert r.headers["content-type"] == "application/json", r.headers
+                assert int(r.headers["content-length"]) == len(r.content)
+                assert r.headers["x-request-id"] == ("h" if i == 0 else f"e{i}")
+            for r in errors:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+    run(main())

@@ -75,7 +75,7 @@ def test_completion_non_stream(redis_url: str, redis_client: redis.Redis) -> Non
             assert re.fullmatch("[0-9a-f]{32}", msg.request_id)  # the router's id, not x-request-id
             assert (msg.router_id, msg.attempt) == (ROUTER_ID, 0)
             assert (msg.prompt, msg.prompt_token_ids, msg.messages) == ("hi", None, None)
-            assert msg.sampling == SamplingParams(max_tokens=5, temperature=0.0).to_dict()
+            assert msg.sampling == SamplingParams(max_tokens=5, temperature=0.0)
             assert msg.disaggregate_info is None
             assert before + 599 < msg.deadline < time.time() + 601
             assert dispatcher(client).in_flight == {} and dispatcher(client).generations == {}
@@ -107,12 +107,13 @@ def test_prompt_forms_and_chat_max_tokens(redis_url: str, redis_client: redis.Re
                 ("text", None),
                 (None, [4, 5]),
             ]
-            assert [m.sampling["max_tokens"] for m in reqs] == [16, 16, 16, None, 4]  # chat default: None
+            max_tokens = [None if m.fill_max_tokens else m.sampling.max_tokens for m in reqs]
+            assert max_tokens == [16, 16, 16, None, 4]  # chat default: None, the worker fills it in
             assert reqs[3].messages == [
                 {"role": "system", "content": "be brief"},
                 {"role": "user", "content": "ab", "name": "ann"},
             ]
-            assert reqs[3].sampling["stop"] == ["x"] and reqs[3].prompt is None
+            assert reqs[3].sampling.stop == ["x"] and reqs[3].prompt is None
             await worker.stop()
 
     run(main())
@@ -290,7 +291,7 @@ def test_logprobs_shapes(redis_url: str, redis_client: redis.Redis) -> None:
                     "text_offset": [5],
                 },
             ]
-            assert worker.requests()[0].sampling["logprobs"] == 1
+            assert worker.requests()[0].sampling.logprobs == 1
             resp = await client.post("/v1/completions", json={"prompt": "x", "logprobs": 0})
             lp = resp.json()["choices"][0]["logprobs"]
             assert lp["tokens"] == ["Hello", " world"] and lp["text_offset"] == [0, 5]
@@ -304,7 +305,7 @@ def test_logprobs_shapes(redis_url: str, redis_client: redis.Redis) -> None:
                 "bytes": list(b" world"),
                 "top_logprobs": [{"token": " world", "logprob": -0.5, "bytes": list(b" world")}],
             }
-            assert worker.requests()[2].sampling["logprobs"] == 1
+            assert worker.requests()[2].sampling.logprobs == 1
             assert (await client.post("/v1/chat/completions", json=CHAT)).json()["choices"][0][
                 "logprobs"
             ] is None
@@ -326,7 +327,7 @@ def test_n_fans_out_seeded_requests(redis_url: str, redis_client: redis.Redis) -
             assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9, **CACHED}
             reqs = worker.requests()
             rid = reqs[0].request_id.rsplit("-", 1)[0]
-            assert sorted((m.request_id, m.sampling["seed"]) for m in reqs) == [
+            assert sorted((m.request_id, m.sampling.seed) for m in reqs) == [
                 (f"{rid}-0", 7),
                 (f"{rid}-1", 8),
                 (f"{rid}-2", 9),
@@ -342,7 +343,7 @@ def test_n_fans_out_seeded_requests(redis_url: str, redis_client: redis.Redis) -
                 assert choices[0]["delta"] == {"role": "assistant", "content": ""}
                 assert "".join(c["delta"].get("content", "") for c in choices) == "Hello world"
                 assert choices[-1]["finish_reason"] == "stop"
-            assert all(m.sampling["seed"] is None for m in worker.requests()[3:])
+            assert all(m.sampling.seed is None for m in worker.requests()[3:])
             await worker.stop()
 
     run(main())
@@ -382,7 +383,7 @@ def test_batched_prompts_fan_out_in_openai_choice_order(redis_url: str, redis_cl
             }
             reqs = sorted(worker.requests(), key=lambda m: int(m.request_id.rsplit("-", 1)[1]))
             rid = reqs[0].request_id.rsplit("-", 1)[0]
-            assert [(m.request_id, m.prompt, m.sampling["seed"]) for m in reqs] == [
+            assert [(m.request_id, m.prompt, m.sampling.seed) for m in reqs] == [
                 (f"{rid}-{i}", p, 5 + i % 2)
                 for i, p in enumerate(["a", "a", "bcd", "bcd", "efghij", "efghij"])
             ]

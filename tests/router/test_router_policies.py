@@ -1,4 +1,4 @@
-"""Instance selection: the three policies and the pair rules (pure logic, no Redis)."""
+"""Instance selection: the policies (the registry, prefix_affinity) and the pair rules (pure logic, no Redis)."""
 
 from __future__ import annotations
 
@@ -9,42 +9,54 @@ from router_support import instance
 
 from pdserve.errors import InvalidRequestError
 from pdserve.router.errors import ModelNotFoundError, NoCapacityError
-from pdserve.router.policies import LeastLoad, Random, RoundRobin, make_policy
+from pdserve.router.policies import (
+    POLICIES,
+    LeastLoad,
+    PolicyRequest,
+    PrefixAffinity,
+    Random,
+    RoundRobin,
+    make_policy,
+)
+from pdserve.router.policies.prefix_affinity import MAX_EXTRA_LOAD, PREFIX_CHARS, prefix_key, rank
 from pdserve.router.selection import Selector, resolve_model, transfer_protocol
+
+TINY = PolicyRequest("tiny")
+"""A request of model tiny whose prompt the router does not know (the request-blind policies)."""
 
 
 def test_round_robin_cycles_in_order() -> None:
     rr = RoundRobin()
     infos = [instance(f"d{i}", "decode") for i in range(3)]
-    assert [rr.pick(infos, {}).id for _ in range(7)] == ["d0", "d1", "d2", "d0", "d1", "d2", "d0"]
+    assert [rr.pick(infos, {}, TINY).id for _ in range(7)] == ["d0", "d1", "d2", "d0", "d1", "d2", "d0"]
 
 
 def test_random_picks_every_candidate() -> None:
     policy = Random(random.Random(0))
     infos = [instance(f"d{i}", "decode") for i in range(3)]
-    assert {policy.pick(infos, {}).id for _ in range(100)} == {"d0", "d1", "d2"}
+    assert {policy.pick(infos, {}, TINY).id for _ in range(100)} == {"d0", "d1", "d2"}
 
 
 def test_least_load_uses_heartbeat_load_and_in_flight() -> None:
     policy = LeastLoad("decode", random.Random(0))
     busy = instance("d0", "decode", running=3, waiting=2)
     idle = instance("d1", "decode", running=1)
-    assert policy.pick([busy, idle], {}).id == "d1"
-    assert policy.pick([busy, idle], {"d1": 5}).id == "d0"  # this router's own requests count too
-    assert policy.pick([busy, idle], {"d1": 4}).id in ("d0", "d1")  # 5 vs 5: a tie
+    assert policy.pick([busy, idle], {}, TINY).id == "d1"
+    assert policy.pick([busy, idle], {"d1": 5}, TINY).id == "d0"  # this router's own requests count too
+    assert policy.pick([busy, idle], {"d1": 4}, TINY).id in ("d0", "d1")  # 5 vs 5: a tie
 
 
 def test_least_load_tiebreaks() -> None:
     decode = LeastLoad("decode", random.Random(0))
     roomy = instance("d0", "decode", free_blocks=90)
     tight = instance("d1", "decode", free_blocks=10)
-    assert decode.pick([tight, roomy], {}).id == "d0"  # free KV blocks break a tie
+    assert decode.pick([tight, roomy], {}, TINY).id == "d0"  # free KV blocks break a tie
     prefill = LeastLoad("prefill", random.Random(0))
     queued = instance("p0", "prefill", waiting_prefill_tokens=5000, free_blocks=90)
     empty = instance("p1", "prefill", waiting_prefill_tokens=0, free_blocks=10)
-    assert prefill.pick([queued, empty], {}).id == "p1"  # prefill compares queued prompt tokens first
+    assert prefill.pick([queued, empty], {}, TINY).id == "p1"  # prefill compares queued prompt tokens first
     twins = [instance("d0", "decode"), instance("d1", "decode")]
-    assert {decode.pick(twins, {}).id for _ in range(50)} == {"d0", "d1"}  # exact ties spread
+    assert {decode.pick(twins, {}, TINY).id for _ in range(50)} == {"d0", "d1"}  # exact ties spread
 
 
 def test_least_load_counts_in_flight_through_the_selector() -> None:
@@ -52,7 +64,7 @@ def test_least_load_counts_in_flight_through_the_selector() -> None:
     live = [instance("m0"), instance("m1")]
     picks = []
     for _ in range(4):  # what the dispatcher does per request: pick, then count it in flight
-        route = sel.route(live, "tiny")
+        route = sel.route(live, TINY)
         sel.in_flight[route.decode.id] = sel.in_flight.get(route.decode.id, 0) + 1
         picks.append(route.decode.id)
     assert sorted(picks) == ["m0", "m0", "m1", "m1"]
@@ -61,8 +73,93 @@ def test_least_load_counts_in_flight_through_the_selector() -> None:
 def test_make_policy() -> None:
     assert isinstance(make_policy("round_robin", "decode"), RoundRobin)
     assert isinstance(make_policy("least_load", "prefill"), LeastLoad)
+    assert isinstance(make_policy("prefix_affinity", "prefill"), PrefixAffinity)
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest", "decode")
+
+
+def test_every_registered_policy_is_a_router_flag_value() -> None:
+    from pdserve.router import RouterSettings
+
+    assert list(POLICIES) == ["round_robin", "random", "least_load", "prefix_affinity"]
+    for name in POLICIES:
+        s = RouterSettings(prefill_policy=name, decode_policy=name)
+        sel = Selector(s.prefill_policy, s.decode_policy)
+        assert sel.route([instance("p0", "prefill"), instance("d0", "decode")], TINY).instance_ids == (
+            "p0",
+            "d0",
+        )
+
+
+# -- prefix_affinity -------------------------------------------------------------------------------
+
+SYSTEM = "You are a helpful assistant. " * 20  # longer than the key's prefix
+
+
+def text(prompt: str) -> PolicyRequest:
+    return PolicyRequest("tiny", text=prompt)
+
+
+def test_the_same_prefix_goes_to_the_same_instance_on_every_router() -> None:
+    live = [instance(f"m{i}") for i in range(5)]
+    a, b = PrefixAffinity("decode"), PrefixAffinity("decode")  # two routers: no shared state
+    picks = {a.pick(live, {}, text(SYSTEM + tail)).id for tail in ("hi", "bye", "what is 2+2?")}
+    picks |= {b.pick(live, {}, text(SYSTEM + "another question")).id}
+    assert len(picks) == 1  # only the first PREFIX_CHARS characters count
+    assert len(SYSTEM) > PREFIX_CHARS
+    # the candidates' order does not matter, and an instance that is not preferred may leave
+    preferred = picks.pop()
+    assert b.pick(list(reversed(live)), {}, text(SYSTEM)).id == preferred
+    assert b.pick([i for i in live if i.id in (preferred, "m0", "m1")], {}, text(SYSTEM)).id == preferred
+    # token-id prompts and chats have keys too
+    ids = PolicyRequest("tiny", token_ids=list(range(200)))
+    assert a.pick(live, {}, ids).id == b.pick(live, {}, PolicyRequest("tiny", token_ids=list(range(100)))).id
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    later = [*chat, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    assert (
+        a.pick(live, {}, PolicyRequest("tiny", messages=chat)).id
+        == b.pick(live, {}, PolicyRequest("tiny", messages=later)).id
+    )
+
+
+def test_different_prefixes_spread_over_the_instances() -> None:
+    live = [instance(f"m{i}") for i in range(4)]
+    policy = PrefixAffinity("decode")
+    counts: dict[str, int] = {}
+    for i in range(400):
+        pick = policy.pick(live, {}, text(f"user {i}: tell me a story"))
+        counts[pick.id] = counts.get(pick.id, 0) + 1
+    assert set(counts) == {"m0", "m1", "m2", "m3"}
+    assert max(counts.values()) < 150, counts  # 100 each on average
+    assert prefix_key(text("a")) != prefix_key(
+        PolicyRequest("tiny", messages=[{"role": "user", "content": "a"}])
+    )
+
+
+def test_an_overloaded_preferred_instance_is_skipped() -> None:
+    names = [f"m{i}" for i in range(4)]
+    request = text(SYSTEM)
+    key = prefix_key(request)
+    assert key is not None
+    first, second = (info.id for info in rank(key, [instance(n) for n in names])[:2])
+    policy = PrefixAffinity("decode")
+
+    def pick(running: dict[str, int], in_flight: dict[str, int] | None = None) -> str:
+        live = [instance(n, running=running.get(n, 0)) for n in names]
+        return policy.pick(live, in_flight or {}, request).id
+
+    assert pick({first: MAX_EXTRA_LOAD}) == first  # within the bound: affinity holds
+    assert pick({first: MAX_EXTRA_LOAD + 1}) == second  # above it: the prefix's next instance
+    assert pick({}, {first: MAX_EXTRA_LOAD + 1}) == second  # this router's own requests count too
+    busy = {n: MAX_EXTRA_LOAD + 1 for n in names if n not in (first, second)} | {first: 50, second: 50}
+    assert pick(busy) not in (first, second)  # both far above the least loaded: a less busy one
+
+
+def test_a_request_without_a_prompt_is_placed_by_least_load() -> None:
+    policy = PrefixAffinity("decode")
+    busy, idle = instance("d0", "decode", running=3), instance("d1", "decode")
+    assert prefix_key(TINY) is None
+    assert {policy.pick([busy, idle], {}, TINY).id for _ in range(10)} == {"d1"}
 
 
 # -- pair rules ------------------------------------------------------------------------------------
@@ -85,7 +182,7 @@ def test_shm_only_on_one_host() -> None:
 def test_splitwise_pair_and_protocol() -> None:
     sel = Selector("round_robin", "round_robin")
     live = [instance("p0", "prefill", host="a"), instance("d0", "decode", host="a"), instance("m0", "mixed")]
-    route = sel.route(live, "tiny")
+    route = sel.route(live, TINY)
     assert (route.prefill.id, route.decode.id, route.protocol) == ("p0", "d0", "shm")
     assert route.entry.id == "p0" and route.instance_ids == ("p0", "d0")
 
@@ -97,15 +194,15 @@ def test_instances_with_different_kv_geometry_are_never_paired(caplog) -> None:
     d32 = instance("d1", "decode", host="a")
     d32.kv.block_size = 32
     with caplog.at_level("WARNING", logger="pdserve.router.selection"):
-        routes = [sel.route([p0, d32], "tiny") for _ in range(3)]
+        routes = [sel.route([p0, d32], TINY) for _ in range(3)]
     assert all(r.prefill is None and r.decode.id == "d1" for r in routes)  # d1 serves it alone
     assert "not pairing p0 with d1: different KV caches (block_size 16 vs 32)" in caplog.text
     assert caplog.text.count("not pairing") == 1  # said once, not per request
     for _ in range(4):
-        route = sel.route([p0, d16, d32], "tiny")
+        route = sel.route([p0, d16, d32], TINY)
         assert (route.prefill.id, route.decode.id) == ("p0", "d0")  # only the compatible partner
     d32.kv.block_size, d32.kv.dtype = 16, "bfloat16"
-    assert sel.route([p0, d32], "tiny").prefill is None
+    assert sel.route([p0, d32], TINY).prefill is None
 
 
 def test_pairs_without_a_common_protocol_are_skipped() -> None:
@@ -114,21 +211,21 @@ def test_pairs_without_a_common_protocol_are_skipped() -> None:
     ok = instance("p1", "prefill", host="b", protocols=("tcp",))
     d = instance("d0", "decode", host="c", protocols=("shm", "tcp"))
     for _ in range(3):
-        route = sel.route([lonely, ok, d], "tiny")
+        route = sel.route([lonely, ok, d], TINY)
         assert (route.prefill.id, route.decode.id, route.protocol) == ("p1", "d0", "tcp")
     # nobody can pair: the decode instance serves the whole request
-    route = sel.route([lonely, d], "tiny")
+    route = sel.route([lonely, d], TINY)
     assert route.prefill is None and route.decode.id == "d0"
 
 
 def test_fallbacks_without_prefill() -> None:
     sel = Selector("round_robin", "round_robin")
-    assert sel.route([instance("m0", "mixed")], "tiny").instance_ids == ("m0",)
-    assert sel.route([instance("d0", "decode")], "tiny").instance_ids == ("d0",)
+    assert sel.route([instance("m0", "mixed")], TINY).instance_ids == ("m0",)
+    assert sel.route([instance("d0", "decode")], TINY).instance_ids == ("d0",)
     # mixed preferred to decode-only when there is no prefill
-    assert sel.route([instance("d0", "decode"), instance("m0", "mixed")], "tiny").instance_ids == ("m0",)
+    assert sel.route([instance("d0", "decode"), instance("m0", "mixed")], TINY).instance_ids == ("m0",)
     with pytest.raises(NoCapacityError, match="no decode or mixed"):
-        sel.route([instance("p0", "prefill")], "tiny")
+        sel.route([instance("p0", "prefill")], TINY)
 
 
 def test_aggregated_fallback_is_said_and_can_be_turned_off(caplog) -> None:
@@ -137,7 +234,7 @@ def test_aggregated_fallback_is_said_and_can_be_turned_off(caplog) -> None:
         instance("p0", "prefill", host="b", protocols=("shm",)),
     )
     with caplog.at_level("WARNING", logger="pdserve.router.selection"):
-        route = Selector("round_robin", "round_robin").route([decode], "tiny")
+        route = Selector("round_robin", "round_robin").route([decode], TINY)
     assert route.mode == "aggregated" and route.headers() == {
         "x-pdserve-mode": "aggregated",
         "x-pdserve-decode-instance": "d0",
@@ -146,9 +243,9 @@ def test_aggregated_fallback_is_said_and_can_be_turned_off(caplog) -> None:
     strict = Selector("round_robin", "round_robin", aggregated_fallback=False)
     for live in ([decode], [decode, prefill_elsewhere]):
         with pytest.raises(NoCapacityError, match="--no-aggregated-fallback"):
-            strict.route(live, "tiny")
-    assert strict.route([decode, instance("m0", "mixed")], "tiny").mode == "mixed"  # mixed is not a fallback
-    pair = strict.route([decode, instance("p1", "prefill", host="a")], "tiny")
+            strict.route(live, TINY)
+    assert strict.route([decode, instance("m0", "mixed")], TINY).mode == "mixed"  # mixed is not a fallback
+    pair = strict.route([decode, instance("p1", "prefill", host="a")], TINY)
     assert pair.mode == "splitwise" and pair.headers()["x-pdserve-prefill-instance"] == "p1"
 
 
@@ -162,17 +259,19 @@ def test_draining_is_never_picked() -> None:
         instance("m0", draining=True),
     ]
     for _ in range(5):
-        assert sel.route(live, "tiny").instance_ids == ("p1", "d1")
+        assert sel.route(live, TINY).instance_ids == ("p1", "d1")
     with pytest.raises(NoCapacityError, match="draining"):
-        sel.route([instance("m0", draining=True)], "tiny")
+        sel.route([instance("m0", draining=True)], TINY)
 
 
 def test_model_and_exclusion() -> None:
     sel = Selector("round_robin", "round_robin")
     live = [instance("a0", model="a"), instance("b0", model="b"), instance("b1", model="b")]
-    assert {sel.route(live, "b").decode.id for _ in range(4)} == {"b0", "b1"}
-    assert {sel.route(live, "b", exclude={"b0"}).decode.id for _ in range(4)} == {"b1"}
-    assert sel.route(live, "b", exclude={"b0", "b1"}).decode.model == "b"  # exclusion is a preference
+    assert {sel.route(live, PolicyRequest("b")).decode.id for _ in range(4)} == {"b0", "b1"}
+    assert {sel.route(live, PolicyRequest("b"), exclude={"b0"}).decode.id for _ in range(4)} == {"b1"}
+    assert (
+        sel.route(live, PolicyRequest("b"), exclude={"b0", "b1"}).decode.model == "b"
+    )  # exclusion is a preference
     assert resolve_model(live, "a") == "a"
     with pytest.raises(ModelNotFoundError):
         resolve_model(live, "c")

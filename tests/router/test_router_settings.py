@@ -20,7 +20,8 @@ from router_support import CLUSTER
 
 from pdserve.errors import ConfigError
 from pdserve.router import RouterSettings, add_router_arguments
-from pdserve.router.settings import settings_from_args, uvicorn_config
+from pdserve.router.server import uvicorn_config
+from pdserve.router.settings import settings_from_args
 from pdserve.scheduler.embedded import free_port
 
 

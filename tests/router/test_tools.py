@@ -41,13 +41,13 @@ def use_of(**fields) -> ToolUse | None:
 # ---- parsing ---------------------------------------------------------------------------------------
 def test_tool_choice_modes() -> None:
     auto = parse_chat(chat(tools=TOOLS), LIMITS)
-    assert auto.tool_use.mode == "auto" and "guided" not in {k for k, v in auto.samplings[0].items() if v}
+    assert auto.tool_use.mode == "auto" and not auto.samplings[0].guided
     assert auto.prompts[0].tools == TOOLS  # rendered by the template as the client gave them
     named = parse_chat(chat(tools=TOOLS, tool_choice=NAMED), LIMITS)
-    assert named.tool_use.mode == "named" and named.samplings[0]["guided"]["spec"] == WEATHER
-    assert named.samplings[0]["guided"]["param"] == "tools"
+    assert named.tool_use.mode == "named" and named.samplings[0].guided["spec"] == WEATHER
+    assert named.samplings[0].guided["param"] == "tools"
     required = parse_chat(chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), LIMITS)
-    spec = required.samplings[0]["guided"]["spec"]
+    spec = required.samplings[0].guided["spec"]
     assert spec["type"] == "array" and spec["maxItems"] == 1 and len(spec["items"]["anyOf"]) == 2
     none = parse_chat(chat(tools=TOOLS, tool_choice="none"), LIMITS)
     assert none.tool_use is None and none.prompts[0].tools is None  # no tools rendered, none read

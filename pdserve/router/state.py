@@ -1,0 +1,96 @@
+"""What one router app builds at startup and every endpoint shares: :class:`RouterState`.
+
+Its own module so the endpoints (:mod:`.serving`, :mod:`.tokenize`, :mod:`.app`) all depend on it
+and it on none of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import redis.asyncio as aioredis
+
+from pdserve.router.admission import Admission
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.errors import NoCapacityError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.settings import RouterSettings
+from pdserve.scheduler.connection import RedisSettings, wait_for_redis
+from pdserve.scheduler.keys import Keys
+from pdserve.scheduler.messages import RouterInfo
+from pdserve.scheduler.registry import Heartbeat, InstanceRegistry, LiveSetCache, RouterRegistry
+from pdserve.scheduler.streams import OutboxReader
+
+logger = logging.getLogger(__name__)
+
+
+class RouterState:
+    """What the lifespan builds and every endpoint shares (one per app)."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.started_at = time.time()
+        self.redis: aioredis.Redis | None = None
+        self.reader: OutboxReader | None = None
+        self.heartbeat: Heartbeat[RouterInfo] | None = None
+        self._dispatcher: Dispatcher | None = None
+        self.metrics = RouterMetrics() if settings.metrics else None
+        self.admission = Admission(
+            settings.max_in_flight, settings.max_queued, settings.first_token_timeout_s
+        )
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        if self._dispatcher is None:
+            raise NoCapacityError("the router is starting or stopping")
+        return self._dispatcher
+
+    async def start(self) -> None:
+        """Connect to Redis, start reading the outbox, register, and start the watcher."""
+        s = self.settings
+        try:
+            self.redis = RedisSettings.from_url(s.redis_url, client_name=s.router_id).connect()
+            await wait_for_redis(self.redis, s.redis_wait_s)
+            keys = Keys(s.cluster)
+            observe = self.metrics.on_redis if self.metrics is not None else None
+            live = LiveSetCache(
+                InstanceRegistry(self.redis, keys, s.ttl_s), s.live_set_max_age_s, observe=observe
+            )
+            self.reader = OutboxReader(self.redis, keys, s.router_id, observe=observe)
+            await self.reader.start()
+            self.heartbeat = Heartbeat(RouterRegistry(self.redis, keys, s.ttl_s), self._router_info)
+            await self.heartbeat.start()
+            dispatcher = Dispatcher(self.redis, keys, live, self.reader, s, metrics=self.metrics)
+            if self.metrics is not None:
+                self.metrics.watch_live(live)
+            dispatcher.start()
+            self._dispatcher = dispatcher
+        except BaseException:
+            await self.stop()
+            raise
+        logger.info("router %s ready on %s (cluster %s)", s.router_id, s.url, s.cluster)
+
+    async def stop(self) -> None:
+        """Stop the watcher, fail what is still in flight, deregister, disconnect."""
+        dispatcher, self._dispatcher = self._dispatcher, None
+        if dispatcher is not None:
+            await dispatcher.stop()
+        if self.reader is not None:
+            await self.reader.stop()
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    def _router_info(self) -> RouterInfo:
+        s = self.settings
+        return RouterInfo(
+            id=s.router_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            port=s.port,
+            started_at=self.started_at,
+        )
