@@ -21,6 +21,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 import httpx
 
@@ -340,7 +342,7 @@ def run_stack(spec: StackSpec) -> int:
     stack = Stack(spec)
     stopping = False
 
-    def on_signal(signum, frame):  # SIGTERM behaves like Ctrl-C
+    def on_signal(signum: int, frame: FrameType | None) -> NoReturn:  # SIGTERM behaves like Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -348,6 +350,7 @@ def run_stack(spec: StackSpec) -> int:
         stack.start()
         stack.wait_ready()
         stack.record()
+        assert stack.model is not None  # resolved by start()
         model_name = stack.model.resolve().name
         print(banner(stack, model_name, time.monotonic() - t0), flush=True)
         while True:

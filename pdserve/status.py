@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -109,15 +110,15 @@ def render(status: dict[str, Any]) -> str:
         lines += _table(head, rows)
     if status["routers"]:
         lines.append("")
-        rows = [
+        router_rows = [
             (r["id"], f"{r['host']}:{r['port']}", str(r["outbox_len"]), _age(r["age_s"]))
             for r in status["routers"]
         ]
-        lines += _table(("ROUTER", "ADDRESS", "OUTBOX", "AGE"), rows)
+        lines += _table(("ROUTER", "ADDRESS", "OUTBOX", "AGE"), router_rows)
     return "\n".join(lines)
 
 
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+def _table(head: tuple[str, ...], rows: Sequence[tuple[object, ...]]) -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
     return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
 

@@ -13,9 +13,9 @@ import dataclasses
 import logging
 import multiprocessing as mp
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
-from pdserve.cache_transfer.regions import pair_regions
+from pdserve.cache_transfer.regions import Region, pair_regions
 from pdserve.cache_transfer.shm import ShmWriter
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import Generation, Prompt
@@ -26,6 +26,15 @@ from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 TRANSFERS = ("shm", "bytes")
+
+
+class _Job(TypedDict):
+    """One prompt handed to the prefill process, with the decode side's blocks for its KV."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    dst_regions: list[Region]
 
 
 def _prefill_process(model_dir: str, config: EngineConfig, conn: Any, log_level: int) -> None:
@@ -97,7 +106,7 @@ def generate_disaggregated(
     try:
         _expect(_recv(parent, proc), "ready")
         gens: dict[str, Generation] = {}
-        jobs = []
+        jobs: list[_Job] = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             ids = decode.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             decode.validate(ids, p)
@@ -119,8 +128,8 @@ def generate_disaggregated(
                 break
             if kind == "error":
                 raise EngineError(f"prefill process failed: {body}")
-            out, payload = body
             out: RequestOutput
+            out, payload = body
             gens[out.request_id].add(out)
             if out.prefilled:
                 if payload is not None:

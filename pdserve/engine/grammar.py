@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
@@ -23,9 +23,12 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import guided_param
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only, not at runtime
+
 CACHE_SIZE = 64  # compiled grammars kept per engine
 MAX_ERROR_CHARS = 500
-JSON_DEFAULTS = {"whitespace_flexible": False}
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 """Compact JSON (``,`` and ``:`` with no free whitespace): models otherwise can pad with whitespace
 forever. A schema's own ``x-guidance`` options override it (llguidance applies defaults, then
 ``x-guidance``)."""

@@ -44,9 +44,10 @@ class KVCache:
         self.nbytes = num_blocks * self.block_bytes
         self.shm = None
         if shared:
-            self.shm_name = shm_name or f"pdserve-kv-{uuid.uuid4().hex[:12]}"
+            name = shm_name or f"pdserve-kv-{uuid.uuid4().hex[:12]}"
+            self.shm_name: str | None = name
             # a named segment belongs to one instance id: a restart after a crash takes it back
-            self.shm = shm_transport.create_segment(self.shm_name, self.nbytes, reclaim=shm_name is not None)
+            self.shm = shm_transport.create_segment(name, self.nbytes, reclaim=shm_name is not None)
             array = np.ndarray(shape, dtype=np.float32, buffer=self.shm.buf)
             self.tensor = paddle.utils.dlpack.from_dlpack(array)  # zero-copy view of the segment
             self._array = array

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -81,23 +81,29 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Generation]:
         """Apply the model's chat template to each conversation, then generate."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        if conversations and isinstance(conversations[0], dict):  # one conversation
+            batch = [conversations]
+        else:
+            batch = cast(list[list[dict[str, Any]]], conversations)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in batch]
         return self.generate(prompts, sampling_params)
 
-    def _submit(self, prompts, sampling_params) -> list[Generation]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+    def _submit(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[Generation]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):  # one prompt
+            batch: Sequence[Prompt] = [cast(Prompt, prompts)]
+        else:
+            batch = cast(Sequence[Prompt], prompts)
         params = (
-            sampling_params
-            if isinstance(sampling_params, (list, tuple))
-            else [sampling_params] * len(prompts)
+            sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(batch)
         )
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling_params")
+        if len(params) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params)} sampling_params")
         jobs = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p in zip(batch, params):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             p = p or SamplingParams()
             self.engine.validate(ids, p)  # all or nothing: a bad prompt must not leave others queued

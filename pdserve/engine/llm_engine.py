@@ -16,10 +16,11 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from pdserve.engine.batcher import Batcher, BatcherConfig, blocks_for
+from pdserve.engine.batcher import Batch, Batcher, BatcherConfig, blocks_for
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -68,6 +69,8 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.threads = set_threads(config.threads)
+        # EngineConfig.__post_init__ resolves each kernel setting left unset (environment or "auto")
+        assert config.kernels is not None and config.attention is not None and config.gemm is not None
         self.kernels = choose_kernels(config.kernels, HOST)
         log.info(
             "CPU %s: kernels %s%s",
@@ -287,6 +290,7 @@ class LLMEngine:
         seq.output_token_ids.append(token)
         logprobs = None
         if p.logprobs is not None:
+            assert sample.logprob is not None  # the sampler computes it whenever logprobs are asked for
             text_of = self.tokenizer.token_text
             top = sample.top_logprobs
             logprobs = [
@@ -333,8 +337,8 @@ class LLMEngine:
         req.seq.status = SequenceStatus.FINISHED
         self.requests.pop(req.seq.request_id, None)
 
-    def _fail_batch(self, batch, message: str) -> list[RequestOutput]:
-        out = []
+    def _fail_batch(self, batch: Batch, message: str) -> list[RequestOutput]:
+        out: list[RequestOutput] = []
         for seq in {*(batch.decodes), *(c.seq for c in batch.prefills)}:
             req = self.requests.get(seq.request_id)
             if req is not None:
@@ -342,7 +346,14 @@ class LLMEngine:
                 out.append(self._output(req, [], "", None, finish_reason="error", error=message))
         return out
 
-    def _output(self, req: _Request, tokens, text, logprobs, **kw) -> RequestOutput:
+    def _output(
+        self,
+        req: _Request,
+        tokens: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        **kw: Any,
+    ) -> RequestOutput:
         seq = req.seq
         finished = "finish_reason" in kw
         return RequestOutput(
@@ -452,6 +463,7 @@ class LLMEngine:
         for token in tokens:
             seq.output_token_ids.append(token)
             if not seq.params.is_greedy:
+                assert seq.rng is not None  # set by _track
                 seq.rng.random()
             req.stop.feed(req.detok.add(token))
 

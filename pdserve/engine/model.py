@@ -6,10 +6,10 @@ together; attention runs per group. Under ``MKL_CBWR=AUTO,STRICT`` GEMM rows are
 and each sequence's attention shape depends only on that sequence, so a sequence gets the same bits
 alone or inside any batch. Attention never feeds a transposed view to matmul (Paddle's CPU matmul
 copies a strided operand first, many times slower): decode uses a block-diagonal q against K/V
-exactly as gathered. With the numba ``AttentionKernels`` (paged_kernel.py) RoPE and the K/V write
+exactly as gathered. With the numba ``AttentionKernels`` (kernels/attention.py) RoPE and the K/V write
 are one pass, decode groups skip the gather and read the cache in place through their block
 tables, first prefill chunks run causal tiles, and SwiGLU and each residual add + RMSNorm are one
-numba pass; numpy and Paddle share memory through DLPack. With a ``PackedMkl`` (packed_gemm.py)
+numba pass; numpy and Paddle share memory through DLPack. With a ``PackedMkl`` (kernels/gemm.py)
 the linear layers and lm_head multiply against weights packed once for MKL, which replace the
 plain ones; under ``MKL_CBWR=AUTO,STRICT`` its rows are batch-invariant too. Otherwise (and for the first and final
 norm) RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md, "CPU kernels").
@@ -137,6 +137,7 @@ class Model:
         return paddle.from_dlpack(x_out), paddle.from_dlpack(h)
 
     def _numba_swiglu(self, gate_up: paddle.Tensor) -> paddle.Tensor:
+        assert self.kernels is not None  # chosen only with the kernels
         return paddle.from_dlpack(self.kernels.swiglu(np.from_dlpack(gate_up)))
 
     def _rope(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
@@ -148,6 +149,7 @@ class Model:
         if packed is None:
             y = paddle.matmul(x, self.w[name])
         else:
+            assert self.gemm is not None  # weights are packed only with a gemm
             y = paddle.from_dlpack(self.gemm.matmul(np.from_dlpack(x), packed))
         bias = self.w.get(name + "_bias")
         return y if bias is None else y + bias
@@ -217,6 +219,7 @@ class Model:
                 kg, vg = k[g.start : g.start + g.num_tokens], v[g.start : g.start + g.num_tokens]
                 outs.append(self.dense_causal_attention(qg, kg, vg, mask))
             else:
+                assert kv_all is not None  # a group with chunks means the step has a gather
                 kv = kv_all[chunk : chunk + g.num_chunks]
                 chunk += g.num_chunks
                 outs.append(self.paged_attention(qg, kv, mask, g.num_seqs, g.is_decode))
@@ -225,11 +228,12 @@ class Model:
     def _kernel_attention(
         self, qkv: paddle.Tensor, layer: int, cache: KVCache, step: StepInput, state: dict
     ) -> paddle.Tensor:
-        """The same attention through the numba kernels (paged_kernel.py), sharing memory with Paddle
+        """The same attention through the numba kernels (kernels/attention.py), sharing memory with Paddle
         through DLPack: RoPE and the K/V write in one pass, decode groups read the cache in place,
         first prefill chunks run causal tiles, later chunks the reference's gather."""
         H, KVH, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         kernels, rows = self.kernels, state["rows"]
+        assert kernels is not None  # this path is chosen only with the kernels
         q, k, v = kernels.rope_write(
             np.from_dlpack(qkv), step.positions, self.rope_np, rows, step.write_rows[layer], (H, KVH, D)
         )
@@ -241,6 +245,7 @@ class Model:
         for g, mask in zip(step.groups, state["masks"]):
             span = slice(g.start, g.start + g.num_tokens)
             if g.tables is not None:
+                assert g.lengths is not None  # set together with tables
                 shape = (self.cfg.num_layers, cache.block_size, KVH)
                 out[span] = kernels.decode(rows, shape, layer, q[span], g.tables, g.lengths).reshape(
                     -1, H * D
@@ -248,6 +253,7 @@ class Model:
             elif g.num_chunks == 0:
                 out[span] = self.tiled_causal_attention(q[span], k[span], v[span])
             else:
+                assert kv_all is not None  # a group with chunks means the step has a gather
                 kv = kv_all[chunk : chunk + g.num_chunks]
                 chunk += g.num_chunks
                 o = self.paged_attention(paddle.from_dlpack(q[span]), kv, mask, g.num_seqs, g.is_decode)
@@ -262,6 +268,7 @@ class Model:
         a transposed view), the softmax in place in numba. A tile's shapes depend only on the
         sequence, so batch invariance holds.
         """
+        assert self.kernels is not None  # called on the kernel path only
         n, H, D = q.shape
         KVH = k.shape[1]
         G = H // KVH

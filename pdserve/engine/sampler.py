@@ -124,6 +124,7 @@ class Sampler:
             keep = min(keep, int(np.count_nonzero(probs >= p.min_p * probs[0])))
         ids, probs = ids[: max(keep, 1)], probs[: max(keep, 1)]
         cum = np.cumsum(probs, dtype=np.float64)
+        assert seq.rng is not None  # the engine gives each tracked sequence its generator
         u = seq.rng.random() * cum[-1]
         return int(ids[min(int(np.searchsorted(cum, u, side="right")), ids.size - 1)])
 

@@ -136,8 +136,8 @@ class Tokenizer:
         if template is None:
             template = _read_standalone_template(folder)
         eos_ids = _id_list(gen.get("eos_token_id"), str(gen_path), "eos_token_id")
-        if not eos_ids and eos and raw.token_to_id(eos) is not None:
-            eos_ids = [raw.token_to_id(eos)]
+        if not eos_ids and eos and (eos_id := raw.token_to_id(eos)) is not None:
+            eos_ids = [eos_id]
         bos_id = gen.get("bos_token_id")
         if bos_id is None and bos:
             bos_id = raw.token_to_id(bos)

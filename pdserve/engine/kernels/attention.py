@@ -73,14 +73,13 @@ def _exp32(x: float) -> float:  # pragma: no cover - compiled by numba
 
 def _make_as_float() -> Any:
     """int32 -> float32 bit reinterpretation as an LLVM bitcast (numba has no scalar view)."""
-    from llvmlite import ir
     from numba.core import types
     from numba.extending import intrinsic
 
     @intrinsic
     def as_float(typingctx: Any, bits: Any) -> Any:
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.bitcast(args[0], ir.FloatType())
+            return builder.bitcast(args[0], context.get_value_type(types.float32))  # LLVM float
 
         return types.float32(types.int32), codegen
 
@@ -294,7 +293,8 @@ class AttentionKernels:
 
         self._fns = fns
         self._set_threads = numba.set_num_threads
-        self.threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+        # numba.config sets NUMBA_NUM_THREADS through globals(), which its types cannot show
+        self.threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
 
     def decode(
         self,

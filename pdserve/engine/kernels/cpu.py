@@ -55,7 +55,7 @@ class CpuInfo:
         return [f for f in features if f not in self.flags]
 
     def describe(self) -> str:
-        simd = [f for f in ("avx2", "avx512f", "amx_tile") if f in self.flags] or ["no AVX2"]
+        simd: list[str] = [f for f in ("avx2", "avx512f", "amx_tile") if f in self.flags] or ["no AVX2"]
         return f"{self.model or self.arch} ({self.vendor or 'unknown vendor'}; {', '.join(simd)})"
 
 
