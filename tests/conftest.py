@@ -14,7 +14,7 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the numba kernels once, before any test: numba caches them per CPU next to
-    paged_kernel.py, so the many engines the tests start in other processes load them instead of
+    engine/kernels/attention.py, so the many engines the tests start in other processes load them instead of
     each compiling them (tens of seconds on a fresh clone, several at once in a stack)."""
     from pdserve.engine.kernels.attention import select_attention
 

@@ -1,4 +1,4 @@
-"""The in-place decode kernel (paged_kernel.py) against the reference gather path: the same
+"""The in-place decode kernel (engine/kernels/attention.py) against the reference gather path: the same
 attention on random caches and block tables, the same greedy tokens from the whole engine, and
 bitwise batch invariance with the kernel on (MKL_CBWR=AUTO,STRICT, set in conftest)."""
 

@@ -1,4 +1,4 @@
-"""MKL's packed GEMM (packed_gemm.py): the products against float64 numpy, bitwise rows at any row
+"""MKL's packed GEMM (engine/kernels/gemm.py): the products against float64 numpy, bitwise rows at any row
 count under MKL_CBWR=AUTO,STRICT (set in conftest), the mode choice and its fallback, and the model
 keeping only the packed copies."""
 
