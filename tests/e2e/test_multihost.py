@@ -287,16 +287,17 @@ def test_an_unreachable_decode_is_a_clear_error_and_the_link_coming_back_serves_
 def test_decode_killed_during_the_hand_off_gives_a_clear_error_and_frees_prefill(
     hosts, redis_server, tiny_model_dir
 ) -> None:
-    # a 900-token prompt in 4-token chunks keeps P prefilling for seconds after D reserved its blocks
+    # a 900-token prompt in 2-token chunks keeps P prefilling for seconds after D reserved its blocks
+    # (in 4-token chunks a fast host prefilled it in 0.9 s, before the kill)
     cluster = Cluster(
-        hosts, redis_server, tiny_model_dir, prefill_args=["--prefill-chunk-size", "4"], ttl=2.0
+        hosts, redis_server, tiny_model_dir, prefill_args=["--prefill-chunk-size", "2"], ttl=2.0
     )
     decode = cluster.procs.procs[1]
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             t0 = time.monotonic()
             pending = pool.submit(completion, cluster.url, tiny_model_dir.name, list(range(5, 905)), 4)
-            time.sleep(1.0)
+            time.sleep(0.6)
             os.killpg(decode.pid, signal.SIGKILL)
             decode.wait()
             r = pending.result(timeout=60)

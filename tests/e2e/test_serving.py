@@ -719,14 +719,20 @@ def test_streams_migrate_when_their_decode_dies_and_match_undisturbed_ones(tiny_
             ac = openai.AsyncOpenAI(
                 base_url=stack.urls[0] + "/v1", api_key="none", max_retries=0, timeout=120
             )
-            tasks = [asyncio.create_task(streamed(i, ac)) for i in range(n)]
-            while sum(t >= 4 for t in tokens_seen) < n // 2:  # tokens are reaching most clients
-                await asyncio.sleep(0.01)
+            # The client is made before the streams start and the router's in-flight counts are read
+            # until the kill, so the kill follows the read by milliseconds: reading them once after the
+            # tokens flowed (a new client's set-up, then the request) let a fast host finish every
+            # stream in between, and nothing was left to kill.
             async with httpx.AsyncClient() as hc:
-                live = (await hc.get(stack.urls[0] + "/v1/instances")).json()["instances"]
-            busiest = max((i for i in live if i["role"] == "decode"), key=lambda i: i["in_flight"])
-            assert busiest["in_flight"] > 0
-            next(p for name, p in stack.workers if busiest["id"].startswith(name + "-")).kill()
+                tasks = [asyncio.create_task(streamed(i, ac)) for i in range(n)]
+                while True:
+                    live = (await hc.get(stack.urls[0] + "/v1/instances")).json()["instances"]
+                    busiest = max((i for i in live if i["role"] == "decode"), key=lambda i: i["in_flight"])
+                    if busiest["in_flight"] > 0 and sum(t >= 4 for t in tokens_seen) >= n // 4:
+                        break  # tokens are reaching the clients and the busier decode holds streams
+                    assert not all(t.done() for t in tasks), "every stream ended before the kill"
+                    await asyncio.sleep(0.005)
+                next(p for name, p in stack.workers if busiest["id"].startswith(name + "-")).kill()
             results = await asyncio.gather(*tasks)
             await ac.close()
             return results
