@@ -1,5 +1,5 @@
 # The two commands of the README. Each one creates or refreshes .venv and installs pdserve first,
-# so either works alone on a fresh machine with Python >= 3.10.
+# so either works alone on a fresh machine with Python >= 3.11.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin

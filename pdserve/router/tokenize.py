@@ -118,7 +118,7 @@ class TokenizeEndpoint:
             await dispatcher.sender.send(target.id, msg)
             try:
                 delta = await asyncio.wait_for(queue.get(), TOKENIZE_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RequestTimeoutError(
                     f"instance {target.id} did not answer within {TOKENIZE_TIMEOUT_S:g} s"
                 ) from None

@@ -58,7 +58,8 @@ def _exp32(x: float) -> float:  # pragma: no cover - compiled by numba
     int32). Within 1e-7 relative of float64 exp over [-87, 88]; x is clamped to that range (e^-87
     ~ 1.6e-38 is 0 next to a softmax's max term of 1; e^88 ~ 1.7e38 stays finite).
     """
-    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    # typeshed types min/max of numpy scalars as a union; numba compiles this to float32 selects
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))  # type: ignore[assignment]
     n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
     r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
     p = np.float32(1.9875691500e-4)
