@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any, ClassVar, Literal
 
 from pdserve.errors import InvalidRequestError
@@ -17,6 +18,7 @@ from pdserve.errors import InvalidRequestError
 MAX_TOP_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; bigger ids would not fit the engine's int tensors
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
+MIN_TEMPERATURE = 1e-5  # below it a temperature means greedy: logits / temperature would overflow
 GUIDED_PARAMS = {"json": "response_format", "regex": "guided_regex", "choice": "guided_choice"}
 """Structured-output kinds (``SamplingParams.guided["kind"]``) and the request field an error about
 each is reported under (a schema that came as ``guided_json`` is reported as ``response_format``)."""
@@ -62,7 +64,7 @@ def declared() -> list[tuple[dataclasses.Field[Any], SamplingField]]:
 
 @dataclasses.dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` means greedy.
+    """How to pick tokens and when to stop. ``temperature`` 0 (or below MIN_TEMPERATURE) means greedy.
 
     ``top_k <= 0`` disables top-k; ``logprobs`` is None (off) or the number of top alternatives
     (0..20) returned with each sampled token's own logprob. ``logit_bias`` (token id -> bias in
@@ -80,7 +82,9 @@ class SamplingParams:
 
     __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}  # a message's unknown key: refused
 
-    temperature: float = param(1.0, "0 = greedy", request="openai", flag=True, flag_default=0.0)
+    temperature: float = param(
+        1.0, "0 = greedy (as is anything below 1e-5)", request="openai", flag=True, flag_default=0.0
+    )
     top_p: float = param(1.0, "nucleus sampling mass in (0, 1]", request="openai", flag=True)
     top_k: int = param(-1, "sample among the k best tokens (-1: off)", request="extension", flag=True)
     min_p: float = param(
@@ -124,7 +128,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Below :data:`MIN_TEMPERATURE` the logits / temperature overflow float32 (NaN
+        probabilities): such a temperature means greedy."""
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field that is out of range."""
@@ -243,6 +249,8 @@ def _guided(guided: Any) -> None:
 def _number(name: str, value: Any, lo: float | None = None, hi: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise InvalidRequestError(f"{name} must be a number, got {value!r}", name)
+    if isinstance(value, float) and not math.isfinite(value):  # e.g. 1e309 in JSON parses as inf
+        raise InvalidRequestError(f"{name} must be a finite number, got {value}", name)
     if lo is not None and value < lo:
         raise InvalidRequestError(f"{name} must be >= {lo}, got {value}", name)
     if hi is not None and value > hi:

@@ -70,7 +70,15 @@ def instance(
         pid=1,
         started_at=1000.0,
         kv=KVInfo(
-            block_size=16, num_blocks=128, free_blocks=free_blocks, dtype="float32", layout="block-major"
+            block_size=16,
+            num_blocks=128,
+            free_blocks=free_blocks,
+            dtype="float32",
+            layout="block-major",
+            block_bytes=2 * 2 * 16 * 2 * 8 * 4,  # layers, block size, KV heads, head dim, float32
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=8,
         ),
         load=LoadInfo(running=running, waiting=waiting, waiting_prefill_tokens=waiting_prefill_tokens),
         transfer=TransferInfo(protocols=list(protocols)),

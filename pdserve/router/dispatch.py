@@ -23,7 +23,9 @@ What the router relies on from workers (the contract):
   counts from 0.
 - Deltas for the request go to the router's outbox with the request's ``attempt``. The router
   relays the current attempt's deltas in stream order, whoever sent them: in splitwise, prefill
-  publishes the first token, then decode publishes the rest. ``text`` is the new text (the pieces
+  publishes the first token, then decode publishes the rest. ``seq`` numbers an attempt's deltas
+  0, 1, 2, ... across both: a repeat (a retried XADD) is dropped, a gap fails the attempt
+  (retryable). ``text`` is the new text (the pieces
   concatenate to the completion); ``logprobs`` has one entry per token when asked. The final
   delta has ``finish_reason`` and ``usage`` (the OpenAI usage comes from it). A failure is a final
   ``RequestDelta.failure`` with an HTTP-like ``code``; ``retryable=True`` (another instance may
@@ -51,6 +53,7 @@ from pdserve.errors import (
     InstanceLostError,
     PdserveError,
     RequestTimeoutError,
+    UnavailableError,
 )
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PolicyRequest
@@ -134,9 +137,10 @@ class Dispatcher:
     ) -> list[RoutedGeneration]:
         """Start one generation per choice, in OpenAI's choice order (``n`` per prompt), each
         sending its message; on failure none stays open. ``arrived``: time.monotonic() of the
-        request's arrival (its TTFT counts from there)."""
-        now = self.clock()
-        deadline = now + self.settings.request_timeout_s
+        request's arrival (its TTFT and its deadline count from there: time spent waiting for
+        admission is part of the request's time)."""
+        waited = max(0.0, time.monotonic() - arrived) if arrived is not None else 0.0
+        deadline = self.clock() - waited + self.settings.request_timeout_s
         choices = parsed.choices()
         ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
         gens: list[RoutedGeneration] = []
@@ -213,7 +217,7 @@ class Dispatcher:
                     gen.lost(instance_id, "stopped responding")
                     break
             else:
-                if gen.has_tokens and gen.watched and gen.last_delta_at < stalled_before:
+                if gen.has_tokens and gen.watched and gen.progress_at() < stalled_before:
                     gen.lost(gen.watched[-1], f"sent nothing for {self.settings.stall_timeout_s:g} s")
 
 
@@ -248,8 +252,10 @@ class RoutedGeneration:
         """Instances whose death ends the current attempt (prefill only until the first token)."""
         self.has_tokens = False
         """The current attempt has produced tokens."""
+        self.next_seq = 0
+        """The ``seq`` the current attempt's next numbered delta must have (duplicates and gaps)."""
         self.last_delta_at = 0.0
-        """time.monotonic() of the current attempt's latest token (the watcher's stall check)."""
+        """time.monotonic() of the current attempt's latest token handed to the caller."""
         self.delivered: list[int] = []
         """Token ids handed to the caller over all attempts: where a migration resumes."""
         self.retries = 0
@@ -320,6 +326,14 @@ class RoutedGeneration:
         """Book-keep one queued delta; None when the caller should skip it (stale, empty, or retried)."""
         if delta.attempt != self.attempt and delta.attempt != ANY_ATTEMPT:
             return None  # from a superseded attempt
+        if delta.seq is not None and delta.error is None:
+            if delta.seq < self.next_seq:
+                logger.debug("request %s: dropped repeated delta %d", self.request_id, delta.seq)
+                return None  # a send Redis or the worker repeated
+            if delta.seq > self.next_seq:
+                delta = self._gap(delta.seq)
+            else:
+                self.next_seq += 1
         error = delta.error
         if error is not None:
             if self._may_retry(error):
@@ -350,6 +364,34 @@ class RoutedGeneration:
         if not self.has_tokens:
             self._first_token()
         return delta
+
+    def _gap(self, seq: int) -> RequestDelta:
+        """A delta went missing (a send that was given up): this attempt's text cannot be trusted,
+        so it fails retryably (a retry or a migration resumes from what the client has)."""
+        where = "/".join(self.watched) or "its instance"
+        logger.warning(
+            "request %s attempt %d: delta %d came after %d; %s lost events",
+            self.request_id,
+            self.attempt,
+            seq,
+            self.next_seq,
+            where,
+        )
+        self._blamed = self.watched
+        error = UnavailableError(f"{where} lost events of this request (delta {self.next_seq} never came)")
+        return RequestDelta.failure(self.request_id, error, retryable=True, attempt=self.attempt)
+
+    def progress_at(self) -> float:
+        """time.monotonic() of the worker's latest progress on the current attempt: when the router
+        RECEIVED its latest delta (the watcher's stall check), so a client that reads slowly never
+        looks like a stalled worker; ``inf`` once its final delta is here (nothing to wait for)."""
+        latest = self.last_delta_at
+        for attempt in (self.attempt, ANY_ATTEMPT):
+            received_at, final = self.queue.received.get(attempt, (0.0, False))
+            if final:
+                return float("inf")
+            latest = max(latest, received_at)
+        return latest
 
     def lost(self, instance_id: str, why: str = "stopped responding") -> None:
         """The watcher saw ``instance_id``, which this attempt depends on, leave the live set or stall."""
@@ -496,6 +538,7 @@ class RoutedGeneration:
             self._first_token_timer.cancel()
         self.attempt += 1
         self.has_tokens = False
+        self.next_seq = 0
         old = self.queue
         d.reader.unsubscribe(self.request_id)  # a Redis outage may have dropped the subscription
         self.queue = d.reader.subscribe(self.request_id)

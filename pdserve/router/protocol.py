@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -28,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import SkipJsonSchema
 
 from pdserve.errors import InvalidRequestError
+from pdserve.router.jsonlimits import check_depth, load_json
 from pdserve.router.strict import StrictModel
 from pdserve.router.tools import (
     NamedToolChoice,
@@ -654,16 +654,16 @@ def _guided(req: _Common) -> dict[str, Any] | None:
                 "response_format.json_schema is required when type is json_schema",
                 "response_format.json_schema",
             )
+        check_depth(fmt.json_schema.schema_, "response_format.json_schema.schema")
         found.append(("response_format", {"kind": "json", "spec": fmt.json_schema.schema_}))
     if req.guided_json is not None:
         schema = req.guided_json
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise InvalidRequestError(f"guided_json is not valid JSON: {e}", "guided_json") from None
+            schema = load_json(schema, "guided_json")
             if not isinstance(schema, dict):
                 raise InvalidRequestError("guided_json must be a JSON schema object", "guided_json")
+        else:
+            check_depth(schema, "guided_json")
         found.append(("guided_json", {"kind": "json", "spec": schema}))
     if req.guided_regex is not None:
         if not req.guided_regex:

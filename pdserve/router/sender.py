@@ -5,6 +5,9 @@ Under load many requests reach their send in the same iteration (uvicorn starts 
 request and they run back to back), and one pipeline of N ``XADD``+``EXPIRE`` pairs costs the
 client far less CPU than N pipelines; a lone request still goes out at the end of its own
 iteration, so no latency is added.
+
+Each message is encoded when it is queued, not when the batch goes out: one that cannot be
+encoded fails only its own send (a 400), never the batch it would have joined.
 """
 
 from __future__ import annotations
@@ -16,19 +19,20 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from pdserve.errors import ControlPlaneError
+from pdserve.errors import ControlPlaneError, InvalidRequestError
 from pdserve.scheduler.connection import RedisObserver
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.messages import InboxMessage
+from pdserve.scheduler.messages import InboxMessage, encode
 from pdserve.scheduler.streams import send_to_inbox
 
 logger = logging.getLogger(__name__)
 
-_Batch = list[tuple[str, InboxMessage, "asyncio.Future[None] | None"]]
+_Batch = list[tuple[str, InboxMessage, bytes, "asyncio.Future[None] | None"]]
 
 
 class InboxSender:
-    """``await send(instance_id, msg)`` (raises ControlPlaneError) or ``send_nowait`` (logs failures)."""
+    """``await send(instance_id, msg)`` (raises ControlPlaneError, or InvalidRequestError when ``msg``
+    cannot be encoded) or ``send_nowait`` (logs failures)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, observe: RedisObserver | None = None) -> None:
         self.redis = redis
@@ -41,13 +45,19 @@ class InboxSender:
 
     async def send(self, instance_id: str, msg: InboxMessage) -> None:
         """XADD ``msg`` to the instance's inbox with whatever else is sent in this iteration."""
+        data = _encode(msg)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._add(instance_id, msg, future)
+        self._add(instance_id, msg, data, future)
         await future
 
     def send_nowait(self, instance_id: str, msg: InboxMessage) -> None:
         """Queue ``msg`` without waiting (best effort, e.g. Abort from a ``finally``)."""
-        self._add(instance_id, msg, None)
+        try:
+            data = _encode(msg)
+        except InvalidRequestError as e:
+            logger.warning("could not send %s of %s: %s", msg.type, msg.request_id, e)
+            return
+        self._add(instance_id, msg, data, None)
 
     async def drain(self, timeout_s: float = 2.0) -> None:
         """Wait until every queued message has been sent (shutdown)."""
@@ -55,10 +65,12 @@ class InboxSender:
         if self._flushing:
             await asyncio.wait(set(self._flushing), timeout=timeout_s)
 
-    def _add(self, instance_id: str, msg: InboxMessage, future: asyncio.Future[None] | None) -> None:
+    def _add(
+        self, instance_id: str, msg: InboxMessage, data: bytes, future: asyncio.Future[None] | None
+    ) -> None:
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.append((instance_id, msg, future))
+        self._pending.append((instance_id, msg, data, future))
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -74,16 +86,16 @@ class InboxSender:
         t0 = time.perf_counter()
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for instance_id, msg, _ in batch:
+            for instance_id, msg, data, _ in batch:
                 starts.append(len(pipe.command_stack))
-                await send_to_inbox(self.redis, self.keys, instance_id, msg, pipeline=pipe)
+                await send_to_inbox(self.redis, self.keys, instance_id, msg, pipeline=pipe, data=data)
             results: list[Any] = await pipe.execute(raise_on_error=False)
         except Exception as e:  # the round trip failed: every message of the batch failed
             starts, results = [0] * len(batch), [e]
         if self.observe is not None:
             failed = next((r for r in results if isinstance(r, Exception)), None)
             self.observe("inbox_send", time.perf_counter() - t0, failed)
-        for start, (instance_id, msg, future) in zip(starts, batch):
+        for start, (instance_id, msg, _, future) in zip(starts, batch):
             result = results[start]
             if isinstance(result, Exception):
                 error = ControlPlaneError(
@@ -95,3 +107,12 @@ class InboxSender:
                     future.set_exception(error)
             elif future is not None and not future.done():
                 future.set_result(None)
+
+
+def _encode(msg: InboxMessage) -> bytes:
+    """``msg`` as inbox bytes; InvalidRequestError when it cannot be serialized (the request's fault:
+    the parser bounds what a client sends, so this is the last line of defence)."""
+    try:
+        return encode(msg)
+    except (ValueError, RecursionError) as e:  # PydanticSerializationError is a ValueError
+        raise InvalidRequestError(f"the request cannot be encoded: {e}", None) from None

@@ -13,6 +13,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from pdserve.errors import ConfigError
 from pdserve.router.admission import Admission
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import NoCapacityError
@@ -55,13 +56,18 @@ class RouterState:
             self.redis = RedisSettings.from_url(s.redis_url, client_name=s.router_id).connect()
             await wait_for_redis(self.redis, s.redis_wait_s)
             keys = Keys(s.cluster)
+            routers = RouterRegistry(self.redis, keys, s.ttl_s)
+            if await routers.get(s.router_id) is not None:  # two readers would trim each other's outbox
+                raise ConfigError(
+                    f"--router-id {s.router_id} is registered by a live router; pick another id"
+                )
             observe = self.metrics.on_redis if self.metrics is not None else None
             live = LiveSetCache(
                 InstanceRegistry(self.redis, keys, s.ttl_s), s.live_set_max_age_s, observe=observe
             )
             self.reader = OutboxReader(self.redis, keys, s.router_id, observe=observe)
             await self.reader.start()
-            self.heartbeat = Heartbeat(RouterRegistry(self.redis, keys, s.ttl_s), self._router_info)
+            self.heartbeat = Heartbeat(routers, self._router_info)
             await self.heartbeat.start()
             dispatcher = Dispatcher(self.redis, keys, live, self.reader, s, metrics=self.metrics)
             if self.metrics is not None:

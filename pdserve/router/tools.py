@@ -24,6 +24,7 @@ import uuid
 from typing import Any, Literal
 
 from pdserve.errors import InvalidRequestError
+from pdserve.router.jsonlimits import check_depth, load_json
 from pdserve.router.strict import StrictModel
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -206,6 +207,7 @@ def tool_use_of(
         if fn.name in schemas:
             raise InvalidRequestError(f"{where}.name {fn.name!r} is given twice", f"{where}.name")
         params = fn.parameters
+        check_depth(params, f"{where}.parameters")
         if params is not None and params.get("type", "object") != "object":
             raise InvalidRequestError(
                 f"{where}.parameters must be the JSON schema of an object", f"{where}.parameters"
@@ -230,12 +232,8 @@ def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
 
 def template_call(call: ToolCall, where: str) -> dict[str, Any]:
     """An earlier assistant call as chat templates take it: ``arguments`` as an object."""
-    try:
-        arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
-    except ValueError as e:
-        raise InvalidRequestError(
-            f"{where}.function.arguments is not valid JSON: {e}", f"{where}.function.arguments"
-        ) from None
+    text = call.function.arguments
+    arguments = load_json(text, f"{where}.function.arguments") if text.strip() else {}
     return {
         "id": call.id,
         "type": "function",

@@ -76,14 +76,16 @@ async def send_to_inbox(
     pipeline: Pipeline | None = None,
     maxlen: int = INBOX_MAXLEN,
     ttl_s: int = INBOX_TTL_S,
+    data: bytes | None = None,
 ) -> bytes | None:
     """XADD ``msg`` to an instance's inbox (MAXLEN ~ trimmed) and refresh the inbox's TTL.
 
-    Returns the entry id, or None when the commands were only queued on ``pipeline``.
+    ``data``: ``msg`` already encoded. Returns the entry id, or None when the commands were only
+    queued on ``pipeline``.
     """
     key = keys.inbox(instance_id)
     pipe = pipeline if pipeline is not None else redis.pipeline(transaction=False)
-    pipe.xadd(key, {FIELD: encode(msg)}, maxlen=maxlen, approximate=True)
+    pipe.xadd(key, {FIELD: encode(msg) if data is None else data}, maxlen=maxlen, approximate=True)
     pipe.expire(key, ttl_s)
     if pipeline is not None:
         return None
@@ -300,6 +302,16 @@ def _stage_publish(
     pipe.expire(key, ttl_s)
 
 
+class DeltaQueue(asyncio.Queue[RequestDelta]):
+    """One request's deltas, stamped as the reader receives them from workers (not when the
+    request consumes them): how recently the worker made progress, whatever the client's pace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: dict[int, tuple[float, bool]] = {}
+        """attempt -> (time.monotonic() of the latest delta received for it, whether it was final)."""
+
+
 class OutboxReader:
     """The one task of a router process that reads its outbox and hands each delta to its request.
 
@@ -339,7 +351,7 @@ class OutboxReader:
         self.clock = clock
         self.num_dispatched = 0
         self.num_dropped = 0
-        self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._queues: dict[str, DeltaQueue] = {}
         self._task: asyncio.Task[None] | None = None
         self._down_since: float | None = None
         self._outage_reported = False
@@ -347,14 +359,19 @@ class OutboxReader:
 
     @property
     def healthy(self) -> bool:
-        """False while Redis has been unreachable for over ``fail_after_s``."""
-        return not self._outage_reported
+        """False while Redis has been unreachable for over ``fail_after_s``, or once the reader died."""
+        return not self._outage_reported and self.alive
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[RequestDelta]:
+    @property
+    def alive(self) -> bool:
+        """False once the reading task ended without :meth:`stop` (a bug: it never returns)."""
+        return self._task is None or not self._task.done()
+
+    def subscribe(self, request_id: str) -> DeltaQueue:
         """A queue that receives the request's deltas in order. Raises ValueError if already taken."""
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight on router {self.router_id}")
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        queue = DeltaQueue()
         if self._outage_reported:
             queue.put_nowait(self._outage_delta(request_id))
         else:
@@ -368,6 +385,20 @@ class OutboxReader:
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"outbox-reader-{self.router_id}")
+            self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """The reader died: say so loudly, and fail every request now rather than at its deadline
+        (new ones too: :meth:`subscribe` answers them with a 503)."""
+        if task.cancelled():
+            return
+        logger.critical(
+            "%s: the outbox reader stopped (%r); this router fails every request until restarted",
+            self.key,
+            task.exception(),
+        )
+        self._outage_reported = True
+        self._fail_all(ControlPlaneError("the router's outbox reader stopped"))
 
     async def stop(self) -> None:
         """Stop reading; every request still subscribed gets a final retryable error."""
@@ -387,6 +418,7 @@ class OutboxReader:
         """Decode one outbox entry and put each of its deltas into its request's queue."""
         step = decode_as(StepOutput, data)
         queues = self._queues
+        now = time.monotonic()  # the clock of the router's stall check
         for delta in step.items:
             queue = queues.get(delta.request_id)
             if queue is None:
@@ -396,6 +428,7 @@ class OutboxReader:
                 )
                 continue
             queue.put_nowait(delta)
+            queue.received[delta.attempt] = (now, delta.is_final)
             self.num_dispatched += 1
 
     async def _run(self) -> None:

@@ -19,7 +19,13 @@ import logging
 from collections.abc import Iterable
 
 from pdserve.engine.outputs import RequestOutput
-from pdserve.errors import ControlPlaneError, InvalidRequestError, RequestTimeoutError, UnavailableError
+from pdserve.errors import (
+    ControlPlaneError,
+    InvalidRequestError,
+    PdserveError,
+    RequestTimeoutError,
+    UnavailableError,
+)
 from pdserve.scheduler import (
     Abort,
     GenerateRequest,
@@ -39,6 +45,7 @@ from pdserve.worker.splitwise import Context, Splitwise
 log = logging.getLogger(__name__)
 
 ROUTER_CHECK_S = 1.0  # how often the liveness of the routers we serve is checked
+SEEN_GENERATES = 65536  # how many recent (request id, attempt) pairs a repeated generate is checked against
 
 
 class RequestHandler:
@@ -53,6 +60,8 @@ class RequestHandler:
             str, float
         ] = {}  # engine key -> monotonic time its generate arrived, until token 1
         self._echo: dict[str, str] = {}  # engine key -> its prompt's text, sent with token 1 (echo)
+        self._seqs: dict[str, int] = {}  # engine key -> the seq of its next delta (owners only)
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # generates taken
         self._routers_seen: dict[str, float] = {}  # router id -> monotonic time its key was last seen
         self._routers_checked_at = float("-inf")
         self._trust_routers_after = float("-inf")
@@ -65,6 +74,15 @@ class RequestHandler:
         return len(self.splitwise.prefills)
 
     async def handle(self, msg: InboxMessage) -> None:
+        """Act on one inbox message; whatever it raises ends its request with a final error event
+        (and frees what it held), never the loop that called."""
+        try:
+            await self._handle(msg)
+        except Exception as e:
+            log.exception("handling %s for %s failed", msg.type, msg.request_id)
+            await self._failed(msg, e)
+
+    async def _handle(self, msg: InboxMessage) -> None:
         if isinstance(msg, GenerateRequest):
             await self.on_generate(msg)
         elif isinstance(msg, ReserveBlocks):
@@ -74,7 +92,9 @@ class RequestHandler:
         elif isinstance(msg, Prefilled):
             owner = await self.splitwise.on_prefilled(msg)
             if owner is not None:
-                self.owners[engine_key(msg.request_id, msg.attempt)] = owner
+                key = engine_key(msg.request_id, msg.attempt)
+                self.owners[key] = owner
+                self._seqs[key] = msg.next_seq  # prefill published the deltas before
         elif isinstance(msg, Abort):
             await self.on_abort(msg)
         elif isinstance(msg, Tokenize):
@@ -95,10 +115,60 @@ class RequestHandler:
         )
         await self.ctx.messenger.deliver(owner, delta)
 
+    async def _failed(self, msg: InboxMessage, e: Exception) -> None:
+        """The final error event of the request whose message raised ``e``; frees what it held."""
+        error = e if isinstance(e, PdserveError) else self._internal(e)
+        try:
+            if isinstance(msg, Tokenize):
+                await self.ctx.messenger.fail(Owner(msg.router_id, msg.request_id, 0), error)
+            elif isinstance(msg, GenerateRequest):
+                owner = Owner(msg.router_id, msg.request_id, msg.attempt)
+                await self._end(engine_key(msg.request_id, msg.attempt), error, owner)
+            elif isinstance(msg, (Prefilled, ReserveReply)):
+                await self._end(engine_key(msg.request_id, msg.attempt), error, None)
+            elif isinstance(msg, ReserveBlocks):
+                refusal = ReserveReply(request_id=msg.request_id, ok=False, attempt=msg.attempt)
+                refusal.error = error.message
+                await self.ctx.messenger.send(msg.reply_to, refusal)
+        except Exception:
+            log.exception("could not end %s after its failure", msg.request_id)
+
+    def _internal(self, e: BaseException) -> PdserveError:
+        """A foreign error as the client sees it: its type only (the details are in this log)."""
+        return PdserveError(f"instance {self.ctx.instance_id} failed the request ({type(e).__name__})")
+
+    async def _end(self, key: str, error: PdserveError, owner: Owner | None) -> None:
+        """Fail the request ``key`` wherever it is (hand-off or engine), free its blocks, tell its router."""
+        if await self.splitwise.fail(key, error):
+            return  # its hand-off told the router (and decode)
+        owner = self._forget(key) or owner
+        await self.ctx.engine.abort(key, "failed")
+        if owner is not None:
+            await self.ctx.messenger.fail(owner, error)
+
+    def _forget(self, key: str) -> Owner | None:
+        """Drop what this handler keeps of an engine request; its owner, if it had one."""
+        self._started.pop(key, None)
+        self._echo.pop(key, None)
+        self._seqs.pop(key, None)
+        return self.owners.pop(key, None)
+
+    def _repeated(self, key: str) -> bool:
+        """Whether a generate for ``key`` came before (Redis retries may deliver one twice)."""
+        if key in self._seen or key in self.owners or key in self.splitwise.prefills:
+            return True
+        self._seen[key] = None
+        if len(self._seen) > SEEN_GENERATES:
+            self._seen.popitem(last=False)
+        return False
+
     async def on_generate(self, msg: GenerateRequest) -> None:
         received = self.ctx.clock.monotonic()
         owner = Owner(msg.router_id, msg.request_id, msg.attempt)
         messenger = self.ctx.messenger
+        if self._repeated(engine_key(msg.request_id, msg.attempt)):
+            log.info("ignoring a repeated generate for %s (attempt %d)", msg.request_id, msg.attempt)
+            return
         if self.draining:
             error = UnavailableError(f"instance {self.ctx.instance_id} is draining")
             await messenger.fail(owner, error, retryable=True)
@@ -124,6 +194,7 @@ class RequestHandler:
         else:
             key = engine_key(msg.request_id, msg.attempt)
             self.owners[key] = owner
+            self._seqs[key] = 0
             if not prepared.resume_ids:  # a resumed request's first token is not its TTFT
                 self._started[key] = received
             if prepared.prompt_text is not None:
@@ -131,9 +202,7 @@ class RequestHandler:
             try:
                 await self.ctx.engine.add(key, prepared)
             except InvalidRequestError as e:  # e.g. resumed tokens that do not follow its grammar
-                del self.owners[key]
-                self._started.pop(key, None)
-                self._echo.pop(key, None)
+                self._forget(key)
                 await messenger.fail(owner, e)
                 return
 
@@ -143,9 +212,7 @@ class RequestHandler:
         if msg.attempt is not None:
             keys = [k for k in keys if k == engine_key(msg.request_id, msg.attempt)]
         for key in keys:
-            self._started.pop(key, None)
-            self._echo.pop(key, None)
-            if self.owners.pop(key, None) is not None:
+            if self._forget(key) is not None:
                 await self.ctx.engine.abort(key, msg.reason)
             await self.splitwise.abort(key, msg.reason)
         if keys:
@@ -155,6 +222,7 @@ class RequestHandler:
         """One step's outputs: tokens to routers (one entry per router), hand-offs to their machines."""
         deltas: dict[str, list[RequestDelta]] = collections.defaultdict(list)
         handoffs = []
+        failed: list[tuple[str, PdserveError, Owner | None]] = []
         for out in outputs:
             if out.request_id in self.splitwise.prefills:
                 handoffs.append(out)
@@ -162,17 +230,35 @@ class RequestHandler:
             owner = self.owners.get(out.request_id)
             if owner is None:
                 continue  # aborted meanwhile
-            if out.finished:
-                del self.owners[out.request_id]
-            delta = to_delta(out, owner)
-            started = self._started.pop(out.request_id, None)
-            if started is not None:
-                delta.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - started, queue_s=out.queue_s)
-            delta.prompt_text = self._echo.pop(out.request_id, None)
-            deltas[owner.router_id].append(delta)
+            try:
+                deltas[owner.router_id].append(self._delta(out, owner))
+            except Exception as e:
+                log.exception("publishing the output of %s failed", out.request_id)
+                failed.append((out.request_id, self._internal(e), owner))
         await self.ctx.messenger.publish(deltas)
         for out in handoffs:
-            await self.splitwise.on_output(out)
+            try:
+                await self.splitwise.on_output(out)
+            except Exception as e:
+                log.exception("the hand-off of %s failed", out.request_id)
+                failed.append((out.request_id, self._internal(e), None))
+        for key, error, maybe_owner in failed:
+            await self._end(key, error, maybe_owner)
+
+    def _delta(self, out: RequestOutput, owner: Owner) -> RequestDelta:
+        """The event of one output of a request this engine serves (numbered within its attempt)."""
+        key = out.request_id
+        seq = self._seqs.get(key, 0)
+        delta = to_delta(out, owner, seq)
+        started = self._started.pop(key, None)
+        if started is not None:
+            delta.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - started, queue_s=out.queue_s)
+        delta.prompt_text = self._echo.pop(key, None)
+        if out.finished:
+            self._forget(key)
+        else:
+            self._seqs[key] = seq + 1
+        return delta
 
     async def tick(self) -> None:
         """Timers of the hand-offs; once a second, drop the work of routers that are gone."""
@@ -195,9 +281,7 @@ class RequestHandler:
         for key, owner in list(self.owners.items()):
             if owner.router_id in gone:
                 log.info("router %s is gone: aborting %s", owner.router_id, owner.request_id)
-                del self.owners[key]
-                self._started.pop(key, None)
-                self._echo.pop(key, None)
+                self._forget(key)
                 await self.ctx.engine.abort(key, "router gone")
         if gone:
             await self.splitwise.drop_routers(gone)
@@ -225,5 +309,6 @@ class RequestHandler:
         self.owners.clear()
         self._started.clear()
         self._echo.clear()
+        self._seqs.clear()
         if owners:
             await self.ctx.messenger.fail_many(owners, UnavailableError(message))

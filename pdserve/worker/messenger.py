@@ -52,10 +52,10 @@ def engine_key(request_id: str, attempt: int) -> str:
     return f"{request_id}/{attempt}"
 
 
-def to_delta(out: RequestOutput, owner: Owner) -> RequestDelta:
-    """One engine output as the wire event its router reads."""
+def to_delta(out: RequestOutput, owner: Owner, seq: int) -> RequestDelta:
+    """One engine output as the wire event its router reads; ``seq``: its number in the attempt."""
     delta = RequestDelta(
-        request_id=owner.request_id, token_ids=out.token_ids, text=out.text, attempt=owner.attempt
+        request_id=owner.request_id, token_ids=out.token_ids, text=out.text, attempt=owner.attempt, seq=seq
     )
     if out.logprobs is not None:
         delta.logprobs = [_logprob(lp) for lp in out.logprobs]

@@ -175,3 +175,35 @@ def test_advisory_fields_and_default_values_are_accepted_and_change_nothing(
             await worker.stop()
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("repetition_penalty", "1e309"),
+        ("repetition_penalty", "Infinity"),
+        ("temperature", "NaN"),
+        ("top_p", "-1e309"),
+        ("presence_penalty", "1e999"),
+        ("min_p", "1e309"),
+        ("logit_bias", '{"5": 1e309}'),
+    ],
+)
+def test_non_finite_numbers_are_a_400_naming_the_field(field: str, value: str) -> None:
+    """JSON has no infinities, but 1e309 parses as one (and pydantic-core takes Infinity/NaN): the
+    router refuses them rather than let a worker meet them."""
+    from pdserve.errors import InvalidRequestError
+    from pdserve.router.protocol import InputLimits, parse_completion
+
+    body = f'{{"prompt": "hi", "{field}": {value}}}'.encode()
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion(body, InputLimits(16, 256, 16, 300, 64))
+    assert info.value.param == field
+
+
+def test_a_tiny_temperature_is_greedy() -> None:
+    """logits / 1e-45 overflow float32 (NaN probabilities): below MIN_TEMPERATURE means greedy."""
+    from pdserve.sampling_params import MIN_TEMPERATURE, SamplingParams
+
+    assert SamplingParams(temperature=1e-45).is_greedy and SamplingParams(temperature=0.0).is_greedy
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).is_greedy

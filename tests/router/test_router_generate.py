@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -34,6 +35,7 @@ from pdserve.scheduler import (
     Prefilled,
     RequestDelta,
     ReserveBlocks,
+    StepOutput,
 )
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -554,6 +556,67 @@ def test_a_failure_after_tokens_migrates_and_continues(redis_url: str, redis_cli
     run(main())
 
 
+async def publish_twice(worker: FakeWorker, router_id: str, delta: RequestDelta) -> None:
+    """The same outbox XADD twice in one pipeline (what redis-py's retry of a pipeline whose reply
+    was lost does)."""
+    step = StepOutput(instance_id=worker.id, items=[delta])
+    pipe = worker.redis.pipeline(transaction=False)
+    await worker.outbox.publish(router_id, step, pipeline=pipe)
+    await worker.outbox.publish(router_id, step, pipeline=pipe)
+    await pipe.execute()
+
+
+def test_repeated_deltas_are_dropped_and_a_gap_fails_the_attempt(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Every outbox entry twice: the client's text is exact. A numbered delta that skips one: the
+    attempt fails (retryable) and migrates, never silently missing text."""
+
+    async def each_twice(worker: FakeWorker, msg: InboxMessage) -> None:
+        if isinstance(msg, GenerateRequest):
+            done = len(msg.resume_token_ids or ())
+            for seq, delta in enumerate(deltas_for(msg, ["Hello", " world"][done:], start=done)):
+                await publish_twice(worker, msg.router_id, delta.model_copy(update={"seq": seq}))
+
+    async def skip_one(worker: FakeWorker, msg: InboxMessage) -> None:
+        if isinstance(msg, GenerateRequest):
+            hello, world = deltas_for(msg, ["Hello", " world", "!"])[::2]
+            await worker.publish(msg.router_id, hello.model_copy(update={"seq": 0}))
+            await worker.publish(msg.router_id, world.model_copy(update={"seq": 2}))
+
+    async def main() -> None:
+        async with router(redis_url, decode_policy="round_robin") as client, redis_conn(redis_url) as r:
+            m0 = await FakeWorker(r, instance("m0"), each_twice).start()
+            for stream in (False, True):
+                resp = await client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+                assert resp.status_code == 200
+                if stream:
+                    events = sse_events(resp.text)
+                    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hello world"
+                else:
+                    assert resp.json()["choices"][0]["text"] == "Hello world"
+                    assert resp.json()["usage"]["completion_tokens"] == 2
+            await m0.stop()
+        async with router(redis_url, decode_policy="round_robin") as client, redis_conn(redis_url) as r:
+            m0 = await FakeWorker(r, instance("m0"), skip_one).start()
+            m1 = await FakeWorker(r, instance("m1"), each_twice).start()
+            for stream in (False, True):
+                resp = await client.post("/v1/completions", json={"prompt": "x", "stream": stream})
+                text = (
+                    resp.json()["choices"][0]["text"]
+                    if not stream
+                    else "".join(c["choices"][0]["text"] for c in sse_events(resp.text)[:-1])
+                )
+                assert text == "Hello world"  # not "Hello!", nor "Hello" twice
+            assert [m.resume_token_ids for m in m1.requests()] == [[100], [100]]
+            assert dispatcher(client).num_migrations == 2
+            await m0.wait_for(lambda w: len(w.aborts()) == 2)
+            await m0.stop()
+            await m1.stop()
+
+    run(main())
+
+
 def test_an_instance_that_stalls_after_tokens_is_left_and_the_stream_continues(
     redis_url: str, redis_client: redis.Redis
 ) -> None:
@@ -799,6 +862,143 @@ def test_the_openai_client_reads_every_shape(redis_url: str, redis_client: redis
                 await client.completions.create(model="tiny", prompt="hi", max_tokens=-1)
             assert info.value.body["param"] == "max_tokens"
             await client.close()
+            await worker.stop()
+
+    run(main())
+
+
+def _nested(levels: int) -> str:
+    """A JSON object ``levels`` objects deep."""
+    return '{"a": ' * (levels - 1) + "{}" + "}" * (levels - 1)
+
+
+def test_a_deeply_nested_request_fails_alone(redis_url: str, redis_client: redis.Redis) -> None:
+    """Four requests of one event-loop turn, one with a guided_json 400 levels deep: that one is a
+    400 naming the field, the three others are served (no batch-wide 503); deeper still, and
+    bodies nested 1500 deep, are 400s, never a 500 or a RecursionError."""
+    deep = {**CHAT, "guided_json": _nested(400)}
+
+    async def main() -> None:
+        async with router(redis_url) as client, redis_conn(redis_url) as r:
+            worker = await FakeWorker(r, instance("m0")).start()
+            resps = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=CHAT if i != 2 else deep) for i in range(4))
+            )
+            assert [resp.status_code for resp in resps] == [200, 200, 400, 200]
+            assert resps[2].json()["error"]["param"] == "guided_json"
+            assert "levels deep" in resps[2].json()["error"]["message"]
+            assert all(
+                resp.json()["choices"][0]["message"]["content"] == "Hello world" for resp in resps[::3]
+            )
+            tool_call = {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "f", "arguments": _nested(1500)},
+            }
+            cases = [
+                ({**CHAT, "guided_json": _nested(1500)}, "guided_json"),
+                ({**CHAT, "guided_json": json.loads(_nested(100))}, "guided_json"),
+                (
+                    {
+                        **CHAT,
+                        "response_format": {
+                            "type": "json_schema",
+                            "json_schema": {"name": "x", "schema": json.loads(_nested(100))},
+                        },
+                    },
+                    "response_format.json_schema.schema",
+                ),
+                (
+                    {
+                        **CHAT,
+                        "tools": [
+                            {
+                                "type": "function",
+                                "function": {"name": "f", "parameters": json.loads(_nested(100))},
+                            }
+                        ],
+                    },
+                    "tools[0].function.parameters",
+                ),
+                (
+                    {"messages": [*CHAT["messages"], {"role": "assistant", "tool_calls": [tool_call]}]},
+                    "messages[1].tool_calls[0].function.arguments",
+                ),
+            ]
+            for body, param in cases:
+                resp = await client.post("/v1/chat/completions", json=body)
+                assert (resp.status_code, resp.json()["error"]["param"]) == (400, param), resp.text
+            deep_body = (
+                '{"messages": [{"role": "user", "content": "hi"}], "guided_json": ' + _nested(1500) + "}"
+            )
+            resp = await client.post(
+                "/v1/chat/completions", content=deep_body, headers={"content-type": "application/json"}
+            )
+            assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+            assert len(worker.requests()) == 3
+            await worker.stop()
+
+    run(main())
+
+
+def test_a_slow_reader_is_not_taken_for_a_stalled_worker(redis_url: str, redis_client: redis.Redis) -> None:
+    """The stall check measures the worker's progress (when the router receives its deltas), not
+    the client's pace: a caller that pauses past stall_timeout_s while the worker keeps producing
+    gets its whole text from the same attempt, with no migration."""
+    from pdserve.router.protocol import InputLimits, parse_completion
+
+    texts = [f" t{i}" for i in range(12)]
+
+    async def steady(worker: FakeWorker, msg: InboxMessage) -> None:
+        if isinstance(msg, GenerateRequest):
+            for delta in deltas_for(msg, texts):
+                await worker.publish(msg.router_id, delta)
+                await asyncio.sleep(0.1)
+
+    async def main() -> None:
+        async with router(redis_url, stall_timeout_s=0.4) as client, redis_conn(redis_url) as r:
+            m0 = await FakeWorker(r, instance("m0"), steady).start()
+            d = dispatcher(client)
+            limits = InputLimits.of(client.app.state.router.settings)  # type: ignore[attr-defined]
+            parsed = parse_completion(b'{"prompt": "x", "stream": true}', limits)
+            [gen] = await d.open(parsed, "slow-reader", "tiny")
+            try:
+                got = [(await gen.next()).text]
+                await asyncio.sleep(0.9)  # the worker keeps producing meanwhile
+                while not gen.finished:
+                    got.append((await gen.next()).text)
+                    await asyncio.sleep(0.15)  # slower than the worker, for longer than the timeout
+            finally:
+                gen.close()
+            assert "".join(got) == "".join(texts)
+            assert (gen.migrations, d.num_migrations, gen.error) == (0, 0, None)
+            assert len(m0.requests()) == 1 and m0.aborts() == []
+            await m0.stop()
+
+    run(main())
+
+
+def test_the_deadline_counts_from_arrival_not_from_admission(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """A request that waited for a slot has that much less time: its deadline is arrival + timeout."""
+
+    async def slow(worker: FakeWorker, msg: InboxMessage) -> None:
+        if isinstance(msg, GenerateRequest):
+            await asyncio.sleep(0.8)
+            await answer(worker, msg)
+
+    async def main() -> None:
+        async with router(redis_url, max_in_flight=1, max_queued=4) as client, redis_conn(redis_url) as r:
+            worker = await FakeWorker(r, instance("m0"), slow).start()
+            first = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a"}))
+            await worker.wait_for(lambda w: len(w.requests()) == 1)
+            sent = time.time()
+            second = await client.post("/v1/completions", json={"prompt": "b"})
+            assert (await first).status_code == 200 and second.status_code == 200
+            late = worker.requests()[1]
+            timeout = client.app.state.router.settings.request_timeout_s  # type: ignore[attr-defined]
+            assert late.deadline < sent + timeout + 0.3  # not (admitted ~0.8 s later) + timeout
             await worker.stop()
 
     run(main())

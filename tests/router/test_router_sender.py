@@ -9,7 +9,7 @@ import pytest
 import redis
 from router_support import KEYS, redis_conn, run
 
-from pdserve.errors import ControlPlaneError
+from pdserve.errors import ControlPlaneError, InvalidRequestError
 from pdserve.router.sender import InboxSender
 from pdserve.scheduler import Abort, GenerateRequest, Inbox
 
@@ -84,3 +84,39 @@ def test_round_trips_and_failures_reach_the_observer(redis_url: str, redis_clien
     text = metrics.render().decode()
     assert 'pdserve_redis_round_trip_seconds_count{op="inbox_send"} 1.0' in text
     assert 'pdserve_redis_errors_total{error="ResponseError",op="inbox_send"} 1.0' in text
+
+
+def test_a_message_that_cannot_be_encoded_fails_only_its_own_send(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Encoded before it joins the batch: its send raises InvalidRequestError (a 400), the other
+    messages of the same iteration (an Abort too) are delivered, and no Redis error is counted."""
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.sampling_params import SamplingParams
+
+    spec: dict = {}
+    for _ in range(400):  # past pydantic's serialization depth
+        spec = {"a": spec}
+    deep = gen("deep")
+    deep.sampling = SamplingParams(guided={"kind": "json", "spec": spec})
+    metrics = RouterMetrics()
+
+    async def main() -> None:
+        async with redis_conn(redis_url) as r:
+            sender = InboxSender(r, KEYS, observe=metrics.on_redis)
+            sender.send_nowait("e0", Abort(request_id="z", reason="test"))
+            results = await asyncio.gather(
+                sender.send("e0", gen("a")),
+                sender.send("e0", deep),
+                sender.send("e0", gen("b")),
+                return_exceptions=True,
+            )
+            assert results[0] is None and results[2] is None
+            assert isinstance(results[1], InvalidRequestError) and "cannot be encoded" in str(results[1])
+            inbox = Inbox(r, KEYS, "e0")
+            await inbox.ensure_group()
+            got = [m.request_id for _, m in await inbox.read(count=20, block_ms=10)]
+            assert got == ["z", "a", "b"]
+
+    run(main())
+    assert "pdserve_redis_errors_total{" not in metrics.render().decode()
