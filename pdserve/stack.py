@@ -31,6 +31,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.errors import ConfigError
 from pdserve.flags import setting, to_argv
 from pdserve.router.settings import RouterSettings
+from pdserve.scheduler.connection import redact_url
 from pdserve.scheduler.embedded import EmbeddedRedis, free_port, port_is_free
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
@@ -48,7 +49,9 @@ class StackSpec:
     model: Path | None = setting(
         None, "model folder (default: the tiny preset, created in ~/.cache/pdserve)", kind=Path
     )
-    redis_url: str | None = setting(None, "use this Redis instead of starting an embedded one", kind=str)
+    redis_url: str | None = setting(
+        None, "use this Redis instead of starting an embedded one", kind=str, repr=False
+    )  # may hold a password
     host: str = setting("127.0.0.1", "router bind address (default %(default)s)")
     port: int = setting(8000, "first router's port; more routers take the next ports (default %(default)s)")
     routers: int = setting(1, "number of routers (default %(default)s)")
@@ -94,19 +97,41 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 
 
-def record_path() -> Path:
-    """Where a running ``pdserve up`` says how to reach it, so ``pdserve status`` finds its Redis."""
-    return cache_dir() / "up.json"
+def record_path(pid: int | None = None) -> Path:
+    """Where the ``pdserve up`` of process ``pid`` (default: this one) says how to reach it, so
+    ``pdserve status`` finds its Redis: one file per stack, so a second stack overwrites nothing."""
+    return cache_dir() / f"up-{os.getpid() if pid is None else pid}.json"
 
 
 def running_stack() -> dict | None:
-    """The record of a ``pdserve up`` that is still running on this machine, else None."""
+    """The record of a ``pdserve up`` that is still running on this machine (the newest), else None."""
+    paths = sorted(cache_dir().glob("up-*.json"), key=_mtime, reverse=True)
+    for path in paths:
+        try:
+            record = json.loads(path.read_text())
+            os.kill(int(record["pid"]), 0)  # signal 0: only asks whether the process exists
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        return record
+    return None
+
+
+def _mtime(path: Path) -> float:
     try:
-        record = json.loads(record_path().read_text())
-        os.kill(int(record["pid"]), 0)  # signal 0: only asks whether the process exists
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return record
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by this user only (0600 from the start: it may hold the
+    Redis password), replacing the file atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def command(name: str) -> str:
@@ -175,7 +200,8 @@ class Stack:
             self.redis = EmbeddedRedis()
             self.redis.start()
             redis_url = self.redis.url
-            print(f"embedded Redis at {redis_url}", flush=True)
+            print(f"embedded Redis at {redact_url(redis_url)}", flush=True)
+        self.redis_url = redis_url  # children get it in their environment (_spawn), not on argv
         n_workers = spec.prefill + spec.decode + spec.mixed
         threads = spec.engine.threads or max(1, (os.cpu_count() or 1) // n_workers)
         engine = dataclasses.replace(spec.engine, threads=threads)
@@ -199,7 +225,7 @@ class Stack:
                 self.instance_ids.append(worker.instance_id)
                 if role == "decode":
                     self.segment_owners.add(name)
-                self.argv[name] = ["worker", *to_argv(worker)]
+                self.argv[name] = ["worker", *to_argv(dataclasses.replace(worker, redis_url=""))]
                 self.workers.append((name, self._spawn(self.argv[name])))
         for i in range(spec.routers):
             router = RouterSettings(
@@ -209,23 +235,22 @@ class Stack:
                 port=spec.port + i,
                 ttl_s=spec.ttl_s,
             )
-            self.argv[f"router-{i}"] = ["router", *to_argv(router)]
+            self.argv[f"router-{i}"] = ["router", *to_argv(dataclasses.replace(router, redis_url=""))]
             self.routers.append((f"router-{i}", self._spawn(self.argv[f"router-{i}"])))
-        self.redis_url = redis_url
 
     def record(self) -> None:
         """Write ``record_path()`` (read by ``pdserve status``); ``stop`` removes it."""
         record = {"pid": os.getpid(), "redis_url": self.redis_url, "cluster": self.spec.cluster}
-        path = record_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record | {"routers": self.urls}))
+        write_private(record_path(), json.dumps(record | {"routers": self.urls}))
 
     def _spawn(self, args: list[str]) -> subprocess.Popen:
+        """Start ``pdserve <args>``. The Redis URL (it may hold a password) goes in the child's
+        environment as ``PDSERVE_REDIS_URL``, never on argv, which ``ps`` shows to every user."""
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
         log.debug("starting %s", " ".join(cmd))
-        return subprocess.Popen(
-            cmd, start_new_session=True
-        )  # Ctrl-C reaches us, not them: we stop them in order
+        env = {**os.environ, "PDSERVE_REDIS_URL": self.redis_url}
+        # start_new_session: Ctrl-C reaches us, not them: we stop them in order
+        return subprocess.Popen(cmd, env=env, start_new_session=True)
 
     def wait_ready(self) -> None:
         """Until every router answers /ready and the first one sees every worker this stack started."""
@@ -303,9 +328,8 @@ class Stack:
             shm.sweep_dead_segments()
         if self.redis is not None:
             self.redis.close()
-        if (running_stack() or {}).get("pid") == os.getpid():  # the record is ours: remove it
-            with contextlib.suppress(OSError):
-                record_path().unlink()
+        with contextlib.suppress(OSError):  # our record (one per stack: no other stack's)
+            record_path().unlink()
         return killed
 
 
@@ -321,7 +345,7 @@ pdserve is up in {elapsed:.1f} s: {len(stack.routers)} router(s), {stack.spec.pr
 {stack.spec.decode} decode, {stack.spec.mixed} mixed.
 
   OpenAI API:  {url}/v1{more}
-  Redis:       {stack.redis_url}  (cluster {stack.spec.cluster!r})
+  Redis:       {redact_url(stack.redis_url)}  (cluster {stack.spec.cluster!r})
   status:      {command("pdserve")} status      (finds this stack's Redis by itself; --watch: live)
   metrics:     {url}/metrics{workers_metrics}
 

@@ -18,6 +18,7 @@ from pdserve.scheduler import (
     RouterRegistry,
     wait_for_redis,
 )
+from pdserve.scheduler.connection import redact_url
 from pdserve.scheduler.keys import INBOX_GROUP
 
 
@@ -216,6 +217,11 @@ def view(status: dict[str, Any] | None, error: str | None = None) -> Any:
     return Group(head, instances, routers)
 
 
+def unreachable(redis_url: str, error: BaseException) -> str:
+    """What ``--watch`` shows while Redis does not answer (the URL without its password)."""
+    return f"cannot read {redact_url(redis_url)}: {error}"
+
+
 def watch(redis_url: str, cluster: str, interval_s: float = 1.0) -> int:
     """``pdserve status --watch``: redraw the status every ``interval_s`` until Ctrl-C (exit 0).
     Redis being away is shown on the screen, and the view resumes when it answers again."""
@@ -229,7 +235,7 @@ def watch(redis_url: str, cluster: str, interval_s: float = 1.0) -> int:
                 try:
                     live.update(view(await asyncio.wait_for(read(redis, cluster), 5)), refresh=True)
                 except Exception as e:
-                    live.update(view(None, f"cannot read {redis_url}: {e}"), refresh=True)
+                    live.update(view(None, unreachable(redis_url, e)), refresh=True)
                 await asyncio.sleep(interval_s)
         finally:
             await redis.aclose()

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -269,3 +270,71 @@ def test_generate_sampling_flags_come_from_sampling_params(capsys) -> None:
         with pytest.raises(SystemExit):
             sampling_params(parser.parse_args(["generate", flag, value]), gen)
         assert f"{flag}: " in capsys.readouterr().err
+
+
+def test_stack_keeps_the_redis_password_off_argv_the_banner_and_other_users(tmp_path, monkeypatch) -> None:
+    """A stack on a password-protected Redis: the children reach it (the URL is in their
+    environment), yet no child's command line holds the password (`ps` shows argv to every user);
+    the banner and status show it as ***, and the record `pdserve status` reads is private (0600)."""
+    import stat
+
+    from pdserve.scheduler.embedded import EmbeddedRedis, free_port
+    from pdserve.stack import Stack, StackSpec, banner
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    password = "pw-sentinel-4711"
+    server = EmbeddedRedis(password=password)
+    assert password not in " ".join(server.command())
+    server.start()
+    spec = StackSpec(redis_url=server.url, port=free_port(), prefill=0, decode=0, mixed=1, engine_kind="echo")
+    stack = Stack(spec)
+    try:
+        stack.start()
+        for name, proc in stack.workers + stack.routers:
+            cmdline = (Path(f"/proc/{proc.pid}/cmdline")).read_bytes()
+            assert password.encode() not in cmdline, (name, cmdline)
+        stack.wait_ready()  # the children did connect: the password reached them
+        stack.record()
+        assert stat.S_IMODE(record_path().stat().st_mode) == 0o600
+        assert running_stack()["redis_url"] == server.url  # status can still connect
+        shown = banner(stack, "tiny", 1.0)
+        assert password not in shown and "redis://:***@" in shown
+    finally:
+        stack.stop()
+        server.close()
+    assert not record_path().exists()
+
+
+def test_status_watch_shows_the_redis_url_without_its_password() -> None:
+    from pdserve.scheduler.connection import redact_url
+    from pdserve.status import unreachable
+
+    shown = unreachable("redis://:pw-sentinel@h:1/0", ConnectionError("refused"))
+    assert "pw-sentinel" not in shown and "redis://:***@h:1/0" in shown
+    assert redact_url("redis://:s%40cret@h:1/0") == "redis://:***@h:1/0"
+    assert redact_url("rediss://user:pw@h:1/0") == "rediss://user:***@h:1/0"
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_worker_metrics_listen_on_loopback_unless_told(tmp_path, monkeypatch) -> None:
+    from pdserve.flags import from_args
+    from pdserve.scheduler.embedded import free_port
+    from pdserve.worker.metrics import WorkerMetrics
+    from pdserve.worker.settings import WorkerSettings
+
+    def settings(*argv: str) -> WorkerSettings:
+        args = build_parser().parse_args(["worker", "--model", str(tmp_path), *argv])
+        return from_args(WorkerSettings, args)
+
+    monkeypatch.delenv("PDSERVE_METRICS_HOST", raising=False)
+    default = settings()
+    assert default.metrics_host == "127.0.0.1" and "redis" not in repr(default)
+    metrics = WorkerMetrics("mixed", "m0")
+    metrics.serve(free_port(), default.metrics_host)
+    try:
+        assert metrics._server.server_address[0] == "127.0.0.1"
+    finally:
+        metrics.close()
+    assert settings("--metrics-host", "0.0.0.0").metrics_host == "0.0.0.0"
+    monkeypatch.setenv("PDSERVE_METRICS_HOST", "10.1.2.3")
+    assert settings().metrics_host == "10.1.2.3"

@@ -6,7 +6,7 @@ registered once (:meth:`RouterApp.add_raw_post`); every endpoint answers JSON an
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize`` and ``/detokenize`` (:mod:`.tokenize`), ``GET /health``
 (the process is up), ``GET /ready`` (Redis answers and something can generate), ``GET /version``, ``GET /v1/instances`` (the live set plus this router's
-in-flight counts, for operators), ``GET /metrics`` (Prometheus text; open like /health; 404 with
+in-flight counts, for operators; no data-plane endpoints unless ``?details=1`` with an API key), ``GET /metrics`` (Prometheus text; open like /health; 404 with
 ``--no-metrics``).
 """
 
@@ -193,7 +193,8 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
         except PdserveError as e:
             return error_response(e, _rid(request))
         if state.reader is not None and not state.reader.healthy:
-            return error_response(NoCapacityError("the router lost contact with Redis"), _rid(request))
+            why = "lost contact with Redis" if state.reader.alive else "outbox reader stopped (see its log)"
+            return error_response(NoCapacityError(f"the router {why}"), _rid(request))
         generating = [i for i in live if not i.draining and i.role in ("decode", "mixed")]
         if not generating:
             reason = (
@@ -242,10 +243,11 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
         except PdserveError as e:
             return error_response(e, _rid(request))
         in_flight = state.dispatcher.in_flight
+        details = bool(state.settings.api_keys) and request.query_params.get("details") == "1"
         body = {
             "router_id": state.settings.router_id,
             "instances": [
-                {**i.model_dump(), "in_flight": in_flight.get(i.id, 0)}
+                {**instance_view(i, details), "in_flight": in_flight.get(i.id, 0)}
                 for i in sorted(live, key=lambda i: i.id)
             ],
             "in_flight": sum(in_flight.values()),
@@ -254,6 +256,26 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
             "migrations": state.dispatcher.num_migrations,
         }
         return JsonResponse(body, _rid(request))
+
+
+BUFFER_FIELDS = frozenset({"addr", "length"})
+"""Fields of a transfer endpoint that locate registered memory: never served over HTTP."""
+
+
+def instance_view(info: InstanceInfo, details: bool) -> dict[str, Any]:
+    """One registration as /v1/instances shows it. ``transfer.endpoint`` (where the KV cache can be
+    written: data-plane addresses, segment names) is left out unless ``details`` (the router has API
+    keys and the request asked ``?details=1``); even then buffer addresses and lengths are not shown."""
+    view = info.model_dump()
+    endpoint = view["transfer"].pop("endpoint", None)
+    if details and endpoint:
+        view["transfer"]["endpoint"] = {
+            protocol: {k: v for k, v in peer.items() if k not in BUFFER_FIELDS}
+            if isinstance(peer, dict)
+            else peer
+            for protocol, peer in endpoint.items()
+        }
+    return view
 
 
 def models_list(live: list[InstanceInfo]) -> list[dict]:
@@ -276,7 +298,7 @@ def models_list(live: list[InstanceInfo]) -> list[dict]:
 async def _live(state: RouterState) -> list[InstanceInfo]:
     try:
         return await asyncio.wait_for(state.dispatcher.live.get(), READY_TIMEOUT_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise NoCapacityError(f"Redis did not answer within {READY_TIMEOUT_S:g} s") from None
 
 

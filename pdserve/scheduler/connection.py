@@ -17,7 +17,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError, TimeoutError
+from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdserve.errors import ConfigError, ControlPlaneError
 
@@ -72,7 +73,7 @@ class RedisSettings:
         scheme = parts.scheme.lower()
         if scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(
-                f"unsupported Redis URL scheme {parts.scheme!r} in {_redact(url)!r}: "
+                f"unsupported Redis URL scheme {parts.scheme!r} in {redact_url(url)!r}: "
                 "use redis://, rediss:// or unix://"
             )
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
@@ -85,13 +86,13 @@ class RedisSettings:
         }
         if scheme == "unix":
             if not parts.path:
-                raise ConfigError(f"unix:// Redis URL needs a socket path: {_redact(url)!r}")
+                raise ConfigError(f"unix:// Redis URL needs a socket path: {redact_url(url)!r}")
             fields["unix_socket_path"] = parts.path
         else:
             try:
                 port = parts.port
             except ValueError:
-                raise ConfigError(f"bad port in Redis URL {_redact(url)!r}") from None
+                raise ConfigError(f"bad port in Redis URL {redact_url(url)!r}") from None
             fields.update(host=parts.hostname or "127.0.0.1", port=port or 6379, ssl=scheme == "rediss")
             db_path = parts.path.strip("/")
             if db_path:
@@ -133,7 +134,7 @@ class RedisSettings:
             "socket_connect_timeout": self.connect_timeout_s,
             "health_check_interval": self.health_check_interval_s,
             "retry": Retry(ExponentialBackoff(cap=self.retry_cap_s, base=self.retry_base_s), self.retries),
-            "retry_on_error": [ConnectionError, TimeoutError],
+            "retry_on_error": [ConnectionError, RedisTimeoutError],
             "decode_responses": False,
             "max_connections": self.max_connections,
             "client_name": self.client_name,
@@ -190,10 +191,10 @@ async def wait_for_redis(
             break
         except (AuthenticationError, ResponseError) as e:
             raise ControlPlaneError(f"Redis at {where} refused the connection: {e}") from e
-        except (RedisError, OSError, asyncio.TimeoutError) as e:
+        except (RedisError, OSError, TimeoutError) as e:  # the builtin: asyncio's timeouts
             reason = str(e) or type(e).__name__
             if uses_tls(client) and (
-                isinstance(e, (asyncio.TimeoutError, TimeoutError, ssl.SSLError)) or "SSL" in reason
+                isinstance(e, (TimeoutError, RedisTimeoutError, ssl.SSLError)) or "SSL" in reason
             ):
                 reason = (
                     f"the TLS handshake did not complete ({reason}): is {where} a TLS port? rediss:// needs "
@@ -253,14 +254,19 @@ def _parse_db(value: str, url: str) -> int:
     try:
         db = int(value)
     except ValueError:
-        raise ConfigError(f"Redis db must be a number, got {value!r} in {_redact(url)!r}") from None
+        raise ConfigError(f"Redis db must be a number, got {value!r} in {redact_url(url)!r}") from None
     if db < 0:
         raise ConfigError(f"Redis db must be >= 0, got {db}")
     return db
 
 
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``: for banners, logs and status output."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "<unparsable url>"
+    if password is None:
         return url
-    return url.replace(f":{parts.password}@", ":***@", 1)
+    return url.replace(f":{password}@", ":***@", 1)

@@ -53,6 +53,13 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
         return s.getsockname()[1]
 
 
+def password_config(password: str) -> bytes:
+    """A redis.conf line setting ``requirepass``: every byte hex-escaped in a quoted string, so no
+    character of the password can end the string or the line."""
+    escaped = "".join(f"\\x{b:02x}" for b in password.encode())
+    return f'requirepass "{escaped}"\n'.encode()
+
+
 class EmbeddedRedis:
     def __init__(
         self,
@@ -79,8 +86,8 @@ class EmbeddedRedis:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}{self.bind[0]}:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> None:
-        """Start and wait until it accepts connections."""
+    def command(self) -> list[str]:
+        """The server's argv (no secret in it: ``ps`` shows it; the password goes in on stdin)."""
         cmd = [
             str(self.binary),
             "--port",
@@ -96,12 +103,25 @@ class EmbeddedRedis:
             "--loglevel",
             "warning",
         ]
-        if self.password:
-            cmd += ["--requirepass", self.password]
+        if self.password:  # "-": more config on stdin (the password)
+            cmd.insert(1, "-")
+        return cmd
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start and wait until it accepts connections."""
+        cmd = self.command()
         # its own session: a Ctrl-C meant for `pdserve up` must not stop Redis before the rest
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            cmd,
+            stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
+        if self.password and self.proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.write(password_config(self.password))
+            self.proc.stdin.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
             if self._answers_ping():

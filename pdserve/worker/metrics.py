@@ -141,7 +141,8 @@ class WorkerMetrics:
         """Where the gauges read the engine's load snapshot and facts."""
         self._load, self._facts = load, facts
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        """Serve /metrics on ``host:port`` (``--metrics-host``: loopback unless told)."""
         self._server, _ = start_http_server(port, host, registry=self.registry)
         log.info("worker metrics on http://%s:%d/metrics", host, port)
 

@@ -46,8 +46,10 @@ class WorkerSettings:
     )
     redis_url: str = setting(
         DEFAULT_URL,
-        "Redis URL: redis:// or rediss:// (TLS), with user:password@ and /db (default %(default)s)",
-    )
+        "Redis URL: redis:// or rediss:// (TLS), with user:password@ and /db (default %(default)s); "
+        "one with a password is best given as the variable (the command line shows in `ps`)",
+        repr=False,
+    )  # may hold a password
     cluster: str = setting(DEFAULT_CLUSTER, "namespace of this deployment inside Redis (default %(default)s)")
     ttl_s: float = setting(
         DEFAULT_TTL_S, "registration TTL in seconds; heartbeats renew it every ttl/3 (default %(default)s)"
@@ -77,7 +79,13 @@ class WorkerSettings:
         "address other hosts reach this instance's mooncake engine at (default: the address of the "
         "default route's interface)",
     )
-    metrics_port: int = setting(0, "serve Prometheus metrics at http://0.0.0.0:PORT/metrics (default 0: off)")
+    metrics_port: int = setting(
+        0, "serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (default 0: off)"
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        "address the metrics port listens on; 0.0.0.0 for a Prometheus on another host (default %(default)s)",
+    )
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

@@ -68,6 +68,34 @@ def test_docker_compose_accepts_the_files(files) -> None:
         assert services["decode"]["environment"]["PDSERVE_KV_TRANSFER"] == "mooncake"
 
 
+def test_compose_refuses_to_start_without_a_redis_password_and_keeps_it_off_argv() -> None:
+    """No default password to fall back on; the one given is in no container's command line, and
+    workers' metrics listen beyond their container's loopback only because compose says so."""
+    need("docker-compose")
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_REDIS_PASSWORD"}
+    out = subprocess.run(
+        [
+            "docker-compose",
+            "--project-directory",
+            str(ROOT),
+            "-f",
+            str(ROOT / "docker-compose.yml"),
+            "config",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert out.returncode != 0 and "PDSERVE_REDIS_PASSWORD" in out.stderr, out.stdout
+    services = compose_config(["docker-compose.yml"], PDSERVE_REDIS_PASSWORD="pw-sentinel")["services"]
+    for name, spec in services.items():
+        assert not any("pw-sentinel" in a for a in argv(spec)), (name, argv(spec))
+    assert services["redis"]["environment"]["REDISCLI_AUTH"] == "pw-sentinel"
+    assert services["decode"]["environment"]["PDSERVE_METRICS_HOST"] == "0.0.0.0"
+
+
 def test_monitoring_profile() -> None:
     """prometheus and grafana only with --profile monitoring; Prometheus scrapes every router on
     its port and every worker on the metrics port the compose file gives them; Grafana gets the

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from host_support import need_root_and
 
@@ -239,9 +240,10 @@ def test_kv_crosses_hosts_over_mooncake_and_output_equals_mixed(hosts, redis_ser
     mixed = f"http://127.0.0.1:{port}"
     try:
         wait_for_instances(mixed, {f"mixed-{solo}"}, cluster.procs)
-        decode = cluster.live[cluster.ids["D"]]
-        assert decode["transfer"]["endpoint"]["mooncake"]["session"].startswith(f"{KV_NET}.2:")
         client, inbox = Redis.from_url(redis_server.url), cluster.keys.inbox(cluster.ids["P"])
+        # the registration (not /v1/instances, which serves no data-plane endpoint) names the session
+        decode = orjson.loads(client.get(cluster.keys.instance(cluster.ids["D"])))
+        assert decode["transfer"]["endpoint"]["mooncake"]["session"].startswith(f"{KV_NET}.2:")
         model = tiny_model_dir.name
         for prompt in PROMPTS:
             before = last_added(client, inbox)

@@ -179,7 +179,8 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
         # `pdserve status` found the stack's Redis by itself: it lists the stack's workers and router.
         assert "cluster default: 2 instance(s), 1 router(s)" in after_up.stdout, after_up.stdout
 
-        assert_keys_are_documented(json.loads((Path(env["HOME"]) / ".cache/pdserve/up.json").read_text()))
+        (record,) = (Path(env["HOME"]) / ".cache/pdserve").glob("up-*.json")  # one per stack
+        assert_keys_are_documented(json.loads(record.read_text()))
 
         client = python(block("python", "Once upon a time"))
         assert client.returncode == 0, client.stderr
@@ -194,7 +195,7 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
         up.send_signal(signal.SIGINT)
         rest, _ = up.communicate(timeout=90)
     assert up.returncode == 0 and "stopped." in rest
-    assert not (Path(env["HOME"]) / ".cache" / "pdserve" / "up.json").exists()
+    assert not list((Path(env["HOME"]) / ".cache" / "pdserve").glob("up-*.json"))
 
     # Running the pieces by hand: the block leaves Redis, two workers and two routers running.
     log = work / "pieces.log"

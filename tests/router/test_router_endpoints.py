@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis
 from router_support import (
     CLUSTER,
@@ -223,5 +224,111 @@ def test_every_endpoint_answers_json_and_errors_the_same_way(
                 assert r.headers["x-request-id"] == ("h" if i == 0 else f"e{i}")
             for r in errors:
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+    run(main())
+
+
+def _with_endpoints(instance_id: str):
+    """A decode registration that advertises shm and mooncake endpoints (a buffer address included)."""
+    from pdserve.scheduler.messages import TransferInfo
+
+    endpoint = {
+        "shm": f"pdserve-{instance_id}",
+        "mooncake": {
+            "session": "10.0.0.2:15000",
+            "addr": 140000000000,
+            "length": 987654321,
+            "protocol": "tcp",
+        },
+    }
+    info = instance(instance_id, "decode")
+    return info.model_copy(
+        update={"transfer": TransferInfo(protocols=["shm", "mooncake"], endpoint=endpoint)}
+    )
+
+
+def test_instances_hide_transfer_endpoints_and_never_serve_buffer_addresses(redis_url: str) -> None:
+    """The data plane's addresses are not for any HTTP client: without API keys /v1/instances never
+    shows them (not even with ?details=1); with keys, ?details=1 shows sessions but no buffer address."""
+
+    async def listing(client, **kw) -> dict:
+        r = await client.get("/v1/instances", **kw)
+        assert r.status_code == 200, r.text
+        assert "140000000000" not in r.text and "987654321" not in r.text  # the buffer, in no field
+        (d0,) = r.json()["instances"]
+        assert d0["transfer"]["protocols"] == ["shm", "mooncake"]
+        return d0
+
+    def hidden(d0: dict) -> bool:
+        return "endpoint" not in d0["transfer"] and "pdserve-d0" not in str(d0) and "10.0.0.2" not in str(d0)
+
+    async def main() -> None:
+        async with redis_conn(redis_url) as r:
+            await InstanceRegistry(r, KEYS).register(_with_endpoints("d0"))
+            async with router(redis_url) as client:
+                for params in ({}, {"details": "1"}):
+                    d0 = await listing(client, params=params)
+                    assert hidden(d0), d0
+            auth = {"authorization": "Bearer k1"}
+            async with router(redis_url, api_key="k1") as client:
+                d0 = await listing(client, headers=auth)
+                assert hidden(d0), d0
+                d0 = await listing(client, headers=auth, params={"details": "1"})
+                assert d0["transfer"]["endpoint"] == {
+                    "shm": "pdserve-d0",
+                    "mooncake": {"session": "10.0.0.2:15000", "protocol": "tcp"},
+                }
+                no_key = await client.get("/v1/instances", params={"details": "1"})
+                assert no_key.status_code == 401
+
+    run(main())
+
+
+def test_a_dead_outbox_reader_makes_the_router_not_ready(
+    redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """If the reader task ever dies (a bug), /ready says 503 and why, it is logged, and requests
+    fail at once with a 503 instead of waiting for their deadline."""
+    from pdserve.scheduler import Outbox, RequestDelta, StepOutput
+
+    async def main() -> None:
+        async with router(redis_url) as client, redis_conn(redis_url) as r:
+            worker = await FakeWorker(r, instance("m0")).start()
+            assert (await client.get("/ready")).status_code == 200
+            reader = client.app.state.router.reader  # type: ignore[attr-defined]
+
+            def bug(data: bytes) -> None:
+                raise SystemError("a bug in the reader")
+
+            reader.dispatch = bug
+            delta = RequestDelta(request_id="x", token_ids=[1], text="a")
+            await Outbox(r, KEYS).publish(ROUTER_ID, StepOutput(instance_id="m0", items=[delta]))
+            for _ in range(100):
+                if not reader.alive:
+                    break
+                await asyncio.sleep(0.02)
+            ready = await client.get("/ready")
+            assert ready.status_code == 503 and "outbox reader stopped" in ready.json()["error"]["message"]
+            resp = await client.post("/v1/completions", json={"prompt": "hi"})
+            assert resp.status_code == 503
+            await worker.stop()
+
+    run(main())
+    assert any("outbox reader stopped" in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_second_router_with_a_live_routers_id_is_refused(redis_url: str, redis_client: redis.Redis) -> None:
+    """Two routers with one --router-id would read and trim each other's outbox: the second refuses
+    to start, naming the flag; once the first is gone the id is free again."""
+    from pdserve.errors import ConfigError
+
+    async def main() -> None:
+        async with router(redis_url), redis_conn(redis_url) as r:
+            with pytest.raises(ConfigError, match="--router-id r-test"):
+                async with router(redis_url):
+                    pass
+            assert await RouterRegistry(r, KEYS).get(ROUTER_ID) is not None  # the first one's, untouched
+        async with router(redis_url) as client:
+            assert (await client.get("/health")).status_code == 200
 
     run(main())
