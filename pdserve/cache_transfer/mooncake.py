@@ -8,6 +8,14 @@ session, the registered buffer's address and length) in its registration; a pref
 writes its blocks straight into those addresses, adjacent blocks merged, one batch call per
 hand-off. The optional extra ``pip install 'pdserve[mooncake]'`` brings the CPU-only wheel.
 :class:`MooncakeBackend` is the transport as the worker sees it (``base.TransportBackend``).
+
+Trust model: anyone who can reach the engine's ports can read and write the registered KV cache (as
+with NCCL, NIXL and Mooncake everywhere), so the transfer network must be private. The wheel cannot
+be told which interface to listen on: ``initialize``'s first argument (``--transfer-address``) and
+``MC_TCP_BIND_ADDRESS`` only set the address it *advertises*; its handshake port is bound to
+``0.0.0.0`` and its TCP data port to ``[::]`` (checked with mooncake-transfer-engine 0.3.13). Keep
+those ports off untrusted networks with a firewall or network namespace. The endpoint (session,
+buffer address) is published in Redis only, never over HTTP (router ``/v1/instances``).
 """
 
 from __future__ import annotations
@@ -104,7 +112,12 @@ class MooncakeAgent:
         self.session = f"{host}:{self._engine.get_rpc_port()}"
         self._buffer: np.ndarray | None = None
         self._lock = threading.Lock()  # one batch at a time per agent: the engine's sessions are shared
-        log.info("mooncake transfer engine (%s) listening at %s", protocol, self.session)
+        log.info(
+            "mooncake transfer engine (%s) at %s; it listens on every interface whatever the address "
+            "(the wheel cannot bind one): keep its ports on a private network",
+            protocol,
+            self.session,
+        )
 
     def register(self, buffer: np.ndarray) -> None:
         """Register the KV cache (a uint8 view that stays alive and never moves)."""
