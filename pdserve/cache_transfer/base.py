@@ -32,6 +32,12 @@ class KVTransport(abc.ABC):
     def write_blocks(self, src: np.ndarray, src_regions: list[Region], dst_regions: list[Region]) -> int:
         return self.write(src, pair_regions(src_regions, dst_regions))
 
+    def current(self) -> bool:
+        """Whether the peer's endpoint still leads to the cache this writer opened (False: the
+        peer restarted under the same endpoint, so the writer must be reopened). Cheap; True
+        where a protocol cannot tell (the registration's incarnation still tells)."""
+        return True
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or mappings to the peer."""
 

@@ -171,8 +171,11 @@ def _names(path: str, fd: int) -> bool:
         a = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
         return False
-    b = os.fstat(fd)
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    return _identity(a) == _identity(os.fstat(fd))
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def _too_small(nbytes: int, error: OSError) -> str:
@@ -213,7 +216,18 @@ class ShmWriter(KVTransport):
     def __init__(self, segment_name: str) -> None:
         self.segment_name = segment_name
         self._shm = attach_segment(segment_name)
+        fd = self._shm._fd  # type: ignore[attr-defined]  # POSIX SharedMemory keeps it open
+        self._file = _identity(os.fstat(fd))  # the segment we mapped, not just its name
         self._dst = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
+
+    def current(self) -> bool:
+        """Whether the segment's name still leads to the segment we mapped: a decode instance
+        restarted under its id removed the old one (``create_segment(reclaim=True)``) and made a
+        new one of the same name; writing into the old mapping would reach nobody."""
+        try:
+            return _identity(os.stat(os.path.join(SHM_DIR, self.segment_name))) == self._file
+        except OSError:
+            return False
 
     def write(self, src: np.ndarray, segments: list[Segment]) -> int:
         """Copy ``src[s:s+n] -> peer[d:d+n]`` for each segment; returns bytes moved."""

@@ -27,6 +27,7 @@ from pdserve.sampling_params import SamplingParams, guided_param
 log = logging.getLogger(__name__)
 
 BLOCK_BYTES = 64
+ECHO_LAYOUT = "echo"  # a block is BLOCK_BYTES stand-in bytes, not a model's K/V rows
 DEFAULT_NUM_BLOCKS = 16384
 DEFAULT_MAX_MODEL_LEN = 32768
 
@@ -94,6 +95,12 @@ class EchoEngine:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             block_bytes=self.block_bytes_per_block,
+            # no model: no layers or heads; its blocks hold stand-in bytes, paired only with its kind
+            num_layers=0,
+            num_kv_heads=0,
+            head_dim=0,
+            dtype="uint8",
+            layout=ECHO_LAYOUT,
             shm_name=self.segment.name if self.segment else None,
             vocab_size=self.tokenizer.vocab_size if self.tokenizer is not None else None,
         )

@@ -138,6 +138,9 @@ class LLMEngine:
             block_size=self.config.block_size,
             num_blocks=self.blocks.num_blocks,
             block_bytes=self.cache.block_bytes,
+            num_layers=self.cache.cfg.num_layers,
+            num_kv_heads=self.cache.cfg.num_kv_heads,
+            head_dim=self.cache.cfg.head_dim,
             shm_name=self.cache.shm_name,
             vocab_size=self.model_config.vocab_size,
         )

@@ -54,6 +54,9 @@ class EngineFacts:
     block_size: int
     num_blocks: int
     block_bytes: int  # bytes of one block (all layers, K and V)
+    num_layers: int  # the KV geometry a peer's bytes must match to land in the right places
+    num_kv_heads: int
+    head_dim: int
     shm_name: str | None = None  # the shared-memory segment holding the KV cache, if shared
     dtype: str = "float32"
     layout: str = "block_major"

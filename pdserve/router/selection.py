@@ -3,9 +3,9 @@
 Rules, in order:
 
 1. Only live, non-draining instances of the requested model are candidates.
-2. Splitwise when a prefill and a decode instance share a KV transfer protocol: ``shm`` when both
-   are on one host and offer it, else the first protocol of prefill's list that decode offers
-   (``shm`` never crosses hosts). A prefill without any usable decode partner is skipped.
+2. Splitwise when a prefill and a decode instance have the same KV geometry (:func:`kv_mismatch`)
+   and share a KV transfer protocol: ``shm`` when both are on one host and offer it, else the
+   first protocol of prefill's list that decode offers (``shm`` never crosses hosts). A prefill without any usable decode partner is skipped.
 3. Otherwise one instance serves the whole request: a mixed one, else a decode one (decode-only
    fallback when there is no prefill instance). Prefill instances alone cannot serve: 503.
 
@@ -70,16 +70,25 @@ def transfer_protocol(prefill: InstanceInfo, decode: InstanceInfo) -> str | None
     return next((p for p in prefill.transfer.protocols if p != SHM and p in offered), None)
 
 
+KV_GEOMETRY = ("block_size", "block_bytes", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout")
+"""The ``KVInfo`` fields a prefill/decode pair's caches must agree on."""
+
+
 def kv_mismatch(prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
     """Why ``prefill``'s KV bytes cannot go into ``decode``'s blocks, or None when they can.
 
     The prefill side computes the decode side's byte offsets from its own KV geometry, so a pair
-    whose block size, dtype or layout differ would move wrong bytes: such a pair is never made.
+    whose geometry differs in anything (block size or bytes, layers, KV heads, head dim, dtype,
+    layout: two models served under one name) would move wrong bytes, over other sequences'
+    blocks: such a pair is never made. A geometry one side does not register (a worker older than
+    the field) is not assumed equal.
     """
     diffs = [
         f"{name} {getattr(prefill.kv, name)} vs {getattr(decode.kv, name)}"
-        for name in ("block_size", "dtype", "layout")
-        if getattr(prefill.kv, name) != getattr(decode.kv, name)
+        for name in KV_GEOMETRY
+        if getattr(prefill.kv, name) is None
+        or getattr(decode.kv, name) is None
+        or getattr(prefill.kv, name) != getattr(decode.kv, name)
     ]
     return f"{prefill.id} with {decode.id}: different KV caches ({', '.join(diffs)})" if diffs else None
 

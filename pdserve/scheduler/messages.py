@@ -28,11 +28,15 @@ SCHEMA_VERSION = 3
 2: ``ErrorInfo`` carries the exception tree's ``kind`` and ``param`` instead of ``code``/``type``;
 fields nothing produced or read are gone (``detokenize``, ``arrival_time``, ``first_logprobs``,
 ``num_cached_tokens``). Additive since: ``RequestDelta.timing``, ``GenerateRequest.echo`` with
-``RequestDelta.prompt_text`` (older readers ignore them).
+``RequestDelta.prompt_text``, ``RequestDelta.seq`` with ``Prefilled.next_seq`` (older readers
+ignore them).
 
 3: ``GenerateRequest.sampling`` and ``ReserveBlocks.sampling`` are a typed ``SamplingParams``
 (``None`` fields left out; unknown keys refused); a request without ``max_tokens`` says
-``GenerateRequest.fill_max_tokens`` instead of ``sampling.max_tokens = null``.
+``GenerateRequest.fill_max_tokens`` instead of ``sampling.max_tokens = null``. Additive since:
+the registration's KV geometry (``KVInfo.block_bytes``, ``num_layers``, ``num_kv_heads``,
+``head_dim``: a registration without them is read, but never paired) and
+``TransferInfo.incarnation`` (peers' writers are keyed by it).
 """
 
 ANY_ATTEMPT = -1
@@ -51,13 +55,20 @@ class _Model(BaseModel):
 
 
 class KVInfo(_Model):
-    """The instance's paged KV cache: geometry and current free space."""
+    """The instance's paged KV cache: geometry and current free space.
+
+    A prefill and a decode instance pair only when every geometry field is equal (and known):
+    the prefill side writes its own blocks' bytes at the decode side's block offsets."""
 
     block_size: int
     num_blocks: int
     free_blocks: int
     dtype: str
     layout: str
+    block_bytes: int | None = None  # bytes of one block (all layers, K and V); None: an older worker
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
 
 
 class LoadInfo(_Model):
@@ -69,10 +80,14 @@ class LoadInfo(_Model):
 
 
 class TransferInfo(_Model):
-    """How peers reach this instance's KV cache (e.g. ``endpoint = {"shm": "<segment name>"}``)."""
+    """How peers reach this instance's KV cache (e.g. ``endpoint = {"shm": "<segment name>"}``).
+
+    ``incarnation`` is new at every start of the instance: an id restarted under the same name
+    (same shm segment name) has a new cache, which a writer opened to the old one must not reach."""
 
     protocols: list[str] = Field(default_factory=list)
     endpoint: dict[str, Any] | None = None
+    incarnation: str | None = None
 
 
 class InstanceInfo(_Model):
@@ -206,6 +221,10 @@ class RequestDelta(_Model):
     timing: Timing | None = None  # on the delta that carries the first token
     prompt_text: str | None = None
     """The prompt's text, on the delta with the first token of a request that asked (``echo``)."""
+    seq: int | None = None
+    """This delta's number within its attempt (0, 1, 2, ..., across prefill and decode): the router
+    drops a number it already accepted (a send repeated by a retry) and fails the attempt on a gap.
+    ``None``: not numbered (a failure, or an event the router made itself)."""
 
     @property
     def is_final(self) -> bool:
@@ -313,6 +332,8 @@ class Prefilled(_Message):
     prompt_token_ids: list[int]
     error: ErrorInfo | None = None
     attempt: int = 0
+    next_seq: int = 1
+    """The ``RequestDelta.seq`` decode's first delta gets (prefill published the ones before)."""
 
 
 class Abort(_Message):

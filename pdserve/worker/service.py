@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import signal
+import uuid
 from typing import Any
 
 from pdserve.cache_transfer import shm, transports
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 # Longest the engine loop holds its next step back while the inbox's current batch is handled (a
 # batch is normally done in milliseconds; this bounds a stall when Redis is slow to take replies).
 INBOX_FIRST_S = 1.0
+PRUNE_WRITERS_S = 1.0  # how often the KV writers of peers that left (or restarted) are closed
 
 
 class WorkerService:
@@ -56,6 +58,7 @@ class WorkerService:
         self.keys = Keys(settings.cluster)
         self.clock = clock or Clock()
         self.started_at = self.clock.time()
+        self.incarnation = uuid.uuid4().hex[:12]  # this start's: peers reopen their writers to a new one
         self.redis = RedisSettings.from_url(settings.redis_url).connect()  # connects on first use
         self.registry = InstanceRegistry(self.redis, self.keys, ttl_s=settings.ttl_s)
         self.inbox = Inbox(self.redis, self.keys, self.id)
@@ -100,7 +103,7 @@ class WorkerService:
         assert engine is not None
         metrics = WorkerMetrics(self.settings.role, self.id)
         metrics.watch(lambda: engine.load, engine.facts)
-        metrics.serve(self.settings.metrics_port)
+        metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
         engine.metrics = self.metrics = metrics
 
     def _build_engine(self):
@@ -226,13 +229,19 @@ class WorkerService:
                 free_blocks=load.free_blocks,
                 dtype=facts.dtype,
                 layout=facts.layout,
+                block_bytes=facts.block_bytes,
+                num_layers=facts.num_layers,
+                num_kv_heads=facts.num_kv_heads,
+                head_dim=facts.head_dim,
             ),
             load=LoadInfo(
                 running=load.running,
                 waiting=load.waiting + self.handler.handing_off(),
                 waiting_prefill_tokens=load.waiting_prefill_tokens,
             ),
-            transfer=TransferInfo(protocols=self.protocols, endpoint=self._endpoint() or None),
+            transfer=TransferInfo(
+                protocols=self.protocols, endpoint=self._endpoint() or None, incarnation=self.incarnation
+            ),
             max_model_len=facts.max_model_len,
             draining=self.handler.draining,
             vocab_size=facts.vocab_size,
@@ -303,15 +312,26 @@ class WorkerService:
 
     async def _housekeeping_loop(self) -> None:
         _, handler = self._running()
+        pruned_at = self.clock.monotonic()
         while True:
             await asyncio.sleep(0.1)
             try:
                 await handler.tick()
+                if self.clock.monotonic() - pruned_at >= PRUNE_WRITERS_S:
+                    pruned_at = self.clock.monotonic()
+                    await self._prune_writers()
             except ControlPlaneError as e:
                 log.warning("housekeeping: %s", e)
             if handler.draining and self.clock.monotonic() > self._drain_deadline:
                 log.warning("drain timeout: failing %d requests still in flight", handler.in_flight())
                 self._stop.set()
+
+    async def _prune_writers(self) -> None:
+        """Close the KV writers of peers no longer registered (or restarted), so that a dead
+        decode instance's cache is not kept mapped here (it would hold /dev/shm's memory)."""
+        peers = self.transports.peers
+        alive = await self.registry.alive(peers) if peers else set()
+        self.transports.prune([p for p in peers if p not in alive])
 
 
 def run_worker(settings: WorkerSettings) -> int:

@@ -22,15 +22,17 @@ Each machine has one way to finish and one way to fail (``_fail``), which frees 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from pdserve.cache_transfer.base import KVTransport, TransportBackend
 from pdserve.cache_transfer.transports import close_backends, open_writer
 from pdserve.engine.outputs import RequestOutput
-from pdserve.errors import PdserveError, RequestTimeoutError, TransferError, UnavailableError
+from pdserve.errors import EngineError, PdserveError, RequestTimeoutError, TransferError, UnavailableError
 from pdserve.scheduler import (
     Abort,
     ErrorInfo,
@@ -48,6 +50,7 @@ from pdserve.worker.metrics import WorkerMetrics
 log = logging.getLogger(__name__)
 
 RESERVE_RETRY_MS = 200  # a decode instance without free blocks asks to be asked again after this
+FIRST_SEQ = 0  # prefill publishes the attempt's first delta; decode numbers its own from FIRST_SEQ + 1
 
 
 class PrefillState(enum.Enum):
@@ -82,28 +85,63 @@ class Context:
 
 class Transports:
     """This instance's open KV transport backends (by protocol), and one writer per decode peer
-    through them, reopened when the peer's registration changes (a restart) and dropped after a
-    failure (the next hand-off reopens it)."""
+    through them, dropped after a failure (the next hand-off reopens it).
+
+    A writer is keyed by the peer's id, endpoint and incarnation (new at every start): a peer
+    restarted under the same id, whose shm segment has the same name, is never written through the
+    old mapping; nor is one whose endpoint no longer leads to the cache the writer opened
+    (``KVTransport.current``), when a router's view of the registration is behind. Writers of peers
+    that left the live set are closed (:meth:`prune`), so a dead peer's segment is not kept mapped.
+    A writer dropped while a write holds it (:meth:`writer`) is closed when that write is done.
+    """
 
     def __init__(self, backends: dict[str, TransportBackend] | None = None) -> None:
-        self._open: dict[str, tuple[tuple[str, Any], KVTransport]] = {}
+        self._open: dict[str, _Writer] = {}
         self.backends: dict[str, TransportBackend] = backends if backends is not None else {}
 
     def get(self, protocol: str, peer_id: str, transfer: dict[str, Any]) -> KVTransport:
         """``transfer`` is the peer's registered TransferInfo."""
-        endpoint = transfer.get("endpoint")
+        key = (protocol, transfer.get("endpoint"), transfer.get("incarnation"))
         cached = self._open.get(peer_id)
-        if cached is not None and cached[0] == (protocol, endpoint):
-            return cached[1]
+        if cached is not None and cached.key == key and cached.transport.current():
+            return cached.transport
         self.drop(peer_id)
-        transport = open_writer(self.backends, protocol, endpoint)
-        self._open[peer_id] = ((protocol, endpoint), transport)
+        transport = open_writer(self.backends, protocol, key[1])
+        self._open[peer_id] = _Writer(key, transport)
         return transport
+
+    @contextlib.contextmanager
+    def writer(self, protocol: str, peer_id: str, transfer: dict[str, Any]) -> Iterator[KVTransport]:
+        """:meth:`get`, held open until the block ends even if it is dropped meanwhile."""
+        self.get(protocol, peer_id, transfer)
+        held = self._open[peer_id]
+        held.users += 1
+        try:
+            yield held.transport
+        finally:
+            held.users -= 1
+            if held.dropped and not held.users:
+                held.transport.close()
 
     def drop(self, peer_id: str) -> None:
         cached = self._open.pop(peer_id, None)
         if cached is not None:
-            cached[1].close()
+            cached.dropped = True
+            if not cached.users:
+                cached.transport.close()
+
+    @property
+    def peers(self) -> list[str]:
+        """The ids of the peers this instance holds a writer to."""
+        return list(self._open)
+
+    def prune(self, departed: Collection[str] = ()) -> list[str]:
+        """Close the writers of the ``departed`` peers and those no longer ``current``; their ids."""
+        gone = [p for p, w in self._open.items() if p in departed or not w.transport.current()]
+        for peer_id in gone:
+            log.info("closing the KV writer to %s: the peer is gone or restarted", peer_id)
+            self.drop(peer_id)
+        return gone
 
     def close(self) -> None:
         """Close every writer; the backends stay open (:meth:`close_backends`)."""
@@ -114,6 +152,16 @@ class Transports:
         """Close the backends' local sides, before the cache's memory goes."""
         close_backends(self.backends)
         self.backends.clear()
+
+
+@dataclasses.dataclass
+class _Writer:
+    """One peer's open writer: what it was opened for, and how many writes hold it now."""
+
+    key: tuple[str, Any, str | None]  # protocol, the peer's endpoint, its incarnation
+    transport: KVTransport
+    users: int = 0
+    dropped: bool = False
 
 
 class PrefillHandoff:
@@ -189,7 +237,7 @@ class PrefillHandoff:
                 self.state = PrefillState.FIRST_TOKEN_READY
         elif out.finished:  # finished on its first token (EOS, stop, max_tokens=1), or the engine failed it
             self.state = PrefillState.DONE
-            delta = to_delta(out, self.owner)
+            delta = to_delta(out, self.owner, FIRST_SEQ)
             if out.token_ids:
                 delta.timing = Timing(
                     s_ttft_s=self.ctx.clock.monotonic() - self.received_at, queue_s=out.queue_s
@@ -231,8 +279,12 @@ class PrefillHandoff:
         self.state = PrefillState.TRANSFERRING
         try:
             await self._write_kv(self.dst_blocks)
-        except PdserveError as e:
-            log.warning("KV hand-off of %s to %s failed: %s", self.key, self.decode_id, e)
+        except Exception as e:  # a foreign error too: the machine must not stay TRANSFERRING
+            if isinstance(e, PdserveError):
+                log.warning("KV hand-off of %s to %s failed: %s", self.key, self.decode_id, e)
+            else:
+                log.exception("KV hand-off of %s to %s failed", self.key, self.decode_id)
+                e = TransferError(type(e).__name__)
             self.ctx.transports.drop(self.decode_id)
             return await self._fail(TransferError(f"KV transfer to {self.decode_id} failed: {e}"))
         if self._abort_reason is not None:
@@ -240,7 +292,7 @@ class PrefillHandoff:
             await self.ctx.engine.release_prefilled(self.key)
             return await self._tell_decode_abort(self._abort_reason)
         self.state = PrefillState.DONE
-        first = to_delta(self.first, self.owner)
+        first = to_delta(self.first, self.owner, FIRST_SEQ)
         first.timing = self.timing
         first.prompt_text = self.prepared.prompt_text
         await self.ctx.messenger.deliver(self.owner, first)
@@ -250,14 +302,14 @@ class PrefillHandoff:
     async def _write_kv(self, dst_blocks: list[int]) -> None:
         if self.ctx.clock.time() > self.info.deadlines.transfer:
             raise TransferError("the KV transfer deadline passed")
-        transport = self.ctx.transports.get(self.info.protocol, self.decode_id, self.info.decode.transfer)
         engine = self.ctx.engine
         src = await engine.prefilled_blocks(self.key)
         if len(src) != len(dst_blocks):
             raise TransferError(f"decode reserved {len(dst_blocks)} blocks for {len(src)}")
         cache, src_regions, dst_regions = engine.kv_view(), engine.regions(src), engine.regions(dst_blocks)
         t0 = self.ctx.clock.monotonic()
-        moved = await asyncio.to_thread(transport.write_blocks, cache, src_regions, dst_regions)
+        with self.ctx.transports.writer(self.info.protocol, self.decode_id, self.info.decode.transfer) as w:
+            moved = await asyncio.to_thread(w.write_blocks, cache, src_regions, dst_regions)
         seconds = self.ctx.clock.monotonic() - t0
         if self.timing is not None:
             self.timing.kv_transfer_s = seconds
@@ -285,6 +337,7 @@ class PrefillHandoff:
             prompt_token_ids=self.prepared.prompt_ids,
             attempt=self.msg.attempt,
             error=ErrorInfo.of(error) if error else None,
+            next_seq=FIRST_SEQ + 1,
         )
         await self.ctx.messenger.send(self.decode_id, msg)
 
@@ -320,7 +373,8 @@ class DecodeLease:
         try:  # the engine rebuilds the request's state (a grammar's included) from the first token
             params = self.msg.sampling
             await self.ctx.engine.add_prefilled(self.key, list(msg.prompt_token_ids), msg.first_token, params)
-        except PdserveError as e:
+        except Exception as foreign:
+            e = foreign if isinstance(foreign, PdserveError) else EngineError(type(foreign).__name__)
             log.warning("%s: could not continue the prefilled request: %s", self.key, e.message)
             await self._fail(e.message)
             await self.ctx.messenger.fail(owner, e)
@@ -404,8 +458,8 @@ class Splitwise:
         else:
             try:
                 blocks = await self.ctx.engine.try_reserve(key, msg.num_tokens)
-            except PdserveError as e:
-                blocks, reply.error = None, str(e)
+            except Exception as e:  # a foreign error too: prefill hears a refusal, not nothing
+                blocks, reply.error = None, str(e) or type(e).__name__
             if blocks is None:
                 reply.error = reply.error or (
                     f"decode instance {self.ctx.instance_id} has no {msg.num_tokens}-token room in its KV cache now"
@@ -428,6 +482,19 @@ class Splitwise:
         return owner
 
     # ---- both ------------------------------------------------------------------------------------
+    async def fail(self, key: str, error: PdserveError) -> bool:
+        """End ``key``'s hand-off after an unexpected error: True when a prefill hand-off told its
+        router (a decode reservation is only freed)."""
+        told = False
+        handoff = self.prefills.get(key)
+        if handoff is not None and not handoff.final:
+            await handoff._fail(error)
+            told = True
+        if key in self.leases:
+            await self.leases[key].abort(error.message)
+        self._settle(key)
+        return told
+
     async def abort(self, key: str, reason: str) -> None:
         if key in self.prefills:
             await self.prefills[key].abort(reason)

@@ -195,6 +195,26 @@ def test_reclaiming_a_name_refuses_a_live_owner_and_takes_a_dead_ones(prefix) ->
     assert not os.path.exists(second.path)
 
 
+def test_a_writer_knows_when_its_segment_name_leads_to_a_new_segment(prefix) -> None:
+    """A decode instance restarted under its id makes a new segment of the same name: a writer
+    mapped to the old one must be reopened (``worker/splitwise.Transports``), never written through."""
+    name = prefix + "decode-1"
+    first = shm.create_segment(name, MiB)
+    writer = shm.ShmWriter(name)
+    assert writer.current()
+    first.close()  # the first run's segment is gone (a dead run's is removed by the restart)
+    assert not writer.current()
+    second = shm.create_segment(name, MiB)  # the restarted instance: same name, another segment
+    try:
+        assert not writer.current()
+        fresh = shm.ShmWriter(name)
+        assert fresh.current()
+        fresh.close()
+    finally:
+        writer.close()
+        second.close()
+
+
 def test_an_unlocked_file_is_swept_whatever_its_age(prefix) -> None:
     """No grace period: the creator locks before anything else and re-creates a file swept before
     its lock (create_segment), so the sweeper may remove any file it can lock, however new."""

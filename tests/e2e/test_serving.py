@@ -1352,6 +1352,38 @@ def test_restart_with_same_id_serves_its_inbox_and_reclaims_its_segment(tiny_mod
     assert len(asyncio.run(main())) == 5
 
 
+def test_a_decode_restarted_under_its_id_answers_with_the_prompts_kv(tiny_model_dir, redis_url) -> None:
+    """A decode instance SIGKILLed and restarted (same id, so the same shm segment name): the next
+    splitwise answer is the text the undisturbed pair gave, never one decoded from a cache that
+    prefill wrote through its mapping of the dead instance's segment (shm only: its endpoint, the
+    segment's name, is the same after the restart)."""
+    stack = start_stack(tiny_model_dir, redis_url, prefill=1, decode=1, kv_transfer="shm")
+    url = stack.urls[0] + "/v1/completions"
+    body = {"model": model_name(stack), "prompt": "the same prompt", "max_tokens": 12, "temperature": 0}
+
+    def decode_pid() -> int | None:
+        live = httpx.get(stack.urls[0] + "/v1/instances", timeout=5).json()["instances"]
+        return next((i["pid"] for i in live if i["role"] == "decode"), None)
+
+    try:
+        before = httpx.post(url, json=body, timeout=60)
+        assert before.status_code == 200 and before.headers["x-pdserve-mode"] == "splitwise", before.text
+        name, proc = next((n, p) for n, p in stack.workers if n.startswith("decode"))
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while decode_pid() in (None, proc.pid):  # the same id comes back in a new process
+            stack.supervise()
+            assert time.monotonic() < deadline, "the decode instance did not come back"
+            time.sleep(0.2)
+        after = httpx.post(url, json=body, timeout=60)
+        assert after.status_code == 200 and after.headers["x-pdserve-mode"] == "splitwise", after.text
+        assert stack.restarts[name] >= 1  # (a first try may exit: the old registration still lives)
+        assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    finally:
+        stack.stop(grace_s=15)
+
+
 def test_up_restarts_a_crashed_worker_and_stops_in_order(tiny_model_dir, redis_url) -> None:
     """pdserve up supervises: a SIGKILLed worker comes back (same id) while the router keeps its
     place; at stop the routers go first, so a stream in flight still completes."""

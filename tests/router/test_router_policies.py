@@ -205,6 +205,31 @@ def test_instances_with_different_kv_geometry_are_never_paired(caplog) -> None:
     assert sel.route([p0, d32], TINY).prefill is None
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_layers", 4),  # another model under the same served name: same block size and dtype
+        ("num_kv_heads", 4),
+        ("head_dim", 16),
+        ("block_bytes", 8192),
+        ("num_layers", None),  # a worker older than the field: its geometry is not assumed equal
+    ],
+)
+def test_instances_differing_in_any_kv_geometry_are_never_paired(field: str, value, caplog) -> None:
+    sel = Selector("round_robin", "round_robin")
+    p0, same, other = (
+        instance(i, r, host="a") for i, r in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    )
+    setattr(other.kv, field, value)
+    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+        route = sel.route([p0, other], TINY)
+    assert route.prefill is None and route.decode.id == "d1"  # d1 serves it alone, never paired
+    assert f"not pairing p0 with d1: different KV caches ({field} " in caplog.text
+    for _ in range(4):
+        route = sel.route([p0, same, other], TINY)
+        assert (route.prefill.id, route.decode.id) == ("p0", "d0")  # only the same geometry pairs
+
+
 def test_pairs_without_a_common_protocol_are_skipped() -> None:
     sel = Selector("round_robin", "round_robin")
     lonely = instance("p0", "prefill", host="a", protocols=("shm",))

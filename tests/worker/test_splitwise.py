@@ -21,7 +21,7 @@ from splitwise_support import (
 
 from pdserve.cache_transfer.shm import ShmWriter
 from pdserve.errors import EngineError, TransferError
-from pdserve.scheduler import Abort, ErrorInfo, Prefilled, ReserveBlocks, RouterRegistry
+from pdserve.scheduler import Abort, ErrorInfo, Prefilled, ReserveBlocks, RouterRegistry, Tokenize
 from pdserve.worker.splitwise import RESERVE_RETRY_MS, DecodeState, PrefillState
 
 PROMPT = list(range(1, 11))  # 10 tokens: 3 blocks of 4
@@ -512,5 +512,119 @@ def test_decode_continues_with_the_logit_bias_prefill_sampled_with(redis_url) ->
             assert decode.stub.requests["req-0/0"].params.logit_bias == {7: 100.0, 9: -3}
             await settle(prefill, decode)
             assert_completed(await p.events(), PROMPT, 4)
+
+    run(main())
+
+
+def test_deltas_are_numbered_across_prefill_and_decode(redis_url) -> None:
+    """Prefill publishes delta 0, decode goes on from 1: the router can drop repeats and see gaps."""
+
+    async def main() -> None:
+        async with pair(redis_url) as (p, prefill, decode):
+            await p.send(prefill, p.request(PROMPT))
+            await settle(prefill, decode)
+            events = await p.events()
+            assert_completed(events, PROMPT, 4)
+            assert [e.seq for e in events] == [0, 1, 2, 3]
+
+    run(main())
+
+
+async def send_again(p: Pair, inst: Instance) -> None:
+    """XADD the inbox's newest entry a second time, field for field (what a retried XADD does)."""
+    [(_entry_id, fields)] = await p.redis.xrevrange(p.keys.inbox(inst.id), count=1)
+    await p.redis.xadd(p.keys.inbox(inst.id), fields)
+
+
+def test_a_repeated_generate_is_ignored_and_the_request_stays_abortable(redis_url) -> None:
+    """The same generate twice in the inbox (a retried XADD): the first runs, the second is ignored
+    (no 400 for the live request, no second run), and an abort still stops the first."""
+
+    async def main() -> None:
+        async with pair(redis_url) as (p, _prefill, decode):
+            whole = p.request(PROMPT, max_tokens=8).model_copy(update={"disaggregate_info": None})
+            await p.send(decode, whole)
+            await send_again(p, decode)
+            assert await decode.receive() == 2
+            assert list(decode.handler.owners) == ["req-0/0"] and len(decode.stub.requests) == 1
+            await decode.step()
+            await decode.step()
+            events = await p.events()
+            assert [(e.seq, e.error) for e in events] == [(0, None), (1, None)]
+            await p.send(decode, Abort(request_id="req-0", reason="client disconnected"))
+            await decode.receive()
+            await settle(decode)
+            assert all_free(decode) and await p.events() == events  # nothing after the abort
+            await p.send(decode, whole)  # once more, after its end (acked entries are gone): not run again
+            await decode.receive()
+            assert all_free(decode) and await p.events() == events
+
+    run(main())
+
+
+class FailingTransport(ShmWriter):
+    """A writer that fails with an error from outside pdserve's tree (a bug, a library's error)."""
+
+    def write(self, src, segments):
+        raise ZeroDivisionError("a bug in the transport")
+
+
+def test_a_foreign_error_in_the_transfer_fails_the_request_and_frees_both(redis_url) -> None:
+    async def main() -> None:
+        async with pair(redis_url) as (p, prefill, decode):
+            backend = p.transports.backends["shm"]
+            real_writer = backend.writer
+            backend.writer = lambda peer: FailingTransport(peer)
+            await to_blocks_ready(p, prefill, decode)
+            await prefill.step()  # the transfer raises inside: the step's caller must not see it
+            assert not prefill.handler.splitwise.prefills  # not stuck in TRANSFERRING
+            error = assert_failed(await p.events(), "kv_transfer_failed")
+            assert "ZeroDivisionError" in error.message
+            await decode.receive()  # prefilled with the error: the reservation goes
+            assert all_free(prefill) and all_free(decode)
+            backend.writer = real_writer  # and the instance keeps serving
+            await p.send(prefill, p.request(PROMPT))
+            await settle(prefill, decode)
+            assert_completed((await p.events())[1:], PROMPT, 4)
+            assert all_free(prefill) and all_free(decode)
+
+    run(main())
+
+
+def test_a_foreign_error_handling_a_request_ends_it_at_once(redis_url) -> None:
+    """E.g. a chat request to a model without a chat template: its generate or tokenize ends with an
+    internal error event at once (not a router timeout), and the instance keeps serving."""
+
+    async def main() -> None:
+        async with pair(redis_url) as (p, _prefill, decode):
+            plain = decode.stub.prompt_ids
+
+            def no_template(prompt, messages, *args, **kwargs):
+                if messages is not None:
+                    raise ValueError("this tokenizer has no chat template")
+                return plain(prompt, messages, *args, **kwargs)
+
+            decode.stub.prompt_ids = no_template
+            chat = [{"role": "user", "content": "hi"}]
+            whole = p.request(PROMPT).model_copy(
+                update={"disaggregate_info": None, "prompt_token_ids": None, "messages": chat}
+            )
+            await p.send(decode, whole)
+            await p.send(
+                decode, Tokenize(request_id="tok-1", router_id=ROUTER, deadline=whole.deadline, messages=chat)
+            )
+            assert await decode.receive() == 2
+            events = await p.events()
+            assert [(e.request_id, e.finish_reason) for e in events] == [
+                ("req-0", "error"),
+                ("tok-1", "error"),
+            ]
+            for event in events:
+                assert (event.error.kind, event.error.retryable) == ("internal_error", False)
+                assert "ValueError" in event.error.message
+            assert all_free(decode)
+            await p.send(decode, p.request(PROMPT).model_copy(update={"disaggregate_info": None}))
+            await settle(decode)
+            assert_completed((await p.events())[2:], PROMPT, 4)
 
     run(main())

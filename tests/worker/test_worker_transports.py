@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from router_support import instance
 
 from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBackend
 from pdserve.cache_transfer.transports import TRANSPORTS
@@ -81,6 +82,44 @@ def test_one_writer_per_peer_reopened_when_its_endpoint_changes(counting) -> Non
     assert backend.closed and transports.backends == {}
 
 
+def test_a_peer_restarted_under_the_same_endpoint_gets_a_new_writer(counting) -> None:
+    transports = Transports({"counting": counting()})
+    endpoint = {"counting": "pdserve-d0"}  # shm: the segment's name is the same after a restart
+    first = transports.get("counting", "d0", {"endpoint": endpoint, "incarnation": "a"})
+    assert transports.get("counting", "d0", {"endpoint": endpoint, "incarnation": "a"}) is first
+    restarted = transports.get("counting", "d0", {"endpoint": endpoint, "incarnation": "b"})
+    assert restarted is not first and first.closed and not restarted.closed
+
+
+def test_writers_of_departed_or_stale_peers_are_closed_after_their_last_write(counting) -> None:
+    transports = Transports({"counting": counting()})
+    d0 = transports.get("counting", "d0", {"endpoint": {"counting": "e0"}})
+    d1 = transports.get("counting", "d1", {"endpoint": {"counting": "e1"}})
+    with transports.writer("counting", "d0", {"endpoint": {"counting": "e0"}}) as held:
+        assert held is d0 and transports.prune(["d0"]) == ["d0"]
+        assert not d0.closed  # a write holds it: closed when that write is done
+    assert d0.closed and not d1.closed and transports.peers == ["d1"]
+    d1.current = lambda: False  # type: ignore[method-assign]  # its endpoint leads elsewhere now
+    assert transports.prune() == ["d1"] and d1.closed and transports.peers == []
+
+
+def test_the_housekeeping_closes_writers_of_peers_no_longer_registered(redis_url, tmp_path, counting) -> None:
+    service = WorkerService(service_settings(redis_url, tmp_path, "prefill", "counting"))
+    service.transports.backends["counting"] = counting()
+    live = service.transports.get("counting", "d0", {"endpoint": {"counting": "e0"}})
+    gone = service.transports.get("counting", "d1", {"endpoint": {"counting": "e1"}})
+
+    async def prune() -> None:
+        await service.registry.register(instance("d0", "decode"))
+        try:
+            await service._prune_writers()
+        finally:
+            await service.redis.aclose()
+
+    asyncio.run(prune())
+    assert gone.closed and not live.closed and service.transports.peers == ["d0"]
+
+
 def service_settings(redis_url: str, tmp_path, role: str, kv_transfer: str) -> WorkerSettings:
     return WorkerSettings(
         model_dir=tmp_path,
@@ -121,6 +160,7 @@ def test_a_decode_instance_advertises_each_backend_it_opened_and_closes_them(
     assert transfer == {
         "protocols": ["counting"],
         "endpoint": {"counting": {"bytes": backend.local.view.nbytes}},
+        "incarnation": service.incarnation,
     }
     assert backend.closed and service.transports.backends == {}
 
@@ -130,8 +170,19 @@ def test_shm_on_decode_is_the_segment_a_prefill_offers_without_an_endpoint(redis
     assert asyncio.run(registered(decode)) == {
         "protocols": ["shm"],
         "endpoint": {"shm": f"pdserve-{decode.id}"},
+        "incarnation": decode.incarnation,
     }
     prefill = WorkerService(service_settings(redis_url, tmp_path, "prefill", "shm"))
-    assert asyncio.run(registered(prefill)) == {"protocols": ["shm"], "endpoint": None}
+    assert asyncio.run(registered(prefill)) == {
+        "protocols": ["shm"],
+        "endpoint": None,
+        "incarnation": prefill.incarnation,
+    }
     mixed = WorkerService(service_settings(redis_url, tmp_path, "mixed", "both"))
-    assert asyncio.run(registered(mixed)) == {"protocols": [], "endpoint": None}
+    assert asyncio.run(registered(mixed)) == {
+        "protocols": [],
+        "endpoint": None,
+        "incarnation": mixed.incarnation,
+    }
+    restarted = WorkerService(decode.settings)  # the same id, started again
+    assert restarted.incarnation != decode.incarnation
