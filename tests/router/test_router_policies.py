@@ -9,16 +9,16 @@ from router_support import instance
 
 from pdserve.errors import InvalidRequestError
 from pdserve.router.errors import ModelNotFoundError, NoCapacityError
-from pdserve.router.policies import (
-    POLICIES,
-    LeastLoad,
-    PolicyRequest,
+from pdserve.router.policies import POLICIES, PolicyRequest, make_policy
+from pdserve.router.policies.least_load import LeastLoad
+from pdserve.router.policies.prefix_affinity import (
+    MAX_EXTRA_LOAD,
+    PREFIX_CHARS,
     PrefixAffinity,
-    Random,
-    RoundRobin,
-    make_policy,
+    prefix_key,
+    rank,
 )
-from pdserve.router.policies.prefix_affinity import MAX_EXTRA_LOAD, PREFIX_CHARS, prefix_key, rank
+from pdserve.router.policies.simple import Random, RoundRobin
 from pdserve.router.selection import Selector, resolve_model, transfer_protocol
 
 TINY = PolicyRequest("tiny")

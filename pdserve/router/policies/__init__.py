@@ -14,19 +14,7 @@ from pdserve.router.policies.least_load import LeastLoad
 from pdserve.router.policies.prefix_affinity import PrefixAffinity
 from pdserve.router.policies.simple import Random, RoundRobin
 
-__all__ = [
-    "POLICIES",
-    "POLICY_NAMES",
-    "LeastLoad",
-    "Policy",
-    "PolicyFactory",
-    "PolicyRequest",
-    "PrefixAffinity",
-    "Random",
-    "RoundRobin",
-    "Stage",
-    "make_policy",
-]
+__all__ = ["POLICIES", "POLICY_NAMES", "Policy", "PolicyFactory", "PolicyRequest", "Stage", "make_policy"]
 
 POLICIES: dict[str, PolicyFactory] = {
     "round_robin": lambda stage: RoundRobin(),
