@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import SkipJsonSchema
 
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, RequestTooLongError
 from pdserve.router.jsonlimits import check_depth, load_json
 from pdserve.router.strict import StrictModel
 from pdserve.router.tools import (
@@ -319,6 +321,10 @@ class InputLimits:
     max_logit_bias: int
     max_prompts: int
     """Most choices (prompts x n) one request fans out to."""
+    max_grammar_bytes: int = 64 * 1024
+    """Largest structured-output constraint or ``tools``, in bytes of JSON (a worker compiles it)."""
+    chars_per_token: int = 32
+    """``--max-prompt-chars-per-token``: see :func:`check_prompt_chars`."""
 
     @classmethod
     def of(cls, settings: RouterSettings) -> InputLimits:
@@ -328,10 +334,14 @@ class InputLimits:
             settings.max_stop_token_ids,
             settings.max_logit_bias,
             settings.max_prompts_per_request,
+            settings.max_grammar_bytes,
+            settings.max_prompt_chars_per_token,
         )
 
     def check(self, req: _Common) -> None:
-        """Raise InvalidRequestError naming ``stop``, ``stop_token_ids`` or ``logit_bias`` when one is too large."""
+        """Raise InvalidRequestError naming ``stop``, ``stop_token_ids``, ``logit_bias`` or a grammar
+        field when one is too large."""
+        self.check_grammars(req)
         given = req.given_sampling()
         stop, stop_token_ids, logit_bias = (
             given.get("stop"),
@@ -359,6 +369,28 @@ class InputLimits:
                 "logit_bias",
             )
 
+    def check_grammars(self, req: _Common) -> None:
+        """Raise InvalidRequestError naming the structured-output field (or ``tools``) whose JSON is
+        larger than ``max_grammar_bytes``: a worker compiles it, and a huge schema stalls its engine."""
+        fmt = req.response_format
+        tools = getattr(req, "tools", None)  # chat only
+        for param, value in (
+            (
+                "response_format.json_schema.schema",
+                fmt.json_schema.schema_ if fmt and fmt.json_schema else None,
+            ),
+            ("guided_json", req.guided_json),
+            ("guided_regex", req.guided_regex),
+            ("guided_choice", req.guided_choice),
+            ("tools", [t.model_dump(exclude_none=True) for t in tools] if tools else None),
+        ):
+            if value is not None and (size := json_bytes(value)) > self.max_grammar_bytes:
+                raise InvalidRequestError(
+                    f"{param} is {size} bytes of JSON; at most {self.max_grammar_bytes} are allowed "
+                    "(--max-grammar-bytes)",
+                    param,
+                )
+
     def check_choices(self, num_prompts: int, n: int) -> None:
         """Raise InvalidRequestError naming ``prompt`` (or ``n``) when prompts x n is above the bound."""
         if num_prompts * n > self.max_prompts:
@@ -367,6 +399,34 @@ class InputLimits:
                 f"a request may ask for at most {self.max_prompts} choices (prompts x n), got {what}",
                 "prompt" if num_prompts > 1 else "n",
             )
+
+
+def json_bytes(value: Any) -> int:
+    """The size of ``value`` as compact JSON (a string: its UTF-8 bytes)."""
+    if isinstance(value, str):
+        return len(value.encode())
+    try:
+        return len(orjson.dumps(value))
+    except (TypeError, orjson.JSONEncodeError):  # an integer past 64 bits, nesting past 255
+        return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def check_prompt_chars(chars: int, param: str, max_model_len: int | None, chars_per_token: int) -> None:
+    """Raise RequestTooLongError naming ``param`` when ``chars`` characters cannot fit into
+    ``max_model_len`` tokens (None: no instance said, nothing to check).
+
+    Judged without a tokenizer: the prompt would need tokens of more than ``chars_per_token``
+    characters *on average*; real text averages about 4 and no usual vocabulary has tokens near 32,
+    so a prompt that could fit is never refused. Refusing here keeps a worker from tokenizing
+    megabytes on its engine thread only to refuse them (it would stall, and be retried elsewhere).
+    """
+    if max_model_len is not None and chars > max_model_len * chars_per_token:
+        raise RequestTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens; {param} holds {chars} "
+            f"characters, more than {max_model_len} tokens of up to {chars_per_token} characters "
+            "(--max-prompt-chars-per-token) can hold",
+            param,
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -378,6 +438,22 @@ class ParsedPrompt:
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     """Chat only: the tool definitions the chat template renders."""
+
+    def check_length(self, max_model_len: int, chars_per_token: int) -> None:
+        """Raise RequestTooLongError when this prompt can never fit into ``max_model_len`` tokens
+        (token ids: a prompt needs room for one generated token; text: :func:`check_prompt_chars`)."""
+        if self.token_ids is not None:
+            if len(self.token_ids) >= max_model_len:
+                raise RequestTooLongError(
+                    f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                    f"{len(self.token_ids)} tokens, leaving none to generate",
+                    "prompt",
+                )
+        elif self.text is not None:
+            check_prompt_chars(len(self.text), "prompt", max_model_len, chars_per_token)
+        elif self.messages is not None:
+            chars = sum(len(m.get("content") or "") for m in self.messages)
+            check_prompt_chars(chars, "messages", max_model_len, chars_per_token)
 
 
 @dataclasses.dataclass(slots=True)
@@ -409,6 +485,13 @@ class ParsedRequest:
     def choices(self) -> list[tuple[ParsedPrompt, SamplingParams]]:
         """Every choice in OpenAI's order: choice ``i`` of prompt ``p`` has index ``p * n + i``."""
         return [(prompt, sampling) for prompt in self.prompts for sampling in self.samplings]
+
+    def check_length(self, max_model_len: int | None, chars_per_token: int) -> None:
+        """Raise RequestTooLongError (400 ``context_length_exceeded``) naming ``prompt`` or
+        ``messages`` when a prompt can never fit into ``max_model_len`` (None: nothing to check)."""
+        if max_model_len is not None:
+            for prompt in self.prompts:
+                prompt.check_length(max_model_len, chars_per_token)
 
     def check_vocab(self, vocab_size: int | None) -> None:
         """Raise InvalidRequestError naming ``prompt``, ``stop_token_ids`` or ``logit_bias`` when a token

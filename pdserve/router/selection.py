@@ -116,6 +116,11 @@ def vocab_size(live: Sequence[InstanceInfo], model: str) -> int | None:
     return min((info.vocab_size for info in live if info.model == model and info.vocab_size), default=None)
 
 
+def model_len(live: Sequence[InstanceInfo], model: str) -> int | None:
+    """The model length every live instance of ``model`` accepts: the smallest one registered."""
+    return min((info.max_model_len for info in live if info.model == model), default=None)
+
+
 class Selector:
     """Applies the rules with one policy for prefill and one for decode (mixed uses decode's).
 

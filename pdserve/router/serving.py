@@ -33,7 +33,7 @@ from pdserve.router.errors import UpstreamError, error_event, error_status
 from pdserve.router.protocol import InputLimits, ParsedRequest
 from pdserve.router.responses import DONE, Choice, ResponseBuilder
 from pdserve.router.responses import timing as timing_fields
-from pdserve.router.selection import resolve_model, vocab_size
+from pdserve.router.selection import model_len, resolve_model, vocab_size
 from pdserve.router.state import RouterState
 from pdserve.scheduler.messages import ErrorInfo, RequestDelta, Timing
 
@@ -73,7 +73,9 @@ class GenerateEndpoint:
             live = await dispatcher.live.get()
             model = resolve_model(live, parsed.model)
             parsed.check_vocab(vocab_size(live, model))
-            await self.state.admission.enter()
+            parsed.check_length(model_len(live, model), self.limits.chars_per_token)
+            cost = len(parsed.prompts) * parsed.n  # admission counts choices
+            await self.state.admission.enter(cost, "prompt" if len(parsed.prompts) > 1 else "n")
         except ClientGone:
             if self.state.metrics is not None:
                 self.state.metrics.on_request(self.path, "", 499, "client_disconnected")
@@ -88,7 +90,7 @@ class GenerateEndpoint:
             try:
                 await self._serve(send, receive, parsed, rid, client_rid, model, arrived)
             finally:
-                self.state.admission.leave()
+                self.state.admission.leave(cost)
             return
         metrics.active += 1
         status = StatusSend(send)
@@ -96,7 +98,7 @@ class GenerateEndpoint:
             error = await self._serve(status, receive, parsed, rid, client_rid, model, arrived)
         finally:
             metrics.active -= 1
-            self.state.admission.leave()
+            self.state.admission.leave(cost)
         metrics.on_request(self.path, model, status.status, error)
 
     async def _serve(

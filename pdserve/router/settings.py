@@ -94,12 +94,26 @@ class RouterSettings:
         "(the request then migrates) (default %(default)s)",
     )
     ttl_s: float = setting(DEFAULT_TTL_S, "registration TTL in seconds (default %(default)s)")
+    max_prompt_chars_per_token: int = setting(
+        32,
+        "a prompt (or chat messages) of more characters than this many per token of the model length "
+        "(the smallest max_model_len of the model's live instances) is refused with 400 "
+        "context_length_exceeded before it is sent: it averages more characters per token than real "
+        "vocabularies hold, so it could never fit (default %(default)s)",
+    )
+    max_grammar_bytes: int = setting(
+        64 * 1024,
+        "structured output (response_format's schema, guided_json/_regex/_choice) or tools larger than "
+        "this many bytes of JSON is refused with 400 naming the field (default %(default)s)",
+    )
     max_in_flight: int = setting(
-        0, "requests this router runs at once; beyond, they queue (default 0: no limit)"
+        0,
+        "choices this router runs at once (a request takes prompts x n of them; /tokenize one); "
+        "beyond, requests queue (default 0: no limit)",
     )
     max_queued: int = setting(
         0,
-        "requests that may wait for a slot when --max-in-flight run (up to --first-token-timeout); "
+        "requests that may wait for slots when --max-in-flight choices run (up to --first-token-timeout); "
         "beyond, 429 with Retry-After (default %(default)s)",
     )
     aggregated_fallback: bool = setting(
@@ -170,6 +184,8 @@ class RouterSettings:
             "max_stop_token_ids",
             "max_logit_bias",
             "max_prompts_per_request",
+            "max_prompt_chars_per_token",
+            "max_grammar_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -18,8 +18,14 @@ import orjson
 from pdserve.errors import InvalidRequestError, RequestTimeoutError
 from pdserve.router.asgi import ClientGone, Receive, Scope, Send, read_body, request_id, send_error, send_json
 from pdserve.router.errors import NoCapacityError, UpstreamError
-from pdserve.router.protocol import DetokenizeRequest, TokenizeRequest, message_dict, validate_body
-from pdserve.router.selection import resolve_model
+from pdserve.router.protocol import (
+    DetokenizeRequest,
+    ParsedPrompt,
+    TokenizeRequest,
+    message_dict,
+    validate_body,
+)
+from pdserve.router.selection import model_len, resolve_model
 from pdserve.router.state import RouterState
 from pdserve.router.tools import template_tools, tool_use_of
 from pdserve.scheduler.messages import InstanceInfo, RequestDelta, Tokenize
@@ -44,7 +50,13 @@ class TokenizeEndpoint:
             msg, model = self._message(body, rid)
             live = await self.state.dispatcher.live.get()
             model = resolve_model(live, model)
-            delta, max_model_len = await self._ask(live, model, msg)
+            if not self.detokenize:
+                self._check_length(msg, model_len(live, model))
+            await self.state.admission.enter()  # an instance's engine thread does the work
+            try:
+                delta, max_model_len = await self._ask(live, model, msg)
+            finally:
+                self.state.admission.leave()
         except ClientGone:
             return
         except Exception as e:
@@ -60,6 +72,12 @@ class TokenizeEndpoint:
                 "token_strs": None,
             }
         await send_json(send, 200, orjson.dumps(out), client_rid)
+
+    def _check_length(self, msg: Tokenize, max_model_len: int | None) -> None:
+        """A prompt that can never fit is refused here, as for generation (never tokenized)."""
+        if max_model_len is not None:
+            prompt = ParsedPrompt(text=msg.prompt, messages=msg.messages)
+            prompt.check_length(max_model_len, self.state.settings.max_prompt_chars_per_token)
 
     def _message(self, body: bytes, rid: str) -> tuple[Tokenize, str | None]:
         """The Tokenize message a body asks for, and the model it names."""
