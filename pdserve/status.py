@@ -129,7 +129,9 @@ def _age(seconds: float) -> str:
         return f"{seconds:.0f}s"
     if seconds < 7200:
         return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.0f}d"  # a long-lived worker's age stays narrow
 
 
 def run_status(redis_url: str, cluster: str, as_json: bool, check: str | None = None) -> int:
@@ -165,56 +167,81 @@ def check_instance(info: InstanceInfo | None, instance_id: str, cluster: str) ->
     return 0
 
 
-def view(status: dict[str, Any] | None, error: str | None = None) -> Any:
-    """The ``--watch`` screen: a rich renderable of one status (or of why there is none)."""
+WIDE = 120  # from this many columns on, ``--watch`` shows every column; narrower, the essential ones
+
+
+def view(status: dict[str, Any] | None, error: str | None = None, width: int = WIDE) -> Any:
+    """The ``--watch`` screen: a rich renderable of one status (or of why there is none). Narrower
+    than ``WIDE`` columns (an 80-column terminal) it drops MODEL and WAIT TOK and the KV bar, and
+    packs the table, so every instance id and state stays whole."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     stamp = time.strftime("%H:%M:%S")
     if status is None:
         return Text(f"{stamp}  {error}", style="bold red")
+    wide = width >= WIDE
     head = Text(
         f"{stamp}  cluster {status['cluster']}: {len(status['instances'])} instance(s), "
         f"{len(status['routers'])} router(s)    (Ctrl-C to quit)",
         style="bold",
     )
-    instances = Table(expand=False, header_style="bold")
-    for column in (
-        "INSTANCE",
-        "ROLE",
-        "MODEL",
-        "RUN",
-        "WAIT",
-        "WAIT TOK",
-        "KV USED",
-        "INBOX",
-        "AGE",
-        "STATE",
-    ):
-        instances.add_column(column, no_wrap=True)
+    columns = ["INSTANCE", "ROLE", "MODEL", "RUN", "WAIT", "WAIT TOK", "KV USED", "INBOX", "AGE", "STATE"]
+    if not wide:
+        columns = [c for c in columns if c not in ("MODEL", "WAIT TOK")]
+        columns[columns.index("INBOX")] = "INBOX/PEND"  # its length / its pending count
+    instances = _watch_table(columns, wide)
     for i in status["instances"]:
         used = i["num_blocks"] - i["free_blocks"]
         share = used / i["num_blocks"] if i["num_blocks"] else 0.0
         bar = "#" * round(share * 10) + "." * (10 - round(share * 10))
-        instances.add_row(
-            i["id"],
-            i["role"],
-            i["model"],
-            str(i["running"]),
-            str(i["waiting"]),
-            str(i["waiting_prefill_tokens"]),
-            f"{bar} {share:4.0%} ({used}/{i['num_blocks']})",
-            f"{i['inbox_len']} ({i['inbox_pending']} pending)",
-            _age(i["age_s"]),
-            Text("draining", style="yellow") if i["draining"] else Text("ready", style="green"),
-        )
-    routers = Table(expand=False, header_style="bold")
-    for column in ("ROUTER", "ADDRESS", "OUTBOX", "AGE"):
-        routers.add_column(column, no_wrap=True)
+        state = Text("draining", style="yellow") if i["draining"] else Text("ready", style="green")
+        counts = (str(i["running"]), str(i["waiting"]))
+        if wide:
+            instances.add_row(
+                i["id"],
+                i["role"],
+                i["model"],
+                *counts,
+                str(i["waiting_prefill_tokens"]),
+                f"{bar} {share:4.0%} ({used}/{i['num_blocks']})",
+                f"{i['inbox_len']} ({i['inbox_pending']} pending)",
+                _age(i["age_s"]),
+                state,
+            )
+        else:
+            instances.add_row(
+                i["id"],
+                i["role"],
+                *counts,
+                f"{share:.0%} {used}/{i['num_blocks']}",
+                f"{i['inbox_len']}/{i['inbox_pending']}",
+                _age(i["age_s"]),
+                state,
+            )
+    routers = _watch_table(["ROUTER", "ADDRESS", "OUTBOX", "AGE"], wide)
     for r in status["routers"]:
         routers.add_row(r["id"], f"{r['host']}:{r['port']}", str(r["outbox_len"]), _age(r["age_s"]))
     return Group(head, instances, routers)
+
+
+def _watch_table(columns: Sequence[str], wide: bool) -> Any:
+    """A ``--watch`` table: boxed when wide, else unboxed (the borders alone take 3 columns each)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        expand=False,
+        header_style="bold",
+        box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD,
+        pad_edge=wide,
+        show_edge=wide,
+        padding=(0, 1),
+        collapse_padding=not wide,
+    )
+    for column in columns:
+        table.add_column(column, no_wrap=True)
+    return table
 
 
 def unreachable(redis_url: str, error: BaseException) -> str:
@@ -224,26 +251,45 @@ def unreachable(redis_url: str, error: BaseException) -> str:
 
 def watch(redis_url: str, cluster: str, interval_s: float = 1.0) -> int:
     """``pdserve status --watch``: redraw the status every ``interval_s`` until Ctrl-C (exit 0).
-    Redis being away is shown on the screen, and the view resumes when it answers again."""
+    Redis being away is shown on the screen, and the view resumes when it answers again. When
+    stdout is not a terminal (a pipe, a log file) there is nothing to redraw: it prints one plain
+    snapshot (``pdserve status``'s table under a time stamp) per interval instead."""
     from rich.console import Console
     from rich.live import Live
 
-    async def loop(live: Live) -> None:
+    console = Console()
+    tty = sys.stdout.isatty()
+
+    async def loop(live: Live | None) -> None:
         redis = RedisSettings.from_url(redis_url).connect()
         try:
             while True:
+                status: dict[str, Any] | None = None
+                error: str | None = None
                 try:
-                    live.update(view(await asyncio.wait_for(read(redis, cluster), 5)), refresh=True)
+                    status = await asyncio.wait_for(read(redis, cluster), 5)
                 except Exception as e:
-                    live.update(view(None, unreachable(redis_url, e)), refresh=True)
+                    error = unreachable(redis_url, e)
+                if live is not None:
+                    live.update(view(status, error, console.width), refresh=True)
+                else:
+                    print(snapshot(status, error), flush=True)
                 await asyncio.sleep(interval_s)
         finally:
             await redis.aclose()
 
-    console = Console()
     try:
+        if not tty:
+            asyncio.run(loop(None))
+            return 0
         with Live(view(None, "connecting ..."), console=console, auto_refresh=False, screen=False) as live:
             asyncio.run(loop(live))
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def snapshot(status: dict[str, Any] | None, error: str | None = None) -> str:
+    """One ``--watch`` snapshot for a pipe: a time stamp, then the plain status (or why there is none)."""
+    stamp = time.strftime("%H:%M:%S")
+    return f"{stamp}  {error}\n" if status is None else f"{stamp}  {render(status)}\n"

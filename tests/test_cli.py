@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -65,6 +66,17 @@ def test_status_without_a_stack_record_uses_the_default_url(tmp_path, monkeypatc
     assert running_stack() is None  # that process is gone: a stale record is ignored
     record_path().write_text(json.dumps({"pid": os.getpid(), "redis_url": "redis://x:1/0"}))
     assert running_stack()["redis_url"] == "redis://x:1/0"
+
+
+def test_status_finds_the_live_stack_among_several_records(tmp_path, monkeypatch) -> None:
+    """Two `pdserve up` recorded (one file each); the newer one has exited: status finds the other."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    dead, live = record_path(2**22 + 12345), record_path()
+    dead.write_text(json.dumps({"pid": 2**22 + 12345, "redis_url": "redis://dead:1/0"}))
+    live.write_text(json.dumps({"pid": os.getpid(), "redis_url": "redis://live:1/0"}))
+    os.utime(live, (1e9, 1e9))  # the live stack started first: the exited one's record is newer
+    assert running_stack()["redis_url"] == "redis://live:1/0"
+    assert dead.exists() and live.exists()  # records are read, never taken over
 
 
 def test_status_reads_the_redis_of_a_running_stack(tmp_path, monkeypatch, redis_url, capsys) -> None:
@@ -338,3 +350,88 @@ def test_worker_metrics_listen_on_loopback_unless_told(tmp_path, monkeypatch) ->
     assert settings("--metrics-host", "0.0.0.0").metrics_host == "0.0.0.0"
     monkeypatch.setenv("PDSERVE_METRICS_HOST", "10.1.2.3")
     assert settings().metrics_host == "10.1.2.3"
+
+
+def test_up_from_a_folder_holding_pdserve_with_another_python_on_path(tiny_model_dir, tmp_path) -> None:
+    """A new user's `pdserve up`: run from a folder that holds a `pdserve/` folder (which must not
+    shadow the installed package in the children), with the venv not activated and PATH's `python`
+    the base interpreter the venv was made from (pyenv, Docker `python` images): the stack comes up,
+    and the banner's Python example, pasted into that shell, works."""
+    import signal
+    import time
+
+    from pdserve.scheduler.embedded import free_port
+
+    work, fake_bin = tmp_path / "work", tmp_path / "bin"
+    (work / "pdserve").mkdir(parents=True)
+    (work / "pdserve" / "cli.py").write_text("raise SystemExit('the bogus pdserve/cli.py ran')\n")
+    fake_bin.mkdir()
+    (fake_bin / "python").symlink_to(Path(sys.executable).resolve())  # no openai installed there
+    venv_bin = Path(sys.executable).parent
+    path = [str(fake_bin)] + [p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != venv_bin]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "VIRTUAL_ENV"))}
+    env |= {"PATH": os.pathsep.join(path), "PDSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    argv = ["up", "--engine", "echo", "--prefill", "0", "--decode", "0", "--mixed", "1"]
+    argv += [
+        "--port",
+        str(free_port()),
+        "--model",
+        str(tiny_model_dir),
+        "--num-blocks",
+        "256",
+        "--threads",
+        "1",
+    ]
+    up = subprocess.Popen(
+        [str(venv_bin / "pdserve"), *argv],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, deadline = "", time.monotonic() + 120
+        while "Ctrl-C stops everything" not in out:
+            line = up.stdout.readline()
+            assert line and time.monotonic() < deadline, f"pdserve up did not come up:\n{out}"
+            out += line
+        example = re.search(r"^  (\S+ -c 'from openai import OpenAI\n.*?\)')$", out, re.S | re.M)
+        assert example, out
+        reply = subprocess.run(
+            ["bash", "-c", example.group(1)], cwd=work, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert reply.returncode == 0 and reply.stdout.strip(), (example.group(1), reply.stderr)
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=90)
+    assert up.returncode == 0 and "stopped." in rest, rest
+
+
+def test_up_says_what_it_waits_for(tmp_path, capsys) -> None:
+    """While the stack starts (a first start compiles kernels for a minute) `up` is not silent."""
+    from pdserve.scheduler.embedded import free_port
+    from pdserve.stack import Stack, StackSpec
+
+    stack = Stack(StackSpec(port=free_port(), mixed=1, decode=0, ready_timeout_s=1.5))
+    with pytest.raises(TimeoutError):
+        stack.wait_ready(progress_s=0.5)  # nothing listens on the router's port
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 2, lines
+    assert all(
+        re.fullmatch(rf"starting \(\d+ s\): waiting for {stack.urls[0]} to answer \.\.\.", x) for x in lines
+    )
+
+
+def test_the_kernel_compile_says_it_takes_a_minute(monkeypatch, caplog) -> None:
+    """A worker's first start on a CPU compiles the numba kernels (about a minute): it says so, and
+    how long it took, rather than sit silent while requests get 503."""
+    pytest.importorskip("numba")
+    from pdserve.engine.kernels import attention
+
+    monkeypatch.setattr(attention, "_compiled", None)  # as in a fresh worker process
+    with caplog.at_level(logging.INFO, logger=attention.__name__):
+        attention._compile(1)
+    said = [r.getMessage() for r in caplog.records if r.name == attention.__name__]
+    assert said[0].startswith("compiling the attention kernels for this CPU (first start: ~1 min"), said
+    assert re.fullmatch(r"attention kernels ready in \d+\.\d s", said[-1]), said

@@ -1,5 +1,6 @@
 """``pdserve status --watch`` under a pseudo-terminal: a live view of a real stack that shows every
-live instance and router, redraws, and exits 0 on Ctrl-C."""
+live instance and router, redraws, and exits 0 on Ctrl-C; readable at 80 columns; in a pipe, one
+plain snapshot per interval."""
 
 from __future__ import annotations
 
@@ -90,3 +91,66 @@ def test_watch_shows_every_live_instance(tiny_model_dir, redis_url) -> None:
             os.close(main)
     finally:
         assert stack.stop(grace_s=15) == []
+
+
+def register(redis_url: str, cluster: str, *infos) -> None:
+    """Registrations as workers write them (TTL 30 s), without starting workers."""
+    import asyncio
+
+    from pdserve.scheduler import InstanceRegistry, Keys, RedisSettings
+
+    async def run() -> None:
+        redis = RedisSettings.from_url(redis_url).connect()
+        try:
+            for info in infos:
+                await InstanceRegistry(redis, Keys(cluster), ttl_s=30).register(info)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(run())
+
+
+def test_watch_fits_80_columns(redis_url) -> None:
+    """At 80 columns every instance id, role and state is whole (no ellipsis) and no line is wider."""
+    import asyncio
+
+    from rich.console import Console
+    from router_support import instance
+
+    from pdserve.status import collect, view
+
+    ids = ("prefill-0-1a2b3c", "decode-0-4d5e6f", "mixed-0-7a8b9c")
+    register(
+        redis_url,
+        "w80",
+        *(instance(i, i.split("-")[0], draining=i.startswith("d"), running=12, free_blocks=7) for i in ids),
+    )
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(view(asyncio.run(collect(redis_url, "w80")), None, console.width))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "…" not in text, text
+    for i in ids:
+        assert i in text and i.split("-")[0] in text, text
+    assert "draining" in text and "ready" in text and "KV USED" in text, text
+
+
+def test_watch_in_a_pipe_prints_a_snapshot_per_interval(redis_url) -> None:
+    """With stdout a pipe (no terminal to redraw) --watch prints the plain table every interval."""
+    from router_support import instance
+
+    register(redis_url, "wpipe", instance("mixed-0-abc123", "mixed"))
+    cmd = [sys.executable, "-m", "pdserve.cli", "status", "--watch", "0.3", "--redis-url", redis_url]
+    proc = subprocess.Popen([*cmd, "--cluster", "wpipe"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        text = read_until(proc.stdout.fileno(), lambda t: t.count("cluster wpipe") >= 2, 30)
+        assert text.count("cluster wpipe: 1 instance(s)") >= 2, text  # one snapshot per interval
+        assert "INSTANCE" in text and "mixed-0-abc123" in text, text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -264,7 +265,9 @@ def _compile(threads: int) -> AttentionKernels:
     global prange, _exp, _as_float, _compiled
     import numba
 
-    if _compiled is None:
+    first, t0 = _compiled is None, time.monotonic()
+    if _compiled is None:  # the first start on a CPU compiles for about a minute: say so, or it looks hung
+        log.info("compiling the attention kernels for this CPU (first start: ~1 min; cached after) ...")
         prange = numba.prange  # the kernels' parallel loops: resolved when numba compiles them
         _as_float = _make_as_float()
         _exp = numba.njit(inline="always", cache=True)(_exp32)
@@ -279,6 +282,8 @@ def _compile(threads: int) -> AttentionKernels:
         }
     kernels = AttentionKernels(_compiled, threads)
     kernels.self_test()  # compiles now (or loads the per-CPU cache), not in the first request
+    if first:
+        log.info("attention kernels ready in %.1f s", time.monotonic() - t0)
     return kernels
 
 
