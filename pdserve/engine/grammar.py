@@ -7,13 +7,16 @@ complete. EOS is in the mask only where the grammar accepts; once the grammar ca
 
 Compiling is the costly part (the lexer is built against the whole vocabulary), so ``Grammars``
 keeps the freshly compiled matcher of each ``(kind, spec)`` (LRU) and hands every request a copy.
-One instance per engine; it is used on the engine thread only.
+One instance per engine, used from the engine thread and from the worker's preparation threads
+(compilation drops the GIL and runs there, off the engine thread): the cache takes a lock, the
+compiler works outside it, and :data:`LIMITS` bounds its work.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import threading
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -28,6 +31,10 @@ if TYPE_CHECKING:
 
 CACHE_SIZE = 64  # compiled grammars kept per engine
 MAX_ERROR_CHARS = 500
+LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=1_000_000, max_grammar_size=500_000)
+"""llguidance's compile bounds (lexer "fuel" is work, ~50k per ms; grammar symbols): a grammar past
+them is a 400 ("fuel exhausted", "schema too large"). Pinned at llguidance 0.23's defaults so an
+upgrade cannot loosen them; the worker's ``--max-grammar-bytes`` comes first."""
 JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 """Compact JSON (``,`` and ``:`` with no free whitespace): models otherwise can pad with whitespace
 forever. A schema's own ``x-guidance`` options override it (llguidance applies defaults, then
@@ -73,6 +80,7 @@ class Grammars:
             collections.OrderedDict()
         )
         self._lltok: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()  # the cache and the lazily built tokenizer
         self.num_compiled = 0  # compilations done (cache misses), for tests and logs
 
     def matcher(self, guided: dict[str, Any]) -> GrammarMatcher:
@@ -85,23 +93,27 @@ class Grammars:
         start, never advanced; copy it to use it."""
         kind, spec = guided["kind"], guided["spec"]
         key = (kind, json.dumps(spec, sort_keys=True, separators=(",", ":")))
-        template = self._compiled.get(key)
-        if template is None:
-            template = self._compile(kind, spec, guided_param(guided))
+        with self._lock:
+            template = self._compiled.get(key)
+            if template is not None:
+                self._compiled.move_to_end(key)
+                return template
+        template = self._compile(kind, spec, guided_param(guided))  # two threads may both compile it
+        with self._lock:
             self._compiled[key] = template
             if len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
+            self.num_compiled += 1
         return template
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
-        if self._lltok is None:  # built on first use: a large vocabulary takes ~1 s
-            tok = self.tokenizer
-            self._lltok = llguidance.LLTokenizer(
-                tok.raw.to_str(), n_vocab=tok.vocab_size, eos_token=tok.eos_token_ids or None
-            )
-        return self._lltok
+        with self._lock:
+            if self._lltok is None:  # built on first use: a large vocabulary takes ~1 s
+                tok = self.tokenizer
+                self._lltok = llguidance.LLTokenizer(
+                    tok.raw.to_str(), n_vocab=tok.vocab_size, eos_token=tok.eos_token_ids or None
+                )
+            return self._lltok
 
     def _compile(self, kind: str, spec: Any, param: str) -> llguidance.LLMatcher:
         try:
@@ -115,13 +127,12 @@ class Grammars:
                 )
         except ValueError as e:
             raise InvalidRequestError(f"invalid {param}: {_short(str(e))}", param) from None
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             what = {"json": "the JSON schema", "regex": "the regex", "choice": "the choices"}[kind]
             raise InvalidRequestError(
                 f"{what} cannot be used for structured output: {_short(matcher.get_error())}", param
             )
-        self.num_compiled += 1
         return matcher
 
 

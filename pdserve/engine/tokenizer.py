@@ -164,8 +164,10 @@ class Tokenizer:
         """Token ids; BOS is prepended only when tokenizer_config.json sets ``add_bos_token``.
 
         Encode rendered chat prompts with ``add_special_tokens=False``: templates insert BOS themselves.
+        ``encode_batch`` of one text gives ``encode``'s ids but releases the GIL while it works, so a
+        long prompt does not stop the worker's other threads (its heartbeat, the engine's steps).
         """
-        ids = self.raw.encode(text, add_special_tokens=False).ids
+        ids = self.raw.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)

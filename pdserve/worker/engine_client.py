@@ -4,12 +4,18 @@ The engine's state (batcher, block tables, reservations) is touched by one threa
 this client owns; the asyncio loop awaits each call and never reads engine attributes itself. The
 load the heartbeat reports is a snapshot taken on that thread after every call. Any object with
 the engine's methods can sit behind the client (tests use a small stub engine).
+
+Preparing a request (chat template, tokenization, grammar compilation) only reads the engine's
+tokenizer and its grammar cache (which locks itself), so it runs on a small pool of its own: a large
+prompt or schema never holds up decode steps, and its size is bounded (:class:`PrepareLimits`) before
+any of that work starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,12 +25,23 @@ import numpy as np
 
 from pdserve.cache_transfer.regions import Region, block_regions
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput
-from pdserve.errors import InvalidRequestError
-from pdserve.sampling_params import SamplingParams
+from pdserve.errors import InvalidRequestError, RequestTooLongError
+from pdserve.sampling_params import SamplingParams, guided_param
 from pdserve.scheduler.messages import GenerateRequest, Tokenize
 from pdserve.worker.metrics import WorkerMetrics
 
 T = TypeVar("T")
+
+PREPARE_THREADS = 2  # tokenization and grammar compilation release the GIL: two overlap
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareLimits:
+    """What one request may make this worker tokenize or compile (``--max-prompt-chars-per-token``,
+    ``--max-grammar-bytes``); beyond, a 400 naming the field, before any work is done."""
+
+    prompt_chars_per_token: int
+    grammar_bytes: int
 
 
 class Engine(Protocol):
@@ -88,13 +105,17 @@ class EngineClient:
         self.load = engine.load()
         self.unfinished = False  # as of the last call: the engine has work to step
         self.metrics: WorkerMetrics | None = None  # set by the service with --metrics-port
+        self.limits: PrepareLimits | None = None  # None: unbounded (tests with a stub engine)
+        self._prep = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
 
     @classmethod
-    async def start(cls, factory: Callable[[], Engine]) -> EngineClient:
+    async def start(cls, factory: Callable[[], Engine], limits: PrepareLimits | None = None) -> EngineClient:
         """Build the engine on its own new thread (the thread that will run every later call)."""
         executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         engine = await asyncio.get_running_loop().run_in_executor(executor, factory)
-        return await asyncio.get_running_loop().run_in_executor(executor, cls, engine, executor)
+        client = await asyncio.get_running_loop().run_in_executor(executor, cls, engine, executor)
+        client.limits = limits
+        return client
 
     async def _run(self, fn: Callable[[], T]) -> T:
         def call() -> T:
@@ -105,6 +126,41 @@ class EngineClient:
                 self.load = self._engine.load()
 
         return await asyncio.get_running_loop().run_in_executor(self._exec, call)
+
+    async def _off(self, fn: Callable[[], T]) -> T:
+        """Run read-only preparation (templates, tokenizer, grammar compiler) off the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn)
+
+    def _check_prompt(
+        self, prompt: str | None, messages: list[dict] | None, tools: list[dict] | None
+    ) -> None:
+        """Refuse a prompt whose characters cannot fit the model length (O(n), before tokenizing)."""
+        if self.limits is None:
+            return
+        limit = self.limits.prompt_chars_per_token * self.facts.max_model_len
+        if messages is None:
+            chars, param = len(prompt or ""), "prompt"
+        else:
+            chars, param = _chars(messages) + (len(json.dumps(tools)) if tools else 0), "messages"
+        if chars > limit:
+            raise RequestTooLongError(
+                f"this model's maximum context length is {self.facts.max_model_len} tokens; the {param} "
+                f"has {chars} characters, more than the {limit} that could fit",
+                param,
+            )
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Refuse a grammar larger than ``--max-grammar-bytes`` before it is compiled."""
+        guided = params.guided
+        if self.limits is None or guided is None:
+            return
+        size = len(json.dumps(guided["spec"], ensure_ascii=False, separators=(",", ":")).encode())
+        if size > self.limits.grammar_bytes:
+            raise InvalidRequestError(
+                f"the structured output spec has {size} bytes, more than this server's limit of "
+                f"{self.limits.grammar_bytes}",
+                guided_param(guided),
+            )
 
     # ---- requests --------------------------------------------------------------------------------
     async def tokenize(self, msg: Tokenize) -> tuple[list[int], str]:
@@ -117,9 +173,11 @@ class EngineClient:
                     f"token id {bad} is outside the model's vocabulary of {vocab} tokens", "tokens"
                 )
             ids = msg.token_ids
-            return ids, await self._run(lambda: self._engine.prompt_text(ids))
-        ids = await self._run(
-            lambda: self._engine.prompt_ids(
+            return ids, await self._off(lambda: self._engine.prompt_text(ids))
+
+        def tokenize() -> list[int]:
+            self._check_prompt(msg.prompt, msg.messages, msg.tools)
+            return self._engine.prompt_ids(
                 msg.prompt,
                 msg.messages,
                 None,
@@ -127,14 +185,18 @@ class EngineClient:
                 add_special_tokens=msg.add_special_tokens,
                 add_generation_prompt=msg.add_generation_prompt,
             )
-        )
-        return ids, ""
+
+        return await self._off(tokenize), ""
 
     async def prepare(self, msg: GenerateRequest) -> Prepared:
         """Tokenize and check against the engine (the router validated the sampling settings);
-        ``fill_max_tokens`` (chat without a limit) means up to the model length."""
+        ``fill_max_tokens`` (chat without a limit) means up to the model length. Off the engine
+        thread, sizes checked first."""
 
         def prepare() -> Prepared:
+            self._check_grammar(msg.sampling)
+            if msg.prompt_token_ids is None:
+                self._check_prompt(msg.prompt, msg.messages, msg.tools)
             ids = self._engine.prompt_ids(msg.prompt, msg.messages, msg.prompt_token_ids, msg.tools)
             params = msg.sampling
             if msg.fill_max_tokens:
@@ -149,7 +211,7 @@ class EngineClient:
             text = self._engine.prompt_text(ids) if msg.echo and not resume else None
             return Prepared(ids, params, resume, text)
 
-        return await self._run(prepare)
+        return await self._off(prepare)
 
     async def add(self, key: str, prepared: Prepared, prefill_only: bool = False) -> None:
         await self._run(
@@ -165,6 +227,10 @@ class EngineClient:
     async def add_prefilled(
         self, key: str, prompt_ids: list[int], first_token: int, params: SamplingParams
     ) -> None:
+        """Continue a prefilled request; its grammar is compiled (and cached) off the engine thread first."""
+        if params.guided is not None:
+            self._check_grammar(params)
+            await self._off(lambda: self._engine.validate(prompt_ids, params))
         await self._run(lambda: self._engine.add_prefilled(key, prompt_ids, first_token, params))
 
     async def step(self) -> list[RequestOutput]:
@@ -215,3 +281,15 @@ class EngineClient:
     async def close(self) -> None:
         await self._run(self._engine.close)
         self._exec.shutdown(wait=True)
+        self._prep.shutdown(wait=False, cancel_futures=True)
+
+
+def _chars(value: Any) -> int:
+    """Characters of every string in a JSON value (chat messages: contents, names, parts)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_chars(v) for v in value)
+    return 0

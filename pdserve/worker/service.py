@@ -36,7 +36,7 @@ from pdserve.scheduler import (
 )
 from pdserve.scheduler.tasks import cancel_and_wait
 from pdserve.worker.clock import Clock
-from pdserve.worker.engine_client import EngineClient
+from pdserve.worker.engine_client import EngineClient, PrepareLimits
 from pdserve.worker.handler import RequestHandler
 from pdserve.worker.messenger import Messenger
 from pdserve.worker.metrics import WorkerMetrics
@@ -82,7 +82,8 @@ class WorkerService:
                 raise ConfigError(
                     f"--instance-id {self.id} is registered by a live instance; pick another id"
                 )
-            self.engine = await EngineClient.start(self._build_engine)
+            limits = PrepareLimits(self.settings.max_prompt_chars_per_token, self.settings.max_grammar_bytes)
+            self.engine = await EngineClient.start(self._build_engine, limits)
             await self._start_transfer()
             self._start_metrics()
             messenger = Messenger(self.redis, self.keys, self.id, give_up_after_s=self.settings.ttl_s)

@@ -86,6 +86,17 @@ class WorkerSettings:
         "127.0.0.1",
         "address the metrics port listens on; 0.0.0.0 for a Prometheus on another host (default %(default)s)",
     )
+    max_prompt_chars_per_token: int = setting(
+        32,
+        "a prompt (or chat messages and tools) longer than this many characters per token of the model "
+        "length is refused with 400 before it is tokenized: a prompt that fits has no more characters per "
+        "token than the vocabulary's longest token (13 in the presets; text averages ~4) (default %(default)s)",
+    )
+    max_grammar_bytes: int = setting(
+        65536,
+        "structured output (JSON schema, regex, choices, a tool call's schema) larger than this many bytes "
+        "of JSON is refused with 400 before it is compiled (default %(default)s)",
+    )
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -97,6 +108,12 @@ class WorkerSettings:
             raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not self.ttl_s > 0:
             raise ConfigError(f"--ttl must be > 0, got {self.ttl_s}")
+        if self.max_prompt_chars_per_token < 1:
+            raise ConfigError(
+                f"--max-prompt-chars-per-token must be >= 1, got {self.max_prompt_chars_per_token}"
+            )
+        if self.max_grammar_bytes < 1:
+            raise ConfigError(f"--max-grammar-bytes must be >= 1, got {self.max_grammar_bytes}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         object.__setattr__(self, "model_dir", Path(self.model_dir))

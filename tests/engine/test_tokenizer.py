@@ -6,6 +6,8 @@ import itertools
 import json
 import random
 import string
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,35 @@ def test_broken_chat_template_is_a_config_error(model_copy: Path) -> None:
     _edit_json(model_copy / "tokenizer_config.json", chat_template="{% for %}")
     with pytest.raises(ConfigError, match="chat_template"):
         Tokenizer.from_dir(model_copy)
+
+
+def test_encoding_a_long_text_lets_other_threads_run(tok: Tokenizer) -> None:
+    """A worker tokenizes off its engine thread, which helps only if the other threads (engine
+    steps, the event loop's heartbeat) run meanwhile: ``encode`` held the GIL for the whole 3 MB
+    (seconds); the ids are those of ``tokenizers``' own ``encode``."""
+    text = "hello world, " * 240_000
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    ids = tok.encode(text)
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    thread.join()
+    assert elapsed > 0.3, f"encoding took {elapsed:.2f} s: too short to tell"
+    assert max(gaps) < 0.2, f"another thread waited {max(gaps):.2f} s while {elapsed:.2f} s of encoding"
+    assert ids == tok.raw.encode(text, add_special_tokens=False).ids
 
 
 # ---------------------------------------------------------------------------------------------- detokenizer
