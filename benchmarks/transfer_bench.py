@@ -93,7 +93,7 @@ def main() -> int:
     from pdserve.cache_transfer.regions import block_regions, pair_regions
     from pdserve.cache_transfer.transports import close_backends, configured, open_backends, open_writer
 
-    protocols = configured("auto")
+    protocols = configured("auto", OPTIONS)
     if mooncake.PROTOCOL not in protocols:
         print(
             "mooncake is not available here (pip install 'pdserve[mooncake]'): measuring shm only",

@@ -67,6 +67,12 @@ class TransportBackend(abc.ABC):
         return None
 
     @classmethod
+    def left_out_of_auto(cls, options: Mapping[str, Any]) -> str | None:
+        """Why ``--kv-transfer auto`` does not offer this transport with these worker settings, or
+        None when it does: by default, whatever :meth:`unavailable` says."""
+        return cls.unavailable()
+
+    @classmethod
     def from_options(cls: type[B], options: Mapping[str, Any]) -> B:
         """A closed backend configured from the worker's settings by field name (its flags' dests);
         each backend reads only the options it declares, missing ones take their defaults."""

@@ -217,6 +217,18 @@ class MooncakeBackend(TransportBackend):
         return unavailable()
 
     @classmethod
+    def left_out_of_auto(cls, options: Mapping[str, Any]) -> str | None:
+        """Mooncake listens on every interface whatever address it is given, so ``auto`` offers it
+        only where the operator named the private address peers reach it at."""
+        reason = cls.unavailable()
+        if reason is None and not options.get("transfer_address"):
+            reason = (
+                "no --transfer-address given (Mooncake's ports listen on every interface: give the "
+                "private address to offer it, or --kv-transfer mooncake)"
+            )
+        return reason
+
+    @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MooncakeBackend:
         return cls(options.get("transfer_address") or "", options.get("mooncake_protocol") or "tcp")
 

@@ -26,13 +26,14 @@ AUTO, ALL = "auto", "both"  # every available transport; every transport ("both"
 KV_TRANSFERS = (AUTO, *TRANSPORTS, ALL)  # the choices of --kv-transfer
 
 
-def configured(choice: str) -> list[str]:
-    """The protocols ``--kv-transfer choice`` offers: ``auto`` those this host can run (the reason
-    each other one is left out is logged), ``both`` all of them, a protocol name just that one."""
+def configured(choice: str, options: Mapping[str, Any] | None = None) -> list[str]:
+    """The protocols ``--kv-transfer choice`` offers: ``auto`` those this host can run with these
+    worker settings (``options``; the reason each other one is left out is logged), ``both`` all
+    of them, a protocol name just that one."""
     if choice == AUTO:
         offered = []
         for protocol, backend in TRANSPORTS.items():
-            reason = backend.unavailable()
+            reason = backend.left_out_of_auto(options or {})
             if reason is None:
                 offered.append(protocol)
             else:

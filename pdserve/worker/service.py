@@ -132,9 +132,9 @@ class WorkerService:
         if s.role == "mixed":
             return
         assert self.engine is not None
-        protocols = transports.configured(s.kv_transfer)
-        local = LocalCache(self.engine.kv_view(), self.engine.facts.shm_name)
         options = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}  # each backend reads its own
+        protocols = transports.configured(s.kv_transfer, options)
+        local = LocalCache(self.engine.kv_view(), self.engine.facts.shm_name)
         backends = await asyncio.to_thread(transports.open_backends, protocols, options, local)
         self.transports.backends.update(backends)
         log.info(

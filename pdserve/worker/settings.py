@@ -64,7 +64,8 @@ class WorkerSettings:
     kv_transfer: str = setting(
         "auto",
         "KV transports a prefill/decode instance offers: shm (same host, one copy), mooncake (across "
-        "hosts), both; auto: shm, plus mooncake when it is installed (default %(default)s)",
+        "hosts), both; auto: shm, plus mooncake when it is installed and --transfer-address is given "
+        "(default %(default)s)",
         choices=KV_TRANSFERS,
     )
     # The flags of one transport, read by its backend by field name (TransportBackend.from_options):

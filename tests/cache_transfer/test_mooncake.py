@@ -104,7 +104,9 @@ def test_without_an_agent_or_an_endpoint_there_is_no_mooncake(agents) -> None:
 def test_the_backend_opens_an_engine_over_the_cache_and_advertises_it() -> None:
     """As a worker starts it: options by its flags' names, the whole cache registered, the endpoint
     what the registration publishes; closed, it advertises nothing."""
-    assert TRANSPORTS["mooncake"] is MooncakeBackend and "mooncake" in configured("auto")
+    assert TRANSPORTS["mooncake"] is MooncakeBackend and "mooncake" in configured(
+        "auto", {"transfer_address": "127.0.0.1"}
+    )
     cache = np.zeros(4 * BLOCK, dtype=np.uint8)
     b = MooncakeBackend.from_options(
         {"transfer_address": "127.0.0.1", "mooncake_protocol": "tcp", "role": "x"}

@@ -95,7 +95,19 @@ def test_auto_leaves_out_what_this_host_cannot_run_and_says_why(monkeypatch, cap
         assert configured("auto") == ["shm"]
     assert "mooncake left out (--kv-transfer auto): no wheel here" in caplog.text
     monkeypatch.setattr(MooncakeBackend, "unavailable", classmethod(lambda cls: None))
-    assert configured("auto") == ["shm", "mooncake"]
+    assert configured("auto", {"transfer_address": "10.0.0.2"}) == ["shm", "mooncake"]
+
+
+def test_auto_offers_mooncake_only_where_its_address_is_given(monkeypatch, caplog) -> None:
+    """Mooncake's ports listen on every interface, so ``auto`` opens them only when the operator
+    named the private address (``--transfer-address``); ``--kv-transfer mooncake`` still forces it."""
+    monkeypatch.setattr(MooncakeBackend, "unavailable", classmethod(lambda cls: None))
+    with caplog.at_level(logging.INFO, logger="pdserve.cache_transfer.transports"):
+        assert configured("auto") == ["shm"]
+        assert configured("auto", {"transfer_address": ""}) == ["shm"]
+    assert "mooncake left out (--kv-transfer auto): no --transfer-address given" in caplog.text
+    assert configured("auto", {"transfer_address": "10.0.0.2"}) == ["shm", "mooncake"]
+    assert configured("mooncake") == ["mooncake"] and configured("both") == ["shm", "mooncake"]
 
 
 def test_a_writer_needs_a_known_protocol_offered_here_and_advertised_by_the_peer() -> None:
