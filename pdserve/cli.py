@@ -77,6 +77,14 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_import(args: argparse.Namespace) -> int:
+    from pdserve.engine.gguf_import import import_model
+
+    path = import_model(args.source, args.dir, overwrite=args.overwrite)
+    print(f"imported {args.source} to {path}")
+    return 0
+
+
 # ---- pdserve generate ---------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.model:
@@ -288,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_command = functools.partial(sub.add_parser, parents=[common])
 
     model = add_command(
-        "model", help="create model folders", description="Create model folders (Hugging Face layout)."
+        "model",
+        help="create or import model folders",
+        description="Create or import model folders (Hugging Face layout).",
     )
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION")
     init = model_sub.add_parser(
@@ -308,6 +318,19 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0, help="weight seed (default %(default)s)")
     init.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     init.set_defaults(func=lambda a: cmd_model_init(a))
+    imp = model_sub.add_parser(
+        "import",
+        parents=[common],
+        help="convert a GGUF file (or copy a Hugging Face folder) into a model folder",
+        description="Convert a Llama-family GGUF file (llama.cpp's format) into a Hugging Face style model "
+        "folder: every tensor dequantized to float32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
+        "Q5_K, Q6_K), config.json, tokenizer.json and the chat template rebuilt from its metadata. A Hugging "
+        "Face folder (config.json, model.safetensors, tokenizer.json) is checked and copied. No download.",
+    )
+    imp.add_argument("source", help="a .gguf file or a Hugging Face model folder")
+    imp.add_argument("dir", help="folder to create")
+    imp.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    imp.set_defaults(func=lambda a: cmd_model_import(a))
 
     gen = add_command(
         "generate",
