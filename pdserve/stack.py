@@ -29,6 +29,7 @@ import httpx
 
 from pdserve.cache_transfer import shm
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, ResolvedModel, cache_dir, resolve_model
 from pdserve.errors import ConfigError
 from pdserve.flags import setting, to_argv
 from pdserve.router.settings import RouterSettings
@@ -47,9 +48,7 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polling is not
 class StackSpec:
     """What ``pdserve up`` runs; the flags of ``up`` are generated from these fields."""
 
-    model: Path | None = setting(
-        None, "model folder (default: the tiny preset, created in ~/.cache/pdserve)", kind=Path
-    )
+    model: str = setting(DEFAULT_MODEL, f"{MODEL_HELP} (default %(default)s)")
     redis_url: str | None = setting(
         None, "use this Redis instead of starting an embedded one", kind=str, repr=False
     )  # may hold a password
@@ -92,10 +91,6 @@ class StackSpec:
             raise ConfigError(
                 "--prefill needs --decode (or --mixed): a prefill instance cannot finish a request"
             )
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 
 
 def record_path(pid: int | None = None) -> Path:
@@ -149,30 +144,11 @@ def command(name: str) -> str:
     return str(mine)
 
 
-def default_model() -> Path:
-    """The tiny preset in the cache folder, created on first use (about a second, no download), and
-    made again when an older pdserve made it with another chat template (the preset is seeded: the
-    weights and tokenizer come out the same)."""
-    from pdserve.engine.model_init import CHATML_TEMPLATE, init_model
-
-    path = cache_dir() / "models" / "tiny"
-    config = path / "tokenizer_config.json"
-    if not (path / "config.json").is_file() or not config.is_file():
-        print(f"creating the tiny model in {path} ...", flush=True)
-        init_model(path, preset="tiny", overwrite=path.exists())
-    elif json.loads(config.read_text()).get("chat_template") != CHATML_TEMPLATE:
-        print(
-            f"updating the tiny model in {path} (its chat template is from an older pdserve) ...", flush=True
-        )
-        init_model(path, preset="tiny", overwrite=True)
-    return path
-
-
 class Stack:
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
         self.redis: EmbeddedRedis | None = None
-        self.model: Path | None = None  # resolved by start()
+        self.model: ResolvedModel | None = None  # resolved by start()
         self.workers: list[tuple[str, subprocess.Popen]] = []
         self.instance_ids: list[str] = []
         self.routers: list[tuple[str, subprocess.Popen]] = []
@@ -195,7 +171,7 @@ class Stack:
                     f"router {i} needs port {spec.port + i} on {spec.host} ({url}), which is in use: "
                     "choose another --port (routers take consecutive ports from it)"
                 )
-        model = self.model = spec.model or default_model()
+        self.model = resolve_model(spec.model)  # fetched or imported once, here, not in every worker
         shm.sweep_dead_segments()  # what killed stacks left behind
         if spec.redis_url:
             redis_url = spec.redis_url
@@ -212,7 +188,8 @@ class Stack:
             for i in range(count):
                 name = f"{role}-{i}"
                 worker = WorkerSettings(
-                    model_dir=model,
+                    model_dir=self.model.path,
+                    served_model_name=self.model.name,
                     role=role,
                     instance_id=f"{name}-{uuid.uuid4().hex[:6]}",
                     redis_url=redis_url,
@@ -396,7 +373,7 @@ def run_stack(spec: StackSpec) -> int:
         stack.wait_ready()
         stack.record()
         assert stack.model is not None  # resolved by start()
-        model_name = stack.model.resolve().name
+        model_name = stack.model.name
         print(banner(stack, model_name, time.monotonic() - t0), flush=True)
         while True:
             stack.supervise()  # a crashed child is restarted; the rest keeps serving

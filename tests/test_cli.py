@@ -298,7 +298,9 @@ def test_stack_keeps_the_redis_password_off_argv_the_banner_and_other_users(tmp_
     server = EmbeddedRedis(password=password)
     assert password not in " ".join(server.command())
     server.start()
-    spec = StackSpec(redis_url=server.url, port=free_port(), prefill=0, decode=0, mixed=1, engine_kind="echo")
+    spec = StackSpec(
+        model="tiny", redis_url=server.url, port=free_port(), prefill=0, decode=0, mixed=1, engine_kind="echo"
+    )
     stack = Stack(spec)
     try:
         stack.start()

@@ -12,6 +12,7 @@ from pathlib import Path
 from pdserve.cache_transfer.mooncake import MOONCAKE_PROTOCOLS
 from pdserve.cache_transfer.transports import KV_TRANSFERS
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_store import MODEL_HELP
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
 from pdserve.scheduler.connection import DEFAULT_URL
@@ -24,13 +25,15 @@ ENGINES = ("model", "echo")
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSettings:
-    model_dir: Path | None = setting(None, "model folder (Hugging Face layout)", name="--model", kind=Path)
+    model_dir: Path | None = setting(None, MODEL_HELP, name="--model", kind=str)
     role: str = setting(
         "mixed",
         "prefill: prompts to KV cache; decode: KV cache to tokens; mixed: both (default %(default)s)",
         choices=ROLES,
     )
-    served_model_name: str = setting("", "model name clients use (default: the folder name)")
+    served_model_name: str = setting(
+        "", "model name clients use (default: the preset, hub id, .gguf file or folder name given to --model)"
+    )
     instance_id: str = setting(
         "",
         "stable id; a restart with the same id re-reads its unacknowledged inbox entries (default: random)",

@@ -45,12 +45,14 @@ def block(lang: str, marker: str) -> str:
 
 
 @pytest.fixture
-def shell(tmp_path: Path):
-    """A fresh shell's environment in a fresh checkout folder, and the README's ports remapped."""
+def shell(tmp_path: Path, smollm2_dir: Path):
+    """A fresh shell's environment in a fresh checkout folder, and the README's ports remapped. The
+    fresh HOME's model cache holds the real model this test run already fetched (fetched once a run)."""
     assert (VENV / "bin" / "pdserve").is_file(), f"tests must run from the project's venv, not {VENV}"
     work, home = tmp_path / "checkout", tmp_path / "home"
     work.mkdir()
-    home.mkdir()
+    (home / ".cache" / "pdserve" / "models").mkdir(parents=True)
+    (home / ".cache" / "pdserve" / "models" / smollm2_dir.name).symlink_to(smollm2_dir)
     (work / ".venv").symlink_to(VENV)
     path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != VENV / "bin")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "MKL_", "VIRTUAL_ENV"))}
@@ -151,7 +153,7 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
     work, env, ports, remap, run, python = shell
     make_up = re.search(r"^up: .*\n\t\$\(BIN\)/pdserve (.*)$", (ROOT / "Makefile").read_text(), re.M)
     assert make_up, "Makefile's up target changed shape"
-    t0 = time.monotonic()  # a fresh HOME: the tiny model is created first
+    t0 = time.monotonic()  # a fresh HOME (its model cache holds the fetched real model)
     up = subprocess.Popen(
         [".venv/bin/pdserve", *make_up.group(1).split(), "--port", str(ports["8000"])],
         cwd=work,
@@ -174,7 +176,7 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
 
         after_up = run(block("bash", AFTER_UP))
         assert after_up.returncode == 0, after_up.stderr
-        assert '"choices"' in after_up.stdout and '"usage"' in after_up.stdout
+        assert '"content":"The capital of France is Paris."' in after_up.stdout, after_up.stdout
         assert time.monotonic() - t0 < 60  # from `make up` to the first chat completion
         # `pdserve status` found the stack's Redis by itself: it lists the stack's workers and router.
         assert "cluster default: 2 instance(s), 1 router(s)" in after_up.stdout, after_up.stdout
@@ -232,6 +234,7 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
     assert offline.returncode == 0, offline.stderr
     assert (work / "models" / "small" / "model.safetensors.index.json").is_file()
     assert '"usage"' in offline.stdout  # the --json line
+    assert offline.stdout.startswith("The capital of France is Paris.\n"), offline.stdout
 
     api = python(block("python", "from pdserve import LLM"))
     assert api.returncode == 0, api.stderr

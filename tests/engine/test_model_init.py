@@ -119,21 +119,21 @@ def test_small_preset_shapes_without_writing() -> None:
     assert 1.2e9 < 4 * sum(int(np.prod(s)) for s in shapes.values()) < 1.4e9
 
 
-def test_the_default_model_is_made_again_when_its_template_is_stale(tmp_path: Path, monkeypatch) -> None:
-    """`pdserve up`'s cached tiny model from an older pdserve (another chat template) is refreshed;
+def test_the_cached_tiny_preset_is_made_again_when_its_template_is_stale(tmp_path: Path, monkeypatch) -> None:
+    """The cached tiny preset (`--model tiny`) from an older pdserve (another chat template) is refreshed;
     a current one is left alone."""
     from pdserve.engine.model_init import CHATML_TEMPLATE
-    from pdserve.stack import default_model
+    from pdserve.engine.model_store import made_preset
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    path = default_model()
+    path = made_preset("tiny")
     config = path / "tokenizer_config.json"
     weights = (path / "model.safetensors").read_bytes()
     stale = json.loads(config.read_text()) | {"chat_template": "{{ messages }}"}
     config.write_text(json.dumps(stale))
-    assert default_model() == path
+    assert made_preset("tiny") == path
     assert json.loads(config.read_text())["chat_template"] == CHATML_TEMPLATE
     assert (path / "model.safetensors").read_bytes() == weights  # seeded: the same model again
     mtime = config.stat().st_mtime_ns
-    default_model()
+    made_preset("tiny")
     assert config.stat().st_mtime_ns == mtime
