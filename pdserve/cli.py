@@ -91,13 +91,15 @@ def cmd_model_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_model_flag(args: argparse.Namespace, parser: argparse.ArgumentParser, dest: str) -> str:
+def resolve_model_flag(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, dest: str, check: bool = True
+) -> str:
     """Make ``--model`` (``args.<dest>``) a folder, importing or fetching it on first use; returns
     the name clients should use for it."""
     from pdserve.engine.model_store import resolve_model
 
     try:
-        resolved = resolve_model(getattr(args, dest))
+        resolved = resolve_model(getattr(args, dest), check=check)
     except ConfigError as e:
         parser.error(str(e))
     setattr(args, dest, str(resolved.path))
@@ -140,11 +142,12 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                 "finish_reason": gen.finish_reason,
                 "usage": gen.usage,
             }
-            if gen.logprobs is not None:
-                doc["logprobs"] = [
-                    {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": lp.top_logprobs}
-                    for lp in gen.logprobs
-                ]
+            for key in ("logprobs", "prompt_logprobs"):  # a prompt's first token: logprob null
+                if (lps := getattr(gen, key)) is not None:
+                    doc[key] = [
+                        {"token_id": lp.token_id, "logprob": lp.logprob, "top_logprobs": lp.top_logprobs}
+                        for lp in lps
+                    ]
             if gen.error:
                 doc["error"] = gen.error
             sys.stdout.write(orjson.dumps(doc).decode() + "\n")
@@ -164,7 +167,8 @@ def cmd_worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         settings = from_args(WorkerSettings, args, engine=engine_config(args))
     except ConfigError as e:
         parser.error(str(e))
-    name = resolve_model_flag(args, parser, "model_dir")  # after the quick checks: it may download
+    # after the quick checks, as it may download; the echo engine needs no whole model folder
+    name = resolve_model_flag(args, parser, "model_dir", check=settings.engine_kind != "echo")
     settings = dataclasses.replace(
         settings, model_dir=Path(args.model_dir), served_model_name=args.served_model_name or name
     )

@@ -67,7 +67,8 @@ class SamplingParams:
     """How to pick tokens and when to stop. ``temperature`` 0 (or below MIN_TEMPERATURE) means greedy.
 
     ``top_k <= 0`` disables top-k; ``logprobs`` is None (off) or the number of top alternatives
-    (0..20) returned with each sampled token's own logprob. ``logit_bias`` (token id -> bias in
+    (0..20) returned with each sampled token's own logprob; ``prompt_logprobs`` likewise for every
+    prompt token (vLLM's extension; the first has no logprob: nothing precedes it). ``logit_bias`` (token id -> bias in
     [-100, 100], added to the logits before anything else) takes string keys too, as JSON carries
     them; how many entries a request may give is a router setting (``--max-logit-bias``). ``guided`` (structured output) is None or
     ``{"kind": "json", "spec": <JSON schema object>}``, ``{"kind": "regex", "spec": <pattern>}`` or
@@ -106,6 +107,12 @@ class SamplingParams:
     )
     ignore_eos: bool = param(False, "keep generating past EOS", request="extension", flag=True)
     logprobs: int | None = param(None, "return each token's logprob and N alternatives", flag=True)
+    prompt_logprobs: int | None = param(
+        None,
+        "return each prompt token's logprob (its rank too) and N alternatives",
+        request="extension",
+        flag=True,
+    )
     skip_special_tokens: bool = param(True, "leave special tokens out of the text", request="extension")
     include_stop_str_in_output: bool = param(
         False, "end the text with the stop string that ended it", request="extension"
@@ -159,6 +166,8 @@ class SamplingParams:
             _integer("stop_token_ids", t, lo=0, hi=MAX_TOKEN_ID)
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
         for token, bias in (self.logit_bias or {}).items():
             _integer("logit_bias", token, lo=0, hi=MAX_TOKEN_ID)
             _number("logit_bias", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)

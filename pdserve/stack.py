@@ -171,7 +171,8 @@ class Stack:
                     f"router {i} needs port {spec.port + i} on {spec.host} ({url}), which is in use: "
                     "choose another --port (routers take consecutive ports from it)"
                 )
-        self.model = resolve_model(spec.model)  # fetched or imported once, here, not in every worker
+        # fetched or imported once, here, not in every worker; the echo engine needs no whole model
+        self.model = resolve_model(spec.model, check=spec.engine_kind != "echo")
         shm.sweep_dead_segments()  # what killed stacks left behind
         if spec.redis_url:
             redis_url = spec.redis_url

@@ -278,7 +278,8 @@ def test_generate_sampling_flags_come_from_sampling_params(capsys) -> None:
     assert sampling_params(args, gen) == SamplingParams(
         temperature=0.0, max_tokens=64, seed=3, stop=["a", "b"], stop_token_ids=[7], ignore_eos=True
     )
-    for flag, value in (("--top-p", "0"), ("--stop-token-id", "-1"), ("--logprobs", "21")):
+    bad = (("--top-p", "0"), ("--stop-token-id", "-1"), ("--logprobs", "21"), ("--prompt-logprobs", "21"))
+    for flag, value in bad:
         with pytest.raises(SystemExit):
             sampling_params(parser.parse_args(["generate", flag, value]), gen)
         assert f"{flag}: " in capsys.readouterr().err

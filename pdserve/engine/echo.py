@@ -6,6 +6,7 @@ bottleneck: same messages, same Redis traffic, same splitwise hand-off, with a s
 (one 64-byte "block" per block_size prompt tokens, in shared memory on a decode instance, moved by
 the real transport). Its block bookkeeping is real (reservations, leases, frees). Not for serving.
 Structured output (``response_format``, ``guided_*``) needs a model's choices: refused with a 400.
+Logprobs (of the tokens, and of the prompt with ``prompt_logprobs``) are all 0: rank 1, certain.
 """
 
 from __future__ import annotations
@@ -191,21 +192,32 @@ class EchoEngine:
                 for i, b in enumerate(req.blocks):
                     self.cache[b * bb : (b + 1) * bb] = self.kv_byte(req, i)
             token = self.token(req)
+            kw = {"prompt_logprobs": self._prompt_logprobs(req)} if not req.out else {}
             req.out.append(token)
             if len(req.out) >= req.params.max_tokens:
-                outputs.append(self._finish(req, "length", [token]))
+                outputs.append(self._finish(req, "length", [token], **kw))
             elif req.prefill_only:
                 del self.requests[req.key]
                 self.prefilled[req.key] = req
-                outputs.append(self._output(req, [token], prefilled=True))
+                outputs.append(self._output(req, [token], prefilled=True, **kw))
             else:
-                outputs.append(self._output(req, [token]))
+                outputs.append(self._output(req, [token], **kw))
         return outputs
+
+    def _logprob(self, token: int) -> TokenLogprob:
+        return TokenLogprob(token, 0.0, [(token, 0.0)], self.text([token]), [self.text([token])], 1)
+
+    def _prompt_logprobs(self, req: EchoRequest) -> list[TokenLogprob] | None:
+        """With the first token: the prompt's, when asked (the first has none: nothing precedes it)."""
+        if req.params.prompt_logprobs is None:
+            return None
+        first = TokenLogprob(req.prompt[0], None, token=self.text(req.prompt[:1]))
+        return [first, *map(self._logprob, req.prompt[1:])]
 
     def _output(self, req: EchoRequest, tokens: list[int], **kw: Any) -> RequestOutput:
         logprobs = None
         if req.params.logprobs is not None:
-            logprobs = [TokenLogprob(t, 0.0, [(t, 0.0)], self.text([t]), [self.text([t])]) for t in tokens]
+            logprobs = [self._logprob(t) for t in tokens]
         return RequestOutput(
             req.key, tokens, self.text(tokens), len(req.prompt), len(req.out), logprobs=logprobs, **kw
         )

@@ -17,6 +17,7 @@ import numpy as np
 from pdserve.cache_transfer import shm as shm_transport
 from pdserve.cache_transfer.regions import Region, block_regions
 from pdserve.engine.kernels.paddle_setup import paddle
+from pdserve.engine.memory import page_zeros
 from pdserve.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ class KVCache:
             self._array = array
         else:
             self.shm_name = None
-            self.tensor = paddle.zeros(shape, dtype="float32")
+            # zero pages of its own mapping: resident as blocks are written, like a fresh shm segment
+            self._array = page_zeros(tuple(shape))
+            self.tensor = paddle.utils.dlpack.from_dlpack(self._array)
         # Views sharing storage with self.tensor.
         self.rows = self.tensor.reshape([-1, D])  # one row = one head_dim vector (scatter target)
         self.chunks = self.tensor.reshape([-1, block_size, kvh, D])  # one chunk = (block, kv, layer)

@@ -28,6 +28,7 @@ class Generation:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # with SamplingParams.prompt_logprobs
     error: str | None = None
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # with EngineConfig.keep_logits
 
@@ -43,6 +44,8 @@ class Generation:
             self.logits.append(out.logits)
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason, self.error = out.finish_reason, out.error
 

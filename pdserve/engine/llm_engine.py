@@ -30,14 +30,15 @@ from pdserve.engine.kernels.cpu import choose_kernels
 from pdserve.engine.kernels.gemm import select_gemm
 from pdserve.engine.kernels.paddle_setup import HOST, TUNING, paddle
 from pdserve.engine.kv_cache import KVCache, block_bytes
+from pdserve.engine.memory import resident_bytes
 from pdserve.engine.model import Model
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, PromptRows
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
-from pdserve.engine.sampler import Sample, Sampler, make_rng
+from pdserve.engine.sampler import Sample, Sampler, logprobs_of, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.weights import load_weights
+from pdserve.engine.weights import iter_weights
 from pdserve.errors import ConfigError, EngineError, InvalidRequestError, RequestTooLongError
 from pdserve.sampling_params import SamplingParams
 
@@ -49,6 +50,8 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     stop: StopStringMatcher
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """One per prompt position, filled as its prefill chunks run; handed out with the first token."""
 
 
 def set_threads(n: int | None) -> int:
@@ -85,7 +88,7 @@ class LLMEngine:
         log.info("gemm: %s (%s)", self.gemm.impl, self.gemm.reason)
         self.model = Model(
             mc,
-            load_weights(self.model_dir, mc),
+            iter_weights(self.model_dir, mc),  # streamed: each packed weight's plain copy freed at once
             self.max_model_len,
             self.kernels,
             self.attention.kernel,
@@ -123,13 +126,17 @@ class LLMEngine:
         self.reserved: dict[str, list[int]] = {}  # blocks reserved for incoming KV
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         log.info(
-            "engine ready: %s, %d layers, max_model_len %d, %d KV blocks, %d threads (%.1f s)",
+            "engine ready: %s, %d layers, max_model_len %d, %d KV blocks, %d threads (%.1f s); "
+            "resident %.2f GB (weights %.2f GB, KV cache %.2f GB)",
             mc.architecture,
             mc.num_layers,
             self.max_model_len,
             num_blocks,
             self.threads,
             time.perf_counter() - t0,
+            resident_bytes() / 1e9,
+            self.model.weight_bytes / 1e9,
+            self.cache.nbytes / 1e9,
         )
 
     def facts(self) -> EngineFacts:
@@ -206,6 +213,14 @@ class LLMEngine:
             )
         if params.guided is not None:
             self.grammars.compile(params.guided)  # a grammar that does not compile is a 400 here
+        if params.prompt_logprobs is not None:
+            beyond = next((t for t in prompt_token_ids if t >= self.sampler.vocab_limit), None)
+            if beyond is not None:
+                raise InvalidRequestError(
+                    f"prompt token id {beyond} has no logprob: the tokenizer has no such token "
+                    "(prompt_logprobs)",
+                    "prompt",
+                )
 
     def add_request(
         self,
@@ -239,7 +254,12 @@ class LLMEngine:
             )
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
         seq.grammar = grammar
-        self._replay(self._track(seq), resume)
+        req = self._track(seq)
+        self._replay(req, resume)
+        if seq.scores_prompt:  # the first prompt token has no logprob: nothing precedes it
+            first = seq.prompt_token_ids[0]
+            req.prompt_logprobs = [TokenLogprob(first, None, token=self.tokenizer.token_text(first))]
+            req.prompt_logprobs += [None] * (seq.num_prompt_tokens - 1)
         self.batcher.add(seq)
         return seq
 
@@ -262,7 +282,7 @@ class LLMEngine:
         batch = self.batcher.schedule()
         if not batch:
             return outputs
-        step_input, out_seqs = self.runner.prepare(batch)
+        step_input, out_seqs, prompt_rows = self.runner.prepare(batch)
         try:
             logits = self.model.forward(self.cache, step_input)
         except Exception as e:  # a Paddle failure must end these requests, not hang them
@@ -274,7 +294,10 @@ class LLMEngine:
             chunk.seq.num_computed_tokens = chunk.end
         if logits is None:
             return outputs
-        rows = logits.numpy()[: len(out_seqs)]
+        rows = logits.numpy()
+        for span in prompt_rows:  # before the samples: the first token hands them out
+            self._score_prompt(span, rows[span.row : span.row + span.count])
+        rows = rows[: len(out_seqs)]
         samples = self.sampler(rows, out_seqs)
         for i, (seq, sample) in enumerate(zip(out_seqs, samples)):
             out = self._append(self.requests[seq.request_id], sample)
@@ -294,13 +317,7 @@ class LLMEngine:
         logprobs = None
         if p.logprobs is not None:
             assert sample.logprob is not None  # the sampler computes it whenever logprobs are asked for
-            text_of = self.tokenizer.token_text
-            top = sample.top_logprobs
-            logprobs = [
-                TokenLogprob(
-                    token, sample.logprob, top, text_of(token), [text_of(t) for t, _ in top] if top else None
-                )
-            ]
+            logprobs = [self._token_logprob(sample)]
         text, reason = self._advance_text(req, token)
         if reason is None:
             if seq.grammar is not None and seq.grammar.done:  # the grammar is complete
@@ -313,9 +330,12 @@ class LLMEngine:
                 tail, matched = req.stop.feed(req.detok.flush())
                 text += tail if matched else tail + req.stop.flush()
                 reason = "stop" if matched else end
-        queued = {}
+        queued: dict[str, Any] = {}
         if seq.num_output_tokens == 1 and seq.scheduled_at is not None:
             queued["queue_s"] = seq.scheduled_at - seq.arrival_time
+        if req.prompt_logprobs is not None:  # set until handed out with the first token
+            assert all(req.prompt_logprobs)  # its prefill scored every position
+            queued["prompt_logprobs"], req.prompt_logprobs = req.prompt_logprobs, None
         if reason is not None:
             self._finish(req)
             return self._output(req, [token], text, logprobs, finish_reason=reason, **queued)
@@ -326,6 +346,28 @@ class LLMEngine:
             del self.requests[seq.request_id]
             return self._output(req, [token], text, logprobs, prefilled=True, **queued)
         return self._output(req, [token], text, logprobs, **queued)
+
+    def _token_logprob(self, sample: Sample) -> TokenLogprob:
+        """A sampled or prompt token's logprob (the sampler's numbers) with the texts of its tokens."""
+        text_of, top = self.tokenizer.token_text, sample.top_logprobs
+        return TokenLogprob(
+            sample.token_id,
+            sample.logprob,
+            top,
+            text_of(sample.token_id),
+            [text_of(t) for t, _ in top] if top else None,
+            sample.rank,
+        )
+
+    def _score_prompt(self, span: PromptRows, logits: np.ndarray) -> None:
+        """The logprobs of the prompt tokens these rows predict, into the request's list (a
+        recompute after a preemption before the first token writes the same places again)."""
+        req = self.requests[span.seq.request_id]
+        assert req.prompt_logprobs is not None and span.seq.params.prompt_logprobs is not None
+        first = span.first + 1
+        tokens = span.seq.prompt_token_ids[first : first + span.count]
+        scored = logprobs_of(logits[:, : self.sampler.vocab_limit], tokens, span.seq.params.prompt_logprobs)
+        req.prompt_logprobs[first : first + span.count] = map(self._token_logprob, scored)
 
     def _advance_text(self, req: _Request, token: int) -> tuple[str, str | None]:
         """Detokenize one token and apply EOS / stop-token / stop-string rules."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from pdserve.engine.kernels.paddle_setup import incubate_functional as IF
 from pdserve.engine.kernels.paddle_setup import paddle
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.weights import release_pages
 
 
 @dataclasses.dataclass
@@ -78,7 +80,7 @@ class Model:
     def __init__(
         self,
         cfg: ModelConfig,
-        weights: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
         max_len: int,
         kernels: Kernels,
         attention_kernels: AttentionKernels | None = None,
@@ -88,25 +90,34 @@ class Model:
         self.kernels = attention_kernels  # None: every attention op in Paddle (the reference path)
         self.gemm = gemm  # None: Paddle's matmul on plain weights
         self.packed: dict[str, PackedMatrix] = {}
-        if gemm is not None:  # the packed copies replace the plain ones (the embedding stays for lookup)
-            names = [f"l{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS]
-            for name in names + ([] if cfg.tie_word_embeddings else ["lm_head"]):
-                self.packed[name] = gemm.pack(weights[name])
-            if cfg.tie_word_embeddings:
-                self.packed["lm_head"] = gemm.pack(weights["embed"], transposed=True)
-            weights = {k: v for k, v in weights.items() if k not in self.packed}
+        self.w: dict[str, paddle.Tensor] = {}
+        self.weight_bytes = 0  # float32 bytes of the weights taken (the checkpoint's parameters)
+        # Each weight is held once: the packed copies replace the plain ones (dropped as each is
+        # packed, while ``weights`` streams in); other weights become Paddle tensors over the very
+        # same memory (DLPack, no copy). A tied embedding stays for the lookup beside its packed
+        # lm_head; when it maps the checkpoint file, only the rows looked up stay resident.
+        packable = {f"l{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS}
+        packable |= set() if cfg.tie_word_embeddings else {"lm_head"}
+        for name, array in weights.items() if isinstance(weights, Mapping) else weights:
+            self.weight_bytes += array.nbytes
+            if gemm is not None and name in packable:
+                self.packed[name] = gemm.pack(array)
+                continue
+            if gemm is not None and name == "embed" and cfg.tie_word_embeddings:
+                self.packed["lm_head"] = gemm.pack(array, transposed=True)
+                release_pages(array)  # packing read all of it; the lookup needs only its rows
+            self.w[name] = paddle.from_dlpack(np.ascontiguousarray(array))
         self._norm = self._fused_norm if kernels.rms_norm == "fused" else self._composed_norm
         self._swiglu = F.swiglu if kernels.swiglu == "fused" else self._composed_swiglu
         if attention_kernels is not None:  # numba's SwiGLU: ~2x Paddle's fused one (tiny prefill: 12 % of it)
             self._swiglu = self._numba_swiglu
-        self.w = {k: paddle.to_tensor(v) for k, v in weights.items()}
         self.w_np = {k: np.from_dlpack(self.w[k]) for k in self.w if k.endswith("norm")}  # the same memory
         cos, sin = rope_tables(cfg, max_len)
         scale = 1.0 / math.sqrt(cfg.head_dim)
         qcos, qsin = cos * scale, sin * scale  # the softmax scale folded into q's tables
         self.rope_np = (cos, sin, qcos, qsin)  # rope_write's operands
-        self.cos, self.sin = paddle.to_tensor(cos), paddle.to_tensor(sin)
-        self.qcos, self.qsin = paddle.to_tensor(qcos), paddle.to_tensor(qsin)
+        self.cos, self.sin = paddle.from_dlpack(cos), paddle.from_dlpack(sin)  # the same memory
+        self.qcos, self.qsin = paddle.from_dlpack(qcos), paddle.from_dlpack(qsin)
         kvh = cfg.num_kv_heads
         self.eye = paddle.eye(kvh).reshape([1, kvh, 1, kvh, 1])  # block-diagonal q selector
         self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]

@@ -8,9 +8,14 @@ context: the fewest ops, as the bare model does it. With the in-place decode ker
 (kernels/attention.py) all decodes form one group in either mode and carry their block tables and
 lengths instead of gather ids and a mask: the kernel reads each sequence over exactly its own
 length, so padding the table changes no bits and the buckets are not needed.
+
+The logits rows of a step: one per sequence that samples, then (prompt logprobs) every prompt
+position of the prefill chunks of sequences that score their prompt (:class:`PromptRows`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -42,6 +47,17 @@ def decode_bucket(num_blocks: int) -> int:
     return -(-num_blocks // granule) * granule
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptRows:
+    """Logits rows ``row .. row + count - 1`` of a step: ``seq``'s prompt positions ``first ..
+    first + count - 1``, whose distributions score its prompt tokens ``first + 1 .. first + count``."""
+
+    seq: Sequence
+    row: int
+    first: int
+    count: int
+
+
 class ModelRunner:
     def __init__(
         self, cache: KVCache, batch_invariant: bool = False, threads: int = 1, paged_kernel: bool = False
@@ -53,8 +69,9 @@ class ModelRunner:
         self.block_size = cache.block_size
         self._causal: dict[int, np.ndarray] = {}
 
-    def prepare(self, batch: Batch) -> tuple[StepInput, list[Sequence]]:
-        """Pack the batch; returns the step input and the sequences whose logits come back, in order."""
+    def prepare(self, batch: Batch) -> tuple[StepInput, list[Sequence], list[PromptRows]]:
+        """Pack the batch; returns the step input, the sequences that sample (logits rows 0, 1, ...,
+        in order) and the prompt positions scored (the rows after those)."""
         bs = self.block_size
         ids: list[np.ndarray] = []
         pos: list[np.ndarray] = []
@@ -63,6 +80,8 @@ class ModelRunner:
         groups: list[AttentionGroup] = []
         out_rows: list[int] = []
         out_seqs: list[Sequence] = []
+        prompt_rows: list[int] = []  # packed rows whose logits score the next prompt token
+        scored: list[tuple[Sequence, int, int, int]] = []  # (seq, index in prompt_rows, first, count)
         start = 0
 
         by_bucket: dict[int, list[Sequence]] = {}
@@ -112,6 +131,10 @@ class ModelRunner:
             if chunk.samples:
                 out_rows.append(start + n - 1)
                 out_seqs.append(seq)
+            count = min(chunk.end, seq.num_prompt_tokens - 1) - chunk.start
+            if seq.scores_prompt and count > 0:
+                scored.append((seq, len(prompt_rows), chunk.start, count))
+                prompt_rows.extend(range(start, start + count))
             start += n
 
         pad = padded_rows(start, self.threads) - start if self.batch_invariant else 0
@@ -120,6 +143,8 @@ class ModelRunner:
             pos.append(np.arange(pad, dtype=np.int64))
             slots.append(NULL_BLOCK * bs + np.arange(pad) % bs)
             groups.append(AttentionGroup(start, pad, 1, 0, self._causal_mask(pad), False))
+        spans = [PromptRows(seq, len(out_rows) + i, first, count) for seq, i, first, count in scored]
+        out_rows += prompt_rows
         if out_rows and self.batch_invariant:
             out_rows.extend([out_rows[-1]] * (padded_rows(len(out_rows), self.threads) - len(out_rows)))
         all_slots = np.concatenate(slots)
@@ -131,7 +156,7 @@ class ModelRunner:
             groups=groups,
             output_rows=np.asarray(out_rows, np.int64),
         )
-        return step, out_seqs
+        return step, out_seqs, spans
 
     def _causal_mask(self, n: int) -> np.ndarray:
         mask = self._causal.get(n)

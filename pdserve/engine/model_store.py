@@ -83,12 +83,14 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
-def resolve_model(spec: str | Path) -> ResolvedModel:
-    """The folder for ``spec`` (see the module docstring), importing or fetching it on first use."""
+def resolve_model(spec: str | Path, check: bool = True) -> ResolvedModel:
+    """The folder for ``spec`` (see the module docstring), importing or fetching it on first use.
+    ``check``: a folder must hold a whole model (the echo engine needs at most its tokenizer)."""
     text = str(spec)
     path = Path(text).expanduser()
     if path.is_dir():
-        check_model_folder(path)
+        if check:
+            check_model_folder(path)
         return ResolvedModel(path, path.resolve().name)
     if path.is_file():
         if path.suffix.lower() != ".gguf":

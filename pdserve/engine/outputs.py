@@ -10,11 +10,17 @@ import numpy as np
 
 @dataclasses.dataclass
 class TokenLogprob:
+    """A token's logprob under the raw model distribution, with the best alternatives asked for.
+
+    ``logprob`` None: a prompt's first token, which nothing precedes (no distribution); it still
+    carries its id and text, as the legacy echo format lists it."""
+
     token_id: int
-    logprob: float
+    logprob: float | None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
     token: str = ""  # the token's text, for display
     top_tokens: list[str] | None = None  # texts of top_logprobs, same order
+    rank: int | None = None  # 1 + how many ids have a strictly larger logprob
 
 
 @dataclasses.dataclass
@@ -30,6 +36,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     prefilled: bool = False  # prefill-only request: KV is ready for hand-off
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With ``params.prompt_logprobs``: one per prompt token, on the output with the first token only."""
     error: str | None = None
     logits: np.ndarray | None = None  # only with EngineConfig.keep_logits
     queue_s: float | None = None  # on the first token: arrival in the engine -> first prefill chunk

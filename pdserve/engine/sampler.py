@@ -18,6 +18,7 @@ import numpy as np
 from pdserve.engine.sequence import Sequence
 
 _TOP_P_CANDIDATES = 256  # top-p first looks among these; falls back to a full sort if mass is short
+_LOGPROB_ROWS = 32  # logprobs_of works on this many rows at once: its float64 copy stays small
 
 
 @dataclasses.dataclass
@@ -25,6 +26,30 @@ class Sample:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    rank: int | None = None  # 1 + how many ids have a strictly larger logprob
+
+
+def logprobs_of(logits: np.ndarray, tokens: np.ndarray | list[int], num_top: int) -> list[Sample]:
+    """Per row of ``logits`` [R, V]: ``tokens[r]``'s logprob under log_softmax of the row, its rank,
+    and the ``num_top`` best (id, logprob), best first, ties by id. The sampled tokens' and the
+    prompt's logprobs both come from here, so they agree; each row's numbers depend on that row only
+    (batch-invariant), whatever rows come with it."""
+    out: list[Sample] = []
+    tokens = np.asarray(tokens, np.int64)
+    for start in range(0, logits.shape[0], _LOGPROB_ROWS):
+        block, tok = logits[start : start + _LOGPROB_ROWS], tokens[start : start + _LOGPROB_ROWS]
+        m = block.max(axis=1, keepdims=True)
+        logp = block - (m + np.log(np.exp(block - m, dtype=np.float64).sum(axis=1, keepdims=True)))
+        own = logp[np.arange(tok.size), tok]
+        ranks = np.count_nonzero(logp > own[:, None], axis=1) + 1
+        tops = np.argpartition(-logp, num_top - 1, axis=1)[:, :num_top] if num_top else None
+        for i in range(tok.size):
+            top = None
+            if tops is not None:
+                ids = tops[i][np.lexsort((tops[i], -logp[i, tops[i]]))]
+                top = [(int(t), float(logp[i, t])) for t in ids]
+            out.append(Sample(int(tok[i]), float(own[i]), top, int(ranks[i])))
+    return out
 
 
 def make_rng(seed: int | None) -> np.random.Generator:
@@ -76,15 +101,9 @@ class Sampler:
                 row[banned] = -np.inf
         self._apply_penalties(row, seq)
         token = int(row.argmax()) if p.is_greedy else self._draw(row, seq)
-        sample = Sample(token)
         if p.logprobs is not None:
-            logp = raw - _logsumexp(raw)
-            sample.logprob = float(logp[token])
-            if p.logprobs:
-                top = np.argpartition(-logp, p.logprobs - 1)[: p.logprobs]
-                top = top[np.lexsort((top, -logp[top]))]
-                sample.top_logprobs = [(int(t), float(logp[t])) for t in top]
-        return sample
+            return logprobs_of(raw[None, :], [token], p.logprobs)[0]
+        return Sample(token)
 
     @staticmethod
     def _apply_penalties(row: np.ndarray, seq: Sequence) -> None:
@@ -127,8 +146,3 @@ class Sampler:
         assert seq.rng is not None  # the engine gives each tracked sequence its generator
         u = seq.rng.random() * cum[-1]
         return int(ids[min(int(np.searchsorted(cum, u, side="right")), ids.size - 1)])
-
-
-def _logsumexp(x: np.ndarray) -> np.floating:
-    m = x.max()
-    return m + np.log(np.exp(x - m, dtype=np.float64).sum())

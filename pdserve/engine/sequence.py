@@ -58,6 +58,12 @@ class Sequence:
         """True until every token except the last sampled one has its K/V in the cache."""
         return self.num_computed_tokens < self.num_tokens - (1 if self.output_token_ids else 0)
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill also yields its prompt's logprobs: asked for, and no token out yet (a
+        recompute after a preemption, or a resumed request, delivered them already)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
+
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]

@@ -5,17 +5,32 @@ every matmul reads a dense operand (matmul on a transposed view is ~100x slower 
 q/k/v are fused into one ``qkv`` weight and gate/up into one ``gate_up`` weight at load time.
 Interleaved-RoPE checkpoints (ERNIE-4.5) get their q/k rows permuted per head so that one
 rotate-half RoPE serves every architecture; q·k is unchanged by the shared permutation.
+
+Memory: each weight exists once. Every checkpoint tensor is mapped from its file on its own and
+copied (transposed, fused) straight into its final buffer, one page-backed mapping per weight
+(:func:`page_empty`), with no intermediate copy; the tensor's mapping is dropped once used.
+:func:`iter_weights` hands the weights over one at a time, so a consumer that repacks them (the
+model's packed GEMM) frees each plain one before the next is built. A float32 embedding is not
+copied at all: the embedding table stays a (copy-on-write) mapping of the checkpoint file, so only
+the rows looked up become resident, out of the page cache every worker on the host shares. A mapped
+file must not be rewritten in place while an engine runs on it (pdserve's own writers never do:
+they replace a model folder by a rename, which leaves the mapped file intact).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import orjson
 
+from pdserve.engine.memory import page_empty
 from pdserve.engine.model_config import ModelConfig
 from pdserve.errors import ConfigError
 
@@ -24,28 +39,78 @@ log = logging.getLogger(__name__)
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
 
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of one file as float32 arrays (bf16 widened bit-exactly, which numpy can't do)."""
-    with path.open("rb") as f:
-        try:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = orjson.loads(f.read(header_len))
-        except (struct.error, orjson.JSONDecodeError) as e:
-            raise ConfigError(f"{path} is not a valid safetensors file: {e}") from None
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    out: dict[str, np.ndarray] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(meta["dtype"])
-        if dtype is None:
-            raise ConfigError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
-        start, end = meta["data_offsets"]
-        raw = np.frombuffer(data[start:end], dtype=dtype).reshape(meta["shape"])
-        if meta["dtype"] == "BF16":
-            raw = (raw.astype(np.uint32) << 16).view(np.float32)
-        out[name] = raw.astype(np.float32, copy=False)
-    return out
+class _FileMap(mmap.mmap):
+    """A private mapping of part of a checkpoint file (see :func:`release_pages`)."""
+
+
+def release_pages(array: np.ndarray) -> None:
+    """When ``array`` views a checkpoint tensor's file mapping, drop that mapping's pages from this
+    process's resident set (e.g. after reading all of it once): the data stays in the page cache and
+    a later read maps a page back in. Any other array (anonymous memory would lose its data): nothing."""
+    base: object = array
+    while isinstance(base, np.ndarray | memoryview):
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    if isinstance(base, _FileMap) and hasattr(mmap, "MADV_DONTNEED"):
+        base.madvise(mmap.MADV_DONTNEED)  # private and never written: the file's data is kept
+
+
+class SafetensorsFile:
+    """One safetensors file: its header read at once, each tensor mapped only when asked for."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with path.open("rb") as f:
+            try:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = orjson.loads(f.read(header_len))
+            except (struct.error, orjson.JSONDecodeError) as e:
+                raise ConfigError(f"{path} is not a valid safetensors file: {e}") from None
+            size = os.fstat(f.fileno()).st_size
+        if not isinstance(header, dict):
+            raise ConfigError(f"{path} is not a valid safetensors file: its header is not an object")
+        self.data_start = 8 + header_len
+        self.tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}  # name: (dtype, shape, offset)
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _DTYPES.get(meta["dtype"])
+            if dtype is None:
+                raise ConfigError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
+            start, end = meta["data_offsets"]
+            shape = tuple(int(n) for n in meta["shape"])
+            if end - start != math.prod(shape) * np.dtype(dtype).itemsize or start < 0:
+                raise ConfigError(f"{path}: tensor {name} has data_offsets {start}..{end} for shape {shape}")
+            if self.data_start + end > size:
+                raise ConfigError(f"{path}: tensor {name} ends past the end of the file (truncated?)")
+            self.tensors[name] = (meta["dtype"], shape, self.data_start + start)
+
+    def _map(self, name: str) -> np.ndarray:
+        """The tensor's bytes as an array over a private mapping of just its own pages."""
+        kind, shape, offset = self.tensors[name]
+        dtype = np.dtype(_DTYPES[kind])
+        count = math.prod(shape)
+        if count == 0:
+            return np.empty(shape, dtype)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        length = offset - start + count * dtype.itemsize
+        with self.path.open("rb") as f:
+            buf = _FileMap(f.fileno(), length, offset=start, access=mmap.ACCESS_COPY)
+        return np.frombuffer(buf, dtype, count, offset - start).reshape(shape)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as float32: a mapping of the file when it is stored as F32 (nothing copied),
+        else widened into a page-backed array (bf16 bit-exactly, which numpy can't do)."""
+        raw = self._map(name)
+        if raw.dtype == np.float32:
+            return raw
+        out = page_empty(raw.shape)
+        if self.tensors[name][0] == "BF16":
+            bits = out.view(np.uint32)
+            bits[...] = raw
+            bits <<= 16
+        else:
+            out[...] = raw  # F16, F64: the same rounding as astype(np.float32)
+        return out
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -68,62 +133,127 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _interleaved_to_half(w: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
-    """Reorder rows of a q/k projection so GPT-J-style (interleaved) RoPE becomes rotate-half."""
-    perm = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
-    rows = (np.arange(num_heads)[:, None] * head_dim + perm[None, :]).reshape(-1)
-    return w[rows]
+def _copy_rows_t(dst: np.ndarray, src: np.ndarray, heads: int | None, head_dim: int) -> None:
+    """``dst[:, j] = src[j]`` (``src`` [out, in], ``dst`` [in, out]); with ``heads``, ``src``'s rows
+    are taken in rotate-half order per head (interleaved-RoPE checkpoints): each head's even rows,
+    then its odd rows. Strided views only, no temporary."""
+    if heads is None:
+        dst[...] = src.T
+        return
+    for h in range(heads):
+        rows = slice(h * head_dim, (h + 1) * head_dim)
+        even, odd = dst[:, rows][:, : head_dim // 2], dst[:, rows][:, head_dim // 2 :]
+        even[...], odd[...] = src[rows][0::2].T, src[rows][1::2].T
+
+
+def _copy_bias(dst: np.ndarray, src: np.ndarray, heads: int | None, head_dim: int) -> None:
+    """``dst[:] = src``, in rotate-half order per head as :func:`_copy_rows_t` with ``heads``."""
+    if heads is None:
+        dst[...] = src
+        return
+    for h in range(heads):
+        rows = slice(h * head_dim, (h + 1) * head_dim)
+        dst[rows][: head_dim // 2], dst[rows][head_dim // 2 :] = src[rows][0::2], src[rows][1::2]
+
+
+def iter_weights(model_dir: str | Path, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield the fused float32 weights one at a time (see :func:`load_weights` for the names),
+    ``embed`` first. Checks every tensor's presence and shape before yielding any."""
+    model_dir = Path(model_dir)
+    files: dict[str, SafetensorsFile] = {}
+    for path in checkpoint_files(model_dir):
+        st = SafetensorsFile(path)
+        files.update(dict.fromkeys(st.tensors, st))
+
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    D = cfg.head_dim
+    heads = (cfg.num_heads, cfg.num_kv_heads) if cfg.rope_interleaved else (None, None)
+    expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        expected |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if cfg.qkv_bias:
+            expected |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
+        if p + "self_attn.o_proj.bias" in files:
+            expected[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            expected |= {p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,)}
+            expected[p + "mlp.down_proj.bias"] = (h,)
+    expected["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        expected["lm_head.weight"] = (cfg.vocab_size, h)
+    for name, shape in expected.items():
+        if name not in files:
+            raise ConfigError(f"{model_dir}: weight {name!r} is missing from the checkpoint")
+        found = files[name].tensors[name][1]
+        if found != shape:
+            raise ConfigError(f"{model_dir}: weight {name!r} has shape {found}, expected {shape}")
+
+    def take(name: str) -> np.ndarray:
+        return files[name].read(name)
+
+    def copy(name: str) -> np.ndarray:
+        src = take(name)
+        out = page_empty(src.shape)
+        out[...] = src
+        return out
+
+    def fused_t(names: list[str], row_heads: list[int | None]) -> np.ndarray:
+        """The row-wise concatenation of ``names`` transposed, [in, sum(out)], into one buffer."""
+        parts = [take(n) for n in names]
+        out = page_empty((parts[0].shape[1], sum(p.shape[0] for p in parts)))
+        at = 0
+        for part, nh in zip(parts, row_heads):
+            _copy_rows_t(out[:, at : at + part.shape[0]], part, nh, D)
+            at += part.shape[0]
+        return out
+
+    def fused_bias(names: list[str], row_heads: list[int | None]) -> np.ndarray:
+        parts = [take(n) for n in names]
+        out = page_empty(sum(p.shape[0] for p in parts))
+        at = 0
+        for part, nh in zip(parts, row_heads):
+            _copy_bias(out[at : at + part.shape[0]], part, nh, D)
+            at += part.shape[0]
+        return out
+
+    yield "embed", take("model.embed_tokens.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        qkv_heads = [heads[0], heads[1], None]
+        yield f"l{i}.in_norm", copy(p + "input_layernorm.weight")
+        yield f"l{i}.qkv", fused_t([p + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv_heads)
+        if cfg.qkv_bias:
+            yield f"l{i}.qkv_bias", fused_bias([p + f"self_attn.{x}_proj.bias" for x in "qkv"], qkv_heads)
+        yield f"l{i}.o", fused_t([p + "self_attn.o_proj.weight"], [None])
+        if p + "self_attn.o_proj.bias" in expected:
+            yield f"l{i}.o_bias", copy(p + "self_attn.o_proj.bias")
+        yield f"l{i}.post_norm", copy(p + "post_attention_layernorm.weight")
+        yield f"l{i}.gate_up", fused_t([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [None, None])
+        yield f"l{i}.down", fused_t([p + "mlp.down_proj.weight"], [None])
+        if cfg.mlp_bias:
+            yield (
+                f"l{i}.gate_up_bias",
+                fused_bias([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"], [None] * 2),
+            )
+            yield f"l{i}.down_bias", copy(p + "mlp.down_proj.bias")
+    yield "norm", copy("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head", fused_t(["lm_head.weight"], [None])
+    log.info("loaded %d tensors from %s", len(expected), model_dir)
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Return fused float32 weights: ``embed``, ``l{i}.{in_norm,qkv,qkv_bias,o,o_bias,post_norm,
     gate_up,gate_up_bias,down,down_bias}``, ``norm`` and ``lm_head`` ([hidden, vocab], untied only)."""
-    model_dir = Path(model_dir)
-    raw: dict[str, np.ndarray] = {}
-    for path in checkpoint_files(model_dir):
-        raw.update(_read_safetensors(path))
-
-    def take(name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        if name not in raw:
-            raise ConfigError(f"{model_dir}: weight {name!r} is missing from the checkpoint")
-        t = raw[name]
-        if shape is not None and tuple(t.shape) != shape:
-            raise ConfigError(f"{model_dir}: weight {name!r} has shape {tuple(t.shape)}, expected {shape}")
-        return t
-
-    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    w: dict[str, np.ndarray] = {
-        "embed": np.ascontiguousarray(take("model.embed_tokens.weight", (cfg.vocab_size, h)))
-    }
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        wq, wk = take(p + "self_attn.q_proj.weight", (q, h)), take(p + "self_attn.k_proj.weight", (kv, h))
-        wv = take(p + "self_attn.v_proj.weight", (kv, h))
-        if cfg.rope_interleaved:
-            wq = _interleaved_to_half(wq, cfg.num_heads, cfg.head_dim)
-            wk = _interleaved_to_half(wk, cfg.num_kv_heads, cfg.head_dim)
-        w[f"l{i}.in_norm"] = take(p + "input_layernorm.weight", (h,))
-        w[f"l{i}.qkv"] = np.ascontiguousarray(np.concatenate([wq, wk, wv], axis=0).T)
-        if cfg.qkv_bias:
-            bq, bk = take(p + "self_attn.q_proj.bias", (q,)), take(p + "self_attn.k_proj.bias", (kv,))
-            if cfg.rope_interleaved:
-                bq = _interleaved_to_half(bq, cfg.num_heads, cfg.head_dim)
-                bk = _interleaved_to_half(bk, cfg.num_kv_heads, cfg.head_dim)
-            w[f"l{i}.qkv_bias"] = np.concatenate([bq, bk, take(p + "self_attn.v_proj.bias", (kv,))])
-        w[f"l{i}.o"] = np.ascontiguousarray(take(p + "self_attn.o_proj.weight", (h, q)).T)
-        if p + "self_attn.o_proj.bias" in raw:
-            w[f"l{i}.o_bias"] = take(p + "self_attn.o_proj.bias", (h,))
-        w[f"l{i}.post_norm"] = take(p + "post_attention_layernorm.weight", (h,))
-        gate, up = take(p + "mlp.gate_proj.weight", (inter, h)), take(p + "mlp.up_proj.weight", (inter, h))
-        w[f"l{i}.gate_up"] = np.ascontiguousarray(np.concatenate([gate, up], axis=0).T)
-        w[f"l{i}.down"] = np.ascontiguousarray(take(p + "mlp.down_proj.weight", (h, inter)).T)
-        if cfg.mlp_bias:
-            w[f"l{i}.gate_up_bias"] = np.concatenate(
-                [take(p + "mlp.gate_proj.bias", (inter,)), take(p + "mlp.up_proj.bias", (inter,))]
-            )
-            w[f"l{i}.down_bias"] = take(p + "mlp.down_proj.bias", (h,))
-    w["norm"] = take("model.norm.weight", (h,))
-    if not cfg.tie_word_embeddings:
-        w["lm_head"] = np.ascontiguousarray(take("lm_head.weight", (cfg.vocab_size, h)).T)
-    log.info("loaded %d tensors from %s", len(raw), model_dir)
-    return w
+    return dict(iter_weights(model_dir, cfg))

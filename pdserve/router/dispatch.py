@@ -17,7 +17,9 @@ What the router relies on from workers (the contract):
   never the client's ``x-request-id``; ``router_id`` names the
   outbox to publish to; exactly one of ``prompt``/``prompt_token_ids``/``messages`` is set (messages
   are ``{role, content: str[, name]}``; the worker tokenizes and applies the chat template);
-  ``echo`` asks for the prompt's text in the first token's delta (``prompt_text``);
+  ``echo`` asks for the prompt's text in the first token's delta (``prompt_text``), and
+  ``sampling.prompt_logprobs`` for the prompt's logprobs there (``prompt_logprobs``; in splitwise
+  the prefill instance computes them);
   ``sampling`` is the choice's validated SamplingParams, and ``fill_max_tokens`` means "up to the
   model length minus the prompt length"; ``deadline`` ends the whole request (unix s); ``attempt``
   counts from 0.
@@ -73,6 +75,7 @@ from pdserve.scheduler.messages import (
     PeerInfo,
     PhaseDeadlines,
     RequestDelta,
+    Usage,
 )
 from pdserve.scheduler.registry import LiveSetCache
 from pdserve.scheduler.streams import OutboxReader
@@ -347,6 +350,8 @@ class RoutedGeneration:
             self.finished = self.succeeded = True
         elif not (delta.token_ids or delta.text):
             return None  # nothing a client could see
+        if self.parsed.echo_only:
+            _prompt_only(delta)
         if self._echo:
             self._echo = False
             echo = self.prompt.text if self.prompt.text is not None else delta.prompt_text
@@ -574,3 +579,15 @@ class RoutedGeneration:
         self.queue.put_nowait(
             RequestDelta.failure(self.request_id, error, retryable=retryable, attempt=attempt)
         )
+
+
+def _prompt_only(delta: RequestDelta) -> None:
+    """``echo`` with ``max_tokens`` 0: the one token the worker had to generate is left out (its
+    text, id and logprob); the choice holds the prompt only and ends with ``length``."""
+    delta.text, delta.token_ids = "", []
+    if delta.logprobs is not None:
+        delta.logprobs = []
+    if delta.finish_reason is not None:
+        delta.finish_reason = "length"
+    if delta.usage is not None:
+        delta.usage = Usage(prompt_tokens=delta.usage.prompt_tokens, completion_tokens=0)

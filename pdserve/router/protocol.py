@@ -235,7 +235,8 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = None
-    """The completion's text starts with the prompt's (not with logprobs: prompt logprobs are not computed)."""
+    """The completion's text starts with the prompt's; with ``logprobs``, its logprobs cover the
+    prompt's tokens first (the first one's null). ``max_tokens`` 0 is allowed then: only the prompt."""
     best_of: int | None = None
     """Accepted when it equals ``n`` (the default): choosing the best of more samples is not done."""
     suffix: Rejected = None
@@ -470,7 +471,13 @@ class ParsedRequest:
     logprobs: bool
     return_token_ids: bool = False
     echo: bool = False
-    """Each choice's text starts with its prompt's text."""
+    """Each choice's text starts with its prompt's text (with ``logprobs``: its logprobs start
+    with the prompt's, ``SamplingParams.prompt_logprobs`` asked from the worker)."""
+    echo_only: bool = False
+    """``echo`` with ``max_tokens`` 0 (scoring the prompt): the worker generates one token, which the
+    router leaves out of the choice (its text, token and logprob; ``completion_tokens`` 0)."""
+    prompt_logprobs: bool = False
+    """The client asked for vLLM's ``prompt_logprobs``: each choice carries them in vLLM's shape."""
     tool_use: ToolUse | None = None
     """Chat with tools (``tool_choice`` other than none): how the output is read as tool calls."""
     fill_max_tokens: bool = False
@@ -516,18 +523,19 @@ def parse_completion(body: bytes, limits: InputLimits) -> ParsedRequest:
     req = _validate(CompletionRequest, body, COMPLETION_FIELDS)
     limits.check(req)
     prompts = _prompts(req.prompt)
-    if req.echo and req.logprobs is not None:
-        raise InvalidRequestError(
-            "echo with logprobs is not supported (prompt logprobs are not computed)", "echo"
-        )
     n = 1 if req.n is None else req.n
     if req.best_of is not None and req.best_of != n:
         raise InvalidRequestError(
             f"best_of must equal n ({n}), got {req.best_of}: choosing the best of more samples is not supported",
             "best_of",
         )
-    params = _sampling(req, req.max_tokens, "max_tokens", req.logprobs, "logprobs")
-    return _parsed(
+    echo_only = bool(req.echo) and req.max_tokens == 0  # OpenAI's way to score a prompt
+    prompt_logprobs = req.logprobs if req.echo else None  # legacy echo + logprobs covers the prompt
+    max_tokens = 1 if echo_only else req.max_tokens
+    params = _sampling(
+        req, max_tokens, "max_tokens", req.logprobs, "logprobs", prompt_logprobs=prompt_logprobs
+    )
+    parsed = _parsed(
         "completion",
         req,
         params,
@@ -537,6 +545,8 @@ def parse_completion(body: bytes, limits: InputLimits) -> ParsedRequest:
         logprobs=req.logprobs is not None,
         echo=bool(req.echo),
     )
+    parsed.echo_only = echo_only
+    return parsed
 
 
 def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
@@ -709,12 +719,16 @@ def _sampling(
     logprobs: int | None,
     logprobs_name: str,
     guided: dict[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """``guided``: a constraint the request's tools make (else its structured-output fields')."""
+    """``guided``: a constraint the request's tools make (else its structured-output fields');
+    ``prompt_logprobs``: asked by another field (echo), unless the body gives it itself."""
     kwargs = req.given_sampling()
     kwargs["max_tokens"] = _UNBOUNDED if max_tokens is None else max_tokens
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        kwargs.setdefault("prompt_logprobs", prompt_logprobs)
     if (guided := guided or _guided(req)) is not None:
         kwargs["guided"] = guided
     try:
@@ -794,6 +808,7 @@ def _parsed(
         logprobs=logprobs,
         return_token_ids=bool(req.return_token_ids),
         echo=echo,
+        prompt_logprobs="prompt_logprobs" in req.given_sampling(),
         fill_max_tokens=unbounded,
     )
 

@@ -1,6 +1,11 @@
 """OpenAI response bodies and SSE chunks, built as plain dicts and serialized with orjson.
 
 No pydantic on the output path: a response is a handful of dict literals per delta.
+
+A prompt's logprobs (on the first token's delta) appear in two shapes: completions with ``echo``
+put them before the completion's in OpenAI's legacy ``logprobs`` (the first token's logprob and
+alternatives null); vLLM's ``prompt_logprobs`` field, when asked, carries them per choice as a list
+(null first) of ``{token id: {logprob, rank, decoded_token}}``. Streams send them in the first chunk.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class Choice:
         "finish_reason",
         "logprobs",
         "num_tokens",
+        "prompt_logprobs",
         "texts",
         "timing",
         "token_ids",
@@ -32,6 +38,7 @@ class Choice:
     def __init__(self) -> None:
         self.texts: list[str] = []
         self.logprobs: list[LogprobInfo] = []
+        self.prompt_logprobs: list[LogprobInfo] | None = None
         self.num_tokens = 0
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -51,6 +58,8 @@ class Choice:
             self.texts.append(delta.text)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.token_ids.extend(delta.token_ids)
         self.num_tokens += len(delta.token_ids)
         self.timing = delta.timing or self.timing
@@ -73,13 +82,19 @@ class ResponseBuilder:
         return_token_ids: bool = False,
         n: int = 1,
         tool_use: ToolUse | None = None,
+        echo: bool = False,
+        prompt_logprobs: bool = False,
     ) -> None:
+        """``echo`` (completions): legacy ``logprobs`` start with the prompt's; ``prompt_logprobs``:
+        each choice carries vLLM's ``prompt_logprobs``."""
         self.chat = kind == "chat"
         self.tool_use = tool_use  # chat with tools: the output is read as tool calls
         self._tool_streams: dict[int, ToolStream] = {}
         self.n = n  # choices per prompt: usage counts each prompt once
         self.return_token_ids = return_token_ids
         self.logprobs = logprobs
+        self.echo = echo and not self.chat
+        self.prompt_logprobs = prompt_logprobs
         self.include_usage = include_usage
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.created = int(time.time())
@@ -94,7 +109,7 @@ class ResponseBuilder:
         out = []
         for index, c in enumerate(choices):
             text = "".join(c.texts)
-            lp = self._logprobs(c.logprobs, 0) if self.logprobs else None
+            lp = self._logprobs(c.logprobs, 0, c.prompt_logprobs) if self.logprobs else None
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 finish = c.finish_reason
@@ -108,6 +123,8 @@ class ResponseBuilder:
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
             if self.return_token_ids:
                 out[-1]["token_ids"] = c.token_ids
+            if self.prompt_logprobs:
+                out[-1]["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs)
         body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -136,8 +153,9 @@ class ResponseBuilder:
     def delta_chunk(self, index: int, delta: RequestDelta, choice_timing: Timing | None = None) -> bytes:
         """One chunk per delta; the last one carries ``finish_reason`` (and the choice's ``timing``)."""
         lp = None
-        if self.logprobs and delta.logprobs:
-            lp = self._logprobs(delta.logprobs, self._text_offsets.get(index, 0))
+        prompt = delta.prompt_logprobs
+        if self.logprobs and (delta.logprobs or (self.echo and prompt)):
+            lp = self._logprobs(delta.logprobs or [], self._text_offsets.get(index, 0), prompt)
         if not self.chat:
             if self.logprobs:
                 self._text_offsets[index] = self._text_offsets.get(index, 0) + len(delta.text)
@@ -153,7 +171,7 @@ class ResponseBuilder:
             )
             fields = stream.feed(delta.text, delta.finish_reason is not None)
             finish = delta.finish_reason
-            if finish is None and not fields and lp is None and not self.return_token_ids:
+            if finish is None and not fields and lp is None and not self.return_token_ids and not prompt:
                 return b""  # held back (a call being read): nothing to say yet
             if finish == "stop" and stream.called:
                 finish = "tool_calls"
@@ -163,6 +181,8 @@ class ResponseBuilder:
             choice = {"index": index, "delta": content, "logprobs": lp, "finish_reason": delta.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
+        if self.prompt_logprobs and prompt is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt)
         extra = (
             {"timing": timing(choice_timing)} if delta.finish_reason is not None and choice_timing else None
         )
@@ -184,9 +204,15 @@ class ResponseBuilder:
             body |= extra
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    def _logprobs(self, items: list[LogprobInfo], offset: int) -> dict[str, Any]:
+    def _logprobs(
+        self, items: list[LogprobInfo], offset: int, prompt: list[LogprobInfo] | None = None
+    ) -> dict[str, Any]:
+        """``items``' logprobs; with ``echo`` (legacy), ``prompt``'s first. ``text_offset``: from
+        ``offset``, the lengths of the tokens' texts added up."""
         if self.chat:
             return {"content": [_chat_logprob(t) for t in items]}
+        if self.echo and prompt:
+            items = prompt + items
         offsets = []
         for t in items:
             offsets.append(offset)
@@ -194,9 +220,30 @@ class ResponseBuilder:
         return {
             "tokens": [t.token for t in items],
             "token_logprobs": [t.logprob for t in items],
-            "top_logprobs": [{top.token: top.logprob for top in t.top} for t in items],
+            "top_logprobs": [
+                None if t.logprob is None else {top.token: top.logprob for top in t.top} for t in items
+            ],
             "text_offset": offsets,
         }
+
+
+def vllm_prompt_logprobs(items: list[LogprobInfo] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (null for the first, which has none), its own
+    and its alternatives' ``{logprob, rank, decoded_token}`` by token id (a string, as JSON keys are)."""
+    if items is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for t in items:
+        if t.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(t.token_id): {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.token}}
+        for rank, top in enumerate(t.top, 1):
+            entry.setdefault(
+                str(top.token_id), {"logprob": top.logprob, "rank": rank, "decoded_token": top.token}
+            )
+        out.append(entry)
+    return out
 
 
 def _chat_logprob(t: LogprobInfo) -> dict[str, Any]:

@@ -128,6 +128,8 @@ class GenerateEndpoint:
             include_usage=parsed.include_usage,
             n=parsed.n,
             tool_use=parsed.tool_use,
+            echo=parsed.echo,
+            prompt_logprobs=parsed.prompt_logprobs,
         )
         watch = DisconnectWatch(receive, gens)
         try:

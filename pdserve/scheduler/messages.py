@@ -35,8 +35,11 @@ ignore them).
 (``None`` fields left out; unknown keys refused); a request without ``max_tokens`` says
 ``GenerateRequest.fill_max_tokens`` instead of ``sampling.max_tokens = null``. Additive since:
 the registration's KV geometry (``KVInfo.block_bytes``, ``num_layers``, ``num_kv_heads``,
-``head_dim``: a registration without them is read, but never paired) and
-``TransferInfo.incarnation`` (peers' writers are keyed by it).
+``head_dim``: a registration without them is read, but never paired),
+``TransferInfo.incarnation`` (peers' writers are keyed by it), ``RequestDelta.prompt_logprobs`` with
+``LogprobInfo.rank`` (a ``LogprobInfo`` without ``logprob`` occurs only as a prompt's first entry,
+inside the field an older reader skips; the sampling field that asks for it is refused by an older
+worker, as any unknown sampling key is).
 """
 
 ANY_ATTEMPT = -1
@@ -158,12 +161,16 @@ class TopLogprob(_Model):
 
 
 class LogprobInfo(_Model):
-    """Logprob of one sampled token, with the requested number of best alternatives."""
+    """Logprob of one sampled (or prompt) token, with the requested number of best alternatives.
+
+    ``logprob`` None: a prompt's first token, which nothing precedes. ``rank``: 1 + how many tokens
+    are likelier (given for prompt tokens; vLLM's ``prompt_logprobs`` show it)."""
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None = None
     top: list[TopLogprob] = Field(default_factory=list)
+    rank: int | None = None
 
 
 class Usage(_Model):
@@ -221,6 +228,9 @@ class RequestDelta(_Model):
     timing: Timing | None = None  # on the delta that carries the first token
     prompt_text: str | None = None
     """The prompt's text, on the delta with the first token of a request that asked (``echo``)."""
+    prompt_logprobs: list[LogprobInfo] | None = None
+    """One per prompt token (the first without ``logprob``), on the delta with the first token of a
+    request whose sampling asked (``prompt_logprobs``); in splitwise the prefill instance sends it."""
     seq: int | None = None
     """This delta's number within its attempt (0, 1, 2, ..., across prefill and decode): the router
     drops a number it already accepted (a send repeated by a retry) and fails the attempt on a gap.

@@ -59,6 +59,8 @@ def to_delta(out: RequestOutput, owner: Owner, seq: int) -> RequestDelta:
     )
     if out.logprobs is not None:
         delta.logprobs = [_logprob(lp) for lp in out.logprobs]
+    if out.prompt_logprobs is not None:
+        delta.prompt_logprobs = [_logprob(lp) for lp in out.prompt_logprobs]
     if out.finished:
         delta.finish_reason = out.finish_reason
         delta.usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens)
@@ -70,7 +72,7 @@ def to_delta(out: RequestOutput, owner: Owner, seq: int) -> RequestDelta:
 def _logprob(lp: TokenLogprob) -> LogprobInfo:
     pairs = zip(lp.top_logprobs or [], lp.top_tokens or [])
     top = [TopLogprob(token_id=t, token=text, logprob=v) for (t, v), text in pairs]
-    return LogprobInfo(token_id=lp.token_id, token=lp.token, logprob=lp.logprob, top=top)
+    return LogprobInfo(token_id=lp.token_id, token=lp.token, logprob=lp.logprob, top=top, rank=lp.rank)
 
 
 class Messenger:

@@ -257,9 +257,9 @@ def test_echo_puts_the_prompt_before_the_completion(stack, tiny_model_dir) -> No
     chunks = list(c.completions.create(prompt=ids, echo=True, stream=True, **kw))
     assert "".join(ch.choices[0].text for ch in chunks) == as_text + plain
     assert chunks[0].choices[0].text.startswith(as_text)
-    with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(prompt=ids, echo=True, logprobs=1, **kw)
-    assert e.value.param == "echo"
+    lp = c.completions.create(prompt=ids, echo=True, logprobs=1, **kw).choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 5 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[: len(ids)] == [tok.token_text(t) for t in ids]
 
 
 def test_logit_bias_steers_greedy_output(stack, tiny_model_dir) -> None:
@@ -335,6 +335,42 @@ def test_greedy_tokens_identical_everywhere(splitwise, mixed, tiny_model_dir) ->
     for prompt, want in zip(PROMPTS, offline, strict=True):
         assert tokens(splitwise, prompt) == want
         assert tokens(mixed, prompt) == want
+
+
+def test_prompt_logprobs_identical_splitwise_and_mixed(splitwise, mixed, tiny_model_dir) -> None:
+    """lm-eval's loglikelihood request (a batch of token-id prompts, echo, logprobs 1, max_tokens 1:
+    prefill ends it) and the same going on to decode, with vLLM's prompt_logprobs: the prefill
+    instance scores the prompt in splitwise, the mixed one alone, the same bits (batch-invariant).
+    Scoring a greedy continuation gives its tokens the logprobs they were generated with."""
+    tok = tokenizer(tiny_model_dir)
+    ids = tok.encode(PROMPTS[2])
+    gen = {"model": model_name(mixed), "prompt": ids[:12], "max_tokens": 6, "temperature": 0}
+    gen |= {"ignore_eos": True, "logprobs": 1, "return_token_ids": True}
+    made = httpx.post(mixed.urls[0] + "/v1/completions", json=gen, timeout=60).json()["choices"][0]
+    scored = [ids, ids[:12] + made["token_ids"]]
+    for max_tokens in (1, 3):
+        body = {"model": model_name(mixed), "prompt": scored, "temperature": 0, "max_tokens": max_tokens}
+        body |= {"logprobs": 1, "seed": 1234, "echo": True, "prompt_logprobs": 2, "ignore_eos": True}
+        resps = [httpx.post(s.urls[0] + "/v1/completions", json=body, timeout=60) for s in (splitwise, mixed)]
+        assert [r.headers["x-pdserve-mode"] for r in resps] == ["splitwise", "mixed"]
+        got = [r.json() for r in resps]
+        assert got[0]["choices"] == got[1]["choices"]  # texts, legacy logprobs, prompt_logprobs: bit for bit
+        for prompt, choice in zip(scored, got[0]["choices"], strict=True):
+            lp = choice["logprobs"]
+            assert (
+                len(lp["token_logprobs"])
+                == len(prompt) + max_tokens
+                == len(choice["prompt_logprobs"]) + max_tokens
+            )
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert choice["prompt_logprobs"][0] is None
+            for t, entry, logprob in zip(prompt[1:], choice["prompt_logprobs"][1:], lp["token_logprobs"][1:]):
+                assert entry[str(t)]["logprob"] == logprob and entry[str(t)]["rank"] >= 1
+    tail = got[0]["choices"][1]["logprobs"]
+    for i, logprob in enumerate(made["logprobs"]["token_logprobs"]):
+        assert tail["token_logprobs"][12 + i] == pytest.approx(logprob, abs=1e-5)
+        best = list(tail["top_logprobs"][12 + i])[:1]  # the body's prompt_logprobs (2) set how many
+        assert best == list(made["logprobs"]["top_logprobs"][i])
 
 
 def test_greedy_tokens_identical_over_mooncake(splitwise_mooncake, mixed, redis_url) -> None:

@@ -109,6 +109,8 @@ def test_generate_cli_disaggregate_prints_the_same_tokens(tiny_model_dir) -> Non
         "--json",
         "--num-blocks",
         "128",
+        "--prompt-logprobs",
+        "1",
     ]
     single = subprocess.run(base, capture_output=True, text=True, timeout=120, check=True).stdout
     split = subprocess.run(
@@ -119,6 +121,10 @@ def test_generate_cli_disaggregate_prints_the_same_tokens(tiny_model_dir) -> Non
     assert len(a) == 2 and [x["token_ids"] for x in a] == [x["token_ids"] for x in b]
     assert [x["text"] for x in a] == [x["text"] for x in b]
     assert all(x["usage"]["completion_tokens"] == len(x["token_ids"]) for x in a + b)
+    assert [x["prompt_logprobs"] for x in a] == [x["prompt_logprobs"] for x in b]  # the prefill process's
+    assert all(len(x["prompt_logprobs"]) == x["usage"]["prompt_tokens"] for x in a)
+    first, second = a[0]["prompt_logprobs"][:2]
+    assert first["logprob"] is None and len(second["top_logprobs"]) == 1
 
 
 @pytest.mark.parametrize(

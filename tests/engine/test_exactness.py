@@ -26,6 +26,7 @@ PROMPTS = [
     "Long prompts are prefilled in chunks so running decodes keep moving. " * 12,  # > 1 chunk of 128
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PARAMS = [GREEDY, GREEDY, GREEDY.replace(prompt_logprobs=3)]  # the long prompt's logprobs too (chunked)
 
 
 @pytest.fixture(scope="module", params=["auto", "composed"])
@@ -41,12 +42,13 @@ def test_strict_mkl_mode_is_on() -> None:
 def alone(tiny_model_dir, config: EngineConfig):
     """Each prompt on its own in a fresh engine: the reference."""
     llm = LLM(tiny_model_dir, **vars(config))
-    return [llm.generate(p, GREEDY)[0] for p in PROMPTS]
+    return [llm.generate(p, params)[0] for p, params in zip(PROMPTS, PARAMS)]
 
 
 def assert_same(ref, got) -> None:
     for a, b in zip(ref, got, strict=True):
         assert b.token_ids == a.token_ids
+        assert b.prompt_logprobs == a.prompt_logprobs  # None, or the same floats
         assert len(b.logits) == len(a.logits) == GREEDY.max_tokens
         for la, lb in zip(a.logits, b.logits, strict=True):
             assert np.array_equal(la, lb), f"max abs diff {np.abs(la - lb).max()}"
@@ -55,6 +57,7 @@ def assert_same(ref, got) -> None:
 def test_prompts_differ_in_length(alone, config: EngineConfig) -> None:
     lengths = [len(g.prompt_token_ids) for g in alone]
     assert len(set(lengths)) == 3 and max(lengths) > config.prefill_chunk_size
+    assert len(alone[2].prompt_logprobs) == lengths[2]  # the long one is scored
 
 
 def test_batched_equals_alone(tiny_model_dir, alone, config: EngineConfig) -> None:
@@ -67,8 +70,8 @@ def test_batched_equals_alone(tiny_model_dir, alone, config: EngineConfig) -> No
         engine.add_request(f"other-{i}", text, GREEDY)
     engine.step(), engine.step()  # the others are decoding when ours join
     got = {f"p{i}": Generation(f"p{i}", []) for i in range(len(PROMPTS))}
-    for rid, text in zip(got, PROMPTS):
-        engine.add_request(rid, text, GREEDY)
+    for rid, text, params in zip(got, PROMPTS, PARAMS):
+        engine.add_request(rid, text, params)
     while engine.has_unfinished():
         for out in engine.step():
             if out.request_id in got:
@@ -84,7 +87,7 @@ def test_prefill_decode_processes_equal_alone(
     try:
         taken = decode.reserve("shift-block-ids", 37 * config.block_size)  # D hands out different ids than P
         got = generate_disaggregated(
-            tiny_model_dir, PROMPTS, [GREEDY] * 3, config, transfer=transfer, decode_engine=decode
+            tiny_model_dir, PROMPTS, PARAMS, config, transfer=transfer, decode_engine=decode
         )
         assert len(taken) == 37
         assert_same(alone, got)

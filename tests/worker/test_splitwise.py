@@ -494,6 +494,38 @@ def test_echo_sends_the_prompt_text_with_the_first_token_only(redis_url) -> None
     run(main())
 
 
+def test_prompt_logprobs_come_from_prefill_with_the_first_token_only(redis_url) -> None:
+    """``prompt_logprobs``: the prefill instance scores the prompt and its first-token delta carries
+    them (also when it ends on that token); decode's deltas never do; a whole request's first does."""
+
+    async def main() -> None:
+        async with pair(redis_url) as (p, prefill, decode):
+            for max_tokens in (4, 1):
+                msg = p.request(PROMPT, max_tokens)
+                msg.sampling.prompt_logprobs = 2
+                await p.send(prefill, msg)
+                await settle(prefill, decode)
+            whole = p.request(PROMPT, 3).model_copy(update={"disaggregate_info": None})
+            whole.sampling.prompt_logprobs = 0
+            await p.send(decode, whole)
+            await settle(decode)
+            by_request: dict[str, list] = {}
+            for e in await p.events():
+                scored = e.prompt_logprobs
+                by_request.setdefault(e.request_id, []).append(
+                    scored and [(x.token_id, x.logprob) for x in scored]
+                )
+            prompt = [(PROMPT[0], None)] + [(t, 0.0) for t in PROMPT[1:]]  # the stub's: all certain
+            assert by_request == {
+                "req-0": [prompt, None, None, None],
+                "req-1": [prompt],
+                "req-2": [prompt, None, None],
+            }
+            assert all_free(prefill) and all_free(decode)
+
+    run(main())
+
+
 def test_decode_continues_with_the_logit_bias_prefill_sampled_with(redis_url) -> None:
     """The bias crosses to decode in ReserveBlocks' sampling (JSON: string keys) and is what
     decode's engine request runs with, so both sides sample the same way."""

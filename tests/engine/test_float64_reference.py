@@ -1,0 +1,158 @@
+"""pdserve on the real SmolLM2-135M-Instruct against a float64 numpy Llama forward written here from
+the Hugging Face architecture alone (not from pdserve's model code), over the imported safetensors.
+
+The reference: token embedding, per layer RMSNorm -> q/k/v projections -> rotary embedding in HF's
+rotate-half layout (theta from config.json) -> grouped-query attention under a causal mask -> o
+projection + residual, RMSNorm -> SwiGLU MLP + residual; final RMSNorm and the lm_head (the tied
+embedding). It has no KV cache: one causal forward over the prompt followed by pdserve's greedy
+tokens gives the logits of the first step and of every decode step at once, so the engine's decode
+path (its paged cache) is checked against plain full attention. pdserve runs in float32: its logits must agree
+within 1e-4 (max abs difference) at the first step and at each decode step, and its greedy tokens
+must be the reference's argmax.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from pdserve.engine.llm import LLM
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.sampling_params import SamplingParams
+
+TOLERANCE = 1e-4
+DECODE_STEPS = 4  # greedy tokens per prompt; each one's logits row is compared
+
+
+class ReferenceLlama:
+    """A float64 Llama forward from a Hugging Face folder (config.json + model.safetensors)."""
+
+    def __init__(self, folder: Path) -> None:
+        cfg = json.loads((folder / "config.json").read_text())
+        self.layers = cfg["num_hidden_layers"]
+        self.heads, self.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.heads
+        self.eps, self.theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+        assert cfg["tie_word_embeddings"] and cfg["hidden_act"] == "silu" and not cfg.get("rope_scaling")
+        self.w = {k: v.astype(np.float64) for k, v in load_file(folder / "model.safetensors").items()}
+        self.lm_head = self.w["model.embed_tokens.weight"]  # tied
+
+    def rms_norm(self, x: np.ndarray, weight: str) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.w[weight]
+
+    def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """x [T, heads, D]: HF's apply_rotary_pos_emb, x * cos + rotate_half(x) * sin."""
+        D = self.head_dim
+        inv_freq = 1.0 / self.theta ** (np.arange(0, D, 2, dtype=np.float64) / D)
+        angles = np.outer(positions, inv_freq)
+        cos = np.cos(np.concatenate([angles, angles], axis=-1))[:, None, :]
+        sin = np.sin(np.concatenate([angles, angles], axis=-1))[:, None, :]
+        rotated = np.concatenate([-x[..., D // 2 :], x[..., : D // 2]], axis=-1)
+        return x * cos + rotated * sin
+
+    def attention(self, h: np.ndarray, p: str) -> np.ndarray:
+        T, D = h.shape[0], self.head_dim
+        q = (h @ self.w[p + "q_proj.weight"].T).reshape(T, self.heads, D)
+        k = (h @ self.w[p + "k_proj.weight"].T).reshape(T, self.kv_heads, D)
+        v = (h @ self.w[p + "v_proj.weight"].T).reshape(T, self.kv_heads, D)
+        positions = np.arange(T, dtype=np.float64)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        group = self.heads // self.kv_heads  # query head i reads kv head i // group
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(D)
+        scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out = np.einsum("hqk,khd->qhd", probs, v).reshape(T, self.heads * D)
+        return out @ self.w[p + "o_proj.weight"].T
+
+    def mlp(self, h: np.ndarray, p: str) -> np.ndarray:
+        gate, up = h @ self.w[p + "gate_proj.weight"].T, h @ self.w[p + "up_proj.weight"].T
+        return (gate / (1.0 + np.exp(-gate)) * up) @ self.w[p + "down_proj.weight"].T
+
+    def logits(self, token_ids: list[int], rows: slice) -> np.ndarray:
+        """The logits (float64 [len(rows), vocab]) predicting the token after each position ``rows``
+        of ``token_ids``."""
+        x = self.w["model.embed_tokens.weight"][np.asarray(token_ids)]
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
+            x = x + self.attention(self.rms_norm(x, p + "input_layernorm.weight"), p + "self_attn.")
+            x = x + self.mlp(self.rms_norm(x, p + "post_attention_layernorm.weight"), p + "mlp.")
+        return self.rms_norm(x[rows], "model.norm.weight") @ self.lm_head.T
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir: Path) -> ReferenceLlama:
+    return ReferenceLlama(smollm2_dir)
+
+
+PATHS = {
+    "default": {},  # packed MKL GEMMs and numba attention kernels where this host has them
+    "plain": {"gemm": "paddle", "attention": "reference"},  # Paddle's matmul and attention only
+}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def llm(smollm2_dir: Path, request: pytest.FixtureRequest) -> LLM:
+    return LLM(str(smollm2_dir), kv_cache_gb=0.25, threads=1, keep_logits=True, **PATHS[request.param])
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir: Path) -> list[list[int]]:
+    tok = Tokenizer.from_dir(smollm2_dir)
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    story = (
+        "Once upon a time, in a small village at the foot of a mountain, there lived an old "
+        "clockmaker who repaired every clock in the valley. One winter morning a stranger knocked "
+        "on his door carrying a clock that ran backwards. The old man looked at it for a long time and said"
+    )
+    ids = [
+        tok.encode("The quick brown fox jumps"),
+        tok.encode(chat, add_special_tokens=False),
+        tok.encode(story),
+    ]
+    assert [len(p) for p in ids] == sorted(len(p) for p in ids) and len(ids[0]) >= 5 and len(ids[2]) <= 60
+    return ids
+
+
+@pytest.fixture(scope="module")
+def generations(llm: LLM, prompts: list[list[int]]):
+    greedy = SamplingParams(temperature=0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    return llm.generate(prompts, greedy)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["plain-short", "chat", "plain-long"])
+def test_logits_and_greedy_tokens_match_the_float64_reference(
+    reference: ReferenceLlama, prompts: list[list[int]], generations, index: int
+) -> None:
+    prompt, gen = prompts[index], generations[index]
+    assert len(gen.token_ids) == len(gen.logits) == DECODE_STEPS
+    # position len(prompt) - 1 + step predicts generated token ``step``
+    wanted = reference.logits(prompt + gen.token_ids[:-1], slice(len(prompt) - 1, None))
+    diffs = []
+    for step, (token, got, want) in enumerate(zip(gen.token_ids, gen.logits, wanted, strict=True)):
+        assert got.shape == want.shape
+        diffs.append(float(np.abs(got.astype(np.float64) - want).max()))
+        assert token == int(np.argmax(want)), (
+            f"step {step}: greedy token {token}, reference {np.argmax(want)}"
+        )
+    print(f"prompt of {len(prompt)} tokens: max abs logit diff per step {[f'{d:.2e}' for d in diffs]}")
+    assert max(diffs) < TOLERANCE, f"max abs logit diff per step {diffs}"
+
+
+def test_reference_is_sensitive_to_the_weights(reference: ReferenceLlama, prompts: list[list[int]]) -> None:
+    """The comparison means something: a small change to one layer's weights moves the reference's
+    logits far beyond the tolerance."""
+    before = reference.logits(prompts[0], slice(-1, None))
+    name = "model.layers.29.mlp.down_proj.weight"
+    saved = reference.w[name]
+    reference.w[name] = saved * 1.001
+    try:
+        after = reference.logits(prompts[0], slice(-1, None))
+    finally:
+        reference.w[name] = saved
+    assert np.abs(after - before).max() > 100 * TOLERANCE
