@@ -18,18 +18,19 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pdserve"
-LEAVES = {"errors", "flags", "sampling_params"}
+LEAVES = {"errors", "flags", "sampling_params", "block_hash"}
 ALLOWED = {  # layer -> the pdserve layers its modules may import
     "errors": set(),
     "flags": set(),
     "sampling_params": {"errors"},
+    "block_hash": set(),  # the prefix cache's block ids: the engine's and, later, the router's
     "scheduler": {"scheduler", *LEAVES},
     "cache_transfer": {"cache_transfer", "errors"},
     "engine": {"engine", "cache_transfer", *LEAVES},
     "router": {"router", "scheduler", *LEAVES},
     "worker": {"worker", "engine", "scheduler", "cache_transfer", *LEAVES},
 }
-NO_PADDLE = ("scheduler", "cache_transfer", "router", "errors", "flags", "sampling_params")
+NO_PADDLE = ("scheduler", "cache_transfer", "router", "errors", "flags", "sampling_params", "block_hash")
 # third-party packages a layer must not import: the engine computes; serving is the worker's job
 FORBIDDEN_PACKAGES = {"engine": ("redis", "asyncio", "fastapi", "starlette", "uvicorn", "httpx")}
 

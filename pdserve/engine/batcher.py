@@ -15,6 +15,7 @@ import logging
 import time
 from collections import deque
 
+from pdserve.block_hash import chain_hashes
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
@@ -118,11 +119,17 @@ class Batcher:
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             need = blocks_for(seq.num_tokens, cfg.block_size)
-            chunk = self._next_chunk(seq)
-            if not self.blocks.can_allocate(need) or chunk.end - chunk.start > budget:
+            hits = self._prefix_hits(seq)
+            chunk = self._next_chunk(seq, len(hits) * cfg.block_size)
+            if not self.blocks.can_allocate(need - len(hits), hits) or chunk.end - chunk.start > budget:
                 break  # first come, first served: later requests wait behind this one
             self.waiting.popleft()
-            seq.block_table = self.blocks.allocate(need)
+            self.blocks.share(hits)
+            seq.block_table = hits + self.blocks.allocate(need - len(hits))
+            seq.num_computed_tokens = seq.num_registered_blocks = len(hits)
+            seq.num_computed_tokens *= cfg.block_size
+            if seq.scheduled_at is None:  # the first admission's hit is what the request is told
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             if seq.scheduled_at is None:  # not again after a preemption: queue time is the first wait
                 seq.scheduled_at = time.monotonic()
@@ -131,11 +138,45 @@ class Batcher:
             budget -= chunk.end - chunk.start
         return Batch(decodes, prefills)
 
-    def _next_chunk(self, seq: Sequence) -> PrefillChunk:
+    def _next_chunk(self, seq: Sequence, start: int | None = None) -> PrefillChunk:
+        """The next chunk from ``start`` (default: the computed tokens), cut at a multiple of the
+        chunk size: the same cuts whatever the batch, and whatever prefix came from the cache."""
         size = self.config.prefill_chunk_size
-        start = seq.num_computed_tokens
+        start = seq.num_computed_tokens if start is None else start
         target = seq.num_tokens - (1 if seq.output_token_ids else 0)
         return PrefillChunk(seq, start, min(target, (start // size + 1) * size))
+
+    # ---- the prefix cache -------------------------------------------------------------------
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of ``seq``'s tokens; at least its last token is
+        left to compute (its logits pick the next token). None for a sequence that scores its
+        prompt: every prompt position's logits are wanted."""
+        if not self.blocks.prefix_caching or seq.scores_prompt:
+            return []
+        self._hash_blocks(seq, (seq.num_tokens - 1) // self.config.block_size)
+        return self.blocks.lookup(seq.block_hashes[: (seq.num_tokens - 1) // self.config.block_size])
+
+    def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        """Extend ``seq.block_hashes`` to its first ``num_blocks`` full blocks."""
+        have = len(seq.block_hashes)
+        if num_blocks > have:
+            bs = self.config.block_size
+            tokens = seq.all_token_ids()[: num_blocks * bs]
+            parent = seq.block_hashes[-1] if have else None
+            seq.block_hashes += chain_hashes(tokens, bs, start=have, parent=parent)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Offer ``seq``'s blocks that are now full and computed to the prefix cache (after a step,
+        and for a decode instance's imported prompt)."""
+        if not self.blocks.prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.config.block_size, len(seq.block_table))
+        if full <= seq.num_registered_blocks:
+            return
+        self._hash_blocks(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.blocks.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = full
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for ``num_tokens`` tokens, preempting the newest sequences if needed."""

@@ -28,6 +28,11 @@ class EngineConfig:
         None, "token budget of one step (default: chunk size + max-num-seqs)", kind=int
     )
     prefill_chunk_size: int = setting(512, "long prompts are prefilled in chunks of this many tokens")
+    prefix_caching: bool = setting(
+        True,
+        "keep full KV blocks after their request ends and reuse them for a later prompt with the same "
+        "prefix (usage.prompt_tokens_details.cached_tokens counts them) (default on)",
+    )
     max_model_len: int | None = setting(
         None, "context limit (default: the model's max_position_embeddings)", kind=int
     )

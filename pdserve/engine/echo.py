@@ -172,7 +172,12 @@ class EchoEngine:
         )
 
     def add_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        num_cached_tokens: int = 0,  # the echo engine caches nothing
     ) -> None:
         blocks = self.reserved.pop(request_id, None)
         if blocks is None:

@@ -102,7 +102,7 @@ class LLMEngine:
         self.cache = KVCache(
             mc, num_blocks, config.block_size, shared=config.shared_kv, shm_name=config.shm_name
         )
-        self.blocks = BlockManager(num_blocks)
+        self.blocks = BlockManager(num_blocks, prefix_caching=config.prefix_caching)
         self.batcher = Batcher(
             BatcherConfig(
                 block_size=config.block_size,
@@ -160,6 +160,7 @@ class LLMEngine:
             waiting_prefill_tokens=sum(s.num_prompt_tokens for s in waiting),
             free_blocks=self.blocks.num_free,
             preemptions=self.batcher.num_preemptions,
+            cached_blocks=self.blocks.num_cached,
         )
 
     # ---- requests ---------------------------------------------------------------------------
@@ -290,8 +291,10 @@ class LLMEngine:
             return outputs + self._fail_batch(batch, f"model step failed: {e}")
         for seq in batch.decodes:
             seq.num_computed_tokens = seq.num_tokens
+            self.batcher.cache_full_blocks(seq)
         for chunk in batch.prefills:
             chunk.seq.num_computed_tokens = chunk.end
+            self.batcher.cache_full_blocks(chunk.seq)
         if logits is None:
             return outputs
         rows = logits.numpy()
@@ -409,6 +412,7 @@ class LLMEngine:
             seq.num_output_tokens,
             finished=finished,
             logprobs=logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
             **kw,
         )
 
@@ -471,7 +475,12 @@ class LLMEngine:
         self.cache.write_blocks(self.reserved[request_id], data)
 
     def add_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        num_cached_tokens: int = 0,
     ) -> Sequence:
         """Continue a request whose prompt K/V now sits in its reserved blocks.
 
@@ -492,7 +501,9 @@ class LLMEngine:
         seq.grammar = grammar
         seq.block_table = blocks
         seq.num_computed_tokens = len(prompt_token_ids)
+        seq.num_cached_tokens = num_cached_tokens  # what the prefill side took from its cache
         self._replay(self._track(seq), [first_token])
+        self.batcher.cache_full_blocks(seq)  # the imported prompt serves later requests here too
         self.batcher.add_running(seq)
         return seq
 

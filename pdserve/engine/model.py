@@ -8,8 +8,10 @@ alone or inside any batch. Attention never feeds a transposed view to matmul (Pa
 copies a strided operand first, many times slower): decode uses a block-diagonal q against K/V
 exactly as gathered. With the numba ``AttentionKernels`` (kernels/attention.py) RoPE and the K/V write
 are one pass, decode groups skip the gather and read the cache in place through their block
-tables, first prefill chunks run causal tiles, and SwiGLU and each residual add + RMSNorm are one
-numba pass; numpy and Paddle share memory through DLPack. With a ``PackedMkl`` (kernels/gemm.py)
+tables, every prefill chunk runs causal tiles at absolute positions over the cache (a prompt row's
+bits depend only on its position and the K/V before it, never on the chunking: exact across chunk
+starts, which a prefix cache relies on; the reference path is close, not exact), and SwiGLU and
+each residual add + RMSNorm are one numba pass; numpy and Paddle share memory through DLPack. With a ``PackedMkl`` (kernels/gemm.py)
 the linear layers and lm_head multiply against weights packed once for MKL, which replace the
 plain ones; under ``MKL_CBWR=AUTO,STRICT`` its rows are batch-invariant too. Otherwise (and for the first and final
 norm) RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md, "CPU kernels").
@@ -40,7 +42,8 @@ class AttentionGroup:
 
     Decode group: ``num_seqs`` sequences with one token each, K/V from ``num_chunks`` gathered chunks,
     or, with the in-place kernel, read through ``tables``/``lengths`` (``num_chunks == 0``, no mask).
-    Prefill chunk: one sequence; ``num_chunks == 0`` means its first chunk (attend to own tokens only).
+    Prefill chunk: one sequence; ``num_chunks == 0`` means its first chunk (attend to own tokens only),
+    or, with the kernels, ``tables`` [1, nblk] and ``lengths`` [1] = the chunk's end (any chunk).
     """
 
     start: int
@@ -199,7 +202,8 @@ class Model:
             "masks": [None if g.mask is None else paddle.to_tensor(g.mask) for g in step.groups],
         }
         if self.kernels is not None:
-            state["rows"] = cache.kv_view().reshape(-1, self.cfg.head_dim)  # zero-copy
+            state["kv"] = cache.kv_view()  # [blocks, 2, L, bs, KVH, D], zero-copy
+            state["rows"] = state["kv"].reshape(-1, self.cfg.head_dim)  # zero-copy
         else:
             pos = paddle.to_tensor(step.positions)
             for name in ("cos", "sin", "qcos", "qsin"):
@@ -241,7 +245,8 @@ class Model:
     ) -> paddle.Tensor:
         """The same attention through the numba kernels (kernels/attention.py), sharing memory with Paddle
         through DLPack: RoPE and the K/V write in one pass, decode groups read the cache in place,
-        first prefill chunks run causal tiles, later chunks the reference's gather."""
+        prefill chunks run causal tiles over the cache (``prefill_attention``); a group without a
+        table (the step's padding tokens) attends to its own tokens."""
         H, KVH, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         kernels, rows = self.kernels, state["rows"]
         assert kernels is not None  # this path is chosen only with the kernels
@@ -255,7 +260,11 @@ class Model:
         chunk = 0
         for g, mask in zip(step.groups, state["masks"]):
             span = slice(g.start, g.start + g.num_tokens)
-            if g.tables is not None:
+            if g.tables is not None and not g.is_decode:
+                assert g.lengths is not None  # set together with tables
+                end = int(g.lengths[0])
+                out[span] = self.prefill_attention(q[span], state["kv"], layer, g.tables[0], end)
+            elif g.tables is not None:
                 assert g.lengths is not None  # set together with tables
                 shape = (self.cfg.num_layers, cache.block_size, KVH)
                 out[span] = kernels.decode(rows, shape, layer, q[span], g.tables, g.lengths).reshape(
@@ -272,28 +281,62 @@ class Model:
         return paddle.from_dlpack(out)
 
     def tiled_causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """A sequence's first chunk with the kernels: q [n,H,D] (pre-scaled), k/v [n,KVH,D] -> [n, H*D].
+        """A whole sequence of n tokens from position 0, its K/V at hand: q [n,H,D] (pre-scaled),
+        k/v [n,KVH,D] -> [n, H*D]; the same tiles (and bits) as ``prefill_attention``."""
+        n, KVH, D = k.shape
+        width = -(-n // CAUSAL_TILE) * CAUSAL_TILE
+        kt, vt = np.zeros((KVH, width, D), np.float32), np.zeros((KVH, width, D), np.float32)
+        kt[:, :n], vt[:, :n] = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+        return self.causal_tiles(q, kt, vt, 0)
 
-        Per kv head and tile of ``CAUSAL_TILE`` query tokens, scores against only the keys up to the
-        tile's end (the causal half is never computed), Paddle matmuls on contiguous operands (never
-        a transposed view), the softmax in place in numba. A tile's shapes depend only on the
-        sequence, so batch invariance holds.
+    def prefill_attention(
+        self, q: np.ndarray, kv: np.ndarray, layer: int, table: np.ndarray, end: int
+    ) -> np.ndarray:
+        """A prefill chunk, positions ``[end - n, end)``, with the kernels: q [n,H,D] (pre-scaled),
+        its K/V and every earlier position's read from ``kv`` (the cache as ``[blocks, 2, L, bs,
+        KVH, D]``, this chunk's rows already written) through the block ``table`` -> [n, H*D]."""
+        bs = kv.shape[3]
+        KVH, D = kv.shape[4], kv.shape[5]
+        width = -(-end // CAUSAL_TILE) * CAUSAL_TILE
+        blocks = table[: -(-end // bs)]
+        kt, vt = np.zeros((KVH, width, D), np.float32), np.zeros((KVH, width, D), np.float32)
+        kt[:, :end] = kv[blocks, 0, layer].reshape(-1, KVH, D)[:end].transpose(1, 0, 2)
+        vt[:, :end] = kv[blocks, 1, layer].reshape(-1, KVH, D)[:end].transpose(1, 0, 2)
+        return self.causal_tiles(q, kt, vt, end - q.shape[0])
+
+    def causal_tiles(self, q: np.ndarray, kt: np.ndarray, vt: np.ndarray, start: int) -> np.ndarray:
+        """Causal attention of queries q [n,H,D] (pre-scaled) at positions ``[start, start + n)``
+        against kt/vt [KVH, W, D]: K/V of positions 0.. (W a multiple of ``CAUSAL_TILE``, at least
+        the chunk's end, and zero past it) -> [n, H*D].
+
+        Tiles sit at absolute positions: tile i is queries ``[i T, (i+1) T)`` (T = ``CAUSAL_TILE``)
+        against keys ``[0, (i+1) T)``, always those shapes — the tile's rows outside the chunk are
+        zero queries whose results are dropped, keys past the chunk's end are zero — so a row's bits
+        depend only on its position and the K/V of positions up to it, never on where the chunk
+        starts or ends (MKL may round a GEMM's rows differently in other shapes, see padded_rows in
+        model_runner.py; columns past a row's position get probability exactly 0, adding nothing). Per kv head, Paddle matmuls on contiguous operands (never a
+        transposed view), the causal softmax in place in numba.
         """
         assert self.kernels is not None  # called on the kernel path only
+        T = CAUSAL_TILE
         n, H, D = q.shape
-        KVH = k.shape[1]
+        KVH = kt.shape[0]
         G = H // KVH
-        qt = np.ascontiguousarray(q.reshape(n, KVH, G, D).transpose(1, 0, 2, 3))  # [KVH, n, G, D]
-        kt, vt = np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2))
+        end = start + n
+        first, last = start // T, (end - 1) // T  # the tiles this chunk touches
+        base = first * T
+        qt = np.zeros((KVH, (last + 1) * T - base, G, D), np.float32)
+        qt[:, start - base : end - base] = q.reshape(n, KVH, G, D).transpose(1, 0, 2, 3)
         out = np.empty((n, KVH, G, D), np.float32)
         for h in range(KVH):
-            for t0 in range(0, n, CAUSAL_TILE):
-                t1 = min(n, t0 + CAUSAL_TILE)
-                queries = paddle.from_dlpack(qt[h, t0:t1].reshape(-1, D))
+            for i in range(first, last + 1):
+                t0, t1 = i * T, (i + 1) * T
+                queries = paddle.from_dlpack(qt[h, t0 - base : t1 - base].reshape(-1, D))
                 s = paddle.matmul(queries, paddle.from_dlpack(kt[h, :t1]), transpose_y=True)
                 self.kernels.causal_softmax(np.from_dlpack(s), t0, G)
-                o = paddle.matmul(s, paddle.from_dlpack(vt[h, :t1]))
-                out[t0:t1, h] = np.from_dlpack(o).reshape(t1 - t0, G, D)
+                o = np.from_dlpack(paddle.matmul(s, paddle.from_dlpack(vt[h, :t1]))).reshape(T, G, D)
+                a, b = max(t0, start), min(t1, end)
+                out[a - start : b - start, h] = o[a - t0 : b - t0]
         return out.reshape(n, H * D)
 
     def dense_causal_attention(

@@ -8,6 +8,8 @@ context: the fewest ops, as the bare model does it. With the in-place decode ker
 (kernels/attention.py) all decodes form one group in either mode and carry their block tables and
 lengths instead of gather ids and a mask: the kernel reads each sequence over exactly its own
 length, so padding the table changes no bits and the buckets are not needed.
+Prefill chunks on the kernel path carry their block table and end the same way, whatever their start
+(Model.causal_tiles reads the cache through it), so a chunked prompt gets an unchunked one's bits.
 
 The logits rows of a step: one per sequence that samples, then (prompt logprobs) every prompt
 position of the prefill chunks of sequences that score their prompt (:class:`PromptRows`).
@@ -121,7 +123,13 @@ class ModelRunner:
             ids.append(np.asarray(all_ids[chunk.start : chunk.end], np.int64))
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
-            if chunk.start == 0:
+            if self.paged_kernel:  # causal tiles at absolute positions over the cache (Model.causal_tiles)
+                nblk = blocks_for(chunk.end, bs)
+                ends = np.array([chunk.end], np.int64)
+                groups.append(
+                    AttentionGroup(start, n, 1, 0, None, False, tables=table[None, :nblk], lengths=ends)
+                )
+            elif chunk.start == 0:
                 groups.append(AttentionGroup(start, n, 1, 0, self._causal_mask(n), False))
             else:
                 nblk = blocks_for(chunk.end, bs)

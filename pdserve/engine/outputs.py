@@ -41,6 +41,7 @@ class RequestOutput:
     error: str | None = None
     logits: np.ndarray | None = None  # only with EngineConfig.keep_logits
     queue_s: float | None = None  # on the first token: arrival in the engine -> first prefill chunk
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ class EngineLoad:
     waiting_prefill_tokens: int = 0
     free_blocks: int = 0
     preemptions: int = 0  # sequences preempted since the engine started
+    cached_blocks: int = 0  # blocks registered in the prefix cache (in use or kept for reuse)
 
 
 @dataclasses.dataclass(frozen=True)

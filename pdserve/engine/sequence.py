@@ -40,6 +40,9 @@ class Sequence:
         None  # params.logit_bias as (ids, biases), by the sampler
     )
     grammar: GrammarMatcher | None = None  # structured output: where the output is in its grammar
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (first admission)
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chain hashes of full blocks
+    num_registered_blocks: int = 0  # leading blocks of block_table offered to the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -274,22 +274,23 @@ def _ms(seconds: float | None) -> float | None:
 
 def usage(choices: list[Choice], n: int = 1) -> dict[str, Any]:
     """OpenAI ``usage`` from the workers' final Usage: each prompt counted once (choices ``p * n``
-    to ``p * n + n - 1`` share prompt ``p``), completions summed. ``cached_tokens`` is always 0:
-    pdserve has no prefix cache.
+    to ``p * n + n - 1`` share prompt ``p``), completions summed; ``cached_tokens``: the prompt
+    tokens the instances took from their prefix caches (per prompt, as its prompt tokens).
 
     A final delta without usage (should not happen) counts the tokens the router saw.
     """
-    prompt = completion = 0
+    prompt = completion = cached = 0
     for i, c in enumerate(choices):
         if c.usage is not None:
             completion += c.usage.completion_tokens
             if i % n == 0:
                 prompt += c.usage.prompt_tokens
+                cached += c.usage.cached_tokens
         else:
             completion += c.num_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }

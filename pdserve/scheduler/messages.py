@@ -176,6 +176,8 @@ class LogprobInfo(_Model):
 class Usage(_Model):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens whose K/V came from a prefix cache (in splitwise: the prefill instance's)."""
 
 
 class ErrorInfo(_Model):
@@ -344,6 +346,8 @@ class Prefilled(_Message):
     attempt: int = 0
     next_seq: int = 1
     """The ``RequestDelta.seq`` decode's first delta gets (prefill published the ones before)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefill instance took from its prefix cache (decode reports them in usage)."""
 
 
 class Abort(_Message):

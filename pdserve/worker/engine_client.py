@@ -71,7 +71,12 @@ class Engine(Protocol):
         resume_token_ids: list[int] | None = None,
     ) -> Any: ...
     def add_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        num_cached_tokens: int = 0,
     ) -> Any: ...
     def has_unfinished(self) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
@@ -225,13 +230,13 @@ class EngineClient:
         )
 
     async def add_prefilled(
-        self, key: str, prompt_ids: list[int], first_token: int, params: SamplingParams
+        self, key: str, prompt_ids: list[int], first_token: int, params: SamplingParams, num_cached: int = 0
     ) -> None:
         """Continue a prefilled request; its grammar is compiled (and cached) off the engine thread first."""
         if params.guided is not None:
             self._check_grammar(params)
             await self._off(lambda: self._engine.validate(prompt_ids, params))
-        await self._run(lambda: self._engine.add_prefilled(key, prompt_ids, first_token, params))
+        await self._run(lambda: self._engine.add_prefilled(key, prompt_ids, first_token, params, num_cached))
 
     async def step(self) -> list[RequestOutput]:
         metrics = self.metrics

@@ -63,7 +63,11 @@ def to_delta(out: RequestOutput, owner: Owner, seq: int) -> RequestDelta:
         delta.prompt_logprobs = [_logprob(lp) for lp in out.prompt_logprobs]
     if out.finished:
         delta.finish_reason = out.finish_reason
-        delta.usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens)
+        delta.usage = Usage(
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            cached_tokens=out.num_cached_tokens,
+        )
         if out.error:
             delta.error = ErrorInfo.of(EngineError(out.error))
     return delta

@@ -40,6 +40,7 @@ NAMES = (
     "pdserve_worker_running",
     "pdserve_worker_waiting",
     "pdserve_worker_kv_blocks_free",
+    "pdserve_worker_kv_blocks_cached",
     "pdserve_worker_kv_blocks_total",
     "pdserve_worker_preemptions_total",
     "pdserve_worker_kv_sent_bytes_total",
@@ -47,6 +48,7 @@ NAMES = (
     "pdserve_worker_kv_transfer_seconds",
     "pdserve_worker_generation_tokens_total",
     "pdserve_worker_prompt_tokens_total",
+    "pdserve_worker_prefix_cache_hit_tokens_total",
     "pdserve_worker_inbox_lag_seconds",
 )
 """Every series family a worker exports (as exposed: counters with ``_total``)."""
@@ -84,6 +86,12 @@ class WorkerMetrics:
         self.prompt_tokens = bound(
             Counter, "pdserve_worker_prompt_tokens", "prompt tokens this engine prefilled"
         )
+        self.cached_prompt_tokens = bound(
+            Counter,
+            "pdserve_worker_prefix_cache_hit_tokens",
+            "prompt tokens taken from the prefix cache instead of prefilled (hit rate: this over it plus "
+            "pdserve_worker_prompt_tokens)",
+        )
         self._kv_sent = bound(
             Counter, "pdserve_worker_kv_sent_bytes", "KV bytes written to decode peers", ["protocol"]
         )
@@ -119,7 +127,16 @@ class WorkerMetrics:
                 "sequences queued, plus prefills awaiting hand-over",
                 lambda: self._load().waiting,
             ),
-            ("pdserve_worker_kv_blocks_free", "free KV cache blocks", lambda: self._load().free_blocks),
+            (
+                "pdserve_worker_kv_blocks_free",
+                "KV cache blocks an allocation can take (free, or cached and unused)",
+                lambda: self._load().free_blocks,
+            ),
+            (
+                "pdserve_worker_kv_blocks_cached",
+                "KV cache blocks holding a registered prefix (in use or kept for reuse)",
+                lambda: self._load().cached_blocks,
+            ),
             (
                 "pdserve_worker_kv_blocks_total",
                 "KV cache blocks",
@@ -159,18 +176,21 @@ class WorkerMetrics:
         if preemptions > self._preempted:
             self.preemptions.inc(preemptions - self._preempted)
             self._preempted = preemptions
-        tokens = prompt = 0
+        tokens = prompt = cached = 0
         for out in outputs:
             n = len(out.token_ids)
             tokens += n
             if n and out.num_output_tokens == n:  # a fresh request's first token: its prompt ran
-                prompt += out.num_prompt_tokens
+                prompt += out.num_prompt_tokens - out.num_cached_tokens
+                cached += out.num_cached_tokens
         self.batch.observe(len(outputs))
         self.step_tokens.observe(tokens)
         if tokens:
             self.generation_tokens.inc(tokens)
         if prompt:
             self.prompt_tokens.inc(prompt)
+        if cached:
+            self.cached_prompt_tokens.inc(cached)
 
     def on_kv_sent(self, protocol: str, nbytes: int, seconds: float) -> None:
         children = self._kv_children.get(protocol)

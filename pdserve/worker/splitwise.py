@@ -338,6 +338,7 @@ class PrefillHandoff:
             attempt=self.msg.attempt,
             error=ErrorInfo.of(error) if error else None,
             next_seq=FIRST_SEQ + 1,
+            num_cached_tokens=first.num_cached_tokens if first else 0,
         )
         await self.ctx.messenger.send(self.decode_id, msg)
 
@@ -372,7 +373,9 @@ class DecodeLease:
         owner = Owner(self.msg.router_id, msg.request_id, msg.attempt)
         try:  # the engine rebuilds the request's state (a grammar's included) from the first token
             params = self.msg.sampling
-            await self.ctx.engine.add_prefilled(self.key, list(msg.prompt_token_ids), msg.first_token, params)
+            await self.ctx.engine.add_prefilled(
+                self.key, list(msg.prompt_token_ids), msg.first_token, params, msg.num_cached_tokens
+            )
         except Exception as foreign:
             e = foreign if isinstance(foreign, PdserveError) else EngineError(type(foreign).__name__)
             log.warning("%s: could not continue the prefilled request: %s", self.key, e.message)

@@ -131,6 +131,13 @@ def test_metrics_after_traffic(tiny_model_dir, redis_url, engine_kind) -> None:
         router = scrape(stack.urls[0] + "/metrics")
         assert total(router, "pdserve_requests_total", status="404") == 1
         assert total(router, "pdserve_requests_total") == N + 1
+        if engine_kind == "model":  # the prefix cache: a prompt sent twice is found the second time
+            prompt = "A prompt sent twice is prefilled once and then found in the prefix cache. " * 4
+            for _ in range(2):
+                client(stack).completions.create(model=model_name(stack), prompt=prompt, max_tokens=2)
+            workers = [scrape(f"http://127.0.0.1:{port}/metrics") for port in stack.metrics_ports.values()]
+            assert sum(total(w, "pdserve_worker_prefix_cache_hit_tokens_total") for w in workers) >= 16
+            assert all(total(w, "pdserve_worker_kv_blocks_cached") > 0 for w in workers)
     finally:
         assert stack.stop(grace_s=15) == []
 

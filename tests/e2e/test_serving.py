@@ -215,6 +215,21 @@ def test_models_retrieve_and_usage_details(stack) -> None:
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_a_repeated_prompt_reuses_its_cached_prefix(stack) -> None:
+    """The prefix cache through the router: a prompt sent again reports the tokens it reused (in
+    splitwise the prefill instance's count, carried to the decode instance) and answers the same."""
+    c = client(stack)
+    prompt = f"{uuid.uuid4().hex} The prefix cache keeps the full blocks of earlier prompts. " * 6
+    first, again = (
+        c.completions.create(model=model_name(stack), prompt=prompt, max_tokens=8, temperature=0)
+        for _ in "12"
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    n = first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0  # all but the last
+    assert again.choices[0].text == first.choices[0].text
+
+
 def test_every_prompt_form_gives_the_same_choices(stack, tiny_model_dir) -> None:
     """A string, a list of strings, token ids and a list of token-id lists: one choice per prompt
     (n each, index = prompt * n + i), the same greedy text as one prompt per request; usage sums."""
