@@ -10,11 +10,8 @@ The output is deterministic: the same GGUF gives the same bytes.
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
-from pdserve.engine.model_init import _swap_into_place
+from pdserve.engine.model_folder import check_target, write_json, written_atomically
 from pdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -178,17 +175,9 @@ def _tokenizer_json(meta: _Meta) -> tuple[dict[str, Any], list[str]]:
     return data, tokens
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def import_gguf(source: str | Path, target: str | Path, overwrite: bool = False) -> Path:
     """Write the Hugging Face folder for the GGUF file ``source`` into ``target`` (atomically)."""
-    source, target = Path(source), Path(target).absolute()
-    if target.exists() and not target.is_dir():
-        raise ConfigError(f"model path {target} exists and is not a folder")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise ConfigError(f"model folder {target} is not empty; replace it with --overwrite")
+    source, target = Path(source), check_target(target, overwrite)  # before the dequantizing
     start = time.perf_counter()
     try:
         reader = GGUFReader(source)
@@ -263,56 +252,14 @@ def import_gguf(source: str | Path, target: str | Path, overwrite: bool = False)
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation)
-        _write_json(tmp / "tokenizer_config.json", tok_config)
-        (tmp / "tokenizer.json").write_text(
-            json.dumps(tok_json, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-        )
+    with written_atomically(target, overwrite) as tmp:
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "generation_config.json", generation)
+        write_json(tmp / "tokenizer_config.json", tok_config)
+        write_json(tmp / "tokenizer.json", tok_json)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
-        _swap_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info(
         "imported %s (%d tensors) into %s in %.1fs", source, len(tensors), target, time.perf_counter() - start
     )
     return target
-
-
-HF_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-
-
-def import_model(source: str | Path, target: str | Path, overwrite: bool = False) -> Path:
-    """``source`` is a GGUF file (converted) or a Hugging Face folder (checked, then copied)."""
-    src = Path(source)
-    if src.is_file() and src.suffix.lower() == ".gguf":
-        return import_gguf(src, target, overwrite=overwrite)
-    if src.is_dir():
-        missing = [name for name in HF_FILES if not (src / name).is_file()]
-        if missing:
-            raise ConfigError(f"{source} is not a Hugging Face model folder: it lacks {', '.join(missing)}")
-        dst = Path(target).absolute()
-        if dst.exists() and not dst.is_dir():
-            raise ConfigError(f"model path {dst} exists and is not a folder")
-        if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-            raise ConfigError(f"model folder {dst} is not empty; replace it with --overwrite")
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            shutil.copytree(src, tmp)
-            _swap_into_place(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        logger.info("copied %s into %s", source, dst)
-        return dst
-    raise ConfigError(
-        f"cannot import {source}: expected a .gguf file or a Hugging Face model folder "
-        f"(config.json, model.safetensors, tokenizer.json)"
-    )

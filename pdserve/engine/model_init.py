@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import logging
 import math
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from pdserve.engine.model_folder import write_json, written_atomically
 from pdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -130,45 +128,19 @@ def init_model(path: str | Path, preset: str = "tiny", seed: int = 0, overwrite:
     if preset not in PRESETS:
         raise ConfigError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
     target = Path(path).absolute()
-    if target.exists() and not target.is_dir():
-        raise ConfigError(f"model path {target} exists and is not a folder")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise ConfigError(f"model folder {target} is not empty; replace it with --overwrite (overwrite=True)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     start = time.perf_counter()
-    try:
+    with written_atomically(target, overwrite) as tmp:
         config = copy.deepcopy(PRESETS[preset])
         _write_tokenizer(tmp, config["max_position_embeddings"])
-        _write_json(tmp / "config.json", config)
-        _write_json(
+        write_json(tmp / "config.json", config)
+        write_json(
             tmp / "generation_config.json",
             {"bos_token_id": None, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "pad_token_id": ENDOFTEXT_ID},
         )
         _write_weights(tmp, config, seed, NUM_SHARDS[preset])
-        _swap_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     elapsed = time.perf_counter() - start
     logger.info("model %s (preset %s, seed %d) written in %.1fs", target, preset, seed, elapsed)
     return target
-
-
-def _swap_into_place(tmp: Path, target: Path) -> None:
-    """Rename the finished folder onto ``target``; an old folder is moved aside first, then deleted."""
-    old = None
-    if target.is_dir():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        target.rename(old)
-    tmp.rename(target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
@@ -176,7 +148,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def _write_tokenizer(folder: Path, max_len: int) -> None:
     (folder / "tokenizer.json").write_text(trained_tokenizer_json(), encoding="utf-8")
-    _write_json(
+    write_json(
         folder / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -423,7 +395,7 @@ def _write_weights(folder: Path, config: dict[str, Any], seed: int, num_shards: 
         logger.info("wrote %s (%d tensors, %.0f MB)", name, len(tensors), mb)
         del tensors
     if num_shards > 1:
-        _write_json(
+        write_json(
             folder / "model.safetensors.index.json",
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
         )

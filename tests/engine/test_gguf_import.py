@@ -11,7 +11,8 @@ import pytest
 from gguf_support import gguf_name, write_gguf
 from safetensors.numpy import load_file
 
-from pdserve.engine.gguf_import import import_gguf, import_model, permute_rope_rows, unpermute_rope_rows
+from pdserve.engine.gguf_import import import_gguf, permute_rope_rows, unpermute_rope_rows
+from pdserve.engine.model_store import import_source
 from pdserve.errors import ConfigError
 from pdserve.sampling_params import SamplingParams
 
@@ -83,7 +84,7 @@ def test_greedy_tokens_match_original(tmp_path: Path, tiny_model_dir: Path) -> N
     from pdserve import LLM
 
     write_gguf(tiny_model_dir, tmp_path / "m.gguf")
-    out = import_model(tmp_path / "m.gguf", tmp_path / "out")
+    out = import_source(tmp_path / "m.gguf", tmp_path / "out")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["The number 42 is", "café and tea,"]
     want = [g.token_ids for g in LLM(tiny_model_dir, num_blocks=32).generate(prompts, params)]
@@ -99,13 +100,13 @@ def test_unsupported_tensor_type_is_named(tmp_path: Path, tiny_model_dir: Path) 
 
 
 def test_import_sources(tmp_path: Path, tiny_model_dir: Path) -> None:
-    copied = import_model(tiny_model_dir, tmp_path / "copy")
+    copied = import_source(tiny_model_dir, tmp_path / "copy")
     assert (copied / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"empty.*lacks config\.json"):
-        import_model(tmp_path / "empty", tmp_path / "x")
+        import_source(tmp_path / "empty", tmp_path / "x")
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(ConfigError, match=r"cannot import .*notes\.txt"):
-        import_model(tmp_path / "notes.txt", tmp_path / "x")
+        import_source(tmp_path / "notes.txt", tmp_path / "x")
     with pytest.raises(ConfigError, match="not empty"):
-        import_model(tiny_model_dir, copied)
+        import_source(tiny_model_dir, copied)

@@ -64,7 +64,7 @@ def test_a_folder_is_used_where_it_is_and_checked(cache: Path, tmp_path: Path, t
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
     (broken / "tokenizer.json").unlink()
-    with pytest.raises(ConfigError, match=r"no tokenizer\.json"):
+    with pytest.raises(ConfigError, match=r"lacks tokenizer\.json"):
         resolve_model(broken)
     assert not (cache / "models").exists()  # nothing imported for a folder
 
