@@ -126,8 +126,8 @@ class Batcher:
             self.waiting.popleft()
             self.blocks.share(hits)
             seq.block_table = hits + self.blocks.allocate(need - len(hits))
-            seq.num_computed_tokens = seq.num_registered_blocks = len(hits)
-            seq.num_computed_tokens *= cfg.block_size
+            seq.num_registered_blocks = len(hits)  # already in the cache
+            seq.num_computed_tokens = chunk.start
             if seq.scheduled_at is None:  # the first admission's hit is what the request is told
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
@@ -149,12 +149,13 @@ class Batcher:
     # ---- the prefix cache -------------------------------------------------------------------
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of ``seq``'s tokens; at least its last token is
-        left to compute (its logits pick the next token). None for a sequence that scores its
+        left to compute (its logits pick the next token). Empty for a sequence that scores its
         prompt: every prompt position's logits are wanted."""
         if not self.blocks.prefix_caching or seq.scores_prompt:
             return []
-        self._hash_blocks(seq, (seq.num_tokens - 1) // self.config.block_size)
-        return self.blocks.lookup(seq.block_hashes[: (seq.num_tokens - 1) // self.config.block_size])
+        usable = (seq.num_tokens - 1) // self.config.block_size
+        self._hash_blocks(seq, usable)
+        return self.blocks.lookup(seq.block_hashes[:usable])
 
     def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
         """Extend ``seq.block_hashes`` to its first ``num_blocks`` full blocks."""

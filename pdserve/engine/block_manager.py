@@ -106,11 +106,3 @@ class BlockManager:
             return
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (unreferenced cached blocks become free)."""
-        while self._cached:
-            b, _ = self._cached.popitem(last=False)
-            self._free.append(b)
-        self._hash_of.clear()
-        self._block_of.clear()
