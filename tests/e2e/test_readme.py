@@ -222,7 +222,7 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
         for port in (ports["8000"], ports["8001"]):
             r = httpx.post(
                 f"http://127.0.0.1:{port}/v1/completions",
-                json={"model": "tiny", "prompt": "Hello", "max_tokens": 8},
+                json={"model": "tiny", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True},
                 timeout=60,
             )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
