@@ -32,9 +32,9 @@ def main() -> int:
 
     from pdserve import bench
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.tokenizer import Tokenizer
     from pdserve.scheduler.embedded import free_port
     from pdserve.stack import Stack, StackSpec, default_model
+    from pdserve.tokenizer import Tokenizer
 
     model_dir = default_model()
     tokenizer = Tokenizer.from_dir(model_dir)

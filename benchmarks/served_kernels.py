@@ -59,9 +59,9 @@ def main() -> int:
     from pdserve import bench
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.model_init import init_model
-    from pdserve.engine.tokenizer import Tokenizer
     from pdserve.scheduler.embedded import free_port
     from pdserve.stack import Stack, StackSpec
+    from pdserve.tokenizer import Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = (args.models or Path(tmp)) / args.preset

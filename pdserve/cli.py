@@ -118,7 +118,7 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
     if args.disaggregate:
         from pdserve.engine.disaggregate import generate_disaggregated
-        from pdserve.engine.tokenizer import Tokenizer
+        from pdserve.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(args.model)
         prompts = [
@@ -212,7 +212,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else:
             tokenizer = None
             if args.tokenizer:
-                from pdserve.engine.tokenizer import Tokenizer
+                from pdserve.tokenizer import Tokenizer
 
                 tokenizer = Tokenizer.from_dir(args.tokenizer)
             prompts = bench.random_prompts(

@@ -18,6 +18,7 @@ from pdserve.errors import InvalidRequestError
 MAX_TOP_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; bigger ids would not fit the engine's int tensors
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
+MAX_CACHE_SALT = 256
 MIN_TEMPERATURE = 1e-5  # below it a temperature means greedy: logits / temperature would overflow
 GUIDED_PARAMS = {"json": "response_format", "regex": "guided_regex", "choice": "guided_choice"}
 """Structured-output kinds (``SamplingParams.guided["kind"]``) and the request field an error about
@@ -124,6 +125,11 @@ class SamplingParams:
         body_type=dict[str, float],
     )
     guided: dict[str, Any] | None = param(None, "structured output: the grammar the text must match")
+    cache_salt: str | None = param(
+        None,
+        "reuse cached prompt KV only among requests with the same salt (vLLM's cache_salt)",
+        request="extension",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -132,6 +138,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _token_map(self.logit_bias) or None
         self.validate()
+
+    @property
+    def cache_key(self) -> bytes:
+        """The extra key of this request's block hashes (:mod:`pdserve.block_hash`): its salt."""
+        return self.cache_salt.encode() if self.cache_salt else b""
 
     @property
     def is_greedy(self) -> bool:
@@ -173,6 +184,12 @@ class SamplingParams:
             _number("logit_bias", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
         if self.guided is not None:
             _guided(self.guided)
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
+        ):
+            raise InvalidRequestError(
+                f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters", "cache_salt"
+            )
 
     def _check_min_tokens(self) -> None:
         if self.min_tokens > self.max_tokens:

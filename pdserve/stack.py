@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import httpx
 
@@ -77,6 +77,8 @@ class StackSpec:
         "serve /metrics) (default off)",
     )
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # every worker's
+    router_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """RouterSettings fields every router gets (benchmarks and tests: `up` has no flags for them)."""
     ready_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -215,6 +217,7 @@ class Stack:
                 host=spec.host,
                 port=spec.port + i,
                 ttl_s=spec.ttl_s,
+                **spec.router_options,
             )
             self.argv[f"router-{i}"] = ["router", *to_argv(dataclasses.replace(router, redis_url=""))]
             self.routers.append((f"router-{i}", self._spawn(self.argv[f"router-{i}"])))

@@ -14,6 +14,7 @@ from pdserve.scheduler import (
     InstanceInfo,
     InstanceRegistry,
     Keys,
+    PrefixIndex,
     RedisSettings,
     RouterRegistry,
     wait_for_redis,
@@ -43,6 +44,7 @@ async def read(redis: Any, cluster: str) -> dict[str, Any]:
     for r in routers:
         pipe.xlen(keys.outbox(r.id))
     replies = await pipe.execute()
+    indexed = await PrefixIndex(redis, keys, ttl_s=1).sizes([i.id for i in instances])
     pending = []
     for i in instances:
         try:
@@ -64,6 +66,7 @@ async def read(redis: Any, cluster: str) -> dict[str, Any]:
                 "waiting_prefill_tokens": i.load.waiting_prefill_tokens,
                 "free_blocks": i.kv.free_blocks,
                 "num_blocks": i.kv.num_blocks,
+                "prefix_index_blocks": indexed.get(i.id, 0) if i.kv.prefix_caching else None,
                 "draining": i.draining,
                 "age_s": round(now - i.started_at, 1),
                 "ttl_ms": replies[2 * n + 1],
@@ -92,7 +95,19 @@ def render(status: dict[str, Any]) -> str:
     ]
     if status["instances"]:
         lines.append("")
-        head = ("INSTANCE", "ROLE", "MODEL", "HOST", "RUN", "WAIT", "FREE KV", "INBOX", "AGE", "STATE")
+        head = (
+            "INSTANCE",
+            "ROLE",
+            "MODEL",
+            "HOST",
+            "RUN",
+            "WAIT",
+            "FREE KV",
+            "PREFIX INDEX",
+            "INBOX",
+            "AGE",
+            "STATE",
+        )
         rows = [
             (
                 i["id"],
@@ -102,6 +117,7 @@ def render(status: dict[str, Any]) -> str:
                 str(i["running"]),
                 str(i["waiting"]),
                 f"{i['free_blocks']}/{i['num_blocks']}",
+                "off" if i["prefix_index_blocks"] is None else f"{i['prefix_index_blocks']} blocks",
                 f"{i['inbox_len']} ({i['inbox_pending']} pending)",
                 _age(i["age_s"]),
                 "draining" if i["draining"] else "ready",

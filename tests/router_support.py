@@ -59,6 +59,7 @@ def instance(
     waiting_prefill_tokens: int = 0,
     free_blocks: int = 100,
     vocab_size: int | None = None,
+    prefix_caching: bool = False,
 ) -> InstanceInfo:
     """A registration value as a worker would write it."""
     return InstanceInfo(
@@ -79,6 +80,7 @@ def instance(
             num_layers=2,
             num_kv_heads=2,
             head_dim=8,
+            prefix_caching=prefix_caching,
         ),
         load=LoadInfo(running=running, waiting=waiting, waiting_prefill_tokens=waiting_prefill_tokens),
         transfer=TransferInfo(protocols=list(protocols)),

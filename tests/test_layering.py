@@ -2,10 +2,10 @@
 
 router -> scheduler; worker -> engine, scheduler, cache_transfer; engine -> cache_transfer;
 scheduler, cache_transfer and engine import none of the upper layers; the router never imports
-engine or worker code (docs/design.md, "Layout"). ``errors``, ``flags`` and ``sampling_params``
-are leaves every layer may use; ``cli``, ``stack``, ``status``, ``bench`` and the package root are
-the composition root and may import anything. No import cycle inside the package, counting
-imports inside functions and under ``TYPE_CHECKING``.
+engine or worker code (docs/design.md, "Layout"). ``errors``, ``flags``, ``sampling_params``,
+``block_hash`` and ``tokenizer`` are leaves every layer may use; ``cli``, ``stack``, ``status``,
+``bench`` and the package root are the composition root and may import anything. No import cycle
+inside the package, counting imports inside functions and under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations
@@ -18,19 +18,29 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pdserve"
-LEAVES = {"errors", "flags", "sampling_params", "block_hash"}
+LEAVES = {"errors", "flags", "sampling_params", "block_hash", "tokenizer"}
 ALLOWED = {  # layer -> the pdserve layers its modules may import
     "errors": set(),
     "flags": set(),
     "sampling_params": {"errors"},
     "block_hash": set(),  # the prefix cache's block ids: the engine's and, later, the router's
+    "tokenizer": {"errors"},  # the engine tokenizes what it runs; a router, for prefix routing
     "scheduler": {"scheduler", *LEAVES},
     "cache_transfer": {"cache_transfer", "errors"},
     "engine": {"engine", "cache_transfer", *LEAVES},
     "router": {"router", "scheduler", *LEAVES},
     "worker": {"worker", "engine", "scheduler", "cache_transfer", *LEAVES},
 }
-NO_PADDLE = ("scheduler", "cache_transfer", "router", "errors", "flags", "sampling_params", "block_hash")
+NO_PADDLE = (
+    "scheduler",
+    "cache_transfer",
+    "router",
+    "errors",
+    "flags",
+    "sampling_params",
+    "block_hash",
+    "tokenizer",
+)
 # third-party packages a layer must not import: the engine computes; serving is the worker's job
 FORBIDDEN_PACKAGES = {"engine": ("redis", "asyncio", "fastapi", "starlette", "uvicorn", "httpx")}
 
@@ -187,6 +197,7 @@ LOAD_CHECKS = {
     },
     "pdserve.engine.config": ("paddle", "numba", "redis", "pdserve.worker"),
     "pdserve.sampling_params": ("paddle", "redis", "pdserve.worker", "pdserve.router"),
+    "pdserve.tokenizer": ("paddle", "numba", "redis", "pdserve.engine", "pdserve.worker", "pdserve.router"),
     "pdserve.scheduler.keys": ("paddle", "redis"),
     "pdserve": ("paddle", "redis", "pdserve.worker", "pdserve.router"),
     # the worker's service half runs (and is unit-tested) without the model: Paddle loads with the engine

@@ -164,7 +164,7 @@ class Batcher:
             bs = self.config.block_size
             tokens = seq.all_token_ids()[: num_blocks * bs]
             parent = seq.block_hashes[-1] if have else None
-            seq.block_hashes += chain_hashes(tokens, bs, start=have, parent=parent)
+            seq.block_hashes += chain_hashes(tokens, bs, seq.params.cache_key, start=have, parent=parent)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Offer ``seq``'s blocks that are now full and computed to the prefix cache (after a step,

@@ -31,6 +31,7 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
         self.num_evicted = 0
+        self._changes: dict[bytes, bool] | None = None  # hash -> held, since the last take_changes()
 
     @property
     def num_free(self) -> int:
@@ -60,8 +61,11 @@ class BlockManager:
                 b = self._free.popleft()
             else:  # evict the least recently freed cached block
                 b, _ = self._cached.popitem(last=False)
-                del self._block_of[self._hash_of.pop(b)]
+                evicted = self._hash_of.pop(b)
+                del self._block_of[evicted]
                 self.num_evicted += 1
+                if self._changes is not None:
+                    self._changes[evicted] = False
             self._refs[b] = 1
             out.append(b)
         return out
@@ -106,3 +110,16 @@ class BlockManager:
             return
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
+        if self._changes is not None:
+            self._changes[block_hash] = True
+
+    def take_changes(self) -> dict[bytes, bool]:
+        """What the cache gained (True) and lost (False) since the last call, by hash (a hash
+        gained and lost in between appears once, as its last state). The first call starts the
+        record: until someone asks, nothing is kept."""
+        changes, self._changes = self._changes or {}, {}
+        return changes
+
+    def hashes(self) -> list[bytes]:
+        """Every hash the cache holds now (for a full re-publication of the index)."""
+        return list(self._block_of)

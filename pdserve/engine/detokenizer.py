@@ -11,7 +11,7 @@ from collections import deque
 
 from tokenizers.decoders import DecodeStream
 
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ class EchoEngine:
         self.max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.tokenizer = None
         if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
-            from pdserve.engine.tokenizer import Tokenizer
+            from pdserve.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer.from_dir(model_dir)
         nbytes = self.num_blocks * self.block_bytes_per_block
@@ -249,6 +249,20 @@ class EchoEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self.reserved[request_id] = self._allocate(blocks_for(num_prompt_tokens, self.block_size))
         return self.reserved[request_id]
+
+    def reserve_prompt(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], int] | None:
+        """No prefix cache here: every block is reserved, none is already held."""
+        if not self.can_reserve(len(prompt_token_ids)):
+            return None
+        return self.reserve(request_id, len(prompt_token_ids)), 0
+
+    def take_prefix_changes(self) -> dict[bytes, bool]:
+        return {}
+
+    def prefix_hashes(self) -> list[bytes]:
+        return []
 
     def cancel_reservation(self, request_id: str) -> bool:
         blocks = self.reserved.pop(request_id, None)

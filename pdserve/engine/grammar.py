@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import numpy as np
 
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import guided_param
+from pdserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only, not at runtime

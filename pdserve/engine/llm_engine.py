@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.block_hash import chain_hashes
 from pdserve.engine.batcher import Batch, Batcher, BatcherConfig, blocks_for
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
@@ -37,10 +38,10 @@ from pdserve.engine.model_runner import ModelRunner, PromptRows
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
 from pdserve.engine.sampler import Sample, Sampler, logprobs_of, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import iter_weights
 from pdserve.errors import ConfigError, EngineError, InvalidRequestError, RequestTooLongError
 from pdserve.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,10 @@ class LLMEngine:
         )
         self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.sampler.vocab_limit)  # structured output
+        # A decode step computes a token's K/V with other kernels than a prefill does (the last bits
+        # differ), so in batch-invariant mode only blocks a prefill computed are cached: a hit then
+        # changes no bit. Otherwise the blocks decoding fills are cached too (more hits).
+        self._cache_decoded_blocks = not config.batch_invariant
         self.requests: dict[str, _Request] = {}
         self.prefilled: dict[str, Sequence] = {}  # prefill-only sequences holding blocks for hand-off
         self.reserved: dict[str, list[int]] = {}  # blocks reserved for incoming KV
@@ -150,6 +155,7 @@ class LLMEngine:
             head_dim=self.cache.cfg.head_dim,
             shm_name=self.cache.shm_name,
             vocab_size=self.model_config.vocab_size,
+            prefix_caching=self.blocks.prefix_caching,
         )
 
     def load(self) -> EngineLoad:
@@ -174,18 +180,17 @@ class LLMEngine:
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """The prompt as token ids: given ids as they are, chat messages (and tools) rendered by the
-        template. ``add_special_tokens`` None: yes for a prompt, no for a rendered chat (the
-        template writes them)."""
-        if prompt_token_ids is not None:
-            return list(prompt_token_ids)
-        tok = self.tokenizer
-        if messages is not None:
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools or None
-            )
-            return tok.encode(text, bool(add_special_tokens))
-        return tok.encode(prompt or "", add_special_tokens is not False)
+        """The prompt as token ids (:meth:`Tokenizer.prompt_ids`, which routers use too): given ids
+        as they are, chat messages (and tools) rendered by the template. ``add_special_tokens``
+        None: yes for a prompt, no for a rendered chat (the template writes them)."""
+        return self.tokenizer.prompt_ids(
+            prompt,
+            messages,
+            prompt_token_ids,
+            tools,
+            add_special_tokens=add_special_tokens,
+            add_generation_prompt=add_generation_prompt,
+        )
 
     def prompt_text(self, prompt_token_ids: list[int]) -> str:
         """A prompt's text as echoed to the client (special tokens kept: it is what the model read)."""
@@ -291,7 +296,8 @@ class LLMEngine:
             return outputs + self._fail_batch(batch, f"model step failed: {e}")
         for seq in batch.decodes:
             seq.num_computed_tokens = seq.num_tokens
-            self.batcher.cache_full_blocks(seq)
+            if self._cache_decoded_blocks:
+                self.batcher.cache_full_blocks(seq)
         for chunk in batch.prefills:
             chunk.seq.num_computed_tokens = chunk.end
             self.batcher.cache_full_blocks(chunk.seq)
@@ -463,6 +469,35 @@ class LLMEngine:
             raise EngineError(f"cannot reserve {need} KV blocks: {self.blocks.num_free} free")
         self.reserved[request_id] = self.blocks.allocate(need)
         return self.reserved[request_id]
+
+    def reserve_prompt(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], int] | None:
+        """Blocks for an incoming prompt's K/V, or None when they are not free now. The prompt's
+        longest cached prefix is shared from this engine's prefix cache (its blocks come first;
+        their count is the second value: the prefill side writes only the blocks after them), the
+        rest is allocated."""
+        if request_id in self.reserved or request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        bs = self.config.block_size
+        need = blocks_for(len(prompt_token_ids), bs)
+        hits = self.blocks.lookup(chain_hashes(prompt_token_ids, bs, params.cache_key))
+        if not self.blocks.can_allocate(need - len(hits), hits):
+            return None
+        self.blocks.share(hits)
+        self.reserved[request_id] = hits + self.blocks.allocate(need - len(hits))
+        return self.reserved[request_id], len(hits)
+
+    # ---- the prefix index: what the cache holds, for routers --------------------------------
+    def take_prefix_changes(self) -> dict[bytes, bool]:
+        """Block hashes the prefix cache gained (True) or lost (False) since the last call."""
+        return self.blocks.take_changes()
+
+    def prefix_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache holds; the changes recorded so far are dropped (this
+        list replaces them)."""
+        self.blocks.take_changes()
+        return self.blocks.hashes()
 
     def cancel_reservation(self, request_id: str) -> bool:
         blocks = self.reserved.pop(request_id, None)

@@ -71,3 +71,4 @@ class EngineFacts:
     dtype: str = "float32"
     layout: str = "block_major"
     vocab_size: int | None = None  # valid token ids are below it (the router refuses others)
+    prefix_caching: bool = False  # full blocks are kept for reuse (and published to the prefix index)

@@ -58,7 +58,9 @@ from pdserve.errors import (
     UnavailableError,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policies import PolicyRequest
+from pdserve.router.policies import PolicyRequest, PrefixWeights
+from pdserve.router.prefix_lookup import LocalIndex, PrefixLookup, PromptBlocks
+from pdserve.router.prompt_ids import PromptTokenizer
 from pdserve.router.protocol import ParsedPrompt, ParsedRequest
 from pdserve.router.selection import Route, Selector
 from pdserve.router.sender import InboxSender
@@ -77,6 +79,7 @@ from pdserve.scheduler.messages import (
     RequestDelta,
     Usage,
 )
+from pdserve.scheduler.prefix_index import PrefixIndex
 from pdserve.scheduler.registry import LiveSetCache
 from pdserve.scheduler.streams import OutboxReader
 from pdserve.scheduler.tasks import cancel_and_wait
@@ -106,9 +109,15 @@ class Dispatcher:
         self.settings = settings
         self.router_id = settings.router_id
         self.clock = clock
-        self.selector = Selector(
-            settings.prefill_policy, settings.decode_policy, settings.aggregated_fallback
+        weights = PrefixWeights(
+            settings.prefix_load_tokens, settings.prefix_transfer_weight, settings.local_prefill_tokens
         )
+        self.selector = Selector(
+            settings.prefill_policy, settings.decode_policy, settings.aggregated_fallback, weights
+        )
+        index = PrefixIndex(redis, keys, settings.ttl_s) if settings.prefix_index == "redis" else LocalIndex()
+        self.prefix = PrefixLookup(PromptTokenizer(redis, keys), index)
+        """Prompt lengths and cached prefixes, for a policy that places by them."""
         self.in_flight = self.selector.in_flight
         """This router's open requests per instance id (prefill counts until the first token)."""
         self.generations: dict[str, RoutedGeneration] = {}
@@ -246,7 +255,17 @@ class RoutedGeneration:
         self._echo = parsed.echo
         """Still to prefix the first text with the prompt's (``echo``); done once over all attempts."""
         self.model = model
-        self.policy_request = PolicyRequest(model, prompt.text, prompt.token_ids, prompt.messages)
+        # A GenerateRequest carries no add_special_tokens / add_generation_prompt: the worker
+        # tokenizes it with the defaults (special tokens for a text prompt, a generation prompt).
+        self.policy_request = PolicyRequest(
+            model,
+            prompt.text,
+            prompt.token_ids,
+            prompt.messages,
+            tools=prompt.tools,
+            add_special_tokens=None,
+            add_generation_prompt=True,
+        )
         """What the policies see of this choice (the same for all its attempts)."""
         self.deadline = deadline
         self.attempt = 0
@@ -278,6 +297,7 @@ class RoutedGeneration:
         self._cancelled = False
         self._timers: list[asyncio.TimerHandle] = []
         self._first_token_timer: asyncio.TimerHandle | None = None
+        self._blocks = PromptBlocks()  # the prompt's ids and block hashes, for prefix routing
         self.queue = dispatcher.reader.subscribe(request_id)  # the router's own id: never in use
         dispatcher.generations[request_id] = self
 
@@ -438,7 +458,14 @@ class RoutedGeneration:
         live = await d.live.get()
         if self.delivered:  # a migration: continue on one instance after what the client has
             return d.selector.route_whole(live, self.policy_request, self._exclude)
-        return d.route(live, self.policy_request, self._exclude)
+        request = self.policy_request
+        if d.selector.reads_prefix_index:
+            request = await d.prefix.view(live, request, self._blocks)
+        route = d.route(live, request, self._exclude)
+        d.prefix.learn(route, request, self._blocks)
+        if d.metrics is not None:
+            d.metrics.on_prefix(route, request)
+        return route
 
     async def _submit(self, route: Route) -> None:
         d = self.dispatcher

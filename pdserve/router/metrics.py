@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from pdserve.scheduler.messages import RequestDelta
 
 if TYPE_CHECKING:
+    from pdserve.router.policies import PolicyRequest
     from pdserve.router.selection import Route
     from pdserve.scheduler.messages import InstanceInfo
     from pdserve.scheduler.registry import LiveSetCache
@@ -72,6 +73,9 @@ NAMES = (
     "pdserve_live_instances",
     "pdserve_generation_tokens_total",
     "pdserve_prompt_tokens_total",
+    "pdserve_prefix_lookup_tokens_total",
+    "pdserve_prefix_hit_tokens_total",
+    "pdserve_local_prefills_total",
     "pdserve_redis_round_trip_seconds",
     "pdserve_redis_errors_total",
 )
@@ -222,6 +226,23 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens", "prompt tokens of finished choices (their final usage)", registry=r
         )
+        self.prefix_lookup_tokens = Counter(
+            "pdserve_prefix_lookup_tokens",
+            "prompt tokens of attempts placed by cached prefix (the router tokenized them)",
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "pdserve_prefix_hit_tokens",
+            "of those, the tokens the prefix index said the instance picked to prefill holds (the "
+            "hit rate routing expects: this over pdserve_prefix_lookup_tokens)",
+            registry=r,
+        )
+        self.local_prefills = Counter(
+            "pdserve_local_prefills",
+            "attempts a decode instance prefilled itself, its cache holding all but a few prompt "
+            "tokens (--local-prefill-tokens)",
+            registry=r,
+        )
         self._redis_time = _Children(
             Histogram(
                 "pdserve_redis_round_trip_seconds",
@@ -282,6 +303,16 @@ class RouterMetrics:
 
     def on_retry(self, kind: str) -> None:
         self._retries(kind).inc()
+
+    def on_prefix(self, route: Route, request: PolicyRequest) -> None:
+        """An attempt placed with the prompt's length known (prefix routing)."""
+        if route.local_prefill:
+            self.local_prefills.inc()
+        if request.num_tokens is not None:
+            self.prefix_lookup_tokens.inc(request.num_tokens)
+            hit = request.cached_tokens.get(route.entry.id, 0)
+            if hit:
+                self.prefix_hit_tokens.inc(hit)
 
     def on_route(self, route: Route) -> None:
         if route.prefill is not None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import InvalidRequestError
 from pdserve.router.errors import ModelNotFoundError, NoCapacityError
-from pdserve.router.policies import Policy, PolicyRequest, make_policy
+from pdserve.router.policies import Policy, PolicyRequest, PrefixCache, PrefixWeights, make_policy
 from pdserve.scheduler.messages import InstanceInfo
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,9 @@ class Route:
     decode: InstanceInfo
     prefill: InstanceInfo | None = None
     protocol: str | None = None
+    local_prefill: bool = False
+    """A decode instance prefills the request itself by choice: its prefix cache holds all but a
+    few of the prompt's tokens (conditional disaggregation, ``--local-prefill-tokens``)."""
 
     @property
     def entry(self) -> InstanceInfo:
@@ -49,10 +52,13 @@ class Route:
 
     @property
     def mode(self) -> str:
-        """``splitwise``, ``mixed``, or ``aggregated`` (a decode instance serving a whole request)."""
+        """``splitwise``, ``mixed``, ``local`` (a decode instance prefilling the little of the prompt
+        its cache lacks) or ``aggregated`` (a decode instance serving a whole request: degraded)."""
         if self.prefill is not None:
             return "splitwise"
-        return "mixed" if self.decode.role == "mixed" else "aggregated"
+        if self.decode.role == "mixed":
+            return "mixed"
+        return "local" if self.local_prefill else "aggregated"
 
     def headers(self) -> dict[str, str]:
         """Response headers that say how the request was served (degraded service is visible)."""
@@ -129,14 +135,20 @@ class Selector:
     """
 
     def __init__(
-        self, prefill_policy: str | Policy, decode_policy: str | Policy, aggregated_fallback: bool = True
+        self,
+        prefill_policy: str | Policy,
+        decode_policy: str | Policy,
+        aggregated_fallback: bool = True,
+        weights: PrefixWeights | None = None,
     ) -> None:
         self.aggregated_fallback = aggregated_fallback
         self.prefill_policy = (
-            make_policy(prefill_policy, "prefill") if isinstance(prefill_policy, str) else prefill_policy
+            make_policy(prefill_policy, "prefill", weights)
+            if isinstance(prefill_policy, str)
+            else prefill_policy
         )
         self.decode_policy = (
-            make_policy(decode_policy, "decode") if isinstance(decode_policy, str) else decode_policy
+            make_policy(decode_policy, "decode", weights) if isinstance(decode_policy, str) else decode_policy
         )
         self.in_flight: dict[str, int] = {}
         self._warned_at = float("-inf")
@@ -202,9 +214,27 @@ class Selector:
         self._warn_aggregated(bool(prefills))
         return Route(decode=self.decode_policy.pick(decodes, self.in_flight, request))
 
+    @property
+    def reads_prefix_index(self) -> bool:
+        """A policy places by cached prefix: requests need ``num_tokens`` and ``cached_tokens``."""
+        return isinstance(self.prefill_policy, PrefixCache) or isinstance(self.decode_policy, PrefixCache)
+
     def _pair(
         self, prefills: list[InstanceInfo], decodes: list[InstanceInfo], request: PolicyRequest
     ) -> Route | None:
+        if isinstance(self.prefill_policy, PrefixCache):  # it picks P and D together
+            pairs = [
+                (p, d)
+                for p in prefills
+                for d in decodes
+                if d.id != p.id and self._kv_compatible(p, d) and transfer_protocol(p, d)
+            ]
+            if not pairs:
+                return None
+            choice = self.prefill_policy.pick_pair(pairs, self.in_flight, request)
+            if choice.prefill is None:
+                return Route(decode=choice.decode, local_prefill=True)
+            return Route(choice.decode, choice.prefill, transfer_protocol(choice.prefill, choice.decode))
         while prefills:
             prefill = self.prefill_policy.pick(prefills, self.in_flight, request)
             usable = {

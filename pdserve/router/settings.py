@@ -14,7 +14,8 @@ from pathlib import Path
 
 from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting
-from pdserve.router.policies import POLICY_NAMES
+from pdserve.router.policies import POLICY_NAMES, PrefixWeights
+from pdserve.router.prefix_lookup import INDEX_KINDS
 from pdserve.scheduler.connection import DEFAULT_URL
 from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
 from pdserve.scheduler.registry import DEFAULT_TTL_S
@@ -38,13 +39,37 @@ class RouterSettings:
     port: int = setting(8000, "port to listen on (default %(default)s)")
     router_id: str = setting("", "this router's id (default router-<hostname>-<port>-<random>)")
     prefill_policy: str = setting(
-        "least_load",
-        "how to pick the prefill instance; prefix_affinity sends prompts that begin alike to one instance "
-        "while its load allows (default %(default)s)",
+        "prefix_cache",
+        "how to pick the prefill instance: prefix_cache weighs the prompt tokens an instance's prefix "
+        "cache saves against its load and, for splitwise, picks the pair; least_load ignores caches "
+        "(default %(default)s)",
         choices=POLICY_NAMES,
     )
     decode_policy: str = setting(
-        "least_load", "how to pick the decode or mixed instance (default %(default)s)", choices=POLICY_NAMES
+        "prefix_cache", "how to pick the decode or mixed instance (default %(default)s)", choices=POLICY_NAMES
+    )
+    prefix_load_tokens: float = setting(
+        PrefixWeights.load_tokens,
+        "prefix_cache: what one open request on an instance costs, in prompt tokens to compute "
+        "(default %(default)s)",
+    )
+    prefix_transfer_weight: float = setting(
+        PrefixWeights.transfer,
+        "prefix_cache: what moving one prompt token's KV to the decode instance costs, relative to "
+        "computing it (default %(default)s)",
+    )
+    local_prefill_tokens: int = setting(
+        PrefixWeights.local_prefill_tokens,
+        "prefix_cache: a decode instance prefills a request itself, with no prefill instance or KV "
+        "transfer, when its prefix cache lacks at most this many of the prompt's tokens and that is "
+        "cheaper (default %(default)s: never)",
+    )
+    prefix_index: str = setting(
+        "redis",
+        "where prefix_cache learns what each instance caches: redis (the index the instances publish, "
+        "shared by every router) or local (this router's record of where it sent which prompts) "
+        "(default %(default)s)",
+        choices=INDEX_KINDS,
     )
     request_timeout_s: float = setting(600.0, "seconds a request may take in all (default %(default)s)")
     """Every request ends (with a 504 ``timeout`` error at worst) this long after it arrived."""
@@ -163,6 +188,14 @@ class RouterSettings:
                 raise ConfigError(
                     f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}"
                 )
+        if self.prefix_load_tokens < 0 or self.prefix_transfer_weight < 0 or self.local_prefill_tokens < 0:
+            raise ConfigError(
+                "prefix_load_tokens, prefix_transfer_weight and local_prefill_tokens must be >= 0"
+            )
+        if self.prefix_index not in INDEX_KINDS:
+            raise ConfigError(
+                f"prefix_index must be one of {', '.join(INDEX_KINDS)}, got {self.prefix_index!r}"
+            )
         for name in (
             "request_timeout_s",
             "first_token_timeout_s",

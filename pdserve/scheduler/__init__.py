@@ -58,6 +58,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "decode_message",
         "encode",
     ),
+    "prefix_index": ("PrefixIndex",),
     "registry": (
         "DEFAULT_TTL_S",
         "Heartbeat",

@@ -94,6 +94,17 @@ class Keys:
         """Stream of token/finish/error events for the requests of one router."""
         return f"{PREFIX}:{self.cluster}:outbox:{{{validate_id(router_id, 'router id')}}}"
 
+    # per-instance and shared values
+
+    def prefix_index(self, instance_id: str) -> str:
+        """Set of the chain hashes (:mod:`pdserve.block_hash`) of the full KV blocks one instance's
+        prefix cache holds; expires with the instance's registration (hash tag = the instance)."""
+        return f"{PREFIX}:{self.cluster}:prefix:{{{validate_id(instance_id, 'instance id')}}}"
+
+    def tokenizer(self, digest: str) -> str:
+        """A model's tokenizer files as instances publish them for routers, by content digest."""
+        return f"{PREFIX}:{self.cluster}:tokenizer:{{{validate_id(digest, 'tokenizer digest')}}}"
+
 
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:

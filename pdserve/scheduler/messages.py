@@ -35,9 +35,12 @@ ignore them).
 (``None`` fields left out; unknown keys refused); a request without ``max_tokens`` says
 ``GenerateRequest.fill_max_tokens`` instead of ``sampling.max_tokens = null``. Additive since:
 the registration's KV geometry (``KVInfo.block_bytes``, ``num_layers``, ``num_kv_heads``,
-``head_dim``: a registration without them is read, but never paired),
-``TransferInfo.incarnation`` (peers' writers are keyed by it), ``RequestDelta.prompt_logprobs`` with
-``LogprobInfo.rank`` (a ``LogprobInfo`` without ``logprob`` occurs only as a prompt's first entry,
+``head_dim``: a registration without them is read, but never paired), ``InstanceInfo.tokenizer``
+(the digest of the tokenizer files the instance published; an older router ignores it),
+``KVInfo.prefix_caching``, ``TransferInfo.incarnation`` (peers' writers are keyed by it), ``RequestDelta.prompt_logprobs`` with
+``LogprobInfo.rank``, ``ReserveReply.num_cached_blocks`` (an older prefill side writes those
+blocks too, with the same bytes), ``SamplingParams.cache_salt`` (refused by an older worker as
+any unknown sampling key) (a ``LogprobInfo`` without ``logprob`` occurs only as a prompt's first entry,
 inside the field an older reader skips; the sampling field that asks for it is refused by an older
 worker, as any unknown sampling key is).
 """
@@ -72,6 +75,8 @@ class KVInfo(_Model):
     num_layers: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    prefix_caching: bool = False
+    """Full blocks are kept for reuse and listed in the prefix index (``Keys.prefix_index``)."""
 
 
 class LoadInfo(_Model):
@@ -111,6 +116,9 @@ class InstanceInfo(_Model):
     draining: bool = False
     vocab_size: int | None = None
     """Token ids below this are valid prompts (None: not said; the router checks nothing)."""
+    tokenizer: str | None = None
+    """Digest of the tokenizer files this instance published (``Keys.tokenizer(digest)``), with which
+    routers compute its prompts' token ids (None: none published, e.g. the echo engine)."""
 
 
 class RouterInfo(_Model):
@@ -333,6 +341,9 @@ class ReserveReply(_Message):
     error: str | None = None
     retry_after_ms: int | None = None
     attempt: int = 0
+    num_cached_blocks: int = 0
+    """The first ``num_cached_blocks`` of ``block_ids`` already hold this prompt's K/V (decode's
+    prefix cache shares them): prefill writes only the blocks after them."""
 
 
 class Prefilled(_Message):

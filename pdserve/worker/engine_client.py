@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -81,8 +82,11 @@ class Engine(Protocol):
     def has_unfinished(self) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
     def abort(self, request_id: str, reason: str = "abort") -> bool: ...
-    def can_reserve(self, num_prompt_tokens: int) -> bool: ...
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]: ...
+    def reserve_prompt(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], int] | None: ...
+    def take_prefix_changes(self) -> dict[bytes, bool]: ...
+    def prefix_hashes(self) -> list[bytes]: ...
     def cancel_reservation(self, request_id: str) -> bool: ...
     def prefilled_blocks(self, request_id: str) -> list[int]: ...
     def release_prefilled(self, request_id: str) -> bool: ...
@@ -112,6 +116,8 @@ class EngineClient:
         self.metrics: WorkerMetrics | None = None  # set by the service with --metrics-port
         self.limits: PrepareLimits | None = None  # None: unbounded (tests with a stub engine)
         self._prep = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        self._prefix_lock = threading.Lock()
+        self._prefix_changes: dict[bytes, bool] = {}  # gathered on the engine thread after each call
 
     @classmethod
     async def start(cls, factory: Callable[[], Engine], limits: PrepareLimits | None = None) -> EngineClient:
@@ -129,6 +135,9 @@ class EngineClient:
             finally:  # every call may change the blocks in use (a step, an abort, a release)
                 self.unfinished = self._engine.has_unfinished()
                 self.load = self._engine.load()
+                if self.facts.prefix_caching and (changes := self._engine.take_prefix_changes()):
+                    with self._prefix_lock:
+                        self._prefix_changes.update(changes)
 
         return await asyncio.get_running_loop().run_in_executor(self._exec, call)
 
@@ -255,15 +264,31 @@ class EngineClient:
         return await self._run(lambda: self._engine.abort(key, reason))
 
     # ---- KV hand-off -------------------------------------------------------------------------------
-    async def try_reserve(self, key: str, num_tokens: int) -> list[int] | None:
-        """Blocks for an incoming prompt's KV, or None when they are not free now."""
+    async def try_reserve(
+        self, key: str, prompt_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], int] | None:
+        """Blocks for an incoming prompt's KV and how many of the first ones this engine's prefix
+        cache already holds (not to be written), or None when they are not free now."""
+        return await self._run(lambda: self._engine.reserve_prompt(key, prompt_ids, params))
 
-        def reserve() -> list[int] | None:
-            if not self._engine.can_reserve(num_tokens):
-                return None
-            return self._engine.reserve(key, num_tokens)
+    # ---- the prefix index ------------------------------------------------------------------------
+    def take_prefix_changes(self) -> dict[bytes, bool]:
+        """Block hashes the prefix cache gained (True) or lost (False) since the last take."""
+        with self._prefix_lock:
+            changes, self._prefix_changes = self._prefix_changes, {}
+        return changes
 
-        return await self._run(reserve)
+    async def prefix_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache holds now; the changes gathered so far are dropped
+        (the list replaces them)."""
+
+        def full() -> list[bytes]:
+            hashes = self._engine.prefix_hashes()
+            with self._prefix_lock:
+                self._prefix_changes.clear()
+            return hashes
+
+        return await self._run(full)
 
     async def cancel_reservation(self, key: str) -> bool:
         return await self._run(lambda: self._engine.cancel_reservation(key))

@@ -45,6 +45,7 @@ NAMES = (
     "pdserve_worker_preemptions_total",
     "pdserve_worker_kv_sent_bytes_total",
     "pdserve_worker_kv_received_bytes_total",
+    "pdserve_worker_kv_blocks_not_sent_total",
     "pdserve_worker_kv_transfer_seconds",
     "pdserve_worker_generation_tokens_total",
     "pdserve_worker_prompt_tokens_total",
@@ -103,6 +104,11 @@ class WorkerMetrics:
             buckets=TRANSFER_BUCKETS,
         )
         self._kv_children: dict[str, tuple[Any, Any]] = {}
+        self.kv_blocks_not_sent = bound(
+            Counter,
+            "pdserve_worker_kv_blocks_not_sent",
+            "prompt KV blocks not written to decode peers because their prefix cache held them",
+        )
         self.preemptions = bound(
             Counter, "pdserve_worker_preemptions", "sequences preempted (blocks freed, recomputed later)"
         )
@@ -192,7 +198,7 @@ class WorkerMetrics:
         if cached:
             self.cached_prompt_tokens.inc(cached)
 
-    def on_kv_sent(self, protocol: str, nbytes: int, seconds: float) -> None:
+    def on_kv_sent(self, protocol: str, nbytes: int, seconds: float, blocks_not_sent: int = 0) -> None:
         children = self._kv_children.get(protocol)
         if children is None:
             children = self._kv_children[protocol] = (
@@ -201,3 +207,5 @@ class WorkerMetrics:
             )
         children[0].inc(nbytes)
         children[1].observe(seconds)
+        if blocks_not_sent:
+            self.kv_blocks_not_sent.inc(blocks_not_sent)

@@ -4,7 +4,8 @@ Connect to Redis, refuse an instance id that a live instance holds, build the en
 thread (engine_client.py), register and heartbeat, then run three loops until SIGTERM has drained
 the instance: the inbox loop hands each message to the request handler (handler.py), the engine
 loop steps the engine and hands its outputs over, the housekeeping loop runs timers and the drain
-deadline. A loop that dies stops the instance; every request still in flight then gets a final event.
+deadline (and, with a prefix cache, a fourth keeps the instance's prefix index in Redis current:
+prefix_publisher.py). A loop that dies stops the instance; every request still in flight then gets a final event.
 """
 
 from __future__ import annotations
@@ -29,17 +30,21 @@ from pdserve.scheduler import (
     Keys,
     KVInfo,
     LoadInfo,
+    PrefixIndex,
     RedisSettings,
     RouterRegistry,
     TransferInfo,
+    redis_errors,
     wait_for_redis,
 )
 from pdserve.scheduler.tasks import cancel_and_wait
+from pdserve.tokenizer import pack_tokenizer_files, read_tokenizer_files
 from pdserve.worker.clock import Clock
 from pdserve.worker.engine_client import EngineClient, PrepareLimits
 from pdserve.worker.handler import RequestHandler
 from pdserve.worker.messenger import Messenger
 from pdserve.worker.metrics import WorkerMetrics
+from pdserve.worker.prefix_publisher import PrefixPublisher
 from pdserve.worker.settings import WorkerSettings
 from pdserve.worker.splitwise import Context, Transports
 
@@ -49,6 +54,11 @@ log = logging.getLogger(__name__)
 # batch is normally done in milliseconds; this bounds a stall when Redis is slow to take replies).
 INBOX_FIRST_S = 1.0
 PRUNE_WRITERS_S = 1.0  # how often the KV writers of peers that left (or restarted) are closed
+TOKENIZER_TTL_S = 7 * 24 * 3600
+"""Expiry of the published tokenizer files (``Keys.tokenizer``): every instance using them renews it
+(:data:`TOKENIZER_REFRESH_S`), so they outlive the last such instance by at most this."""
+TOKENIZER_REFRESH_S = 60.0
+"""How often an instance renews its published tokenizer's expiry (and publishes it again if gone)."""
 
 
 class WorkerService:
@@ -67,6 +77,7 @@ class WorkerService:
         self.engine: EngineClient | None = None  # built by run(), on the engine thread
         self.handler: RequestHandler | None = None  # built by run(), once the engine is up
         self.metrics: WorkerMetrics | None = None  # with --metrics-port
+        self.prefix_publisher: PrefixPublisher | None = None  # with a prefix cache
         self._drain_deadline = float("inf")
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -74,6 +85,8 @@ class WorkerService:
         self._inbox_idle.set()
         self._tasks: list[asyncio.Task] = []
         self.failed: str | None = None  # the loop that died, if one did (the process then exits 1)
+        self.tokenizer_digest: str | None = None  # of the tokenizer files published for routers
+        self._tokenizer_blob = b""
 
     async def run(self) -> None:
         try:
@@ -84,6 +97,7 @@ class WorkerService:
                 )
             limits = PrepareLimits(self.settings.max_prompt_chars_per_token, self.settings.max_grammar_bytes)
             self.engine = await EngineClient.start(self._build_engine, limits)
+            await self._publish_tokenizer()
             await self._start_transfer()
             self._start_metrics()
             messenger = Messenger(self.redis, self.keys, self.id, give_up_after_s=self.settings.ttl_s)
@@ -91,6 +105,9 @@ class WorkerService:
             routers = RouterRegistry(self.redis, self.keys, ttl_s=self.settings.ttl_s)
             self.handler = RequestHandler(ctx, self.settings.role, routers)
             await self.inbox.ensure_group()
+            if self.engine.facts.prefix_caching:
+                index = PrefixIndex(self.redis, self.keys, self.settings.ttl_s)
+                self.prefix_publisher = PrefixPublisher(index, self.id, self.engine)
             await self.heartbeat.start()
             await self._serve()
         finally:
@@ -125,6 +142,42 @@ class WorkerService:
         from pdserve.engine.llm_engine import LLMEngine
 
         return LLMEngine(model_dir, config)
+
+    async def _publish_tokenizer(self) -> None:
+        """Publish the model's tokenizer files for routers (they compute its prompts' token ids for
+        prefix-cache routing), before the first registration names their digest.
+
+        The key is the files' content digest, so the instances of one model share one value: it is
+        written (``SET … EX`` :data:`TOKENIZER_TTL_S`) only when missing, and every
+        :data:`TOKENIZER_REFRESH_S` each instance renews its expiry with one ``EXPIRE``, writing the
+        value again if that finds it gone (Redis restarted or evicted it). The registration, renewed
+        every heartbeat, only carries the digest: megabytes are sent at most once per start or loss.
+        A failure here is logged, not fatal (routing works without it) and retried at the next
+        renewal. The echo engine publishes nothing: its prompt ids are not its tokenizer's."""
+        if self.settings.engine_kind == "echo":
+            return
+        model_dir = self.settings.model_dir
+        assert model_dir is not None  # WorkerSettings requires it
+        try:
+            packed = await asyncio.to_thread(lambda: pack_tokenizer_files(read_tokenizer_files(model_dir)))
+        except (ConfigError, OSError) as e:
+            log.warning("not publishing the tokenizer for routers: %s", e)
+            return
+        self._tokenizer_blob, self.tokenizer_digest = packed
+        try:
+            await self._renew_tokenizer()
+        except ControlPlaneError as e:
+            log.warning("could not publish the tokenizer for routers (will retry): %s", e)
+
+    async def _renew_tokenizer(self) -> None:
+        """Renew the published tokenizer's expiry; publish it again when it is gone."""
+        if self.tokenizer_digest is None:
+            return
+        key = self.keys.tokenizer(self.tokenizer_digest)
+        with redis_errors("publishing the tokenizer"):
+            if not await self.redis.expire(key, TOKENIZER_TTL_S):
+                await self.redis.set(key, self._tokenizer_blob, ex=TOKENIZER_TTL_S)
+                log.info("published the tokenizer for routers: %s (%d bytes)", key, len(self._tokenizer_blob))
 
     async def _start_transfer(self) -> None:
         """Open the local side of each KV transport ``--kv-transfer`` asks for (a mixed instance: none)."""
@@ -162,6 +215,8 @@ class WorkerService:
             asyncio.create_task(self._engine_loop(), name="engine"),
             asyncio.create_task(self._housekeeping_loop(), name="housekeeping"),
         ]
+        if self.prefix_publisher is not None:
+            self._tasks.append(asyncio.create_task(self.prefix_publisher.run(), name="prefix-index"))
         for task in self._tasks:
             task.add_done_callback(self._task_done)
         await self._stop.wait()
@@ -198,6 +253,8 @@ class WorkerService:
             await self.handler.fail_all("instance is shutting down")
         self.transports.close()
         await self.heartbeat.stop(deregister=True)  # only what it registered: not a live id we were refused
+        if self.prefix_publisher is not None:
+            await self.prefix_publisher.remove()
         self.transports.close_backends()  # before the cache's memory goes
         if self.metrics is not None:
             self.metrics.close()
@@ -234,6 +291,7 @@ class WorkerService:
                 num_layers=facts.num_layers,
                 num_kv_heads=facts.num_kv_heads,
                 head_dim=facts.head_dim,
+                prefix_caching=facts.prefix_caching,
             ),
             load=LoadInfo(
                 running=load.running,
@@ -246,6 +304,7 @@ class WorkerService:
             max_model_len=facts.max_model_len,
             draining=self.handler.draining,
             vocab_size=facts.vocab_size,
+            tokenizer=self.tokenizer_digest,
         )
 
     def _endpoint(self) -> dict[str, Any]:
@@ -310,10 +369,12 @@ class WorkerService:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._inbox_idle.wait(), timeout=INBOX_FIRST_S)
             await handler.on_outputs(await engine.step())
+            if self.prefix_publisher is not None:
+                self.prefix_publisher.wake.set()
 
     async def _housekeeping_loop(self) -> None:
         _, handler = self._running()
-        pruned_at = self.clock.monotonic()
+        pruned_at = tokenizer_at = self.clock.monotonic()
         while True:
             await asyncio.sleep(0.1)
             try:
@@ -321,6 +382,9 @@ class WorkerService:
                 if self.clock.monotonic() - pruned_at >= PRUNE_WRITERS_S:
                     pruned_at = self.clock.monotonic()
                     await self._prune_writers()
+                if self.clock.monotonic() - tokenizer_at >= TOKENIZER_REFRESH_S:
+                    tokenizer_at = self.clock.monotonic()
+                    await self._renew_tokenizer()
             except ControlPlaneError as e:
                 log.warning("housekeeping: %s", e)
             if handler.draining and self.clock.monotonic() > self._drain_deadline:

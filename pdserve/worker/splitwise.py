@@ -175,6 +175,7 @@ class PrefillHandoff:
         self.prepared = prepared
         self.state = PrefillState.RESERVING
         self.dst_blocks: list[int] | None = None
+        self.num_cached_dst = 0  # leading dst blocks decode's prefix cache holds: not written
         self.first: RequestOutput | None = None
         self.retry_at: float | None = None  # monotonic time to ask for blocks again
         self.received_at = ctx.clock.monotonic()
@@ -214,7 +215,7 @@ class PrefillHandoff:
         if self.state not in (PrefillState.RESERVING, PrefillState.FIRST_TOKEN_READY):
             return  # a repeated answer, or one that comes after the end
         if reply.ok:
-            self.dst_blocks = reply.block_ids
+            self.dst_blocks, self.num_cached_dst = reply.block_ids, reply.num_cached_blocks
             if self.state is PrefillState.FIRST_TOKEN_READY:
                 await self._transfer()
             else:
@@ -306,16 +307,24 @@ class PrefillHandoff:
         src = await engine.prefilled_blocks(self.key)
         if len(src) != len(dst_blocks):
             raise TransferError(f"decode reserved {len(dst_blocks)} blocks for {len(src)}")
-        cache, src_regions, dst_regions = engine.kv_view(), engine.regions(src), engine.regions(dst_blocks)
+        skip = self.num_cached_dst  # decode holds these already: only the missing blocks move
+        if not 0 <= skip <= len(src):
+            raise TransferError(f"decode says it holds {skip} of {len(src)} blocks")
+        cache, src_regions = engine.kv_view(), engine.regions(src[skip:])
+        dst_regions = engine.regions(dst_blocks[skip:])
         t0 = self.ctx.clock.monotonic()
-        with self.ctx.transports.writer(self.info.protocol, self.decode_id, self.info.decode.transfer) as w:
-            moved = await asyncio.to_thread(w.write_blocks, cache, src_regions, dst_regions)
+        moved = 0
+        if src_regions:
+            with self.ctx.transports.writer(
+                self.info.protocol, self.decode_id, self.info.decode.transfer
+            ) as w:
+                moved = await asyncio.to_thread(w.write_blocks, cache, src_regions, dst_regions)
         seconds = self.ctx.clock.monotonic() - t0
         if self.timing is not None:
             self.timing.kv_transfer_s = seconds
         if self.ctx.metrics is not None:
-            self.ctx.metrics.on_kv_sent(self.info.protocol, moved, seconds)
-        log.debug("%s: %d KV bytes -> %s", self.key, moved, self.decode_id)
+            self.ctx.metrics.on_kv_sent(self.info.protocol, moved, seconds, blocks_not_sent=skip)
+        log.debug("%s: %d KV bytes -> %s (%d blocks held there)", self.key, moved, self.decode_id, skip)
 
     # ---- the one way to fail -------------------------------------------------------------------------
     async def _fail(self, error: PdserveError) -> None:
@@ -348,11 +357,12 @@ class PrefillHandoff:
 
 
 class DecodeLease:
-    def __init__(self, ctx: Context, msg: ReserveBlocks, blocks: list[int]) -> None:
+    def __init__(self, ctx: Context, msg: ReserveBlocks, blocks: list[int], num_cached: int = 0) -> None:
         self.ctx = ctx
         self.msg = msg
         self.key = engine_key(msg.request_id, msg.attempt)
         self.blocks = blocks
+        self.num_cached = num_cached  # leading blocks from this instance's prefix cache: not written
         self.expires_at = msg.deadlines.transfer
         self.state = DecodeState.RESERVED
 
@@ -369,7 +379,8 @@ class DecodeLease:
             return None
         self.state = DecodeState.DECODING  # before any await: the lease's timer must not free it now
         if self.ctx.metrics is not None:
-            self.ctx.metrics.kv_received.inc(len(self.blocks) * self.ctx.engine.facts.block_bytes)
+            written = len(self.blocks) - self.num_cached
+            self.ctx.metrics.kv_received.inc(written * self.ctx.engine.facts.block_bytes)
         owner = Owner(self.msg.router_id, msg.request_id, msg.attempt)
         try:  # the engine rebuilds the request's state (a grammar's included) from the first token
             params = self.msg.sampling
@@ -455,22 +466,23 @@ class Splitwise:
         reply = ReserveReply(request_id=msg.request_id, ok=False, attempt=msg.attempt)
         lease = self.leases.get(key)
         if lease is not None:  # a repeated ask: answer with what is reserved
-            reply.ok, reply.block_ids = True, lease.blocks
+            reply.ok, reply.block_ids, reply.num_cached_blocks = True, lease.blocks, lease.num_cached
         elif not accepting:
             reply.error = f"decode instance {self.ctx.instance_id} is draining"
         else:
             try:
-                blocks = await self.ctx.engine.try_reserve(key, msg.num_tokens)
+                reserved = await self.ctx.engine.try_reserve(key, msg.prompt_token_ids, msg.sampling)
             except Exception as e:  # a foreign error too: prefill hears a refusal, not nothing
-                blocks, reply.error = None, str(e) or type(e).__name__
-            if blocks is None:
+                reserved, reply.error = None, str(e) or type(e).__name__
+            if reserved is None:
                 reply.error = reply.error or (
                     f"decode instance {self.ctx.instance_id} has no {msg.num_tokens}-token room in its KV cache now"
                 )
                 reply.retry_after_ms = RESERVE_RETRY_MS
             else:
-                reply.ok, reply.block_ids = True, blocks
-                self.leases[key] = DecodeLease(self.ctx, msg, blocks)
+                blocks, cached = reserved
+                reply.ok, reply.block_ids, reply.num_cached_blocks = True, blocks, cached
+                self.leases[key] = DecodeLease(self.ctx, msg, blocks, cached)
         await self.ctx.messenger.send(msg.reply_to, reply)
 
     async def on_prefilled(self, msg: Prefilled) -> Owner | None:

@@ -189,7 +189,7 @@ def test_stop_and_max_tokens_honoured(stack) -> None:
 
 # ---- the OpenAI surface: models.retrieve, prompt forms, echo, logit_bias ----------------------------
 def tokenizer(tiny_model_dir):
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tiny_model_dir)
 

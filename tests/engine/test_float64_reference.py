@@ -21,8 +21,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from pdserve.engine.llm import LLM
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
 
 TOLERANCE = 1e-4
 DECODE_STEPS = 4  # greedy tokens per prompt; each one's logits row is compared

@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 from safetensors.numpy import load_file
 
 from pdserve.engine.gguf_import import import_gguf
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.tokenizer import Tokenizer
 
 BLOCK = {
     "attn_norm": "input_layernorm",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import ConfigError, InvalidRequestError
+from pdserve.tokenizer import Tokenizer
 
 MIXED = "Hello, 世界! 龘 naïve café 😀🎉 中文也可以 🦜 the end"
 

@@ -9,7 +9,7 @@ from router_support import instance
 
 from pdserve.errors import InvalidRequestError
 from pdserve.router.errors import ModelNotFoundError, NoCapacityError
-from pdserve.router.policies import POLICIES, PolicyRequest, make_policy
+from pdserve.router.policies import POLICIES, PolicyRequest, PrefixCache, PrefixWeights, make_policy
 from pdserve.router.policies.least_load import LeastLoad
 from pdserve.router.policies.prefix_affinity import (
     MAX_EXTRA_LOAD,
@@ -74,6 +74,7 @@ def test_make_policy() -> None:
     assert isinstance(make_policy("round_robin", "decode"), RoundRobin)
     assert isinstance(make_policy("least_load", "prefill"), LeastLoad)
     assert isinstance(make_policy("prefix_affinity", "prefill"), PrefixAffinity)
+    assert isinstance(make_policy("prefix_cache", "prefill"), PrefixCache)
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest", "decode")
 
@@ -81,7 +82,7 @@ def test_make_policy() -> None:
 def test_every_registered_policy_is_a_router_flag_value() -> None:
     from pdserve.router import RouterSettings
 
-    assert list(POLICIES) == ["round_robin", "random", "least_load", "prefix_affinity"]
+    assert list(POLICIES) == ["prefix_cache", "least_load", "prefix_affinity", "round_robin", "random"]
     for name in POLICIES:
         s = RouterSettings(prefill_policy=name, decode_policy=name)
         sel = Selector(s.prefill_policy, s.decode_policy)
@@ -305,3 +306,64 @@ def test_model_and_exclusion() -> None:
     assert resolve_model(live[:1], None) == "a"
     with pytest.raises(NoCapacityError):
         resolve_model([], "a")
+
+
+# -- prefix_cache ----------------------------------------------------------------------------------
+
+
+def cached(num_tokens: int, **hits: int) -> PolicyRequest:
+    """A request of ``num_tokens`` prompt tokens; ``hits``: instance id -> its cached tokens."""
+    return PolicyRequest("tiny", text="x", num_tokens=num_tokens, cached_tokens=hits)
+
+
+def prefix_cache(**weights: float) -> PrefixCache:
+    return PrefixCache("prefill", PrefixWeights(**weights), random.Random(0))
+
+
+def test_prefix_cache_weighs_the_saved_prefill_against_load() -> None:
+    policy = prefix_cache(load_tokens=64)
+    a, b = instance("m0"), instance("m1")
+    assert policy.pick([a, b], {}, cached(1000, m1=800)).id == "m1"
+    # m1 saves 800 tokens; 12 more open requests cost 12 x 64 = 768 < 800: still m1; 13 cost more
+    assert policy.pick([a, b], {"m1": 12}, cached(1000, m1=800)).id == "m1"
+    assert policy.pick([a, b], {"m1": 13}, cached(1000, m1=800)).id == "m0"
+    queued = instance("m1", waiting_prefill_tokens=900)  # a queue longer than what it saves
+    assert policy.pick([a, queued], {}, cached(1000, m1=800)).id == "m0"
+    assert {policy.pick([a, b], {}, cached(1000)).id for _ in range(40)} == {"m0", "m1"}  # no hits: spread
+
+
+def test_prefix_cache_picks_the_pair_jointly_and_prefers_a_decode_holding_the_prompt() -> None:
+    policy = prefix_cache(load_tokens=64, transfer=0.05)
+    p0, p1 = instance("p0", "prefill"), instance("p1", "prefill")
+    d0, d1 = instance("d0", "decode"), instance("d1", "decode")
+    pairs = [(p, d) for p in (p0, p1) for d in (d0, d1)]
+    choice = policy.pick_pair(pairs, {}, cached(1200, p1=1000, d0=1100))
+    assert (choice.prefill.id, choice.decode.id) == ("p1", "d0")
+    # d0 saves 0.05 x 1100 = 55 tokens of transfer: one open request (64) outweighs it
+    choice = policy.pick_pair(pairs, {"d0": 1}, cached(1200, p1=1000, d0=1100))
+    assert (choice.prefill.id, choice.decode.id) == ("p1", "d1")
+    only = policy.pick_pair([(p0, d1)], {}, cached(1200, p1=1000, d0=1100))
+    assert (only.prefill.id, only.decode.id) == ("p0", "d1")  # only usable pairs are considered
+
+
+def test_conditional_disaggregation_prefills_on_the_decode_that_lacks_little() -> None:
+    p0, d0, d1 = instance("p0", "prefill"), instance("d0", "decode"), instance("d1", "decode")
+    pairs = [(p0, d0), (p0, d1)]
+    request = cached(1000, d0=960)
+    off = prefix_cache(local_prefill_tokens=0).pick_pair(pairs, {}, request)
+    assert off.prefill is not None  # the default never prefills on decode
+    on = prefix_cache(local_prefill_tokens=64).pick_pair(pairs, {}, request)
+    assert on.prefill is None and on.decode.id == "d0"
+    assert prefix_cache(local_prefill_tokens=32).pick_pair(pairs, {}, request).prefill is not None  # 40 > 32
+    busy = prefix_cache(local_prefill_tokens=64).pick_pair(pairs, {"d0": 30}, request)
+    assert busy.prefill is not None  # a loaded decode instance does not take the prefill too
+
+
+def test_selector_routes_a_local_prefill_as_its_own_mode() -> None:
+    sel = Selector("prefix_cache", "prefix_cache", weights=PrefixWeights(local_prefill_tokens=64))
+    live = [instance("p0", "prefill"), instance("d0", "decode")]
+    route = sel.route(live, cached(1000, d0=990))
+    assert route.prefill is None and route.mode == "local" and route.local_prefill
+    assert route.headers()["x-pdserve-mode"] == "local"
+    assert sel.route(live, cached(1000, d0=100)).mode == "splitwise"
+    assert sel.reads_prefix_index and not Selector("least_load", "least_load").reads_prefix_index

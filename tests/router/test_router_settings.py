@@ -35,7 +35,7 @@ def test_defaults_and_router_id() -> None:
         8 * 1024 * 1024,
         2,
     )
-    assert (s.prefill_policy, s.decode_policy, s.access_log) == ("least_load", "least_load", False)
+    assert (s.prefill_policy, s.decode_policy, s.access_log) == ("prefix_cache", "prefix_cache", False)
     assert s.url == "http://127.0.0.1:9000"
 
 
@@ -76,7 +76,7 @@ def test_flags_default_from_environment(monkeypatch: pytest.MonkeyPatch) -> None
         7.5,
         True,
     )
-    assert (s.retry_attempts, s.router_id, s.prefill_policy) == (0, "r1", "least_load")
+    assert (s.retry_attempts, s.router_id, s.prefill_policy) == (0, "r1", "prefix_cache")
     assert "PDSERVE_MAX_BODY_BYTES" in parser.format_help()
     with pytest.raises(SystemExit):
         parser.parse_args(["--prefill-policy", "fastest"])

@@ -10,10 +10,10 @@ import jsonschema
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.errors import InvalidRequestError
 from pdserve.router.protocol import InputLimits, parse_chat
 from pdserve.router.tools import ToolUse
+from pdserve.tokenizer import Tokenizer
 
 LIMITS = InputLimits(1024, 256, 256, 300, 64)
 WEATHER = {

@@ -193,7 +193,7 @@ def test_grammars_compile_on_the_preparation_threads(tiny_model_dir) -> None:
             await engine.prepare(_big(prompt="hi", guided=regex.guided))
             choice = SamplingParams(max_tokens=4, guided={"kind": "choice", "spec": ["a", "b"]})
             first = engine._engine.tokenizer.encode("a", add_special_tokens=False)[0]
-            assert await engine.try_reserve("d", 3)
+            assert await engine.try_reserve("d", [5, 6, 7], choice)
             await engine.add_prefilled("d", [5, 6, 7], first, choice)
             await engine.abort("d", "test")
             return threads

@@ -54,12 +54,14 @@ async def started(service: WorkerService) -> asyncio.Task:
     return task
 
 
-async def ask(redis, keys: Keys, instance_id: str, request_id: str, n: int) -> list[int]:
+async def ask(
+    redis, keys: Keys, instance_id: str, request_id: str, n: int, prompt: list[int] | None = None
+) -> list[int]:
     """One generate straight into the inbox; the tokens of its final event from the router's outbox."""
     msg = GenerateRequest(
         request_id=request_id,
         router_id=ROUTER,
-        prompt_token_ids=[7, 8],
+        prompt_token_ids=prompt or [7, 8],
         deadline=time.time() + 30,
         sampling=SamplingParams(max_tokens=n, temperature=0.0),
     )
@@ -103,7 +105,7 @@ def cluster(redis_url):
 def test_the_registration_says_the_vocabulary_size(redis_url, tmp_path, tiny_model_dir, cluster) -> None:
     """The router bounds token ids by it: the echo engine says its tokenizer's size, or nothing
     without one (it takes any id)."""
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.tokenizer import Tokenizer
 
     async def registered(model_dir) -> int | None:
         service = WorkerService(
@@ -200,3 +202,47 @@ def test_inbox_messages_do_not_wait_one_engine_step_each(redis_url, tmp_path, cl
 
     elapsed = asyncio.run(main())
     assert elapsed < 6 * step_s, f"16 one-token requests took {elapsed:.2f} s at {step_s} s a step"
+
+
+def test_the_prefix_index_follows_the_cache_and_comes_back_when_redis_loses_it(
+    redis_url, tmp_path, tiny_model_dir, cluster
+) -> None:
+    """A real engine's cached blocks appear in its set of the prefix index (the prompt's full blocks:
+    what a prefill computed), a set Redis lost is re-published in full within a third of the TTL,
+    and a clean stop removes it."""
+    from pdserve.block_hash import chain_hashes
+
+    prompt = list(range(100, 140))  # 2 full blocks of 16 and a partial one
+
+    async def main() -> tuple[set, set, bool]:
+        redis, keys = await router_registered(redis_url, cluster)
+        service = WorkerService(
+            dataclasses.replace(
+                settings(redis_url, tmp_path, cluster), model_dir=tiny_model_dir, engine_kind="model"
+            )
+        )
+        task = await started(service)
+        key = keys.prefix_index(service.id)
+
+        async def members(expected: int) -> set:
+            deadline = time.monotonic() + 5
+            while len(held := await redis.smembers(key)) != expected:
+                assert time.monotonic() < deadline, held
+                await asyncio.sleep(0.02)
+            return held
+
+        try:
+            await ask(redis, keys, service.id, "r1", 4, prompt)
+            published = await members(2)
+            await redis.delete(key)  # Redis lost it
+            restored = await members(2)
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+        gone = not await redis.exists(key)
+        await redis.aclose()
+        return published, restored, gone
+
+    published, restored, gone = asyncio.run(main())
+    assert published == restored == set(chain_hashes(prompt, 16)[:2])
+    assert gone

@@ -9,26 +9,39 @@ plus one line in :data:`POLICIES`.
 
 from __future__ import annotations
 
-from pdserve.router.policies.base import Policy, PolicyFactory, PolicyRequest, Stage
+from pdserve.router.policies.base import Policy, PolicyFactory, PolicyRequest, PrefixWeights, Stage
 from pdserve.router.policies.least_load import LeastLoad
 from pdserve.router.policies.prefix_affinity import PrefixAffinity
+from pdserve.router.policies.prefix_cache import PairChoice, PrefixCache
 from pdserve.router.policies.simple import Random, RoundRobin
 
-__all__ = ["POLICIES", "POLICY_NAMES", "Policy", "PolicyFactory", "PolicyRequest", "Stage", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "POLICY_NAMES",
+    "PairChoice",
+    "Policy",
+    "PolicyFactory",
+    "PolicyRequest",
+    "PrefixCache",
+    "PrefixWeights",
+    "Stage",
+    "make_policy",
+]
 
 POLICIES: dict[str, PolicyFactory] = {
-    "round_robin": lambda stage: RoundRobin(),
-    "random": lambda stage: Random(),
-    "least_load": LeastLoad,
-    "prefix_affinity": PrefixAffinity,
+    "prefix_cache": PrefixCache,
+    "least_load": lambda stage, weights: LeastLoad(stage),
+    "prefix_affinity": lambda stage, weights: PrefixAffinity(stage),
+    "round_robin": lambda stage, weights: RoundRobin(),
+    "random": lambda stage, weights: Random(),
 }
 """Policy name -> factory of the policy of one stage."""
 POLICY_NAMES = tuple(POLICIES)
 
 
-def make_policy(name: str, stage: Stage) -> Policy:
+def make_policy(name: str, stage: Stage, weights: PrefixWeights | None = None) -> Policy:
     """The policy called ``name`` for ``stage``; ValueError for an unknown name."""
     factory = POLICIES.get(name)
     if factory is None:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
-    return factory(stage)
+    return factory(stage, weights or PrefixWeights())

@@ -3,6 +3,7 @@ and the factory signature the registry (:data:`pdserve.router.policies.POLICIES`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -19,12 +20,26 @@ class PolicyRequest:
     One per choice, built once and shared by all its attempts. At most one of ``text`` (a
     completions text prompt), ``token_ids`` (a completions token-id prompt) and ``messages`` (a
     chat, as the chat template takes it) is set. Policies must not modify what it holds.
+
+    The rest is what a worker tokenizes the prompt with (``Tokenizer.prompt_ids``), so that a router
+    computes the same ids (:mod:`pdserve.router.prompt_ids`): the chat's ``tools`` as the template
+    takes them, ``add_special_tokens`` (None: yes for a text prompt, no for a rendered chat),
+    ``add_generation_prompt``; ``cache_salt``: the request's prefix-cache salt (None: unsalted).
     """
 
     model: str
     text: str | None = None
     token_ids: Sequence[int] | None = None
     messages: Sequence[Mapping[str, Any]] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    cache_salt: str | None = None
+    num_tokens: int | None = None
+    """The prompt's length in tokens, where the router tokenized it (set per attempt, with
+    ``cached_tokens``)."""
+    cached_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Instance id -> leading prompt tokens its prefix cache holds, from the prefix index (absent: 0)."""
 
 
 class Policy(Protocol):
@@ -38,5 +53,20 @@ class Policy(Protocol):
         ...
 
 
-PolicyFactory = Callable[[Stage], Policy]
-"""Makes the policy of one stage (a router holds one for prefill and one for decode)."""
+@dataclass(frozen=True)
+class PrefixWeights:
+    """The weights of the cost (``--prefix-load-tokens``, ``--prefix-transfer-weight``,
+    ``--local-prefill-tokens``)."""
+
+    load_tokens: float = 64.0
+    """What one open request on an instance costs, in prompt tokens to compute."""
+    transfer: float = 0.05
+    """What moving one token's KV to D costs, relative to computing it."""
+    local_prefill_tokens: int = 0
+    """A decode instance prefills a request itself when it lacks at most this many of its prompt
+    tokens (0: never; a pair always prefills)."""
+
+
+PolicyFactory = Callable[[Stage, PrefixWeights], Policy]
+"""Makes the policy of one stage (a router holds one for prefill and one for decode); the weights
+are the router's ``--prefix-*`` settings (only ``prefix_cache`` reads them)."""

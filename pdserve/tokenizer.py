@@ -2,13 +2,20 @@
 
 The chat template is rendered exactly as Hugging Face transformers renders it (same sandbox, options,
 ``raise_exception`` and non-escaping ``tojson``), so prompts match what the model was trained on.
+
+A leaf every layer may use: the engine tokenizes what it runs, and a router computes the same
+prompt ids (:meth:`Tokenizer.prompt_ids`) for prefix-cache routing from the tokenizer files a worker
+publishes (:func:`pack_tokenizer_files`; the router never reads a model folder). A tokenizer is
+built from its files' texts by one code path, :meth:`Tokenizer.from_files`, whether they come from
+a folder (:meth:`Tokenizer.from_dir`) or from Redis. Imports only ``pdserve.errors``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,6 +23,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+import orjson
 import tokenizers
 
 from pdserve.errors import ConfigError, InvalidRequestError
@@ -24,14 +32,71 @@ logger = logging.getLogger(__name__)
 
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k")
 
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
+CHAT_TEMPLATE_JINJA = "chat_template.jinja"
+CHAT_TEMPLATE_JSON = "chat_template.json"
+TOKENIZER_FILES = (
+    TOKENIZER_JSON,
+    TOKENIZER_CONFIG,
+    GENERATION_CONFIG,
+    CHAT_TEMPLATE_JINJA,
+    CHAT_TEMPLATE_JSON,
+)
+"""The files of a model folder a :class:`Tokenizer` is built from (only ``tokenizer.json`` is required)."""
+DIGEST_HEX_CHARS = 32
+"""Length of a tokenizer digest (:func:`pack_tokenizer_files`): blake2b, 16 bytes, in hex."""
 
-def _read_json(path: Path) -> dict[str, Any]:
+
+def read_tokenizer_files(model_dir: str | Path) -> dict[str, str]:
+    """The texts of a folder's :data:`TOKENIZER_FILES` that exist, by file name."""
+    folder = Path(model_dir)
+    if not (folder / TOKENIZER_JSON).is_file():
+        raise ConfigError(f"model folder {folder} has no tokenizer.json")
+    files = {}
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            files[name] = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{name} in {folder} is not valid UTF-8: {e}") from None
+    return files
+
+
+def pack_tokenizer_files(files: Mapping[str, str]) -> tuple[bytes, str]:
+    """One blob holding ``files`` (JSON ``{file name: text}``, keys sorted) and its content digest
+    (:data:`DIGEST_HEX_CHARS` hex characters): equal files give an equal blob and digest anywhere."""
+    blob = orjson.dumps(dict(files), option=orjson.OPT_SORT_KEYS)
+    return blob, tokenizer_digest(blob)
+
+
+def tokenizer_digest(blob: bytes) -> str:
+    return hashlib.blake2b(blob, digest_size=DIGEST_HEX_CHARS // 2).hexdigest()
+
+
+def unpack_tokenizer_files(blob: bytes) -> dict[str, str]:
+    """The files :func:`pack_tokenizer_files` packed into ``blob`` (ConfigError when it is no such blob)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path.name} in {path.parent} is not valid JSON: {e}") from None
+        files = orjson.loads(blob)
+    except orjson.JSONDecodeError as e:
+        raise ConfigError(f"the tokenizer blob is not valid JSON: {e}") from None
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+    ):
+        raise ConfigError("the tokenizer blob must map file names to their texts")
+    return files
+
+
+def _parse_json(text: str, name: str, source: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name} in {source} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path.name} in {path.parent} must hold a JSON object")
+        raise ConfigError(f"{name} in {source} must hold a JSON object")
     return data
 
 
@@ -83,7 +148,8 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 class Tokenizer:
-    """Encode, decode and chat-format for one model folder. Build with :meth:`from_dir`."""
+    """Encode, decode and chat-format for one model folder. Build with :meth:`from_dir` (a folder) or
+    :meth:`from_files` (its files' texts, e.g. as a worker published them)."""
 
     def __init__(
         self,
@@ -119,23 +185,29 @@ class Tokenizer:
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and generation_config.json (the last two optional)."""
         folder = Path(model_dir)
-        tok_path = folder / "tokenizer.json"
-        if not tok_path.is_file():
-            raise ConfigError(f"model folder {folder} has no tokenizer.json")
+        return cls.from_files(read_tokenizer_files(folder), source=str(folder))
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, str], source: str = "the tokenizer files") -> Tokenizer:
+        """Build from the texts of a folder's :data:`TOKENIZER_FILES` by file name (``source`` names
+        where they came from in errors): what :meth:`from_dir` does with the folder's files."""
+        tok_text = files.get(TOKENIZER_JSON)
+        if tok_text is None:
+            raise ConfigError(f"no tokenizer.json in {source}")
         try:
-            raw = tokenizers.Tokenizer.from_file(str(tok_path))
+            raw = tokenizers.Tokenizer.from_str(tok_text)
         except Exception as e:  # the Rust side raises a bare Exception for any parse error
-            raise ConfigError(f"tokenizer.json in {folder} could not be loaded: {e}") from None
-        cfg_path = folder / "tokenizer_config.json"
-        cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
-        gen_path = folder / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.is_file() else {}
+            raise ConfigError(f"tokenizer.json in {source} could not be loaded: {e}") from None
+        cfg_text, gen_text = files.get(TOKENIZER_CONFIG), files.get(GENERATION_CONFIG)
+        cfg = _parse_json(cfg_text, TOKENIZER_CONFIG, source) if cfg_text is not None else {}
+        gen = _parse_json(gen_text, GENERATION_CONFIG, source) if gen_text is not None else {}
+        cfg_where, gen_where = f"{source}/{TOKENIZER_CONFIG}", f"{source}/{GENERATION_CONFIG}"
 
         bos, eos = _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token"))
-        template = _pick_chat_template(cfg.get("chat_template"), str(cfg_path))
+        template = _pick_chat_template(cfg.get("chat_template"), cfg_where)
         if template is None:
-            template = _read_standalone_template(folder)
-        eos_ids = _id_list(gen.get("eos_token_id"), str(gen_path), "eos_token_id")
+            template = _standalone_template(files, source)
+        eos_ids = _id_list(gen.get("eos_token_id"), gen_where, "eos_token_id")
         if not eos_ids and eos and (eos_id := raw.token_to_id(eos)) is not None:
             eos_ids = [eos_id]
         bos_id = gen.get("bos_token_id")
@@ -154,7 +226,7 @@ class Tokenizer:
                 generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_FIELDS if gen.get(k) is not None},
             )
         except jinja2.TemplateSyntaxError as e:
-            raise ConfigError(f"chat_template of {folder} does not compile: {e}") from None
+            raise ConfigError(f"chat_template of {source} does not compile: {e}") from None
 
     @property
     def has_chat_template(self) -> bool:
@@ -186,7 +258,7 @@ class Tokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render the prompt text; template errors (bad role, missing field) are the request's fault."""
         if self._template is None:
@@ -209,6 +281,28 @@ class Tokenizer:
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             raise InvalidRequestError(f"chat template rejected the messages: {e}", param="messages") from None
 
+    def prompt_ids(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The prompt as token ids: given ids as they are, chat messages (and tools) rendered by the
+        template. ``add_special_tokens`` None: yes for a prompt, no for a rendered chat (the
+        template writes them). The engine's prompts and a router's prefix routing both use this."""
+        if prompt_token_ids is not None:
+            return list(prompt_token_ids)
+        if messages is not None:
+            text = self.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools or None
+            )
+            return self.encode(text, bool(add_special_tokens))
+        return self.encode(prompt or "", add_special_tokens is not False)
+
 
 def _id_list(value: Any, source: str, field: str) -> list[int]:
     if value is None:
@@ -219,12 +313,13 @@ def _id_list(value: Any, source: str, field: str) -> list[int]:
     return values
 
 
-def _read_standalone_template(folder: Path) -> str | None:
+def _standalone_template(files: Mapping[str, str], source: str) -> str | None:
     """Newer transformers save the template beside the config as chat_template.jinja or .json."""
-    jinja_path = folder / "chat_template.jinja"
-    if jinja_path.is_file():
-        return jinja_path.read_text(encoding="utf-8")
-    json_path = folder / "chat_template.json"
-    if json_path.is_file():
-        return _pick_chat_template(_read_json(json_path).get("chat_template"), str(json_path))
+    jinja_text = files.get(CHAT_TEMPLATE_JINJA)
+    if jinja_text is not None:
+        return jinja_text
+    json_text = files.get(CHAT_TEMPLATE_JSON)
+    if json_text is not None:
+        data = _parse_json(json_text, CHAT_TEMPLATE_JSON, source)
+        return _pick_chat_template(data.get("chat_template"), f"{source}/{CHAT_TEMPLATE_JSON}")
     return None

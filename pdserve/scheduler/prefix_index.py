@@ -1,0 +1,110 @@
+"""The prefix index: which full KV blocks each instance's prefix cache holds, in Redis for every router.
+
+One set per instance, ``Keys.prefix_index(id)``, of the 16-byte chain hashes of :mod:`pdserve.block_hash`.
+Its writer is that instance alone: it applies what its cache gained and lost (one pipeline per
+batch of changes, SADD + SREM + PEXPIRE), replaces the whole set when it may have diverged (at
+start, after a failed write, when the key vanished with a Redis restart), refreshes the expiry with
+its heartbeat and deletes the set when it deregisters. The set's expiry is the registration's TTL,
+so an instance that dies takes its entries with it within one TTL; routers read only the sets of
+live instances anyway. Its size is bounded by the instance's KV blocks.
+
+A router asks, for one request, how many leading blocks of the prompt each candidate holds: one
+pipeline of one SMISMEMBER per candidate (each set on its own hash tag, so the sets spread over
+the shards of a Redis Cluster). The answer is a hint: an entry can be stale by one write, which
+costs a cache miss, never a wrong answer (the engine looks blocks up by hash itself).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import redis.asyncio as aioredis
+
+from pdserve.scheduler.connection import redis_errors
+from pdserve.scheduler.keys import Keys
+
+log = logging.getLogger(__name__)
+
+WRITE_CHUNK = 4096
+"""Hashes per SADD/SREM command (a full replacement of a large cache goes in several)."""
+
+
+class PrefixIndex:
+    """Reads and writes the prefix index of one pdserve cluster."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: float) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+
+    # ---- the writer: one instance, its own set -------------------------------------------------------
+    async def apply(self, instance_id: str, changes: Mapping[bytes, bool]) -> bool:
+        """Add the hashes mapped to True and remove those mapped to False; renew the expiry.
+        False when the set did not exist before (Redis lost it: replace it in full)."""
+        key = self.keys.prefix_index(instance_id)
+        added = [h for h, held in changes.items() if held]
+        removed = [h for h, held in changes.items() if not held]
+        with redis_errors("publishing the prefix index"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.exists(key)
+            for i in range(0, len(added), WRITE_CHUNK):
+                pipe.sadd(key, *added[i : i + WRITE_CHUNK])
+            for i in range(0, len(removed), WRITE_CHUNK):
+                pipe.srem(key, *removed[i : i + WRITE_CHUNK])
+            pipe.pexpire(key, self.ttl_ms)
+            results = await pipe.execute()
+        return bool(results[0]) or not changes
+
+    async def replace(self, instance_id: str, hashes: Sequence[bytes]) -> None:
+        """Make the set exactly ``hashes`` (one transaction: no router sees it half-written)."""
+        key = self.keys.prefix_index(instance_id)
+        with redis_errors("publishing the prefix index"):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.delete(key)
+            for i in range(0, len(hashes), WRITE_CHUNK):
+                pipe.sadd(key, *hashes[i : i + WRITE_CHUNK])
+            if hashes:
+                pipe.pexpire(key, self.ttl_ms)
+            await pipe.execute()
+
+    async def refresh(self, instance_id: str) -> bool:
+        """Renew the set's expiry; False when it does not exist (empty, or lost with Redis)."""
+        with redis_errors("refreshing the prefix index"):
+            return bool(await self.redis.pexpire(self.keys.prefix_index(instance_id), self.ttl_ms))
+
+    async def remove(self, instance_id: str) -> None:
+        with redis_errors("removing the prefix index"):
+            await self.redis.delete(self.keys.prefix_index(instance_id))
+
+    # ---- the readers: routers, status ----------------------------------------------------------------
+    async def cached_blocks(self, instance_ids: Sequence[str], hashes: Sequence[bytes]) -> dict[str, int]:
+        """For each instance, how many leading blocks of ``hashes`` its cache holds (one round trip)."""
+        if not instance_ids or not hashes:
+            return dict.fromkeys(instance_ids, 0)
+        with redis_errors("reading the prefix index"):
+            pipe = self.redis.pipeline(transaction=False)
+            for instance_id in instance_ids:
+                pipe.smismember(self.keys.prefix_index(instance_id), list(hashes))
+            answers = await pipe.execute()
+        return {i: _leading(held) for i, held in zip(instance_ids, answers)}
+
+    async def sizes(self, instance_ids: Sequence[str]) -> dict[str, int]:
+        """Blocks each instance has in the index (``pdserve status``)."""
+        if not instance_ids:
+            return {}
+        with redis_errors("reading the prefix index"):
+            pipe = self.redis.pipeline(transaction=False)
+            for instance_id in instance_ids:
+                pipe.scard(self.keys.prefix_index(instance_id))
+            return dict(zip(instance_ids, await pipe.execute()))
+
+
+def _leading(held: Sequence[int | bool]) -> int:
+    """How many of the first entries are true (a cached prefix ends at the first miss)."""
+    n = 0
+    for h in held:
+        if not h:
+            break
+        n += 1
+    return n

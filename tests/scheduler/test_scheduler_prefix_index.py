@@ -1,0 +1,53 @@
+"""The prefix index against a real Redis: what a writer applies is what readers count, a replacement
+is whole, the set expires with its TTL, and a reader's answer is the leading run of held blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis_support import run
+
+from pdserve.block_hash import chain_hashes
+from pdserve.scheduler import Keys, PrefixIndex
+
+KEYS = Keys("prefix-test")
+HASHES = chain_hashes(list(range(16 * 6)), 16)  # six blocks of one prompt
+
+
+def test_readers_count_the_leading_blocks_each_instance_holds(redis_url, redis_client) -> None:
+    async def main(redis) -> list:
+        index = PrefixIndex(redis, KEYS, ttl_s=5)
+        assert await index.apply("a", {h: True for h in HASHES[:4]}) is False  # the set was new
+        assert await index.apply("b", {HASHES[0]: True, HASHES[2]: True}) is False
+        first = await index.cached_blocks(["a", "b", "c"], HASHES)
+        assert await index.apply("a", {HASHES[1]: False, HASHES[4]: True}) is True  # an eviction
+        second = await index.cached_blocks(["a", "b"], HASHES)
+        sizes = await index.sizes(["a", "b", "c"])
+        await index.replace("a", HASHES)  # a full re-publication
+        third = await index.cached_blocks(["a"], HASHES)
+        await index.remove("b")
+        return [first, second, sizes, third, await index.sizes(["b"])]
+
+    first, second, sizes, third, gone = run(redis_url, main)
+    assert first == {"a": 4, "b": 1, "c": 0}  # b holds block 2 but not block 1: its prefix is 1 block
+    assert second == {"a": 1, "b": 1}
+    assert sizes == {"a": 4, "b": 2, "c": 0}
+    assert third == {"a": 6} and gone == {"b": 0}
+    ttl = redis_client.pttl(KEYS.prefix_index("a"))
+    assert 0 < ttl <= 5000
+
+
+def test_the_set_expires_unless_refreshed(redis_url, redis_client) -> None:
+    async def main(redis) -> tuple[bool, bool, bool]:
+        index = PrefixIndex(redis, KEYS, ttl_s=0.3)
+        await index.replace("x", HASHES)
+        await asyncio.sleep(0.2)
+        refreshed = await index.refresh("x")
+        await asyncio.sleep(0.2)
+        alive = (await index.sizes(["x"]))["x"] == len(HASHES)
+        await asyncio.sleep(0.25)
+        return refreshed, alive, await index.refresh("x")
+
+    refreshed, alive, refreshed_after_expiry = run(redis_url, main)
+    assert refreshed and alive  # the refresh kept it past its first TTL
+    assert not refreshed_after_expiry and not redis_client.exists(KEYS.prefix_index("x"))
