@@ -1,6 +1,6 @@
 """The identity of a full KV block: a chain hash of the token ids up to and including it.
 
-Shared by the engine (its prefix cache) and, later, the router (a prefix index): the same prompt
+Shared by the engine (its prefix cache) and the router (prefix routing): the same prompt
 gives the same hashes in every process and on every machine, so no Python ``hash()`` (seeded per
 process) and nothing random. ``blake2b`` of 16 bytes over the parent's hash, the block's token ids
 as little-endian int32 and the extra key (a cache salt, say), which only the first block takes:
@@ -15,6 +15,11 @@ from array import array
 from collections.abc import Sequence
 
 HASH_BYTES = 16
+
+
+def salt_key(salt: str | None) -> bytes:
+    """The extra key of a request's hashes: its ``cache_salt`` (none: empty)."""
+    return salt.encode() if salt else b""
 
 
 def block_hash(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any, ClassVar, Literal
 
+from pdserve.block_hash import salt_key
 from pdserve.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
@@ -142,7 +143,7 @@ class SamplingParams:
     @property
     def cache_key(self) -> bytes:
         """The extra key of this request's block hashes (:mod:`pdserve.block_hash`): its salt."""
-        return self.cache_salt.encode() if self.cache_salt else b""
+        return salt_key(self.cache_salt)
 
     @property
     def is_greedy(self) -> bool:

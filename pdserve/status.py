@@ -44,7 +44,7 @@ async def read(redis: Any, cluster: str) -> dict[str, Any]:
     for r in routers:
         pipe.xlen(keys.outbox(r.id))
     replies = await pipe.execute()
-    indexed = await PrefixIndex(redis, keys, ttl_s=1).sizes([i.id for i in instances])
+    indexed = await PrefixIndex(redis, keys).sizes([i.id for i in instances])
     pending = []
     for i in instances:
         try:

@@ -22,8 +22,8 @@ LEAVES = {"errors", "flags", "sampling_params", "block_hash", "tokenizer"}
 ALLOWED = {  # layer -> the pdserve layers its modules may import
     "errors": set(),
     "flags": set(),
-    "sampling_params": {"errors"},
-    "block_hash": set(),  # the prefix cache's block ids: the engine's and, later, the router's
+    "sampling_params": {"errors", "block_hash"},
+    "block_hash": set(),  # the prefix cache's block ids: the engine's and the router's
     "tokenizer": {"errors"},  # the engine tokenizes what it runs; a router, for prefix routing
     "scheduler": {"scheduler", *LEAVES},
     "cache_transfer": {"cache_transfer", "errors"},

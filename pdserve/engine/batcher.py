@@ -146,6 +146,12 @@ class Batcher:
         target = seq.num_tokens - (1 if seq.output_token_ids else 0)
         return PrefillChunk(seq, start, min(target, (start // size + 1) * size))
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens the waiting sequences will compute: what their cached prefixes leave (a
+        router comparing instances' queues must not count what a cache hit saves)."""
+        bs = self.config.block_size
+        return sum(seq.num_tokens - len(self._prefix_hits(seq)) * bs for seq in self.waiting)
+
     # ---- the prefix cache -------------------------------------------------------------------
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of ``seq``'s tokens; at least its last token is

@@ -163,7 +163,7 @@ class LLMEngine:
         return EngineLoad(
             running=len(self.batcher.running),
             waiting=len(waiting),
-            waiting_prefill_tokens=sum(s.num_prompt_tokens for s in waiting),
+            waiting_prefill_tokens=self.batcher.queued_prefill_tokens(),
             free_blocks=self.blocks.num_free,
             preemptions=self.batcher.num_preemptions,
             cached_blocks=self.blocks.num_cached,

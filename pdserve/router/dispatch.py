@@ -265,6 +265,7 @@ class RoutedGeneration:
             tools=prompt.tools,
             add_special_tokens=None,
             add_generation_prompt=True,
+            cache_salt=sampling.cache_salt,
         )
         """What the policies see of this choice (the same for all its attempts)."""
         self.deadline = deadline

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
 
-from pdserve.block_hash import chain_hashes
+from pdserve.block_hash import chain_hashes, salt_key
 from pdserve.errors import ControlPlaneError
 from pdserve.router.policies import PolicyRequest
 from pdserve.router.prompt_ids import PromptTokenizer
@@ -75,8 +75,7 @@ class PromptBlocks:
         hashes = self.hashes.get(block_size)
         if hashes is None:
             assert self.token_ids is not None
-            key = salt.encode() if salt else b""
-            hashes = self.hashes[block_size] = chain_hashes(self.token_ids, block_size, key)
+            hashes = self.hashes[block_size] = chain_hashes(self.token_ids, block_size, salt_key(salt))
         return hashes
 
 

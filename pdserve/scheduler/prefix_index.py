@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 
 from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.keys import Keys
+from pdserve.scheduler.registry import DEFAULT_TTL_S
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ WRITE_CHUNK = 4096
 class PrefixIndex:
     """Reads and writes the prefix index of one pdserve cluster."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: float = DEFAULT_TTL_S) -> None:
+        """``ttl_s``: the writer's registration TTL (the set's expiry); readers need none."""
         self.redis = redis
         self.keys = keys
         self.ttl_ms = max(1, int(ttl_s * 1000))

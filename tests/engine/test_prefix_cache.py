@@ -104,6 +104,27 @@ def test_a_hit_reuses_the_prefix_and_changes_no_bit(tiny_model_dir, hit_blocks: 
     assert_same(cold["b"][0], gen_b)
 
 
+@pytest.mark.parametrize("hit_blocks", [2, 5])
+def test_a_hit_inside_a_batch_changes_no_bit(tiny_model_dir, hit_blocks: int) -> None:
+    """The cached request joins a batch of others (decoding, and prefilling prompts of other
+    lengths, one with its own hit): tokens, logits and logprobs are those of an uncached engine
+    running it alone."""
+    params = GREEDY.replace(logprobs=2)
+    shared = ids(17, hit_blocks * BS)
+    prompt = shared + ids(18, 29)
+    ((alone, _),) = run(engine(tiny_model_dir, prefix_caching=False), {"b": prompt}, params).values()
+    warm = engine(tiny_model_dir, prefix_caching=True)
+    run(warm, {"a": shared + ids(19, 7)}, params)
+    others = {f"o{i}": ids(40 + i, 9 + 23 * i) for i in range(3)} | {"o-hit": shared + ids(20, 50)}
+    got = run(warm, {**others, "b": prompt}, params)
+    gen, cached = got["b"]
+    assert cached == hit_blocks * BS and got["o-hit"][1] == hit_blocks * BS
+    assert_same(alone, gen)
+    assert [(lp.token_id, lp.logprob, lp.top_logprobs) for lp in gen.logprobs] == [
+        (lp.token_id, lp.logprob, lp.top_logprobs) for lp in alone.logprobs
+    ]
+
+
 def test_the_whole_prompt_cached_still_computes_its_last_token(tiny_model_dir) -> None:
     prompt = ids(3, 4 * BS)  # exactly 4 blocks: 3 come from the cache, the last is recomputed
     eng = engine(tiny_model_dir, prefix_caching=True)
@@ -141,3 +162,16 @@ def test_prompt_logprobs_requests_compute_every_position(tiny_model_dir) -> None
     run(eng, {"a": prompt})
     ((gen, cached),) = run(eng, {"b": prompt}, GREEDY.replace(prompt_logprobs=0)).values()
     assert cached == 0 and len(gen.prompt_logprobs) == len(prompt)
+
+
+def test_the_queued_prefill_work_leaves_out_cached_prefixes(tiny_model_dir) -> None:
+    """Routers compare instances' queues by ``waiting_prefill_tokens``: a queued prompt whose prefix
+    is cached counts only what it will compute."""
+    shared = ids(61, 4 * BS)
+    eng = engine(tiny_model_dir, prefix_caching=True)
+    run(eng, {"a": shared + ids(62, 5)})
+    hit, cold = shared + ids(63, 11), ids(64, 30)
+    eng.add_request("hit", prompt_token_ids=hit, params=GREEDY)
+    eng.add_request("cold", prompt_token_ids=cold, params=GREEDY)
+    assert eng.load().waiting == 2
+    assert eng.load().waiting_prefill_tokens == (len(hit) - 4 * BS) + len(cold)
