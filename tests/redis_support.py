@@ -1,14 +1,18 @@
-"""Test helper shared by the scheduler tests: run a coroutine against a fresh client of the real Redis."""
+"""Test helpers on the real Redis: run a coroutine against a fresh client, read a request's deltas
+from a router's outbox."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import redis.asyncio as aioredis
 
-from pdserve.scheduler import RedisSettings
+from pdserve.scheduler import RedisSettings, RequestDelta, StepOutput
+from pdserve.scheduler.messages import decode_as
+from pdserve.scheduler.streams import FIELD
 
 T = TypeVar("T")
 
@@ -22,3 +26,23 @@ def run(redis_url: str, fn: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
             await client.aclose()
 
     return asyncio.run(main())
+
+
+async def outbox_deltas(
+    redis: aioredis.Redis, outbox: str, request_id: str, timeout_s: float = 20
+) -> AsyncIterator[RequestDelta]:
+    """The deltas of ``request_id`` in the outbox stream ``outbox``, from its start, as they come;
+    AssertionError when none is final within ``timeout_s``."""
+    last = b"0-0"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reply = await redis.xread({outbox: last}, block=500)
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                last = entry_id
+                for delta in decode_as(StepOutput, fields[FIELD]).items:
+                    if delta.request_id == request_id:
+                        yield delta
+                        if delta.is_final:
+                            return
+    raise AssertionError(f"{request_id} got no final event within {timeout_s:g} s")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis as redis_sync
+from redis_support import outbox_deltas
 from router_support import FakeWorker, answer, instance, redis_conn, router, run
 
 from pdserve.engine.config import EngineConfig
@@ -26,12 +27,9 @@ from pdserve.scheduler import (
     InboxMessage,
     Keys,
     RedisSettings,
-    StepOutput,
     Tokenize,
     send_to_inbox,
 )
-from pdserve.scheduler.messages import decode_as
-from pdserve.scheduler.streams import FIELD
 from pdserve.tokenizer import (
     Tokenizer,
     pack_tokenizer_files,
@@ -410,17 +408,9 @@ async def worker_tokenize(redis, keys: Keys, instance_id: str, messages: list[di
     request_id = uuid.uuid4().hex
     msg = Tokenize(request_id=request_id, router_id=ROUTER, deadline=time.time() + 30, messages=messages)
     await send_to_inbox(redis, keys, instance_id, msg)
-    last = b"0-0"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        reply = await redis.xread({keys.outbox(ROUTER): last}, block=500)
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                last = entry_id
-                for delta in decode_as(StepOutput, fields[FIELD]).items:
-                    if delta.request_id == request_id:
-                        assert delta.error is None, delta.error
-                        return delta.token_ids
+    async for delta in outbox_deltas(redis, keys.outbox(ROUTER), request_id):
+        assert delta.error is None, delta.error
+        return delta.token_ids
     raise AssertionError("the worker did not answer the tokenize")
 
 

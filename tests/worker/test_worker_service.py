@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 import redis as redis_sync
+from redis_support import outbox_deltas
 
 from pdserve.engine.config import EngineConfig
 from pdserve.sampling_params import SamplingParams
@@ -20,11 +21,8 @@ from pdserve.scheduler import (
     RedisSettings,
     RouterInfo,
     RouterRegistry,
-    StepOutput,
     send_to_inbox,
 )
-from pdserve.scheduler.messages import decode_as
-from pdserve.scheduler.streams import FIELD
 from pdserve.worker.service import WorkerService
 from pdserve.worker.settings import WorkerSettings
 
@@ -66,20 +64,11 @@ async def ask(
         sampling=SamplingParams(max_tokens=n, temperature=0.0),
     )
     await send_to_inbox(redis, keys, instance_id, msg)
-    tokens, last = [], b"0-0"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        reply = await redis.xread({keys.outbox(ROUTER): last}, block=500)
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                last = entry_id
-                for delta in decode_as(StepOutput, fields[FIELD]).items:
-                    if delta.request_id == request_id:
-                        tokens += delta.token_ids
-                        if delta.is_final:
-                            assert delta.error is None, delta.error
-                            return tokens
-    raise AssertionError(f"{request_id} got no final event")
+    tokens = []
+    async for delta in outbox_deltas(redis, keys.outbox(ROUTER), request_id):
+        assert delta.error is None, delta.error
+        tokens += delta.token_ids
+    return tokens
 
 
 async def router_registered(redis_url: str, cluster: str):
