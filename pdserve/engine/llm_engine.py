@@ -457,9 +457,6 @@ class LLMEngine:
         return True
 
     # ---- KV hand-off: decode side ------------------------------------------------------------
-    def can_reserve(self, num_prompt_tokens: int) -> bool:
-        return self.blocks.can_allocate(blocks_for(num_prompt_tokens, self.config.block_size))
-
     def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
         """Reserve blocks for an incoming prompt's K/V; raises EngineError when they are not free."""
         if request_id in self.reserved or request_id in self.requests:
