@@ -116,7 +116,9 @@ def test_a_message_that_cannot_be_encoded_fails_only_its_own_send(
             inbox = Inbox(r, KEYS, "e0")
             await inbox.ensure_group()
             got = [m.request_id for _, m in await inbox.read(count=20, block_ms=10)]
-            assert got == ["z", "a", "b"]
+            # one batch keeps its order; two batches in flight at once (z's, then a's and b's) may
+            # reach Redis in either order (each takes a pooled connection of its own)
+            assert sorted(got) == ["a", "b", "z"] and got.index("a") < got.index("b")
 
     run(main())
     assert "pdserve_redis_errors_total{" not in metrics.render().decode()
