@@ -564,9 +564,9 @@ class RoutedGeneration:
             )
         self._exclude.update(self._blamed or route.instance_ids)
         d.live.invalidate()
+        self._release_all()  # the failed attempt is no load on its instances: the pick must not count it
         next_route = await self._pick()  # raises when nothing can take it: this attempt stays current
         d.abort_soon(route, self.request_id, self.attempt, f"retried elsewhere after {error.kind}")
-        self._release_all()
         if self._first_token_timer is not None:
             self._first_token_timer.cancel()
         self.attempt += 1

@@ -1002,3 +1002,30 @@ def test_the_deadline_counts_from_arrival_not_from_admission(
             await worker.stop()
 
     run(main())
+
+
+def test_a_retry_does_not_count_the_failed_attempt_as_load(redis_url: str, redis_client: redis.Redis) -> None:
+    """The prefill instance of an attempt dies: the retry keeps the decode instance that is still
+    the better one (more free KV) — the failed attempt is no load on it any more."""
+
+    async def main() -> None:
+        async with (
+            router(redis_url, prefill_policy="least_load", decode_policy="least_load") as client,
+            redis_conn(redis_url) as r,
+        ):
+            p0 = await FakeWorker(r, instance("p0", "prefill"), silent, ttl_s=0.3).start()  # dies
+            d0 = await FakeWorker(r, instance("d0", "decode", free_blocks=100), silent).start()
+            d1 = await FakeWorker(r, instance("d1", "decode", free_blocks=50), silent).start()
+            request = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+            await p0.wait_for(lambda w: len(w.requests()) == 1)
+            assert p0.requests()[0].disaggregate_info.decode.id == "d0"
+            p1 = await FakeWorker(r, instance("p1", "prefill")).start()
+            resp = await request
+            assert resp.status_code == 200 and dispatcher(client).num_retries == 1
+            assert [m.disaggregate_info.decode.id for m in p1.requests()] == ["d0"]
+            await d0.wait_for(lambda w: [a.attempt for a in w.aborts()] == [0])
+            for worker in (p1, d0, d1):
+                await worker.stop()
+            await p0.stop(deregister=False)
+
+    run(main())
