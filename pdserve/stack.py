@@ -33,7 +33,7 @@ from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, ResolvedModel,
 from pdserve.errors import ConfigError
 from pdserve.flags import setting, to_argv
 from pdserve.router.settings import RouterSettings
-from pdserve.scheduler.connection import redact_url
+from pdserve.scheduler.connection import NO_WAIT, WAIT_REPLICAS_HELP, WAIT_TIMEOUT_HELP, redact_url
 from pdserve.scheduler.embedded import EmbeddedRedis, free_port, port_is_free
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
@@ -60,6 +60,8 @@ class StackSpec:
     mixed: int = setting(0, "mixed instances (default %(default)s)")
     cluster: str = setting(DEFAULT_CLUSTER, "namespace inside Redis (default %(default)s)")
     ttl_s: float = setting(DEFAULT_TTL_S, "registration TTL of every worker and router (default %(default)s)")
+    redis_wait_replicas: int = setting(NO_WAIT.replicas, f"every worker's and router's: {WAIT_REPLICAS_HELP}")
+    redis_wait_timeout_ms: int = setting(NO_WAIT.timeout_ms, WAIT_TIMEOUT_HELP)
     kv_transfer: str = setting(
         worker_default("kv_transfer"),
         "KV transports of every prefill/decode worker (as `pdserve worker --kv-transfer`; default %(default)s)",
@@ -198,6 +200,8 @@ class Stack:
                     redis_url=redis_url,
                     cluster=spec.cluster,
                     ttl_s=spec.ttl_s,
+                    redis_wait_replicas=spec.redis_wait_replicas,
+                    redis_wait_timeout_ms=spec.redis_wait_timeout_ms,
                     kv_transfer=spec.kv_transfer,
                     engine_kind=spec.engine_kind,
                     engine=engine,
@@ -217,6 +221,8 @@ class Stack:
                 host=spec.host,
                 port=spec.port + i,
                 ttl_s=spec.ttl_s,
+                redis_wait_replicas=spec.redis_wait_replicas,
+                redis_wait_timeout_ms=spec.redis_wait_timeout_ms,
                 **spec.router_options,
             )
             self.argv[f"router-{i}"] = ["router", *to_argv(dataclasses.replace(router, redis_url=""))]

@@ -39,9 +39,9 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def redis_client(redis_url: str):
     """A client on a flushed database; flushed again afterwards."""
-    import redis
+    from redis_support import sync_client
 
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     client.flushdb()
     yield client
     client.flushdb()

@@ -8,13 +8,29 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+import redis
 import redis.asyncio as aioredis
+from redis.cluster import ClusterNode, RedisCluster
+from redis.sentinel import Sentinel
 
 from pdserve.scheduler import RedisSettings, RequestDelta, StepOutput
 from pdserve.scheduler.messages import decode_as
 from pdserve.scheduler.streams import FIELD
 
 T = TypeVar("T")
+
+
+def sync_client(redis_url: str) -> redis.Redis | RedisCluster:
+    """A synchronous client for any URL pdserve accepts (a Sentinel's primary; a cluster, whose
+    FLUSHDB reaches every primary)."""
+    s = RedisSettings.from_url(redis_url)
+    auth = {"username": s.username, "password": s.password}
+    if s.mode == "cluster":
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in s.nodes], **auth)
+    if s.mode == "sentinel":
+        sentinels = Sentinel(list(s.nodes), sentinel_kwargs={"password": s.sentinel_password})
+        return sentinels.master_for(s.service_name, db=s.db, **auth)
+    return redis.Redis.from_url(redis_url)
 
 
 def run(redis_url: str, fn: Callable[[aioredis.Redis], Awaitable[T]]) -> T:

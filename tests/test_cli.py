@@ -343,7 +343,11 @@ def test_worker_metrics_listen_on_loopback_unless_told(tmp_path, monkeypatch) ->
 
     monkeypatch.delenv("PDSERVE_METRICS_HOST", raising=False)
     default = settings()
-    assert default.metrics_host == "127.0.0.1" and "redis" not in repr(default)
+    assert (
+        default.metrics_host == "127.0.0.1"
+        and "redis_url" not in repr(default)
+        and "redis://" not in repr(default)
+    )
     metrics = WorkerMetrics("mixed", "m0")
     metrics.serve(free_port(), default.metrics_host)
     try:

@@ -47,8 +47,6 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 
-import redis.asyncio as aioredis
-
 from pdserve.errors import (
     ClientDisconnectedError,
     ControlPlaneError,
@@ -66,6 +64,7 @@ from pdserve.router.selection import Route, Selector
 from pdserve.router.sender import InboxSender
 from pdserve.router.settings import RouterSettings
 from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.connection import RedisClient
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import (
     ANY_ATTEMPT,
@@ -92,7 +91,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         keys: Keys,
         live: LiveSetCache[InstanceInfo],
         reader: OutboxReader,
@@ -125,7 +124,9 @@ class Dispatcher:
         self.num_migrations = 0
         self.stopping = False
         self._peers: dict[str, tuple[InstanceInfo, PeerInfo]] = {}
-        self.sender = InboxSender(redis, keys, observe=metrics.on_redis if metrics is not None else None)
+        self.sender = InboxSender(
+            redis, keys, observe=metrics.on_redis if metrics is not None else None, wait=settings.replica_wait
+        )
         self._watcher: asyncio.Task[None] | None = None
 
     def route(

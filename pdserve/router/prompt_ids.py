@@ -22,11 +22,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import orjson
-import redis.asyncio as aioredis
 
 from pdserve.errors import ConfigError
 from pdserve.router.policies.base import PolicyRequest
-from pdserve.scheduler.connection import redis_errors
+from pdserve.scheduler.connection import RedisClient, redis_errors
 from pdserve.scheduler.keys import Keys
 from pdserve.tokenizer import Tokenizer, tokenizer_digest, unpack_tokenizer_files
 
@@ -67,7 +66,7 @@ class PromptTokenizer:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         keys: Keys,
         *,
         max_tokenizers: int = MAX_TOKENIZERS,

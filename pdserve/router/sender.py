@@ -17,10 +17,8 @@ import logging
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from pdserve.errors import ControlPlaneError, InvalidRequestError
-from pdserve.scheduler.connection import RedisObserver
+from pdserve.scheduler.connection import NO_WAIT, RedisClient, RedisObserver, ReplicaWait
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import InboxMessage, encode
 from pdserve.scheduler.streams import send_to_inbox
@@ -34,9 +32,16 @@ class InboxSender:
     """``await send(instance_id, msg)`` (raises ControlPlaneError, or InvalidRequestError when ``msg``
     cannot be encoded) or ``send_nowait`` (logs failures)."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, observe: RedisObserver | None = None) -> None:
+    def __init__(
+        self,
+        redis: RedisClient,
+        keys: Keys,
+        observe: RedisObserver | None = None,
+        wait: ReplicaWait = NO_WAIT,
+    ) -> None:
         self.redis = redis
         self.keys = keys
+        self.wait = wait  # a batch counts as sent once this many replicas hold it
         self.observe = observe  # op "inbox_send": one pipelined round trip per batch
         self.num_batches = 0
         self.num_messages = 0
@@ -87,10 +92,13 @@ class InboxSender:
         try:
             pipe = self.redis.pipeline(transaction=False)
             for instance_id, msg, data, _ in batch:
-                starts.append(len(pipe.command_stack))
+                starts.append(len(pipe))
                 await send_to_inbox(self.redis, self.keys, instance_id, msg, pipeline=pipe, data=data)
+            waits = self.wait.stage(pipe)
             results: list[Any] = await pipe.execute(raise_on_error=False)
-        except Exception as e:  # the round trip failed: every message of the batch failed
+            if waits:
+                self.wait.check(results[-1], f"sending {len(batch)} messages to inboxes")
+        except Exception as e:  # the round trip failed, or was not replicated: every message failed
             starts, results = [0] * len(batch), [e]
         if self.observe is not None:
             failed = next((r for r in results if isinstance(r, Exception)), None)
@@ -98,8 +106,12 @@ class InboxSender:
         for start, (instance_id, msg, _, future) in zip(starts, batch):
             result = results[start]
             if isinstance(result, Exception):
-                error = ControlPlaneError(
-                    f"Redis failed while sending to the inbox of {instance_id}: {result}"
+                error = (
+                    result
+                    if isinstance(result, ControlPlaneError)
+                    else ControlPlaneError(
+                        f"Redis failed while sending to the inbox of {instance_id}: {result}"
+                    )
                 )
                 if future is None:
                     logger.warning("could not send %s of %s: %s", msg.type, msg.request_id, error)

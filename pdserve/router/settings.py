@@ -16,7 +16,13 @@ from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting
 from pdserve.router.policies import POLICY_NAMES, PrefixWeights
 from pdserve.router.prefix_lookup import INDEX_KINDS
-from pdserve.scheduler.connection import DEFAULT_URL
+from pdserve.scheduler.connection import (
+    DEFAULT_URL,
+    NO_WAIT,
+    WAIT_REPLICAS_HELP,
+    WAIT_TIMEOUT_HELP,
+    ReplicaWait,
+)
 from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 
@@ -32,9 +38,14 @@ class RouterSettings:
     """
 
     redis_url: str = setting(
-        DEFAULT_URL, "Redis of the control plane (default %(default)s)", repr=False
+        DEFAULT_URL,
+        "Redis of the control plane: redis://, rediss:// (TLS), unix://, redis+sentinel://HOST:PORT[,...]/SERVICE[/DB] "
+        "or redis+cluster://HOST:PORT[,...] (default %(default)s)",
+        repr=False,
     )  # may hold a password
     cluster: str = setting(DEFAULT_CLUSTER, "cluster namespace inside Redis (default %(default)s)")
+    redis_wait_replicas: int = setting(NO_WAIT.replicas, WAIT_REPLICAS_HELP)
+    redis_wait_timeout_ms: int = setting(NO_WAIT.timeout_ms, WAIT_TIMEOUT_HELP)
     host: str = setting("127.0.0.1", "address to listen on (default %(default)s)")
     port: int = setting(8000, "port to listen on (default %(default)s)")
     router_id: str = setting("", "this router's id (default router-<hostname>-<port>-<random>)")
@@ -164,7 +175,12 @@ class RouterSettings:
     api_key_file: str = setting("", "a file of API keys, one per line (added to --api-key)")
     api_keys: frozenset[str] = dataclasses.field(default=frozenset(), init=False, repr=False)
 
+    @property
+    def replica_wait(self) -> ReplicaWait:
+        return ReplicaWait(self.redis_wait_replicas, self.redis_wait_timeout_ms)
+
     def __post_init__(self) -> None:
+        self.replica_wait.check_url(self.redis_url)
         keys = {k.strip() for k in self.api_key.split(",") if k.strip()}
         if self.api_key_file:
             try:

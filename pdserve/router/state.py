@@ -11,15 +11,13 @@ import os
 import socket
 import time
 
-import redis.asyncio as aioredis
-
 from pdserve.errors import ConfigError
 from pdserve.router.admission import Admission
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import NoCapacityError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.settings import RouterSettings
-from pdserve.scheduler.connection import RedisSettings, wait_for_redis
+from pdserve.scheduler.connection import RedisClient, RedisSettings, wait_for_redis
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import RouterInfo
 from pdserve.scheduler.registry import Heartbeat, InstanceRegistry, LiveSetCache, RouterRegistry
@@ -34,7 +32,7 @@ class RouterState:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.started_at = time.time()
-        self.redis: aioredis.Redis | None = None
+        self.redis: RedisClient | None = None
         self.reader: OutboxReader | None = None
         self.heartbeat: Heartbeat[RouterInfo] | None = None
         self._dispatcher: Dispatcher | None = None

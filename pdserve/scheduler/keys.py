@@ -101,6 +101,10 @@ class Keys:
         prefix cache holds; expires with the instance's registration (hash tag = the instance)."""
         return f"{PREFIX}:{self.cluster}:prefix:{{{validate_id(instance_id, 'instance id')}}}"
 
+    def prefix_index_scratch(self, instance_id: str) -> str:
+        """Where a full replacement of :meth:`prefix_index` is written before one RENAME (same slot)."""
+        return f"{self.prefix_index(instance_id)}:new"
+
     def tokenizer(self, digest: str) -> str:
         """A model's tokenizer files as instances publish them for routers, by content digest."""
         return f"{PREFIX}:{self.cluster}:tokenizer:{{{validate_id(digest, 'tokenizer digest')}}}"

@@ -19,9 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-import redis.asyncio as aioredis
-
-from pdserve.scheduler.connection import redis_errors
+from pdserve.scheduler.connection import RedisClient, redis_errors
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 
@@ -34,7 +32,7 @@ WRITE_CHUNK = 4096
 class PrefixIndex:
     """Reads and writes the prefix index of one pdserve cluster."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, ttl_s: float = DEFAULT_TTL_S) -> None:
         """``ttl_s``: the writer's registration TTL (the set's expiry); readers need none."""
         self.redis = redis
         self.keys = keys
@@ -59,16 +57,21 @@ class PrefixIndex:
         return bool(results[0]) or not changes
 
     async def replace(self, instance_id: str, hashes: Sequence[bytes]) -> None:
-        """Make the set exactly ``hashes`` (one transaction: no router sees it half-written)."""
+        """Make the set exactly ``hashes``: written under a scratch key on the same slot, then
+        RENAMEd over the set, so no router sees it half-written (no MULTI: see the registry)."""
         key = self.keys.prefix_index(instance_id)
         with redis_errors("publishing the prefix index"):
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.delete(key)
+            if not hashes:
+                await self.redis.delete(key)
+                return
+            scratch = self.keys.prefix_index_scratch(instance_id)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(scratch)
             for i in range(0, len(hashes), WRITE_CHUNK):
-                pipe.sadd(key, *hashes[i : i + WRITE_CHUNK])
-            if hashes:
-                pipe.pexpire(key, self.ttl_ms)
+                pipe.sadd(scratch, *hashes[i : i + WRITE_CHUNK])
+                pipe.pexpire(scratch, self.ttl_ms)  # a writer that dies here leaves nothing for long
             await pipe.execute()
+            await self.redis.rename(scratch, key)  # keeps the scratch key's expiry
 
     async def refresh(self, instance_id: str) -> bool:
         """Renew the set's expiry; False when it does not exist (empty, or lost with Redis)."""

@@ -13,11 +13,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar, cast
 
-import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
-
 from pdserve.errors import ControlPlaneError, MessageError
-from pdserve.scheduler.connection import RedisObserver, redis_errors, require_bytes_responses
+from pdserve.scheduler.connection import (
+    RedisClient,
+    RedisObserver,
+    redis_errors,
+    require_bytes_responses,
+)
 from pdserve.scheduler.keys import Keys, Kind
 from pdserve.scheduler.messages import InstanceInfo, RouterInfo, decode_as, encode
 from pdserve.scheduler.tasks import cancel_and_wait
@@ -28,6 +30,19 @@ DEFAULT_TTL_S = 6.0
 """Registration TTL; heartbeats renew it every ttl/3, so two lost beats in a row are tolerated."""
 
 InfoT = TypeVar("InfoT", InstanceInfo, RouterInfo)
+
+# KEYS[1] = registration key, KEYS[2] = index zset (one slot: the cluster's hash tag);
+# ARGV[1] = value, ARGV[2] = TTL (ms), ARGV[3] = expiry (unix ms), ARGV[4] = id.
+# A script rather than MULTI: as atomic, one round trip, and native on Redis Cluster (whose asyncio
+# client in redis-py runs a MULTI pipeline through a thread and an event loop per queued command).
+_REGISTER_LUA = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+"""
+_DEREGISTER_LUA = """
+redis.call('DEL', KEYS[1])
+return redis.call('ZREM', KEYS[2], ARGV[1])
+"""
 
 # KEYS[1] = index zset; ARGV[1] = now (unix ms); ARGV[2..] = ids whose registration key was missing.
 # Removes each id only if its score (expiry) is still in the past, so an id that re-registered
@@ -49,7 +64,7 @@ class Registry(Generic[InfoT]):
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         keys: Keys,
         kind: Kind,
         model: type[InfoT],
@@ -66,30 +81,30 @@ class Registry(Generic[InfoT]):
         self.ttl_s = ttl_s
         self.clock = clock
         self._prune = redis.register_script(_PRUNE_LUA)
+        self._register = redis.register_script(_REGISTER_LUA)
+        self._deregister = redis.register_script(_DEREGISTER_LUA)
         self._unreadable: set[str] = set()
 
-    async def register(self, info: InfoT, pipeline: Pipeline | None = None) -> None:
-        """Write the registration (SET PX ttl) and its index score (ZADD) in one MULTI round trip."""
+    async def register(self, info: InfoT) -> None:
+        """Write the registration (SET PX ttl) and its index score (ZADD), atomically in one round trip."""
         key = self.keys.member(self.kind, info.id)
         expiry_ms = int((self.clock() + self.ttl_s) * 1000)
-        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
-        pipe.set(key, encode(info), px=int(self.ttl_s * 1000))
-        pipe.zadd(self.keys.index(self.kind), {info.id: expiry_ms})
-        if pipeline is None:
-            with redis_errors(f"registering {self.kind} {info.id}"):
-                await pipe.execute()
+        with redis_errors(f"registering {self.kind} {info.id}"):
+            await self._register(
+                keys=[key, self.keys.index(self.kind)],
+                args=[encode(info), int(self.ttl_s * 1000), expiry_ms, info.id],
+                client=self.redis,
+            )
 
     heartbeat = register  # a heartbeat is a re-registration carrying the current load
 
-    async def deregister(self, member_id: str, pipeline: Pipeline | None = None) -> None:
+    async def deregister(self, member_id: str) -> None:
         """Remove the registration and its index entry (a clean shutdown; no TTL wait)."""
         key = self.keys.member(self.kind, member_id)
-        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
-        pipe.delete(key)
-        pipe.zrem(self.keys.index(self.kind), member_id)
-        if pipeline is None:
-            with redis_errors(f"deregistering {self.kind} {member_id}"):
-                await pipe.execute()
+        with redis_errors(f"deregistering {self.kind} {member_id}"):
+            await self._deregister(
+                keys=[key, self.keys.index(self.kind)], args=[member_id], client=self.redis
+            )
 
     async def get(self, member_id: str) -> InfoT | None:
         """The current registration of one member, or None if it is not alive."""
@@ -126,7 +141,7 @@ class Registry(Generic[InfoT]):
             gone: list[str] = [i for i, value in zip(ids, values, strict=True) if value is None]
             if gone:
                 now_ms = int((self.clock() if now is None else now) * 1000)
-                pruned = await self._prune(keys=[index], args=[now_ms, *gone])
+                pruned = await self._prune(keys=[index], args=[now_ms, *gone], client=self.redis)
                 logger.debug("pruned %d of %d gone %s ids from the index", pruned, len(gone), self.kind)
         infos = (self._parse(i, value) for i, value in zip(ids, values, strict=True) if value is not None)
         return [info for info in infos if info is not None]
@@ -148,7 +163,7 @@ class InstanceRegistry(Registry[InstanceInfo]):
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         keys: Keys,
         ttl_s: float = DEFAULT_TTL_S,
         clock: Callable[[], float] = time.time,
@@ -161,7 +176,7 @@ class RouterRegistry(Registry[RouterInfo]):
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         keys: Keys,
         ttl_s: float = DEFAULT_TTL_S,
         clock: Callable[[], float] = time.time,

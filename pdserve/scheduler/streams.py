@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import orjson
-import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, ResponseError
 from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
@@ -35,7 +33,16 @@ from pdserve.errors import (
     PdserveError,
     RouterStoppingError,
 )
-from pdserve.scheduler.connection import RedisObserver, redis_errors, require_bytes_responses
+from pdserve.scheduler.connection import (
+    NO_WAIT,
+    RedisClient,
+    RedisObserver,
+    RedisPipeline,
+    ReplicaWait,
+    connection_kwargs,
+    redis_errors,
+    require_bytes_responses,
+)
 from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
 from pdserve.scheduler.messages import (
     ANY_ATTEMPT,
@@ -69,11 +76,11 @@ Entry = tuple[bytes, InboxMessage]
 
 
 async def send_to_inbox(
-    redis: aioredis.Redis,
+    redis: RedisClient,
     keys: Keys,
     instance_id: str,
     msg: InboxMessage,
-    pipeline: Pipeline | None = None,
+    pipeline: RedisPipeline | None = None,
     maxlen: int = INBOX_MAXLEN,
     ttl_s: int = INBOX_TTL_S,
     data: bytes | None = None,
@@ -106,7 +113,7 @@ class Inbox:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         keys: Keys,
         instance_id: str,
         consumer: str | None = None,
@@ -153,12 +160,13 @@ class Inbox:
             self._pending_cursor = None
         return await self._accept(await self._xreadgroup(">", count, block_ms or None))
 
-    async def ack(self, entry_ids: Iterable[bytes | str], pipeline: Pipeline | None = None) -> None:
-        """XACK and XDEL the entries (in one MULTI), so handled work does not accumulate."""
+    async def ack(self, entry_ids: Iterable[bytes | str], pipeline: RedisPipeline | None = None) -> None:
+        """XACK and XDEL the entries (one round trip), so handled work does not accumulate. No MULTI:
+        an entry acked but not yet deleted (a crash between) is only trimmed later."""
         ids = list(entry_ids)
         if not ids:
             return
-        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=True)
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         pipe.xack(self.key, INBOX_GROUP, *ids)
         pipe.xdel(self.key, *ids)
         if pipeline is None:
@@ -238,7 +246,7 @@ class Inbox:
         with redis_errors(f"dead-lettering entries of {self.key}"):
             await pipe.execute()
 
-    def _stage_rejection(self, pipe: Pipeline, data: bytes, error: MessageError) -> None:
+    def _stage_rejection(self, pipe: RedisPipeline, data: bytes, error: MessageError) -> None:
         """Tell the request's router, when the bad message names one, so its client is not left waiting."""
         try:
             raw = orjson.loads(data)
@@ -260,29 +268,30 @@ class Outbox:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         keys: Keys,
         maxlen: int = OUTBOX_MAXLEN,
         ttl_s: int = OUTBOX_TTL_S,
+        wait: ReplicaWait = NO_WAIT,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.maxlen = maxlen
         self.ttl_s = ttl_s
+        self.wait = wait
 
-    async def publish(self, router_id: str, step: StepOutput, pipeline: Pipeline | None = None) -> None:
+    async def publish(self, router_id: str, step: StepOutput, pipeline: RedisPipeline | None = None) -> None:
         """XADD one step's deltas (MAXLEN ~ trimmed) to a router's outbox and refresh its TTL."""
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         _stage_publish(pipe, self.keys.outbox(router_id), step, self.maxlen, self.ttl_s)
         if pipeline is None:
-            with redis_errors(f"publishing to the outbox of router {router_id}"):
-                await pipe.execute()
+            await self._execute(pipe, f"publishing to the outbox of router {router_id}")
 
     async def publish_many(
         self,
         instance_id: str,
         deltas_by_router: Mapping[str, Sequence[RequestDelta]],
-        pipeline: Pipeline | None = None,
+        pipeline: RedisPipeline | None = None,
     ) -> None:
         """Publish one step of many routers' requests in one round trip (one entry per router)."""
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
@@ -290,13 +299,19 @@ class Outbox:
             if deltas:
                 step = StepOutput(instance_id=instance_id, items=list(deltas))
                 await self.publish(router_id, step, pipeline=pipe)
-        if pipeline is None and pipe.command_stack:
-            with redis_errors(f"publishing a step to {len(deltas_by_router)} outboxes"):
-                await pipe.execute()
+        if pipeline is None and len(pipe):
+            await self._execute(pipe, f"publishing a step to {len(deltas_by_router)} outboxes")
+
+    async def _execute(self, pipe: RedisPipeline, what: str) -> None:
+        waits = self.wait.stage(pipe)
+        with redis_errors(what):
+            results = await pipe.execute()
+        if waits:
+            self.wait.check(results[-1], what)
 
 
 def _stage_publish(
-    pipe: Pipeline, key: str, step: StepOutput, maxlen: int = OUTBOX_MAXLEN, ttl_s: int = OUTBOX_TTL_S
+    pipe: RedisPipeline, key: str, step: StepOutput, maxlen: int = OUTBOX_MAXLEN, ttl_s: int = OUTBOX_TTL_S
 ) -> None:
     pipe.xadd(key, {FIELD: encode(step)}, maxlen=maxlen, approximate=True)
     pipe.expire(key, ttl_s)
@@ -327,7 +342,7 @@ class OutboxReader:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         keys: Keys,
         router_id: str,
         *,
@@ -512,9 +527,9 @@ class OutboxReader:
             queue.put_nowait(RequestDelta.failure(request_id, error, retryable=True, attempt=ANY_ATTEMPT))
 
 
-def _check_block(redis: aioredis.Redis, block_ms: int) -> None:
+def _check_block(redis: RedisClient, block_ms: int) -> None:
     """A blocking read must return before the socket timeout, or it fails and is retried blindly."""
-    timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+    timeout = connection_kwargs(redis).get("socket_timeout")
     if timeout is not None and block_ms / 1000 >= timeout:
         raise ValueError(f"block_ms={block_ms} must stay below the client's socket timeout ({timeout} s)")
 

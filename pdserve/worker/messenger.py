@@ -16,8 +16,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-import redis.asyncio as aioredis
-
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.errors import ControlPlaneError, EngineError, PdserveError
 from pdserve.scheduler import (
@@ -31,6 +29,7 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
+from pdserve.scheduler.connection import NO_WAIT, RedisClient, ReplicaWait
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +80,20 @@ def _logprob(lp: TokenLogprob) -> LogprobInfo:
 
 class Messenger:
     def __init__(
-        self, redis: aioredis.Redis, keys: Keys, instance_id: str, give_up_after_s: float = 6.0
+        self,
+        redis: RedisClient,
+        keys: Keys,
+        instance_id: str,
+        give_up_after_s: float = 6.0,
+        wait: ReplicaWait = NO_WAIT,
     ) -> None:
-        """``give_up_after_s``: how long a failing send is retried (the registration TTL)."""
+        """``give_up_after_s``: how long a failing send is retried (the registration TTL); ``wait``:
+        how many replicas must hold a publish before it counts as sent."""
         self.redis = redis
         self.keys = keys
         self.instance_id = instance_id
         self.give_up_after_s = give_up_after_s
-        self.outbox = Outbox(redis, keys)
+        self.outbox = Outbox(redis, keys, wait=wait)
         self.num_send_retries = 0
 
     async def _retrying(self, what: str, send: Callable[[], Awaitable[object]]) -> bool:

@@ -100,7 +100,13 @@ class WorkerService:
             await self._publish_tokenizer()
             await self._start_transfer()
             self._start_metrics()
-            messenger = Messenger(self.redis, self.keys, self.id, give_up_after_s=self.settings.ttl_s)
+            messenger = Messenger(
+                self.redis,
+                self.keys,
+                self.id,
+                give_up_after_s=self.settings.ttl_s,
+                wait=self.settings.replica_wait,
+            )
             ctx = Context(self.id, self.engine, messenger, self.clock, self.transports, self.metrics)
             routers = RouterRegistry(self.redis, self.keys, ttl_s=self.settings.ttl_s)
             self.handler = RequestHandler(ctx, self.settings.role, routers)

@@ -15,7 +15,13 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_store import MODEL_HELP
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
-from pdserve.scheduler.connection import DEFAULT_URL
+from pdserve.scheduler.connection import (
+    DEFAULT_URL,
+    NO_WAIT,
+    WAIT_REPLICAS_HELP,
+    WAIT_TIMEOUT_HELP,
+    ReplicaWait,
+)
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 
@@ -49,11 +55,14 @@ class WorkerSettings:
     )
     redis_url: str = setting(
         DEFAULT_URL,
-        "Redis URL: redis:// or rediss:// (TLS), with user:password@ and /db (default %(default)s); "
+        "Redis URL: redis://, rediss:// (TLS), unix://, redis+sentinel://HOST:PORT[,...]/SERVICE[/DB] or "
+        "redis+cluster://HOST:PORT[,...], with user:password@ (default %(default)s); "
         "one with a password is best given as the variable (the command line shows in `ps`)",
         repr=False,
     )  # may hold a password
     cluster: str = setting(DEFAULT_CLUSTER, "namespace of this deployment inside Redis (default %(default)s)")
+    redis_wait_replicas: int = setting(NO_WAIT.replicas, WAIT_REPLICAS_HELP)
+    redis_wait_timeout_ms: int = setting(NO_WAIT.timeout_ms, WAIT_TIMEOUT_HELP)
     ttl_s: float = setting(
         DEFAULT_TTL_S, "registration TTL in seconds; heartbeats renew it every ttl/3 (default %(default)s)"
     )
@@ -103,7 +112,12 @@ class WorkerSettings:
     )
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 
+    @property
+    def replica_wait(self) -> ReplicaWait:
+        return ReplicaWait(self.redis_wait_replicas, self.redis_wait_timeout_ms)
+
     def __post_init__(self) -> None:
+        self.replica_wait.check_url(self.redis_url)
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         if self.model_dir is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import redis as redis_sync
-from redis_support import outbox_deltas
+from redis_support import outbox_deltas, sync_client
 from router_support import FakeWorker, answer, instance, redis_conn, router, run
 
 from pdserve.engine.config import EngineConfig
@@ -90,7 +90,7 @@ def engines(models: dict[str, Path]) -> dict[str, LLMEngine]:
 def cluster(redis_url: str):
     name = f"pid{uuid.uuid4().hex[:6]}"
     yield name
-    client = redis_sync.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     for key in client.scan_iter(f"pdserve:*{name}*"):
         client.delete(key)
     client.close()
@@ -381,7 +381,7 @@ def test_the_cache_keeps_only_the_latest_tokenizers(
 
 
 def test_what_cannot_be_tokenized_gives_none(redis_url: str, cluster: str, tiny_model_dir: Path) -> None:
-    client = redis_sync.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     blob, digest = pack_tokenizer_files(read_tokenizer_files(tiny_model_dir))
     forged = "0" * 32
     client.set(Keys(cluster).tokenizer(forged), blob)  # a value that is not its digest's

@@ -12,6 +12,7 @@ from router_support import KEYS, redis_conn, run
 from pdserve.errors import ControlPlaneError, InvalidRequestError
 from pdserve.router.sender import InboxSender
 from pdserve.scheduler import Abort, GenerateRequest, Inbox
+from pdserve.scheduler.connection import ReplicaWait
 
 
 def gen(request_id: str) -> GenerateRequest:
@@ -122,3 +123,23 @@ def test_a_message_that_cannot_be_encoded_fails_only_its_own_send(
 
     run(main())
     assert "pdserve_redis_errors_total{" not in metrics.render().decode()
+
+
+def test_a_batch_no_replica_acknowledged_fails_every_message(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """--redis-wait-replicas 1 on a Redis without replicas: the batch is written but not counted as
+    sent (a failover could lose it), so each send raises and the dispatcher retries it."""
+
+    async def main() -> None:
+        async with redis_conn(redis_url) as r:
+            sender = InboxSender(r, KEYS, wait=ReplicaWait(1, 50))
+            results = await asyncio.gather(
+                sender.send("w0", gen("a")), sender.send("w1", gen("b")), return_exceptions=True
+            )
+            assert all(isinstance(e, ControlPlaneError) and "0 of 1 replicas" in str(e) for e in results), (
+                results
+            )
+            assert await InboxSender(r, KEYS, wait=ReplicaWait(0)).send("w0", gen("c")) is None
+
+    run(main())

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pdserve.errors import ConfigError, ControlPlaneError
@@ -15,12 +16,18 @@ from pdserve.scheduler import (
     Inbox,
     InstanceRegistry,
     Keys,
+    Outbox,
     OutboxReader,
     RedisSettings,
+    RequestDelta,
+    StepOutput,
     check_server_version,
     redis_errors,
     wait_for_redis,
 )
+from pdserve.scheduler.connection import ReplicaWait, redact_url, redis_address
+
+KEYS = Keys("conn-test")
 
 
 def test_plain_url() -> None:
@@ -74,11 +81,93 @@ def test_unix_socket() -> None:
         ("redis://h/0?bogus=1", "unknown Redis URL option 'bogus'"),
         ("rediss://h/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of"),
         ("unix://", "needs a socket path"),
+        ("redis+sentinel://s1:26379", "needs the monitored primary's name"),
+        ("redis+sentinel://s1/a/b/c", "path is /<service>"),
+        ("redis+sentinel://s1:x/mymaster", "bad port 'x'"),
+        ("redis+sentinel://s1,,s2/mymaster", "empty host"),
+        ("redis+cluster://n1:7000/1", "only db 0"),
+        ("redis+cluster://n1:7000?db=2", "only db 0"),
+        ("redis+cluster://n1?sentinel_password=x", "unknown Redis URL option 'sentinel_password'"),
+        ("rediss+sentinel://s1/m", "TLS to a Sentinel or a Cluster is not supported"),
     ],
 )
 def test_bad_urls(url: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         RedisSettings.from_url(url)
+
+
+def test_sentinel_url_lists_sentinels_service_db_and_separate_sentinel_credentials() -> None:
+    url = (
+        "redis+sentinel://app:p%40ss@s1:5000,s2,[::1]:5002/mymaster/3?sentinel_password=sp%26w&client_name=r"
+    )
+    s = RedisSettings.from_url(url)
+    assert (s.mode, s.nodes, s.service_name, s.db) == (
+        "sentinel",
+        (("s1", 5000), ("s2", 26379), ("::1", 5002)),
+        "mymaster",
+        3,
+    )
+    assert (s.username, s.password, s.sentinel_password, s.client_name) == ("app", "p@ss", "sp&w", "r")
+    assert s.display_url == "redis+sentinel://app:***@s1:5000,s2:26379,[::1]:5002/mymaster/3"
+    assert "p%40ss" not in redact_url(url) and "sp%26w" not in redact_url(url)
+    assert "p@ss" not in repr(s) and "sp&w" not in repr(s)
+
+
+def test_cluster_url_lists_startup_nodes() -> None:
+    s = RedisSettings.from_url("redis+cluster://:pw@n1:7000,n2:7001,n3")
+    assert (s.mode, s.nodes, s.db, s.password) == (
+        "cluster",
+        (("n1", 7000), ("n2", 7001), ("n3", 6379)),
+        0,
+        "pw",
+    )
+    assert s.display_url == "redis+cluster://:***@n1:7000,n2:7001,n3:6379"
+
+
+def test_sentinel_and_cluster_clients_are_built_for_their_nodes() -> None:
+    async def main() -> None:
+        sentinel = RedisSettings.from_url("redis+sentinel://:pw@s1:5000,s2:5001/mymaster/2").connect()
+        pool = sentinel.connection_pool
+        assert isinstance(pool, SentinelConnectionPool) and pool.service_name == "mymaster"
+        assert [
+            (r.connection_pool.connection_kwargs["host"], r.connection_pool.connection_kwargs["port"])
+            for r in pool.sentinel_manager.sentinels
+        ] == [("s1", 5000), ("s2", 5001)]
+        assert (pool.connection_kwargs["db"], pool.connection_kwargs["password"]) == (2, "pw")
+        assert pool.connection_kwargs["retry"].get_retries() == 3
+        await sentinel.aclose()
+        cluster = RedisSettings.from_url("redis+cluster://n1:7000,n2:7001").connect()
+        assert isinstance(cluster, aioredis.RedisCluster)
+        assert sorted(cluster.nodes_manager.startup_nodes) == ["n1:7000", "n2:7001"]
+        assert redis_address(cluster) == "cluster n1:7000,n2:7001"
+        assert cluster.get_connection_kwargs()["decode_responses"] is False
+        await cluster.aclose()
+
+    asyncio.run(main())
+
+
+def test_replica_wait_fails_writes_no_replica_acknowledged(redis_url: str, redis_client) -> None:
+    """A server without replicas: WAIT 1 times out with 0, so the publish fails (to be retried);
+    WAIT 0 passes; a cluster URL refuses the flag."""
+
+    async def main() -> None:
+        client = RedisSettings.from_url(redis_url).connect()
+        step = StepOutput(instance_id="i0", items=[RequestDelta(request_id="q", token_ids=[1], text="a")])
+        try:
+            await Outbox(client, KEYS, wait=ReplicaWait(0)).publish("r1", step)
+            started = time.monotonic()
+            with pytest.raises(ControlPlaneError, match="0 of 1 replicas acknowledged within 50 ms"):
+                await Outbox(client, KEYS, wait=ReplicaWait(1, 50)).publish("r1", step)
+            assert time.monotonic() - started < 5  # bounded by the timeout, not hung
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+    with pytest.raises(ConfigError, match="--redis-wait-replicas needs one primary"):
+        ReplicaWait(1).check_url("redis+cluster://n1:7000")
+    ReplicaWait(1).check_url("redis+sentinel://s1/m")
+    with pytest.raises(ConfigError, match="--redis-wait-replicas must be >= 0"):
+        ReplicaWait(-1)
 
 
 def test_bad_scheme_message_hides_the_password() -> None:

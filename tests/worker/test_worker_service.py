@@ -9,8 +9,7 @@ import time
 import uuid
 
 import pytest
-import redis as redis_sync
-from redis_support import outbox_deltas
+from redis_support import outbox_deltas, sync_client
 
 from pdserve.engine.config import EngineConfig
 from pdserve.sampling_params import SamplingParams
@@ -84,7 +83,7 @@ async def router_registered(redis_url: str, cluster: str):
 @pytest.fixture
 def cluster(redis_url):
     name = f"svc{uuid.uuid4().hex[:6]}"
-    client = redis_sync.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     yield name
     for key in client.scan_iter(f"pdserve:{name}:*"):
         client.delete(key)
@@ -113,7 +112,7 @@ def test_the_registration_says_the_vocabulary_size(redis_url, tmp_path, tiny_mod
 
 def test_a_redis_user_denied_xdel_does_not_stop_the_worker(redis_url, tmp_path, cluster) -> None:
     """Acking an inbox entry is XACK+XDEL: when Redis refuses, the worker logs it and keeps serving."""
-    admin = redis_sync.Redis.from_url(redis_url)
+    admin = sync_client(redis_url)
     admin.execute_command("ACL", "SETUSER", "nodel", "on", ">nodel-pw", "~*", "&*", "+@all", "-xdel")
     limited = redis_url.replace("redis://", "redis://nodel:nodel-pw@")
 
