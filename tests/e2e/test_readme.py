@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ VENV = Path(sys.executable).parent.parent
 
 # Every ```bash block is one of these, recognised by a line it contains.
 AFTER_UP, PIECES, OFFLINE = "curl http://127.0.0.1:8000", "pdserve redis --port", "pdserve generate"
+SENTINEL = "pdserve redis --sentinel"
 NOT_RUN = {
     "make test": "the two commands: this test runs what `make up` runs, and `make test` runs this test",
     "benchmarks/engine_bench.py": "a benchmark of about 15 minutes, run by hand",
@@ -90,7 +92,7 @@ def shell(tmp_path: Path, smollm2_dir: Path):
 def test_every_bash_block_is_covered() -> None:
     """A new README block must be added here: run by the test below, or excluded with a reason."""
     for b in blocks("bash"):
-        kinds = [m for m in (AFTER_UP, PIECES, OFFLINE, *NOT_RUN) if m in b]
+        kinds = [m for m in (AFTER_UP, PIECES, OFFLINE, SENTINEL, *NOT_RUN) if m in b]
         assert len(kinds) == 1, f"README block not covered by tests/e2e/test_readme.py:\n{b}"
     assert len(blocks("python")) == 3
 
@@ -242,3 +244,55 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
     # model's text may hold characters str.splitlines() also breaks at (\x1e, \x1c, \u2028, ...)
     assert api.stdout.count("'prompt_tokens':") == 2, api.stdout
     assert len(api.stdout.rstrip("\n").split("\n")) >= 3, api.stdout
+
+
+def test_the_high_availability_commands_serve_through_sentinel(shell) -> None:
+    """The README's Sentinel block, each command in a fresh shell of its own: `pdserve redis
+    --sentinel` in the background, then `pdserve up` on its redis+sentinel:// URL; a chat completion
+    goes through, and Ctrl-C stops each (every Redis process with the first)."""
+    work, env, _, remap, _, _ = shell
+    activate, redis_line, up_line = block("bash", SENTINEL).strip().splitlines()
+    first = free_port(count=5)
+    router_port = free_port()
+
+    def start(line: str) -> subprocess.Popen:
+        command = line.split("#")[0].strip().removesuffix("&")
+        for i in range(5):  # primary, replica, 3 Sentinels: consecutive ports from --port
+            command = command.replace(str(26000 + i), str(first + i))
+        return subprocess.Popen(
+            ["bash", "-e", "-c", f"{activate}\nexec {remap(command)}"],
+            cwd=work,
+            env={**env, "PDSERVE_PORT": str(router_port)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def wait_for_line(proc: subprocess.Popen, text: str) -> str:
+        out = ""
+        while text not in out:
+            line = proc.stdout.readline()
+            assert line, f"exited early:\n{out}"
+            out += line
+        return out
+
+    redis = start(redis_line)
+    try:
+        assert "redis+sentinel://127.0.0.1:" in wait_for_line(redis, "Ctrl-C stops every process")
+        up = start(up_line)
+        try:
+            wait_for_line(up, "Ctrl-C stops everything")
+            body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+            r = httpx.post(f"http://127.0.0.1:{router_port}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        finally:
+            up.send_signal(signal.SIGINT)
+            up.communicate(timeout=90)
+        assert up.returncode == 0
+    finally:
+        redis.send_signal(signal.SIGINT)
+        redis.communicate(timeout=60)
+    assert redis.returncode == 0
+    for port in range(first, first + 5):  # every Redis process is gone
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()

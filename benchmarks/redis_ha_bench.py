@@ -1,0 +1,185 @@
+"""The control plane on one Redis, on Sentinel (with and without --redis-wait-replicas), and on a
+3-primary Redis Cluster, side by side in one invocation.
+
+The same stack each time: --routers routers and --instances prefill + --instances decode workers
+with the echo engine (no model: every request costs the control plane what a real one does, and
+next to nothing else), all on 127.0.0.1. The same workload goes through each configuration:
+--requests streaming chats of 16 output tokens at --concurrency, spread over the routers, driven
+by pdserve.bench from this process. Reported: req/s, TTFT p50/p99, and the CPU the routers and the
+Redis processes spent per request (user+system from /proc). Prints a table and writes JSON.
+
+    python benchmarks/redis_ha_bench.py [--requests 2000] [--concurrency 64] [--configs single,cluster]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from router_overhead import cpu_seconds  # noqa: E402  (a sibling script)
+
+from pdserve import bench  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.scheduler.embedded import EmbeddedRedis, free_port  # noqa: E402
+from pdserve.scheduler.embedded_ha import EmbeddedCluster, EmbeddedSentinel  # noqa: E402
+from pdserve.stack import Stack, StackSpec  # noqa: E402
+
+CONFIGS = ("single", "sentinel", "sentinel-wait1", "cluster")
+
+
+def start_redis(config: str) -> tuple[Any, str, Callable[[], list[int]]]:
+    """The Redis of one configuration: (server, URL, the pids to meter)."""
+    if config == "single":
+        single = EmbeddedRedis()
+        single.start()
+        return single, single.url, lambda: [single.proc.pid] if single.proc else []
+    if config.startswith("sentinel"):
+        sentinel = EmbeddedSentinel(replicas=2 if config == "sentinel-wait1" else 1)
+        sentinel.start()
+        return sentinel, sentinel.url, lambda: [p.pid for _, _, p in sentinel.processes() if p is not None]
+    cluster = EmbeddedCluster(primaries=3)
+    cluster.start()
+    return cluster, cluster.url, lambda: [p.pid for _, _, p in cluster.processes() if p is not None]
+
+
+def run_config(config: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
+    server, url, redis_pids = start_redis(config)
+    spec = StackSpec(
+        model=model,
+        redis_url=url,
+        engine_kind="echo",
+        routers=args.routers,
+        prefill=args.instances,
+        decode=args.instances,
+        port=free_port(count=args.routers),
+        cluster=f"bench{os.getpid()}",
+        redis_wait_replicas=1 if config == "sentinel-wait1" else 0,
+        engine=EngineConfig(num_blocks=4096, threads=1),
+        ready_timeout_s=120,
+    )
+    stack = Stack(spec)
+    try:
+        stack.start()
+        stack.wait_ready()
+        router_pids = [p.pid for _, p in stack.routers]
+        served = stack.model.name
+        rng = __import__("random").Random(0)
+
+        async def drive(n: int) -> tuple[list[bench.Result], float]:
+            """``n`` chats, an equal share through each router at once."""
+            prompts = bench.random_prompts(n, 32, 16, 0.0, True, rng)
+            share = -(-n // len(stack.urls))
+            per_router = args.concurrency // len(stack.urls) or 1
+            t0 = time.perf_counter()
+            runs = await asyncio.gather(
+                *(
+                    bench.run(
+                        u,
+                        "/v1/chat/completions",
+                        served,
+                        prompts[i * share : (i + 1) * share],
+                        per_router,
+                        float("inf"),
+                        True,
+                        0,
+                    )
+                    for i, u in enumerate(stack.urls)
+                )
+            )
+            return [r for results, _ in runs for r in results], time.perf_counter() - t0
+
+        asyncio.run(drive(min(200, args.requests)))  # warm-up
+        cpu0 = sum(cpu_seconds(p) for p in router_pids)
+        redis0 = sum(cpu_seconds(p) for p in redis_pids())
+        results, duration = asyncio.run(drive(args.requests))
+        router_cpu = sum(cpu_seconds(p) for p in router_pids) - cpu0
+        redis_cpu = sum(cpu_seconds(p) for p in redis_pids()) - redis0
+    finally:
+        stack.stop(grace_s=15)
+        server.close()
+    s = bench.summarize(results, duration, (50, 99))
+    ok = max(1, s["successful_requests"])
+    return {
+        "config": config,
+        "ok": s["successful_requests"],
+        "failed": s["failed_requests"],
+        "errors": s["errors"],
+        "req_s": s["request_throughput"],
+        "ttft_p50_ms": s["metrics"]["ttft_ms"]["p50"],
+        "ttft_p99_ms": s["metrics"]["ttft_ms"]["p99"],
+        "router_cpu_ms_per_req": router_cpu / ok * 1e3,
+        "redis_cpu_ms_per_req": redis_cpu / ok * 1e3,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--requests", type=int, default=2000, help="measured requests per configuration (default %(default)s)"
+    )
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=64,
+        help="requests in flight, over all routers (default %(default)s)",
+    )
+    ap.add_argument("--routers", type=int, default=2, help="routers (default %(default)s)")
+    ap.add_argument(
+        "--instances",
+        type=int,
+        default=2,
+        help="prefill and as many decode echo workers (default %(default)s)",
+    )
+    ap.add_argument(
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)} (default all)"
+    )
+    ap.add_argument(
+        "--model", default="tiny", help="whose tokenizer the echo workers use (default %(default)s)"
+    )
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "redis_ha.json")
+    args = ap.parse_args()
+    configs = args.configs.split(",")
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        ap.error(f"--configs: unknown {unknown[0]!r}; known: {', '.join(CONFIGS)}")
+    rows = []
+    for config in configs:
+        print(
+            f"{config}: {args.requests} requests at concurrency {args.concurrency} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        rows.append(run_config(config, args, args.model))
+    print(
+        f"\n{os.cpu_count()} cores; {args.routers} routers, {args.instances}P + {args.instances}D echo workers; streaming chat, 16 output tokens"
+    )
+    print(
+        f"{'config':<15} {'ok':>5} {'failed':>6} {'req/s':>7} {'TTFT p50 ms':>11} {'p99':>7} {'router CPU ms/req':>17} {'Redis CPU ms/req':>16}"
+    )
+    for r in rows:
+        print(
+            f"{r['config']:<15} {r['ok']:>5} {r['failed']:>6} {r['req_s']:>7.1f} {r['ttft_p50_ms']:>11.1f} {r['ttft_p99_ms']:>7.1f} "
+            f"{r['router_cpu_ms_per_req']:>17.2f} {r['redis_cpu_ms_per_req']:>16.2f}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {"cores": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+            indent=2,
+        )
+    )
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

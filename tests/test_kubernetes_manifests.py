@@ -1,0 +1,600 @@
+"""deploy/kubernetes: every manifest is a valid Kubernetes object (checked offline against the API's
+schemas, strictly: an unknown field fails), every file is used by a kustomization, and the objects
+keep pdserve's contract: routers probed on /ready, prefill and decode as StatefulSets whose pod
+names are their instance ids and whose /dev/shm is memory large enough for the KV cache, the Redis
+URL only ever from a Secret, scrape annotations naming the port that serves metrics, and only
+PDSERVE_* variables pdserve reads, with values its settings accept.
+
+The kustomizations are rendered here by a small renderer of the features they use (resources,
+patches of maps, images), so the checks run on what `kubectl apply -k` would send. Nothing reaches the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import math
+import os
+import re
+import shlex
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml  # type: ignore[import-untyped]
+
+from pdserve.cli import build_parser, engine_config
+from pdserve.flags import from_args
+from pdserve.scheduler.connection import RedisSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+KUBE = ROOT / "deploy" / "kubernetes"
+VERSIONS = ("1.37", "1.30")  # the newest schemas kubernetes-validate ships, and an older common one
+COMPONENTS = {"router", "prefill", "decode", "redis", "redis-sentinel"}
+WORKLOADS = ("Deployment", "StatefulSet")
+KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches", "images"}
+"""What the renderer below understands; a kustomization using more needs the renderer taught it."""
+SECRET = ("pdserve-redis", "url")
+POD_IP = "10.0.0.7"
+Obj = dict[str, Any]
+
+
+# ---- reading and rendering ----------------------------------------------------------------------
+def documents(path: Path) -> list[Obj]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in KUBE.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def kustomization_dirs() -> list[Path]:
+    return sorted(p.parent for p in KUBE.rglob("kustomization.yaml"))
+
+
+def kustomization(folder: Path) -> Obj:
+    return yaml.safe_load((folder / "kustomization.yaml").read_text())
+
+
+def listed(folder: Path) -> Iterator[tuple[str, Path]]:
+    """(field, path) of every file or folder one kustomization names."""
+    k = kustomization(folder)
+    for entry in k.get("resources", []):
+        yield "resources", (folder / entry).resolve()
+    for patch in k.get("patches", []):
+        yield "patches", (folder / patch["path"]).resolve()
+
+
+def merge(target: Obj, patch: Obj, where: str) -> None:
+    """A strategic merge patch made of maps only (lists would need kustomize's merge keys)."""
+    for key, value in patch.items():
+        assert not isinstance(value, list), f"{where}: the test's renderer cannot merge the list {key!r}"
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge(target[key], value, f"{where}.{key}")
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+def pod_spec(obj: Obj) -> Obj:
+    return obj["spec"]["template"]["spec"]
+
+
+def all_containers(obj: Obj) -> list[Obj]:
+    spec = pod_spec(obj)
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def image_name(image: str) -> str:
+    return image.rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
+
+
+def render(folder: Path) -> list[Obj]:
+    """The objects `kubectl kustomize folder` prints (the features KUSTOMIZATION_FIELDS allows)."""
+    k = kustomization(folder)
+    assert set(k) <= KUSTOMIZATION_FIELDS, (
+        f"{folder}: fields the test cannot render: {set(k) - KUSTOMIZATION_FIELDS}"
+    )
+    objects: list[Obj] = []
+    for field, path in listed(folder):
+        if field == "resources":
+            objects += render(path) if path.is_dir() else documents(path)
+    for field, path in listed(folder):
+        if field == "patches":
+            for patch in documents(path):
+                key = (patch["kind"], patch["metadata"]["name"])
+                targets = [o for o in objects if (o["kind"], o["metadata"]["name"]) == key]
+                assert len(targets) == 1, f"{path}: patch of {key} matches {len(targets)} objects"
+                merge(targets[0], patch, str(path))
+    for image in k.get("images", []):
+        for obj in objects:
+            if obj["kind"] in WORKLOADS:
+                for c in all_containers(obj):
+                    if image_name(c["image"]) == image["name"]:
+                        tag = image.get("newTag") or c["image"][len(image["name"]) + 1 :]
+                        c["image"] = f"{image.get('newName', image['name'])}:{tag}"
+    return objects
+
+
+@dataclasses.dataclass
+class Stack:
+    """What one `kubectl apply -k` of a kustomization that no other one uses deploys."""
+
+    folder: Path
+    objects: list[Obj]
+
+    def of_kind(self, kind: str) -> list[Obj]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> Obj:
+        found = [o for o in self.of_kind(kind) if o["metadata"]["name"] == name]
+        assert len(found) == 1, f"{self.folder.relative_to(ROOT)}: {len(found)} {kind} named {name}"
+        return found[0]
+
+    def workload(self, component: str) -> Obj:
+        (obj,) = [o for o in self.workloads() if component_of(o) == component]
+        return obj
+
+    def workloads(self) -> list[Obj]:
+        return [o for o in self.objects if o["kind"] in WORKLOADS]
+
+    def pdserve_workloads(self) -> list[Obj]:
+        return [o for o in self.workloads() if pdserve_container(o) is not None]
+
+    def secret_value(self, name: str, key: str) -> str:
+        secret = self.get("Secret", name)
+        assert key in secret.get("stringData", {}), f"Secret {name} has no stringData key {key}"
+        return secret["stringData"][key]
+
+
+def root_folders() -> list[Path]:
+    """The kustomizations no other one uses: each is one `kubectl apply -k`."""
+    used = {path for folder in kustomization_dirs() for _, path in listed(folder)}
+    return [folder for folder in kustomization_dirs() if folder.resolve() not in used]
+
+
+@functools.cache
+def stack_at(folder: Path) -> Stack:
+    return Stack(folder, render(folder))
+
+
+def stacks() -> list[Stack]:
+    return [stack_at(folder) for folder in ROOTS]
+
+
+def component_of(obj: Obj) -> str:
+    return obj["metadata"].get("labels", {}).get("app.kubernetes.io/component", "")
+
+
+def pdserve_container(obj: Obj) -> Obj | None:
+    """The container running pdserve in a workload (the image the Dockerfile builds)."""
+    found = [c for c in pod_spec(obj)["containers"] if image_name(c["image"]).rsplit("/", 1)[-1] == "pdserve"]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+def env_of(container: Obj) -> dict[str, Obj]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def quantity(text: str | int | float) -> float:
+    """A Kubernetes quantity (500m, 2, 256Mi, 1Gi, 1.5G) as a number."""
+    suffixes = {
+        "m": 1e-3,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "T": 1e12,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+    }
+    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(text))
+    assert m and m[2] in {"", *suffixes}, f"not a quantity: {text!r}"
+    return float(m[1]) * suffixes.get(m[2], 1)
+
+
+def container_port(container: Obj, port: str | int) -> int:
+    """The number of a declared containerPort, given by name or number."""
+    for p in container.get("ports", []):
+        if port in (p.get("name"), p["containerPort"], str(p["containerPort"])):
+            return int(p["containerPort"])
+    raise AssertionError(f"container {container['name']} declares no port {port!r}")
+
+
+def declares(container: Obj, port: str | int) -> bool:
+    return any(port in (p.get("name"), p["containerPort"]) for p in container.get("ports", []))
+
+
+def environment(stack: Stack, obj: Obj, container: Obj) -> dict[str, str]:
+    """The container's variables as the kubelet would set them in the first pod."""
+    out = {}
+    for name, e in env_of(container).items():
+        if "value" in e:
+            out[name] = str(e["value"])
+            continue
+        source = e["valueFrom"]
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            out[name] = stack.secret_value(ref["name"], ref["key"])
+        elif "fieldRef" in source:
+            fields = {
+                "metadata.name": f"{obj['metadata']['name']}-0",
+                "metadata.namespace": "pdserve",
+                "spec.nodeName": "node-1",
+                "status.podIP": POD_IP,
+                "status.hostIP": "192.168.0.10",
+            }
+            out[name] = fields[source["fieldRef"]["fieldPath"]]
+        elif "resourceFieldRef" in source:
+            ref = source["resourceFieldRef"]
+            assert ref.get("containerName", container["name"]) == container["name"]
+            kind, resource = ref["resource"].split(".")
+            value = quantity(container["resources"][kind][resource]) / quantity(ref.get("divisor", "1"))
+            out[name] = str(math.ceil(value))
+        else:
+            raise AssertionError(f"{name}: unknown valueFrom {source}")
+    return out
+
+
+ROOTS = root_folders()
+
+
+def folder_id(folder: Path) -> str:
+    return str(folder.relative_to(KUBE)) if folder != KUBE else "default"
+
+
+def stack_id(stack: Stack) -> str:
+    return folder_id(stack.folder)
+
+
+@pytest.fixture(params=ROOTS, ids=folder_id)
+def stack(request: pytest.FixtureRequest) -> Stack:
+    return stack_at(request.param)
+
+
+# ---- the files as Kubernetes and kustomize see them ---------------------------------------------
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_manifest_is_a_valid_kubernetes_object(version: str) -> None:
+    """Each document of each manifest (patches included: each is a whole object) against the API
+    schemas of that version, strict: a misspelt or misplaced field fails."""
+    checked, errors = 0, []
+    for path in manifest_files():
+        for doc in documents(path):
+            where = f"{path.relative_to(KUBE)}: {doc.get('kind')} {doc.get('metadata', {}).get('name')}"
+            assert "namespace" not in doc.get("metadata", {}), (
+                f"{where} names a namespace: kustomize or -n sets it"
+            )
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                errors.append(f"{where}: {'.'.join(map(str, e.path))}: {e.message}")
+            except kubernetes_validate.SchemaNotFoundError as e:
+                errors.append(f"{where}: {e.message}")
+            checked += 1
+    assert not errors, "\n".join(errors)
+    assert checked >= 10
+
+
+def test_kustomizations_name_existing_files_and_every_manifest_is_used() -> None:
+    used: set[Path] = set()
+    for folder in kustomization_dirs():
+        k = kustomization(folder)
+        assert (k["apiVersion"], k["kind"]) == ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+        assert set(k) <= KUSTOMIZATION_FIELDS, f"{folder}: {set(k) - KUSTOMIZATION_FIELDS}"
+        for field, path in listed(folder):
+            where = f"{folder.relative_to(ROOT)}/kustomization.yaml {field}: {path}"
+            assert path.is_relative_to(KUBE), f"{where} is outside deploy/kubernetes"
+            if path.is_dir():
+                assert field == "resources" and (path / "kustomization.yaml").is_file(), f"{where}"
+            else:
+                assert path.is_file() and path.suffix == ".yaml", f"{where} does not exist"
+            used.add(path)
+    forgotten = [str(p.relative_to(KUBE)) for p in manifest_files() if p.resolve() not in used]
+    assert not forgotten, f"manifests no kustomization lists: {forgotten}"
+    assert {folder_id(f) for f in ROOTS} == {"default", "redis-sentinel"}
+
+
+# ---- pdserve's contract -------------------------------------------------------------------------
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_objects_are_labelled_and_every_selector_selects(stack: Stack) -> None:
+    for obj in stack.objects:
+        labels = obj["metadata"].get("labels", {})
+        where = f"{obj['kind']} {obj['metadata']['name']}"
+        assert labels.get("app.kubernetes.io/name") == "pdserve", where
+        assert labels.get("app.kubernetes.io/component") in COMPONENTS, where
+    templates = {
+        o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"] for o in stack.workloads()
+    }
+    for obj in stack.workloads():
+        name, template = obj["metadata"]["name"], templates[obj["metadata"]["name"]]
+        assert selects(obj["spec"]["selector"]["matchLabels"], template), name
+        assert template.get("app.kubernetes.io/component") == component_of(obj), name
+        # one workload per selector: two selecting the same pods would fight over them
+        others = [
+            n
+            for n, t in templates.items()
+            if n != name and selects(obj["spec"]["selector"]["matchLabels"], t)
+        ]
+        assert not others, f"{name}'s selector also selects {others}"
+    for svc in stack.of_kind("Service"):
+        chosen = [n for n, t in templates.items() if selects(svc["spec"]["selector"], t)]
+        assert len(chosen) == 1, f"Service {svc['metadata']['name']} selects {chosen}"
+        workload = next(o for o in stack.workloads() if o["metadata"]["name"] == chosen[0])
+        for port in svc["spec"]["ports"]:
+            assert any(declares(c, port["targetPort"]) for c in pod_spec(workload)["containers"]), port
+    for sts in stack.of_kind("StatefulSet"):
+        svc = stack.get("Service", sts["spec"]["serviceName"])
+        assert svc["spec"].get("clusterIP") == "None", (
+            f"StatefulSet {sts['metadata']['name']}: headless Service"
+        )
+        assert selects(svc["spec"]["selector"], templates[sts["metadata"]["name"]])
+    for kind in ("PodDisruptionBudget", "NetworkPolicy"):
+        for obj in stack.of_kind(kind):
+            selector = obj["spec"].get("selector") or obj["spec"]["podSelector"]
+            chosen = [n for n, t in templates.items() if selector_matches(selector, t)]
+            assert chosen, f"{kind} {obj['metadata']['name']} selects no pods"
+
+
+def selector_matches(selector: Obj, labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels and In expressions) against a pod's labels."""
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", "the test knows only In"
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def test_router_is_probed_on_ready_and_health_routes_it_serves(stack: Stack) -> None:
+    """Readiness is /ready (Redis answers and a decode instance is live), liveness /health (the
+    process), both on the port the router listens on, and both GET routes of the router app."""
+    from pdserve.router.app import create_app
+    from pdserve.router.settings import RouterSettings
+
+    router = stack.workload("router")
+    assert router["kind"] == "Deployment"
+    container = pdserve_container(router)
+    assert container is not None and container["args"][0] == "router"
+    env = environment(stack, router, container)
+    ready, live = container["readinessProbe"]["httpGet"], container["livenessProbe"]["httpGet"]
+    assert ready["path"] == "/ready"
+    assert live["path"] == "/health"
+    for probe in (ready, live):
+        assert container_port(container, probe["port"]) == int(env["PDSERVE_PORT"])
+    assert env["PDSERVE_HOST"] not in ("127.0.0.1", "localhost", "::1"), "the kubelet probes the pod's IP"
+    app = create_app(RouterSettings())
+    routes = {(getattr(r, "path", ""), m) for r in app.routes for m in getattr(r, "methods", ())}
+    assert {(ready["path"], "GET"), (live["path"], "GET")} <= routes
+
+
+def test_router_autoscaler_targets_the_router_deployment(stack: Stack) -> None:
+    (hpa,) = stack.of_kind("HorizontalPodAutoscaler")
+    target = hpa["spec"]["scaleTargetRef"]
+    router = stack.workload("router")
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        router["apiVersion"],
+        router["kind"],
+        router["metadata"]["name"],
+    )
+    assert hpa["spec"]["minReplicas"] >= 2
+    # A replica count in the Deployment would undo the autoscaler's at every `kubectl apply`.
+    assert "replicas" not in router["spec"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu" and metric["resource"]["target"]["type"] == "Utilization"
+    # Utilization is relative to the request, so the router must request CPU.
+    container = pdserve_container(router)
+    assert container is not None and quantity(container["resources"]["requests"]["cpu"]) > 0
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_workers_are_statefulsets_with_a_memory_dev_shm(stack: Stack, role: str) -> None:
+    """A decode instance's KV cache is a segment in /dev/shm committed at start (the worker exits if
+    it does not fit), and tmpfs pages count against the container's memory limit."""
+    worker = stack.workload(role)
+    assert worker["kind"] == "StatefulSet"
+    container = pdserve_container(worker)
+    assert container is not None and container["args"][0] == "worker"
+    env = environment(stack, worker, container)
+    assert env["PDSERVE_ROLE"] == role
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod_spec(worker)["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    shm = quantity(volume["emptyDir"]["sizeLimit"])
+    memory_limit = quantity(container["resources"]["limits"]["memory"])
+    assert shm <= memory_limit
+    if role == "decode":
+        kv = quantity(env["PDSERVE_KV_CACHE_GB"]) * 2**30
+        assert shm >= kv, f"/dev/shm {shm / 2**20:.0f} MiB cannot hold the {kv / 2**20:.0f} MiB KV cache"
+        assert memory_limit >= kv + 1 * 2**30, "the limit covers the cache in /dev/shm and ~1 GiB besides"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_worker_identity_and_transfer_address_come_from_the_pod(stack: Stack, role: str) -> None:
+    """Stable instance ids from the StatefulSet's pod names; one host identity per pod (pods share
+    no /dev/shm, so the router must not pair two pods through shm); KV over Mooncake at the pod IP;
+    readiness from `pdserve status --check` of that same instance id."""
+    worker = stack.workload(role)
+    container = pdserve_container(worker)
+    assert container is not None
+    env = env_of(container)
+
+    def field(name: str) -> str:
+        return env[name]["valueFrom"]["fieldRef"]["fieldPath"]
+
+    assert field("PDSERVE_INSTANCE_ID") == "metadata.name"
+    assert field("PDSERVE_HOSTNAME") == "metadata.name"
+    assert field("PDSERVE_TRANSFER_ADDRESS") == "status.podIP"
+    assert env["PDSERVE_KV_TRANSFER"]["value"] == "mooncake"
+    threads = env["PDSERVE_THREADS"]["valueFrom"]["resourceFieldRef"]
+    assert threads["resource"] == "limits.cpu" and threads["containerName"] == container["name"]
+
+    (shell, flag, script) = container["readinessProbe"]["exec"]["command"]
+    assert (shell, flag) == ("sh", "-c")
+    argv = shlex.split(script)
+    assert argv[:2] == ["exec", "pdserve"], script
+    args = build_parser().parse_args(argv[2:])
+    assert args.command == "status" and args.check == "$PDSERVE_INSTANCE_ID"  # sh expands it
+
+
+def pdserve_containers() -> Iterator[tuple[Stack, Obj, Obj]]:
+    for stack in stacks():
+        for obj in stack.pdserve_workloads():
+            container = pdserve_container(obj)
+            assert container is not None
+            yield stack, obj, container
+
+
+REDIS_URL = re.compile(r"(redis|rediss|unix|redis\+\w+)://", re.I)
+
+
+def test_redis_url_comes_from_the_secret_in_every_pdserve_container() -> None:
+    """The URL may hold a password: never a literal in a manifest, never on a command line."""
+    seen = 0
+    for stack, obj, container in pdserve_containers():
+        where = f"{stack_id(stack)}: {obj['metadata']['name']}"
+        ref = env_of(container)["PDSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == SECRET, where
+        RedisSettings.from_url(stack.secret_value(*SECRET))  # a URL pdserve can use
+        seen += 1
+    for stack in stacks():
+        for obj in stack.workloads():
+            for c in all_containers(obj):
+                argv = [*c.get("command", []), *c.get("args", [])]
+                for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                    argv += c.get(probe, {}).get("exec", {}).get("command", [])
+                assert not any("--redis-url" in a or REDIS_URL.search(a) for a in argv), (
+                    obj["metadata"],
+                    argv,
+                )
+                literal = [e["name"] for e in c.get("env", []) if REDIS_URL.search(str(e.get("value", "")))]
+                assert not literal, f"{obj['metadata']['name']}: Redis URL as a literal in {literal}"
+    assert seen == 3 * len(ROOTS)  # router, prefill, decode
+
+
+def test_sentinel_stack_points_pdserve_at_its_sentinels() -> None:
+    """The Secret's URL lists exactly the Sentinel pods by their DNS names and the name they monitor
+    the primary under; the Sentinels and the Redis pods agree on names and ports."""
+    stack = stack_at(KUBE / "redis-sentinel")
+    url = RedisSettings.from_url(stack.secret_value(*SECRET))
+    assert url.mode == "sentinel"
+    sentinels, redis = stack.workload("redis-sentinel"), stack.workload("redis")
+    assert sentinels["spec"]["replicas"] == 3 and redis["spec"]["replicas"] == 2
+    for obj in (sentinels, redis):
+        assert {c["image"] for c in all_containers(obj)} == {"redis:7.4"}
+
+    def dns(sts: Obj, i: int) -> str:
+        return f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}"
+
+    sentinel_port = container_port(pod_spec(sentinels)["containers"][0], "sentinel")
+    expected = {(dns(sentinels, i), sentinel_port) for i in range(sentinels["spec"]["replicas"])}
+    assert set(url.nodes) == expected
+
+    (config,) = stack.of_kind("ConfigMap")
+    data = config["data"]
+    monitor = re.search(r"^sentinel monitor (\S+) @PRIMARY@ (\d+) (\d+)$", data["sentinel.conf"], re.M)
+    assert monitor, data["sentinel.conf"]
+    assert monitor[1] == url.service_name
+    assert int(monitor[2]) == container_port(pod_spec(redis)["containers"][0], "redis")
+    assert sentinels["spec"]["replicas"] // 2 < int(monitor[3]) <= sentinels["spec"]["replicas"]  # a majority
+    peers = "for i in " + " ".join(str(i) for i in range(sentinels["spec"]["replicas"]))
+    for script in ("init-redis.sh", "init-sentinel.sh"):
+        text = data[script]
+        assert f'primary="{dns(redis, 0)}"' in text and peers in text, script
+        assert f"get-master-addr-by-name {url.service_name}" in text, script
+        assert subprocess.run(["sh", "-n"], input=text, text=True, check=False).returncode == 0, script
+    # every file a container runs from the ConfigMap's volume is in the ConfigMap
+    for obj in (sentinels, redis):
+        (volume,) = [v for v in pod_spec(obj)["volumes"] if v.get("configMap")]
+        assert volume["configMap"]["name"] == config["metadata"]["name"]
+        for c in all_containers(obj):
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            for arg in c["command"]:
+                folder, _, name = arg.rpartition("/")
+                if mounts.get(folder) == volume["name"]:
+                    assert name in data, (
+                        f"{obj['metadata']['name']}/{c['name']} runs {arg}, not in the ConfigMap"
+                    )
+
+
+def test_pdserve_pods_are_scraped_on_the_port_serving_metrics() -> None:
+    for stack, obj, container in pdserve_containers():
+        where = f"{stack_id(stack)}: {obj['metadata']['name']}"
+        notes = obj["spec"]["template"]["metadata"].get("annotations", {})
+        assert notes.get("prometheus.io/scrape") == "true", where
+        assert notes.get("prometheus.io/path") == "/metrics", where
+        port = container_port(container, int(notes["prometheus.io/port"]))
+        env = environment(stack, obj, container)
+        if container["args"][0] == "router":  # /metrics on its HTTP port
+            assert port == int(env["PDSERVE_PORT"]), where
+            assert env.get("PDSERVE_METRICS", "true") in ("1", "true", "yes", "on"), where
+        else:  # the worker's own metrics server, off unless given a port
+            assert port == int(env["PDSERVE_METRICS_PORT"]), where
+            assert env["PDSERVE_METRICS_HOST"] in ("0.0.0.0", "::"), where
+
+
+def pdserve_reads() -> set[str]:
+    """PDSERVE_* variables read outside argparse (e.g. PDSERVE_CACHE_DIR), found in the source."""
+    found: set[str] = set()
+    for path in (ROOT / "pdserve").rglob("*.py"):
+        found |= set(re.findall(r"""environ(?:\.get\(|\[)\s*["'](PDSERVE_\w+)["']""", path.read_text()))
+    return found
+
+
+def subcommand(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[command]
+
+
+def variables_of(command: str) -> set[str]:
+    parser = build_parser()
+    helps = [a.help or "" for a in [*parser._actions, *subcommand(parser, command)._actions]]
+    return {v for h in helps for v in re.findall(r"\[env (PDSERVE_\w+)\]", h)}
+
+
+def test_pdserve_reads_every_variable_the_manifests_set() -> None:
+    """A variable pdserve does not read is a setting silently lost (e.g. PDSERVE_INSTANCEID)."""
+    extra = pdserve_reads()
+    assert "PDSERVE_CACHE_DIR" in extra
+    for stack, obj, container in pdserve_containers():
+        known = variables_of(container["args"][0]) | extra
+        unknown = sorted(n for n in env_of(container) if n.startswith("PDSERVE_") and n not in known)
+        assert not unknown, (
+            f"{stack_id(stack)}: {obj['metadata']['name']} sets {unknown}, which pdserve never reads"
+        )
+        # No Service links: a Service named `pdserve` would otherwise set PDSERVE_PORT=tcp://...
+        assert pod_spec(obj).get("enableServiceLinks") is False, obj["metadata"]["name"]
+
+
+def test_each_pdserve_container_environment_makes_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the container's command would build from its variables: flags' types and choices, and
+    the settings' own checks (the image's entrypoint is `pdserve`)."""
+    from pdserve.router.settings import settings_from_args
+    from pdserve.worker.settings import WorkerSettings
+
+    for stack, obj, container in pdserve_containers():
+        with monkeypatch.context() as m:
+            for name in [n for n in os.environ if n.startswith("PDSERVE_")]:
+                m.delenv(name)
+            for name, value in environment(stack, obj, container).items():
+                m.setenv(name, value)
+            parser = build_parser()
+            args = parser.parse_args(container["args"])
+            for action in subcommand(parser, args.command)._actions:  # argparse checks no default
+                given = getattr(args, action.dest, None)
+                if action.choices is not None and given is not None:
+                    assert given in action.choices, f"{obj['metadata']['name']}: {action.dest}={given!r}"
+            if args.command == "router":
+                settings: Any = settings_from_args(args)
+            else:
+                settings = from_args(WorkerSettings, args, engine=engine_config(args))
+                assert settings.instance_id == settings.host == f"{obj['metadata']['name']}-0"
+                assert settings.transfer_address == POD_IP
+            RedisSettings.from_url(settings.redis_url)
