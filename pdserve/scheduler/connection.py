@@ -297,6 +297,15 @@ def connection_kwargs(client: RedisClient) -> dict[str, Any]:
     return client.connection_pool.connection_kwargs
 
 
+async def server_info(client: RedisClient, key: str) -> dict[str, Any]:
+    """``INFO server`` of the server holding ``key``: on a cluster, the shard owning its slot (its
+    ``run_id`` tells whether the data behind that key was lost to a restart), else the one server."""
+    if isinstance(client, aioredis.RedisCluster):
+        await client.initialize()  # the slot map (a no-op once known)
+        return await client.info("server", target_nodes=client.get_node_from_key(key))
+    return await client.info("server")
+
+
 def require_bytes_responses(client: RedisClient) -> None:
     """Raise ValueError unless ``client`` returns bytes (``decode_responses=False``, as connect() makes)."""
     if connection_kwargs(client).get("decode_responses"):

@@ -42,6 +42,7 @@ from pdserve.scheduler.connection import (
     connection_kwargs,
     redis_errors,
     require_bytes_responses,
+    server_info,
 )
 from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
 from pdserve.scheduler.messages import (
@@ -489,7 +490,7 @@ class OutboxReader:
         if self._run_id == "":
             return  # INFO is forbidden here: no restart detection
         try:
-            run_id = (await self.redis.info("server")).get("run_id", "")
+            run_id = (await server_info(self.redis, self.key)).get("run_id", "")
         except ResponseError as e:
             logger.warning("%s: cannot read Redis's run_id (%s); restarts will not be detected", self.key, e)
             run_id = ""
