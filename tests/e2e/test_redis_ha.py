@@ -99,6 +99,7 @@ def test_a_sentinel_failover_under_load_ends_every_stream_clearly(tiny_model_dir
         prefill=1,
         decode=2,
         redis_wait_replicas=wait_replicas,
+        redis_wait_timeout_ms=2000,  # a loaded CI host: replicas may ack late
         router_options={"first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S},
     )
     try:
