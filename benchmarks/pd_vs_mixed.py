@@ -42,6 +42,7 @@ def main() -> int:
     rows = []
     for layout, counts in LAYOUTS.items():
         spec = StackSpec(
+            batch_workers=0,
             model=model_dir,
             redis_url=None,
             port=free_port(),

@@ -216,6 +216,7 @@ def run_config(
 
     for attempt in (1, 2, 3):  # a free port taken meanwhile by another process fails a start
         spec = StackSpec(
+            batch_workers=0,
             model=args.model,
             port=free_port(count=2),
             routers=2,

@@ -54,6 +54,7 @@ def start_redis(config: str) -> tuple[Any, str, Callable[[], list[int]]]:
 def run_config(config: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
     server, url, redis_pids = start_redis(config)
     spec = StackSpec(
+        batch_workers=0,
         model=model,
         redis_url=url,
         engine_kind="echo",

@@ -75,7 +75,9 @@ def main() -> int:
             for variant in list(VARIANTS) if r % 2 == 0 else reversed(VARIANTS):
                 paths = VARIANTS[variant]
                 engine = EngineConfig(max_model_len=max_len, max_num_seqs=args.concurrency, **paths)
-                spec = StackSpec(model=model_dir, redis_url=None, port=free_port(), engine=engine)
+                spec = StackSpec(
+                    batch_workers=0, model=model_dir, redis_url=None, port=free_port(), engine=engine
+                )
                 stack = Stack(spec)
                 try:
                     print(

@@ -345,6 +345,13 @@ def cmd_redis_ha(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
+def cmd_batch_worker(args: argparse.Namespace) -> int:
+    from pdserve.batch.settings import BatchWorkerSettings
+    from pdserve.batch.worker import run_batch_worker
+
+    return run_batch_worker(BatchWorkerSettings.from_args(args))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from pdserve.scheduler.connection import DEFAULT_URL
     from pdserve.scheduler.keys import DEFAULT_CLUSTER
@@ -364,6 +371,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 # ---- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     # here, not at the top: importing pdserve.cli loads no worker code (both modules are light)
+    from pdserve.batch.settings import BatchWorkerSettings
     from pdserve.engine.model_store import MODEL_HELP, PRESETS
     from pdserve.scheduler.connection import DEFAULT_URL
     from pdserve.stack import StackSpec
@@ -487,6 +495,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_router_arguments(router)
     router.set_defaults(func=run_router)
+
+    batch = add_command(
+        "batch-worker",
+        help="run batch lines (the OpenAI Batch API's jobs on rq) in the instances' spare capacity",
+        description="Run an rq worker for the Batch API: it validates uploaded batches and runs their "
+        "lines through an in-process router (same checks, dispatch and retries as online requests), "
+        "only while some instance of the model has spare capacity (--max-load). A worker killed "
+        "mid-batch loses nothing: the lines it had not written are run again by another or a restarted "
+        "worker, and none is written twice. Needs a single Redis or Sentinel (rq has no Cluster support). "
+        "`rq info --url REDIS_URL` shows its queue and workers.",
+    )
+    BatchWorkerSettings.add_arguments(batch)
+    batch.set_defaults(func=cmd_batch_worker)
 
     up = add_command(
         "up",

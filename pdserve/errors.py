@@ -3,7 +3,8 @@
     PdserveError                 internal_error
     ├── ConfigError              configuration_error   bad model folder, flag or configuration value
     ├── InvalidRequestError      invalid_request       a request field is wrong (``param`` names it)
-    │   └── RequestTooLongError  context_length_exceeded   prompt + max_tokens can never fit
+    │   ├── RequestTooLongError  context_length_exceeded   prompt + max_tokens can never fit
+    │   └── NotFoundError        not_found             a file or batch id that does not exist
     ├── EngineError              engine_error          the engine failed while running a request
     ├── TransferError            kv_transfer_failed    KV cache bytes could not be moved
     ├── ControlPlaneError        control_plane_unavailable   Redis unreachable, too old, or refusing
@@ -53,6 +54,12 @@ class RequestTooLongError(InvalidRequestError):
     """The prompt plus ``max_tokens`` can never fit into the model length or the KV cache."""
 
     kind = "context_length_exceeded"
+
+
+class NotFoundError(InvalidRequestError):
+    """A file or batch id names nothing (deleted, expired, or never created)."""
+
+    kind = "not_found"
 
 
 class EngineError(PdserveError, RuntimeError):

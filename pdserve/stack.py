@@ -33,7 +33,13 @@ from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, ResolvedModel,
 from pdserve.errors import ConfigError
 from pdserve.flags import setting, to_argv
 from pdserve.router.settings import RouterSettings
-from pdserve.scheduler.connection import NO_WAIT, WAIT_REPLICAS_HELP, WAIT_TIMEOUT_HELP, redact_url
+from pdserve.scheduler.connection import (
+    NO_WAIT,
+    WAIT_REPLICAS_HELP,
+    WAIT_TIMEOUT_HELP,
+    RedisSettings,
+    redact_url,
+)
 from pdserve.scheduler.embedded import EmbeddedRedis, free_port, port_is_free
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
@@ -58,6 +64,11 @@ class StackSpec:
     prefill: int = setting(1, "prefill instances (default %(default)s)")
     decode: int = setting(1, "decode instances (default %(default)s)")
     mixed: int = setting(0, "mixed instances (default %(default)s)")
+    batch_workers: int = setting(
+        1,
+        "batch workers running the Batch API's lines in spare capacity (`pdserve batch-worker`); "
+        "none on a Redis Cluster, which rq does not support (default %(default)s)",
+    )
     cluster: str = setting(DEFAULT_CLUSTER, "namespace inside Redis (default %(default)s)")
     ttl_s: float = setting(DEFAULT_TTL_S, "registration TTL of every worker and router (default %(default)s)")
     redis_wait_replicas: int = setting(NO_WAIT.replicas, f"every worker's and router's: {WAIT_REPLICAS_HELP}")
@@ -84,9 +95,9 @@ class StackSpec:
     ready_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        for name in ("routers", "prefill", "decode", "mixed"):
+        for name in ("routers", "prefill", "decode", "mixed", "batch_workers"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0")
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
         if self.routers < 1:
             raise ConfigError("--routers must be >= 1")
         if self.prefill + self.decode + self.mixed < 1:
@@ -156,6 +167,7 @@ class Stack:
         self.workers: list[tuple[str, subprocess.Popen]] = []
         self.instance_ids: list[str] = []
         self.routers: list[tuple[str, subprocess.Popen]] = []
+        self.batch_workers: list[tuple[str, subprocess.Popen]] = []
         self.redis_url = ""  # set by start()
         self.argv: dict[str, list[str]] = {}  # each child's command line, to restart it
         self.restarts: dict[str, int] = {}
@@ -227,6 +239,26 @@ class Stack:
             )
             self.argv[f"router-{i}"] = ["router", *to_argv(dataclasses.replace(router, redis_url=""))]
             self.routers.append((f"router-{i}", self._spawn(self.argv[f"router-{i}"])))
+        batch_workers = spec.batch_workers
+        if batch_workers and RedisSettings.from_url(redis_url).mode == "cluster":
+            log.warning("no batch workers: the Batch API runs on rq, which does not support Redis Cluster")
+            batch_workers = 0
+        for i in range(batch_workers):
+            name = f"batch-{i}"
+            self.argv[name] = [
+                "batch-worker",
+                "--name",
+                f"{name}-{uuid.uuid4().hex[:6]}",
+                "--cluster",
+                spec.cluster,
+                "--ttl",
+                str(spec.ttl_s),
+                "--redis-wait-replicas",
+                str(spec.redis_wait_replicas),
+                "--redis-wait-timeout-ms",
+                str(spec.redis_wait_timeout_ms),
+            ]
+            self.batch_workers.append((name, self._spawn(self.argv[name])))
 
     def record(self) -> None:
         """Write ``record_path()`` (read by ``pdserve status``); ``stop`` removes it."""
@@ -277,7 +309,7 @@ class Stack:
         memory segment is removed as soon as its exit is seen, not only when it comes back.
         """
         now, restarted = time.monotonic(), []
-        for group in (self.workers, self.routers):
+        for group in (self.workers, self.routers, self.batch_workers):
             for i, (name, proc) in enumerate(group):
                 if proc.poll() is None:
                     continue
@@ -299,18 +331,19 @@ class Stack:
         return restarted
 
     def check_children(self) -> None:
-        for name, proc in self.workers + self.routers:
+        for name, proc in self.workers + self.routers + self.batch_workers:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}")
 
     def stop(self, grace_s: float = 35.0) -> list[str]:
-        """Routers first (they stop taking requests and finish the streams they serve), then workers
-        (they drain), then Redis last, so nothing in flight loses its control plane.
+        """Batch workers first (they finish the lines in flight), then routers (they stop taking
+        requests and finish the streams they serve), then workers (they drain), then Redis last, so
+        nothing in flight loses its control plane.
 
         Returns the children that had not exited ``grace_s`` after SIGTERM and had to be killed.
         """
         killed = []
-        for group in (self.routers, self.workers):
+        for group in (self.batch_workers, self.routers, self.workers):
             for _, proc in group:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)

@@ -15,7 +15,7 @@ import pytest
 from pdserve.cli import build_parser, main
 from pdserve.stack import record_path, running_stack
 
-COMMANDS = ("model", "generate", "worker", "router", "up", "redis", "status")
+COMMANDS = ("model", "generate", "worker", "router", "batch-worker", "up", "redis", "status")
 
 
 def subcommands(parser):
@@ -305,7 +305,8 @@ def test_stack_keeps_the_redis_password_off_argv_the_banner_and_other_users(tmp_
     stack = Stack(spec)
     try:
         stack.start()
-        for name, proc in stack.workers + stack.routers:
+        assert stack.batch_workers, "the default stack runs a batch worker"
+        for name, proc in stack.workers + stack.routers + stack.batch_workers:
             cmdline = (Path(f"/proc/{proc.pid}/cmdline")).read_bytes()
             assert password.encode() not in cmdline, (name, cmdline)
         stack.wait_ready()  # the children did connect: the password reached them

@@ -30,8 +30,10 @@ ALLOWED = {  # layer -> the pdserve layers its modules may import
     "engine": {"engine", "cache_transfer", *LEAVES},
     "router": {"router", "scheduler", *LEAVES},
     "worker": {"worker", "engine", "scheduler", "cache_transfer", *LEAVES},
+    "batch": {"batch", "router", "scheduler", *LEAVES},  # a router without a listener, on rq
 }
 NO_PADDLE = (
+    "batch",
     "scheduler",
     "cache_transfer",
     "router",

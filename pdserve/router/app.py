@@ -7,7 +7,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``GET /v1/models/{id}``, ``POST /tokenize`` and ``/detokenize`` (:mod:`.tokenize`), ``GET /health``
 (the process is up), ``GET /ready`` (Redis answers and something can generate), ``GET /version``, ``GET /v1/instances`` (the live set plus this router's
 in-flight counts, for operators; no data-plane endpoints unless ``?details=1`` with an API key), ``GET /metrics`` (Prometheus text; open like /health; 404 with
-``--no-metrics``).
+``--no-metrics``); the Batch API (:mod:`.batch_api`): ``POST``/``GET /v1/files``,
+``GET``/``DELETE /v1/files/{id}``, ``GET /v1/files/{id}/content``, ``POST``/``GET /v1/batches``,
+``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdserve import __version__
 from pdserve.errors import PdserveError
 from pdserve.router.asgi import JsonResponse, error_response, send_error
+from pdserve.router.batch_api import add_batch_routes
 from pdserve.router.errors import AuthenticationError, ModelNotFoundError, NoCapacityError, error_body
 from pdserve.router.protocol import (
     ChatCompletionRequest,
@@ -169,6 +172,7 @@ def create_app(settings: RouterSettings) -> RouterApp:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     _add_operator_routes(app, state)
+    add_batch_routes(app, state)
     return app
 
 

@@ -5,7 +5,7 @@ The router adds a few leaves to the tree of :mod:`pdserve.errors` (HTTP-only sit
     PdserveError
     ├── InvalidRequestError
     │   ├── ModelNotFoundError     the requested model is not served by any live instance -> 404
-    │   ├── BodyTooLargeError      the request body exceeds --max-body-bytes -> 413
+    │   ├── BodyTooLargeError      the body exceeds --max-body-bytes (a file --max-file-bytes) -> 413
     │   └── AuthenticationError    no valid API key (--api-key) -> 401
     ├── OverloadedError            --max-in-flight running and --max-queued waiting -> 429 + Retry-After
     ├── NoCapacityError            nothing can serve the request now -> 503 + Retry-After
@@ -31,6 +31,7 @@ from pdserve.errors import (
     InstanceLostError,
     InvalidRequestError,
     MessageError,
+    NotFoundError,
     PdserveError,
     RequestTimeoutError,
     RequestTooLongError,
@@ -57,12 +58,12 @@ class ModelNotFoundError(InvalidRequestError):
 
 
 class BodyTooLargeError(InvalidRequestError):
-    """The request body is larger than the router accepts."""
+    """The request body (or ``what`` in it, such as an uploaded file) is larger than the router accepts."""
 
     kind = "request_too_large"
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"request body exceeds the limit of {limit} bytes", None)
+    def __init__(self, limit: int, what: str = "request body", param: str | None = None) -> None:
+        super().__init__(f"{what} exceeds the limit of {limit} bytes", param)
 
 
 class AuthenticationError(InvalidRequestError):
@@ -120,6 +121,7 @@ ERROR_MAP: dict[type[BaseException], ErrorKind] = {
     InvalidRequestError: ErrorKind(400, "invalid_request_error"),
     RequestTooLongError: ErrorKind(400, "invalid_request_error", "context_length_exceeded"),
     ModelNotFoundError: ErrorKind(404, "invalid_request_error", "model_not_found"),
+    NotFoundError: ErrorKind(404, "invalid_request_error", "not_found"),
     BodyTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
     AuthenticationError: ErrorKind(401, "invalid_request_error", "invalid_api_key"),
     OverloadedError: ErrorKind(429, "requests", "rate_limit_exceeded", retry_after=True),

@@ -23,6 +23,7 @@ from pdserve.scheduler.connection import (
     WAIT_TIMEOUT_HELP,
     ReplicaWait,
 )
+from pdserve.scheduler.files import DEFAULT_FILE_TTL_S, DEFAULT_MAX_FILE_BYTES
 from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 
@@ -162,6 +163,18 @@ class RouterSettings:
     """How often the watcher compares in-flight requests with the live set."""
     redis_wait_s: float = 30.0
     """How long startup waits for Redis before giving up."""
+    files_dir: str = setting(
+        "",
+        "keep the Batch API's file contents in this folder, which every router and batch worker must "
+        "share (default: in Redis, next to their metadata: nothing to mount)",
+    )
+    max_file_bytes: int = setting(
+        DEFAULT_MAX_FILE_BYTES, "largest file POST /v1/files accepts (413 above) (default %(default)s)"
+    )
+    file_ttl_s: int = setting(
+        DEFAULT_FILE_TTL_S,
+        "seconds a file (uploaded or a batch's output) is kept (default %(default)s: 30 days)",
+    )
     access_log: bool = setting(False, "log every HTTP request (default off)")
     metrics: bool = setting(
         True, "Prometheus metrics at GET /metrics, open like /health (default on; --no-metrics: off, 404)"
@@ -199,6 +212,9 @@ class RouterSettings:
             validate_id(self.cluster, "cluster name")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        for flag, value in (("--max-file-bytes", self.max_file_bytes), ("--file-ttl", self.file_ttl_s)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1 (got {value})")
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
                 raise ConfigError(

@@ -17,7 +17,10 @@ from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import NoCapacityError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.settings import RouterSettings
+from pdserve.scheduler.batch_queue import BatchQueue
+from pdserve.scheduler.batches import BatchStore
 from pdserve.scheduler.connection import RedisClient, RedisSettings, wait_for_redis
+from pdserve.scheduler.files import FileStore
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import RouterInfo
 from pdserve.scheduler.registry import Heartbeat, InstanceRegistry, LiveSetCache, RouterRegistry
@@ -36,6 +39,9 @@ class RouterState:
         self.reader: OutboxReader | None = None
         self.heartbeat: Heartbeat[RouterInfo] | None = None
         self._dispatcher: Dispatcher | None = None
+        self.files: FileStore | None = None
+        self.batches: BatchStore | None = None
+        self._batch_queue: BatchQueue | None = None
         self.metrics = RouterMetrics() if settings.metrics else None
         self.admission = Admission(
             settings.max_in_flight, settings.max_queued, settings.first_token_timeout_s
@@ -59,6 +65,8 @@ class RouterState:
                 raise ConfigError(
                     f"--router-id {s.router_id} is registered by a live router; pick another id"
                 )
+            self.files = FileStore(self.redis, keys, s.max_file_bytes, s.file_ttl_s, s.files_dir or None)
+            self.batches = BatchStore(self.redis, keys)
             observe = self.metrics.on_redis if self.metrics is not None else None
             live = LiveSetCache(
                 InstanceRegistry(self.redis, keys, s.ttl_s), s.live_set_max_age_s, observe=observe
@@ -77,6 +85,15 @@ class RouterState:
             raise
         logger.info("router %s ready on %s (cluster %s)", s.router_id, s.url, s.cluster)
 
+    def batch_queue(self) -> BatchQueue:
+        """The rq queue of batch jobs (its blocking client made on first use; ConfigError on a
+        Redis Cluster, which rq does not support)."""
+        if self._batch_queue is None:
+            s = self.settings
+            client = RedisSettings.from_url(s.redis_url, client_name=s.router_id).connect_sync()
+            self._batch_queue = BatchQueue(client, Keys(s.cluster))
+        return self._batch_queue
+
     async def stop(self) -> None:
         """Stop the watcher, fail what is still in flight, deregister, disconnect."""
         dispatcher, self._dispatcher = self._dispatcher, None
@@ -88,6 +105,8 @@ class RouterState:
             await self.heartbeat.stop()
         if self.redis is not None:
             await self.redis.aclose()
+        if self._batch_queue is not None:
+            self._batch_queue.connection.close()
 
     def _router_info(self) -> RouterInfo:
         s = self.settings

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeAlias
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline
@@ -28,6 +29,8 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry as SyncRetry
+from redis.sentinel import Sentinel as SyncSentinel
 
 from pdserve.errors import ConfigError, ControlPlaneError
 
@@ -237,6 +240,46 @@ class RedisSettings:
             if self.ssl:
                 kwargs.update(ssl=True, ssl_cert_reqs=self.ssl_cert_reqs, ssl_ca_certs=self.ssl_ca_certs)
         return aioredis.Redis(**kwargs)
+
+    def connect_sync(self) -> redis.Redis:
+        """A blocking client for rq (the Batch API's job queue), which speaks only redis-py's
+        synchronous API; ConfigError for a cluster, which rq does not support."""
+        if self.mode == "cluster":
+            raise ConfigError(
+                "the Batch API runs on rq, which does not support Redis Cluster: use a single Redis "
+                "or redis+sentinel://"
+            )
+        kwargs: dict[str, Any] = {
+            "username": self.username,
+            "password": self.password,
+            "socket_connect_timeout": self.connect_timeout_s,
+            "socket_keepalive": True,
+            "health_check_interval": self.health_check_interval_s,
+            "retry": SyncRetry(
+                ExponentialBackoff(cap=self.retry_cap_s, base=self.retry_base_s), self.retries
+            ),
+            "retry_on_error": [ConnectionError, RedisTimeoutError],
+            "client_name": self.client_name,
+            "db": self.db,
+        }
+        if self.mode == "sentinel":
+            sentinels = SyncSentinel(
+                list(self.nodes),
+                sentinel_kwargs={
+                    "retry": SyncRetry(NoBackoff(), 0),
+                    "username": self.sentinel_username,
+                    "password": self.sentinel_password,
+                    "socket_timeout": self.connect_timeout_s,
+                    "socket_connect_timeout": self.connect_timeout_s,
+                },
+            )
+            return sentinels.master_for(self.service_name, **kwargs)
+        if self.unix_socket_path:
+            kwargs.pop("socket_keepalive")
+            return redis.Redis(unix_socket_path=self.unix_socket_path, **kwargs)
+        if self.ssl:
+            kwargs.update(ssl=True, ssl_cert_reqs=self.ssl_cert_reqs, ssl_ca_certs=self.ssl_ca_certs)
+        return redis.Redis(host=self.host, port=self.port, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

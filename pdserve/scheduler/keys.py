@@ -109,6 +109,62 @@ class Keys:
         """A model's tokenizer files as instances publish them for routers, by content digest."""
         return f"{PREFIX}:{self.cluster}:tokenizer:{{{validate_id(digest, 'tokenizer digest')}}}"
 
+    # the Batch API: one hash tag per file or batch, so each object's keys (and the Lua scripts that
+    # update them) stay on one cluster slot; the listing indexes live in the registry's slot
+
+    def file(self, file_id: str) -> str:
+        """A file's metadata (string JSON, expiring with the file)."""
+        return f"{PREFIX}:{self.cluster}:file:{{{validate_id(file_id, 'file id')}}}"
+
+    def file_content(self, file_id: str) -> str:
+        """A file's bytes when files are kept in Redis (the default)."""
+        return f"{self.file(file_id)}:content"
+
+    @property
+    def files(self) -> str:
+        """Sorted set of file ids, scored by creation time (ms)."""
+        return f"{self._reg}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """A batch's record (string JSON, changed only by compare-and-set scripts)."""
+        return f"{PREFIX}:{self.cluster}:batch:{{{validate_id(batch_id, 'batch id')}}}"
+
+    def batch_results(self, batch_id: str) -> str:
+        """Hash line number -> the line's output JSON (each line written once)."""
+        return f"{self.batch(batch_id)}:out"
+
+    def batch_errors(self, batch_id: str) -> str:
+        """Hash line number -> the line's error JSON (each line written once, never in both hashes)."""
+        return f"{self.batch(batch_id)}:err"
+
+    def batch_chunks(self, batch_id: str) -> str:
+        """Hash chunk number -> the id of the rq job that owns the chunk now."""
+        return f"{self.batch(batch_id)}:chunks"
+
+    def batch_lease(self, batch_id: str, chunk: int) -> str:
+        """Held (short TTL, renewed) by the batch worker running a chunk; its absence means nobody is."""
+        return f"{self.batch(batch_id)}:lease:{int(chunk)}"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set of batch ids, scored by creation time (ms)."""
+        return f"{self._reg}:batches"
+
+    @property
+    def active_batches(self) -> str:
+        """Set of the ids of batches not yet in a final state (what batch workers watch)."""
+        return f"{self._reg}:batches:active"
+
+    @property
+    def batch_reaper_lock(self) -> str:
+        """Held by the one batch worker that checks the active batches at a time."""
+        return f"{self._reg}:batches:reaper"
+
+    @property
+    def batch_queue(self) -> str:
+        """The rq queue name of this cluster's batch jobs (rq keys it as ``rq:queue:<name>``)."""
+        return f"pdserve-batch-{self.cluster}"
+
 
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:

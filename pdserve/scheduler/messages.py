@@ -116,6 +116,9 @@ class InstanceInfo(_Model):
     draining: bool = False
     vocab_size: int | None = None
     """Token ids below this are valid prompts (None: not said; the router checks nothing)."""
+    max_num_seqs: int | None = None
+    """Most sequences this instance runs at once (None: not said); the batch workers' spare-capacity
+    gate compares ``load.running`` with it."""
     tokenizer: str | None = None
     """Digest of the tokenizer files this instance published (``Keys.tokenizer(digest)``), with which
     routers compute its prompts' token ids (None: none published, e.g. the echo engine)."""

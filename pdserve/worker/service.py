@@ -310,6 +310,7 @@ class WorkerService:
             max_model_len=facts.max_model_len,
             draining=self.handler.draining,
             vocab_size=facts.vocab_size,
+            max_num_seqs=self.settings.engine.max_num_seqs,
             tokenizer=self.tokenizer_digest,
         )
 

@@ -45,7 +45,7 @@ def start_stack(tiny_model_dir, redis_url: str, **counts) -> Stack:
         ttl_s=3.0,
         engine=EngineConfig(num_blocks=1024, max_model_len=1024, threads=1),
         ready_timeout_s=90,
-        **{"routers": 1, "prefill": 0, "decode": 0, "mixed": 0, **counts},
+        **{"routers": 1, "prefill": 0, "decode": 0, "mixed": 0, "batch_workers": 0, **counts},
     )
     stack = Stack(spec)
     stack.start()

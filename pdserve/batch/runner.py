@@ -1,0 +1,441 @@
+"""What a batch worker does, as coroutines on its event loop: validate a batch, run a chunk of its
+lines, finalize it, and (:mod:`.reaper`) recover what crashed workers left.
+
+Each line is POSTed to the in-process router app (the same endpoint code as an online request:
+body checks, model check, dispatch, retries, migration, structured output), one at a time per
+free slot and only while the instances have spare capacity (:class:`SpareCapacity`). Its outcome
+is written once per line (:meth:`BatchStore.record`), so running a chunk again skips what is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from pdserve.batch.settings import BatchWorkerSettings
+from pdserve.errors import InvalidRequestError, NotFoundError, PdserveError
+from pdserve.router.app import RouterApp, create_app
+from pdserve.router.protocol import InputLimits, parse_chat, parse_completion
+from pdserve.router.selection import model_len, resolve_model, vocab_size
+from pdserve.router.state import RouterState
+from pdserve.scheduler.batch_queue import BatchQueue
+from pdserve.scheduler.batches import BatchError, BatchObject, BatchStore
+from pdserve.scheduler.files import FileStore
+from pdserve.scheduler.messages import InstanceInfo
+
+logger = logging.getLogger(__name__)
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+"""Answers that say "not now": the line is sent again (after a pause) instead of failing."""
+RETRY_PAUSE_S = (0.5, 5.0)
+MAX_ERRORS = 100
+"""Validation stops listing errors after this many (the batch fails either way)."""
+CAPACITY_POLL_S = 0.05
+VALIDATION_CHUNK = -1
+"""The chunk number under which a validation job holds its lease and records its job id."""
+STATUS_MAX_AGE_S = 0.5
+
+
+@dataclass
+class Line:
+    """One line of an input file, checked."""
+
+    custom_id: str
+    body: bytes
+
+
+class BatchMetrics:
+    """The batch worker's Prometheus metrics (served with ``--metrics-port``)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.lines = Counter(
+            "pdserve_batch_lines", "Batch lines finished by this worker", ["outcome"], registry=self.registry
+        )
+        self.queue_depth = Gauge(
+            "pdserve_batch_queue_depth", "Batch jobs waiting in the rq queue", registry=self.registry
+        )
+        self.active = Gauge("pdserve_batch_active", "Batches not yet final", registry=self.registry)
+        self.in_flight = Gauge(
+            "pdserve_batch_lines_in_flight", "Lines being sent now", registry=self.registry
+        )
+
+
+class SpareCapacity:
+    """Admits a line only while some instance of its model has room: nothing waiting in its queue
+    and fewer running sequences than ``max_load`` × its ``max_num_seqs``. Online requests are never
+    gated (they go through the online routers); batch lines fill what they leave."""
+
+    def __init__(self, state: RouterState, max_load: float, concurrency: int) -> None:
+        self.state = state
+        self.max_load = max_load
+        self.slots = asyncio.Semaphore(concurrency)
+
+    def has_room(self, live: list[InstanceInfo], model: str) -> bool:
+        ok = {"prefill": False, "decode": False}
+        for info in live:
+            if info.model != model or info.draining or info.load.waiting:
+                continue
+            limit = self.max_load * (info.max_num_seqs or 0)
+            if info.max_num_seqs and info.load.running >= max(1.0, limit):
+                continue
+            if info.role == "mixed":
+                return True
+            ok[info.role] = True
+        return ok["prefill"] and ok["decode"]
+
+    @contextlib.asynccontextmanager
+    async def admit(self, model: str, stopped: Callable[[], Awaitable[bool]]) -> AsyncIterator[bool]:
+        """Wait for a slot and for room; yields False when ``stopped()`` turned true while waiting."""
+        async with self.slots:
+            while not await stopped():
+                live = await self.state.dispatcher.live.get()
+                if self.has_room(live, model):
+                    yield True
+                    return
+                await asyncio.sleep(CAPACITY_POLL_S)
+            yield False
+
+
+class BatchRunner:
+    """The in-process router and the batch operations of one batch worker."""
+
+    def __init__(self, settings: BatchWorkerSettings, queue: BatchQueue, metrics: BatchMetrics) -> None:
+        self.settings = settings
+        self.queue = queue
+        self.metrics = metrics
+        self.app: RouterApp = create_app(settings.router)
+        self.state: RouterState = self.app.state.router
+        self.limits = InputLimits.of(settings.router)
+        self.stopping = False
+        self._stack = contextlib.AsyncExitStack()
+        self._client: httpx.AsyncClient | None = None
+        self._lines: dict[str, list[Line]] = {}
+        self._status: dict[str, tuple[float, BatchObject]] = {}
+
+    @property
+    def files(self) -> FileStore:
+        assert self.state.files is not None, "start() first"
+        return self.state.files
+
+    @property
+    def batches(self) -> BatchStore:
+        assert self.state.batches is not None, "start() first"
+        return self.state.batches
+
+    async def start(self) -> None:
+        await self._stack.enter_async_context(self.app.router.lifespan_context(self.app))
+        transport = httpx.ASGITransport(app=self.app)
+        timeout = httpx.Timeout(self.settings.router.request_timeout_s + 30)
+        self._client = await self._stack.enter_async_context(
+            httpx.AsyncClient(transport=transport, base_url="http://batch-worker", timeout=timeout)
+        )
+        self.capacity = SpareCapacity(self.state, self.settings.max_load, self.settings.concurrency)
+
+    async def stop(self) -> None:
+        await self._stack.aclose()
+
+    # ---- validation -----------------------------------------------------------------------------
+    async def validate(self, batch_id: str, job_id: str) -> str:
+        """Check every line as the online endpoint would; then split the batch into chunk jobs, or
+        fail it with errors naming the lines."""
+        batch = await self.batches.get(batch_id)
+        if batch.status != "validating":
+            return f"skipped: the batch is {batch.status}"
+        owner = (await self.batches.chunk_jobs(batch_id)).get(VALIDATION_CHUNK)
+        if owner not in (None, job_id):
+            return f"skipped: job {owner} validates this batch now"
+        renew = asyncio.create_task(self._hold_lease(batch_id, VALIDATION_CHUNK, job_id))
+        try:
+            await self._validate(batch)
+        finally:
+            renew.cancel()
+            with contextlib.suppress(asyncio.CancelledError, PdserveError):
+                await renew
+            with contextlib.suppress(PdserveError):
+                await self.batches.release_lease(batch_id, VALIDATION_CHUNK)
+        return "validated"
+
+    async def _validate(self, batch: BatchObject) -> None:
+        batch_id = batch.id
+        try:
+            content = await self.files.content(batch.input_file_id)
+        except NotFoundError:
+            await self._fail(batch, [BatchError(code="input_file_missing", message="the input file is gone")])
+            return
+        lines, model, errors = await self._check(batch, content)
+        if errors:
+            await self._fail(batch, errors)
+            return
+        chunk_lines = self.settings.chunk_lines
+        chunks = -(-len(lines) // chunk_lines)
+        now = int(time.time())
+        started = await self.batches.update(
+            batch_id,
+            ("validating",),
+            status="in_progress",
+            in_progress_at=now,
+            total=len(lines),
+            chunks=chunks,
+            chunk_lines=chunk_lines,
+            model=model,
+        )
+        if started is None:  # cancelled meanwhile
+            return
+        self._lines[batch_id] = lines
+        jobs = {k: await asyncio.to_thread(self.queue.enqueue_chunk, batch_id, k) for k in range(chunks)}
+        await self.batches.set_chunk_jobs(batch_id, jobs)
+        logger.info(
+            "batch %s: %d lines valid, %d jobs of %d lines", batch_id, len(lines), chunks, chunk_lines
+        )
+
+    async def _check(self, batch: BatchObject, content: bytes) -> tuple[list[Line], str, list[BatchError]]:
+        raw_lines = content.rstrip().split(b"\n") if content.strip() else []
+        errors: list[BatchError] = []
+        lines: list[Line] = []
+        if not raw_lines:
+            return [], "", [BatchError(code="empty_file", message="the input file has no lines")]
+        if len(raw_lines) > self.settings.max_lines:
+            message = f"the input file has {len(raw_lines)} lines; a batch may hold {self.settings.max_lines}"
+            return [], "", [BatchError(code="too_many_lines", message=message)]
+        live = await self.state.dispatcher.live.get()
+        seen: set[str] = set()
+        models: set[str] = set()
+        for number, raw in enumerate(raw_lines, 1):
+            try:
+                line, model = self._check_line(batch, raw, live, seen)
+                lines.append(line)
+                models.add(model)
+            except InvalidRequestError as e:
+                code = e.kind if e.kind != "invalid_request" else "invalid_request"
+                errors.append(BatchError(code=code, message=e.message, param=e.param, line=number))
+                if len(errors) >= MAX_ERRORS:
+                    break
+        return lines, ",".join(sorted(models)), errors
+
+    def _check_line(
+        self, batch: BatchObject, raw: bytes, live: list[InstanceInfo], seen: set[str]
+    ) -> tuple[Line, str]:
+        try:
+            item = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise InvalidRequestError(f"the line is not valid JSON: {e}", None) from None
+        if not isinstance(item, dict):
+            raise InvalidRequestError("the line must be a JSON object", None)
+        unknown = sorted(set(item) - {"custom_id", "method", "url", "body"})
+        if unknown:
+            raise InvalidRequestError(f"unknown field {unknown[0]!r}", unknown[0])
+        custom_id = item.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            raise InvalidRequestError("custom_id must be a non-empty string", "custom_id")
+        if custom_id in seen:
+            raise InvalidRequestError(f"custom_id {custom_id!r} appears more than once", "custom_id")
+        seen.add(custom_id)
+        if item.get("method") != "POST":
+            raise InvalidRequestError("method must be 'POST'", "method")
+        if item.get("url") != batch.endpoint:
+            raise InvalidRequestError(f"url must be the batch's endpoint {batch.endpoint!r}", "url")
+        body = item.get("body")
+        if not isinstance(body, dict):
+            raise InvalidRequestError("body must be a JSON object", "body")
+        if body.get("stream"):
+            raise InvalidRequestError("a batch line cannot stream", "body.stream")
+        encoded = orjson.dumps(body)
+        parse = parse_chat if batch.endpoint == "/v1/chat/completions" else parse_completion
+        try:
+            parsed = parse(encoded, self.limits)
+            model = resolve_model(live, parsed.model)
+            parsed.check_vocab(vocab_size(live, model))
+            parsed.check_length(model_len(live, model), self.limits.chars_per_token)
+        except PdserveError as e:
+            error = InvalidRequestError(e.message, f"body.{e.param}" if e.param else "body")
+            error.kind = e.kind  # type: ignore[misc]  # model_not_found, context_length_exceeded…
+            raise error from None
+        return Line(custom_id, encoded), model
+
+    async def _fail(self, batch: BatchObject, errors: list[BatchError]) -> None:
+        data = [e.model_dump() for e in errors]
+        await self.batches.update(
+            batch.id,
+            ("validating",),
+            status="failed",
+            failed_at=int(time.time()),
+            errors={"object": "list", "data": data},
+        )
+        logger.warning("batch %s failed validation: %s", batch.id, errors[0].message)
+
+    # ---- running a chunk ------------------------------------------------------------------------
+    async def run_chunk(self, batch_id: str, chunk: int, job_id: str) -> str:
+        """Run the lines of ``chunk`` that have no outcome yet; returns what happened, for rq."""
+        batch = await self.batches.get(batch_id)
+        if batch.status != "in_progress":
+            return f"skipped: the batch is {batch.status}"
+        owner = (await self.batches.chunk_jobs(batch_id)).get(chunk)
+        if owner not in (None, job_id):
+            return f"skipped: job {owner} owns this chunk now"
+        renew = asyncio.create_task(self._hold_lease(batch_id, chunk, job_id))
+        try:
+            done = await self.batches.done_lines(batch_id)
+            todo = [i for i in batch.chunk_range(chunk) if i not in done]
+            lines = await self._batch_lines(batch)
+            model = batch.model.split(",")[0] if batch.model else ""
+            outcomes = await asyncio.gather(*(self._run_line(batch, i, lines[i], model, renew) for i in todo))
+        finally:
+            renew.cancel()
+            with contextlib.suppress(asyncio.CancelledError, PdserveError):
+                await renew
+            with contextlib.suppress(PdserveError):
+                await self.batches.release_lease(batch_id, chunk)
+        ran = sum(1 for o in outcomes if o)
+        await self.maybe_finalize(batch_id)
+        return f"{ran} of {len(todo)} lines run"
+
+    async def _hold_lease(self, batch_id: str, chunk: int, job_id: str) -> None:
+        holder = f"{self.settings.name}:{job_id}"
+        ttl_ms = self.settings.lease_ttl_ms
+        while True:
+            with contextlib.suppress(PdserveError):  # a blip: the next renewal may succeed
+                if (await self.batches.chunk_jobs(batch_id)).get(chunk, job_id) != job_id:
+                    logger.warning(
+                        "batch %s chunk %d: another job owns it now; %s stops", batch_id, chunk, job_id
+                    )
+                    return  # the reaper gave the chunk to a new job: stop sending its lines
+                await self.batches.hold_lease(batch_id, chunk, holder, ttl_ms)
+            await asyncio.sleep(ttl_ms / 4000)
+
+    async def _stopped(self, batch_id: str) -> bool:
+        """The line should not be sent: the worker stops, or the batch is no longer running."""
+        if self.stopping:
+            return True
+        cached = self._status.get(batch_id)
+        if cached is None or time.monotonic() - cached[0] > STATUS_MAX_AGE_S:
+            with contextlib.suppress(PdserveError):
+                cached = (time.monotonic(), await self.batches.get(batch_id))
+                self._status[batch_id] = cached
+        if cached is None:
+            return False
+        batch = cached[1]
+        return batch.status != "in_progress" or time.time() >= batch.expires_at
+
+    async def _run_line(
+        self, batch: BatchObject, index: int, line: Line, model: str, renew: asyncio.Task
+    ) -> bool:
+        """Send one line until it has an answer that is not "not now"; False if it was not run."""
+        pause = RETRY_PAUSE_S[0]
+
+        async def stopped() -> bool:
+            return renew.done() or await self._stopped(batch.id)
+
+        while True:
+            async with self.capacity.admit(model, stopped) as admitted:
+                if not admitted:
+                    return False
+                self.metrics.in_flight.inc()
+                try:
+                    response = await self._post(batch.endpoint, line.body)
+                finally:
+                    self.metrics.in_flight.dec()
+            if response.status_code not in RETRY_STATUSES:
+                break
+            logger.info(
+                "batch %s line %d: %d, sent again in %.1f s", batch.id, index + 1, response.status_code, pause
+            )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_PAUSE_S[1])
+        failed = response.status_code >= 400
+        request_id = response.headers.get("x-request-id", "")
+        record = {
+            "id": f"batch_req_{secrets.token_hex(12)}",
+            "custom_id": line.custom_id,
+            "response": {
+                "status_code": response.status_code,
+                "request_id": request_id,
+                "body": _json_or_text(response.content),
+            },
+            "error": None,
+        }
+        if await self.batches.record(batch.id, index, record, failed):
+            self.metrics.lines.labels("failed" if failed else "completed").inc()
+        return True
+
+    async def _post(self, endpoint: str, body: bytes) -> httpx.Response:
+        assert self._client is not None, "start() first"
+        headers = {"content-type": "application/json"}
+        try:
+            return await self._client.post(endpoint, content=body, headers=headers)
+        except httpx.HTTPError as e:  # the in-process app failed to answer: try again later
+            logger.warning("a batch line got no answer: %s", e)
+            return httpx.Response(503, content=b'{"error": {"message": "no answer"}}')
+
+    async def _batch_lines(self, batch: BatchObject) -> list[Line]:
+        """The batch's checked lines (read once per worker and batch)."""
+        lines = self._lines.get(batch.id)
+        if lines is None:
+            content = await self.files.content(batch.input_file_id)
+            raw = content.rstrip().split(b"\n")
+            lines = []
+            for item in map(orjson.loads, raw):
+                lines.append(Line(item["custom_id"], orjson.dumps(item["body"])))
+            self._lines = {batch.id: lines}  # one batch at a time is plenty
+        return lines
+
+    # ---- finalizing -----------------------------------------------------------------------------
+    async def maybe_finalize(self, batch_id: str) -> None:
+        """Write the output files and complete the batch once every line has an outcome."""
+        batch = await self.batches.get(batch_id)
+        counts = batch.request_counts
+        if batch.status != "in_progress" or counts.completed + counts.failed < counts.total:
+            return
+        if await self.batches.update(
+            batch_id, ("in_progress",), status="finalizing", finalizing_at=int(time.time())
+        ):
+            await self.finish(batch_id, "finalizing", "completed")
+
+    async def finish(self, batch_id: str, expect: str, status: str, unfinished_error: str = "") -> None:
+        """Write the output and error files from the recorded lines and move the batch from
+        ``expect`` to ``status``; lines with no outcome get ``unfinished_error`` in the error file
+        (an expired batch's, as OpenAI writes them)."""
+        batch = await self.batches.get(batch_id)
+        if unfinished_error:
+            done = await self.batches.done_lines(batch_id)
+            lines = await self._batch_lines(batch)
+            for i in range(batch.request_counts.total):
+                if i not in done:
+                    record = {
+                        "id": f"batch_req_{secrets.token_hex(12)}",
+                        "custom_id": lines[i].custom_id,
+                        "response": None,
+                        "error": {
+                            "code": unfinished_error,
+                            "message": f"the batch {status} before this line ran",
+                        },
+                    }
+                    await self.batches.record(batch_id, i, record, True)
+        out, err = await self.batches.outcomes(batch_id)
+        ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
+        for field, content, name in (("output_file_id", out, "output"), ("error_file_id", err, "error")):
+            if content:
+                info = await self.files.create(
+                    f"{batch_id}_{name}.jsonl", "batch_output", b"\n".join(content) + b"\n"
+                )
+                ids[field] = info.id
+        await self.batches.update(
+            batch_id, (expect,), status=status, **{f"{status}_at": int(time.time())}, **ids
+        )
+        self._lines.pop(batch_id, None)
+
+
+def _json_or_text(content: bytes) -> object:
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content.decode(errors="replace")

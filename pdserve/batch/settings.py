@@ -1,0 +1,64 @@
+"""Batch worker configuration: its own flags plus the router's (it routes lines like a router)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+
+from pdserve.errors import ConfigError
+from pdserve.flags import add_flags, from_args, setting
+from pdserve.router.settings import RouterSettings
+
+ROUTER_FLAGS_NOT_USED = ("host", "port", "router_id", "access_log", "metrics", "api_key", "api_key_file")
+"""Router flags a batch worker has no use for: it listens on no port and answers no client."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchWorkerSettings:
+    """One ``pdserve batch-worker`` process."""
+
+    name: str = setting("", "this worker's name in rq and its router id (default batch-<hostname>-<pid>)")
+    concurrency: int = setting(8, "lines one worker sends at once (default %(default)s)")
+    max_load: float = setting(
+        0.5,
+        "spare capacity: a line is sent only while some instance of its model has no request waiting "
+        "and runs fewer than this fraction of its --max-num-seqs (default %(default)s)",
+    )
+    chunk_lines: int = setting(50, "lines per rq job (default %(default)s)")
+    max_lines: int = setting(50000, "most lines one batch may hold (default %(default)s, as OpenAI)")
+    metrics_port: int = setting(0, "serve Prometheus metrics on this port (default 0: off)")
+    lease_ttl_ms: int = 5000
+    """A running chunk renews its lease a few times per TTL; a chunk whose lease lapsed and whose rq
+    job is not waiting in the queue is enqueued again after another TTL."""
+    reaper_interval_s: float = 1.0
+    router: RouterSettings = dataclasses.field(default_factory=RouterSettings)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            host = socket.gethostname().split(".")[0][:64] or "host"
+            object.__setattr__(self, "name", f"batch-{host}-{os.getpid()}")
+        for flag, value, low in (
+            ("--concurrency", self.concurrency, 1),
+            ("--chunk-lines", self.chunk_lines, 1),
+            ("--max-lines", self.max_lines, 1),
+            ("--metrics-port", self.metrics_port, 0),
+        ):
+            if value < low:
+                raise ConfigError(f"{flag} must be at least {low} (got {value})")
+        if not 0 < self.max_load <= 1:
+            raise ConfigError(f"--max-load must be in (0, 1] (got {self.max_load})")
+        if self.router.router_id != self.name:
+            object.__setattr__(self, "router", dataclasses.replace(self.router, router_id=self.name))
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        add_flags(parser, cls)
+        add_flags(parser, RouterSettings, exclude=ROUTER_FLAGS_NOT_USED)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BatchWorkerSettings:
+        name = args.name or cls().name
+        router = from_args(RouterSettings, args, router_id=name, metrics=False)
+        return from_args(cls, args, name=name, router=router)

@@ -1,0 +1,314 @@
+"""The batches of the Batch API (``/v1/batches``): OpenAI's batch object, its state machine, and
+the per-line results, in Redis.
+
+A batch's record (``Keys.batch``) changes only through :data:`_UPDATE`, a script that applies a
+change if the status is one of those expected: a cancel, a finalize and an expiry racing each other
+end in exactly one final status. Each line's outcome is written once (:data:`_RECORD`: into the
+results or the errors hash, never both, never twice), so a chunk run again after a crash neither
+loses nor doubles a line; ``request_counts`` are the two hashes' sizes.
+
+    validating ──> in_progress ──> finalizing ──> completed
+        │              │   └──────────────────────> expired     (completion_window passed)
+        └─> failed     └──> cancelling ──> cancelled
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any, Literal, cast
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.errors import InvalidRequestError, NotFoundError
+from pdserve.scheduler.connection import RedisClient, redis_errors
+from pdserve.scheduler.files import new_id
+from pdserve.scheduler.keys import Keys
+
+logger = logging.getLogger(__name__)
+
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+FINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
+"""What a batch may run (each line's ``url`` must be the batch's endpoint)."""
+
+_WINDOW_RE = re.compile(r"(\d+)([smhd])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_WINDOW_S = 7 * 86400
+DEFAULT_BATCH_TTL_S = 30 * 24 * 3600
+"""How long a finished batch's record and results stay (thirty days, like its output files)."""
+
+
+def window_seconds(window: str) -> int:
+    """``completion_window`` in seconds: OpenAI's ``24h``, or any ``<n>s|m|h|d`` up to 7 days."""
+    m = _WINDOW_RE.fullmatch(window.strip()) if isinstance(window, str) else None
+    seconds = int(m.group(1)) * _UNIT_S[m.group(2)] if m else 0
+    if not 0 < seconds <= MAX_WINDOW_S:
+        raise InvalidRequestError(
+            f"completion_window must be a duration such as '24h' (or '<n>s', '<n>m', '<n>d'), "
+            f"between 1 s and 7 days; got {window!r}",
+            "completion_window",
+        )
+    return seconds
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchError(BaseModel):
+    """One reason a batch failed validation (``line`` is 1-based, as OpenAI reports it)."""
+
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class BatchObject(BaseModel):
+    """OpenAI's batch object (``request_counts`` filled from the result hashes when read)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: str | None = None
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+    chunks: int = Field(default=0, exclude=True)
+    """How many rq jobs the lines were split into (pdserve's, not shown to clients)."""
+    chunk_lines: int = Field(default=0, exclude=True)
+
+    @property
+    def final(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+    def chunk_range(self, chunk: int) -> range:
+        """The 0-based line numbers of ``chunk``."""
+        start = chunk * self.chunk_lines
+        return range(start, min(start + self.chunk_lines, self.request_counts.total))
+
+
+# KEYS[1] record, KEYS[2] active set; ARGV[1] JSON list of expected statuses, ARGV[2] JSON patch.
+# Returns the new record, or nil when the status was not one expected (or there is no record).
+_UPDATE = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return nil end
+local batch = cjson.decode(raw)
+local ok = false
+for _, s in ipairs(cjson.decode(ARGV[1])) do if batch.status == s then ok = true end end
+if not ok then return nil end
+for k, v in pairs(cjson.decode(ARGV[2])) do batch[k] = v end
+local out = cjson.encode(batch)
+redis.call('SET', KEYS[1], out, 'KEEPTTL')
+if ARGV[3] == '1' then redis.call('SREM', KEYS[2], batch.id) end
+return out
+"""
+
+# KEYS[1] results, KEYS[2] errors; ARGV[1] line, ARGV[2] '1' for an error, ARGV[3] the line's JSON.
+_RECORD = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[tonumber(ARGV[2]) + 1], ARGV[1], ARGV[3])
+return 1
+"""
+
+
+class BatchStore:
+    """Batch records, their status changes, and their lines' outcomes."""
+
+    def __init__(self, redis: RedisClient, keys: Keys, ttl_s: int = DEFAULT_BATCH_TTL_S) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self._update = redis.register_script(_UPDATE)
+        self._record = redis.register_script(_RECORD)
+
+    async def create(
+        self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict[str, str] | None
+    ) -> BatchObject:
+        now = int(time.time())
+        batch = BatchObject(
+            id=new_id("batch_"),
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            completion_window=completion_window,
+            status="validating",
+            created_at=now,
+            expires_at=now + window_seconds(completion_window),
+            metadata=metadata,
+        )
+        with redis_errors("creating a batch"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(self.keys.batch(batch.id), _dump(batch))
+            pipe.zadd(self.keys.batches, {batch.id: time.time() * 1000})
+            pipe.sadd(self.keys.active_batches, batch.id)
+            await pipe.execute()
+        logger.info("batch %s created: file %s, endpoint %s", batch.id, input_file_id, endpoint)
+        return batch
+
+    async def get(self, batch_id: str) -> BatchObject:
+        """The batch with its current request counts; NotFoundError when there is none."""
+        try:
+            key = self.keys.batch(batch_id)
+        except ValueError:
+            raise NotFoundError(f"No such batch: {batch_id!r}", "batch_id") from None
+        with redis_errors("reading a batch"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.get(key)
+            pipe.hlen(self.keys.batch_results(batch_id))
+            pipe.hlen(self.keys.batch_errors(batch_id))
+            raw, done, failed = await pipe.execute()
+        if raw is None:
+            raise NotFoundError(f"No such batch: {batch_id}", "batch_id")
+        batch = _load(raw)
+        batch.request_counts.completed, batch.request_counts.failed = done, failed
+        return batch
+
+    async def list_batches(self, after: str | None = None, limit: int = 20) -> tuple[list[BatchObject], bool]:
+        """Batches newest first after the id ``after``; ``(batches, has_more)``."""
+        with redis_errors("listing batches"):
+            ids = [
+                i.decode()
+                for i in cast(list[bytes], await self.redis.zrange(self.keys.batches, 0, -1, desc=True))
+            ]
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        found: list[BatchObject] = []
+        for batch_id in ids:
+            if len(found) > limit:
+                break
+            try:
+                found.append(await self.get(batch_id))
+            except NotFoundError:  # expired
+                with redis_errors("listing batches"):
+                    await self.redis.zrem(self.keys.batches, batch_id)
+        return found[:limit], len(found) > limit
+
+    async def active(self) -> list[str]:
+        """Ids of the batches not in a final state."""
+        with redis_errors("listing active batches"):
+            return sorted(
+                i.decode() for i in cast(set[bytes], await self.redis.smembers(self.keys.active_batches))
+            )
+
+    async def update(self, batch_id: str, expect: tuple[str, ...], **changes: Any) -> BatchObject | None:
+        """Apply ``changes`` if the status is one of ``expect``; the new record, or None if it was not.
+        A change to a final status drops the batch from the active set and starts its expiry."""
+        final = changes.get("status") in FINAL_STATUSES
+        with redis_errors("updating a batch"):
+            raw = await self._update(
+                keys=[self.keys.batch(batch_id), self.keys.active_batches],
+                args=[orjson.dumps(list(expect)), orjson.dumps(changes), "1" if final else "0"],
+            )
+            if raw is not None and final:
+                pipe = self.redis.pipeline(transaction=False)
+                for key in (self.keys.batch(batch_id), self.keys.batch_results(batch_id)):
+                    pipe.expire(key, self.ttl_s)
+                pipe.expire(self.keys.batch_errors(batch_id), self.ttl_s)
+                pipe.delete(self.keys.batch_chunks(batch_id))
+                await pipe.execute()
+        if raw is None:
+            return None
+        batch = _load(raw)
+        logger.info("batch %s: %s", batch_id, batch.status)
+        return batch
+
+    async def record(self, batch_id: str, line: int, output: dict, error: bool) -> bool:
+        """Write line ``line``'s outcome unless it has one; True if this call wrote it."""
+        with redis_errors("recording a batch line"):
+            written = await self._record(
+                keys=[self.keys.batch_results(batch_id), self.keys.batch_errors(batch_id)],
+                args=[line, "1" if error else "0", orjson.dumps(output)],
+            )
+        return bool(written)
+
+    async def done_lines(self, batch_id: str) -> set[int]:
+        """Line numbers that have an outcome."""
+        with redis_errors("reading a batch's lines"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hkeys(self.keys.batch_results(batch_id))
+            pipe.hkeys(self.keys.batch_errors(batch_id))
+            out, err = await pipe.execute()
+        return {int(i) for i in (*out, *err)}
+
+    async def outcomes(self, batch_id: str) -> tuple[list[bytes], list[bytes]]:
+        """Every recorded result line and error line, each in line order."""
+        with redis_errors("reading a batch's lines"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hgetall(self.keys.batch_results(batch_id))
+            pipe.hgetall(self.keys.batch_errors(batch_id))
+            out, err = await pipe.execute()
+        return _in_order(out), _in_order(err)
+
+    # ---- chunks: which rq job owns each chunk, and who is running it ------------------------------
+    async def set_chunk_jobs(self, batch_id: str, jobs: dict[int, str]) -> None:
+        with redis_errors("recording a batch's jobs"):
+            await self.redis.hset(self.keys.batch_chunks(batch_id), mapping=dict(jobs.items()))
+
+    async def chunk_jobs(self, batch_id: str) -> dict[int, str]:
+        with redis_errors("reading a batch's jobs"):
+            raw = cast(dict[bytes, bytes], await self.redis.hgetall(self.keys.batch_chunks(batch_id)))
+        return {int(k): v.decode() for k, v in raw.items()}
+
+    async def hold_lease(self, batch_id: str, chunk: int, holder: str, ttl_ms: int) -> None:
+        with redis_errors("renewing a batch lease"):
+            await self.redis.set(self.keys.batch_lease(batch_id, chunk), holder, px=ttl_ms)
+
+    async def release_lease(self, batch_id: str, chunk: int) -> None:
+        with redis_errors("releasing a batch lease"):
+            await self.redis.delete(self.keys.batch_lease(batch_id, chunk))
+
+    async def leased_chunks(self, batch: BatchObject) -> set[int]:
+        """Chunks whose lease is held (some batch worker is running them)."""
+        if not batch.chunks:
+            return set()
+        with redis_errors("reading batch leases"):
+            held = await self.redis.mget([self.keys.batch_lease(batch.id, k) for k in range(batch.chunks)])
+        return {k for k, holder in enumerate(held) if holder is not None}
+
+
+def _dump(batch: BatchObject) -> bytes:
+    data = batch.model_dump(exclude={"request_counts"})
+    data.update(chunks=batch.chunks, chunk_lines=batch.chunk_lines, total=batch.request_counts.total)
+    return orjson.dumps(data)
+
+
+def _load(raw: bytes) -> BatchObject:
+    data = orjson.loads(raw)
+    data["request_counts"] = {"total": data.pop("total", 0)}
+    if data.get("metadata") == []:  # Lua's cjson writes an empty table as a list
+        data["metadata"] = {}
+    return BatchObject.model_validate(data)
+
+
+def _in_order(lines: dict[bytes, bytes]) -> list[bytes]:
+    return [lines[k] for k in sorted(lines, key=int)]

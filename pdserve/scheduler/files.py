@@ -1,0 +1,196 @@
+"""The files of the Batch API (``/v1/files``): OpenAI's file objects, kept where every router and
+batch worker reads them.
+
+Metadata always lives in Redis (``Keys.file``, expiring with the file). The bytes live in Redis too
+by default (``Keys.file_content``): a docker-compose stack or a Kubernetes deployment then needs no
+shared volume, and a file is exactly as durable as the batches that use it. With a directory
+(``--files-dir``, a folder every router and batch worker mounts) the bytes go there instead and Redis
+holds only metadata: for files too large to keep in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Literal, cast
+
+from pydantic import BaseModel, ConfigDict
+
+from pdserve.errors import InvalidRequestError, NotFoundError
+from pdserve.scheduler.connection import RedisClient, redis_errors
+from pdserve.scheduler.keys import Keys
+
+logger = logging.getLogger(__name__)
+
+Purpose = Literal["batch", "batch_output"]
+PURPOSES: tuple[str, ...] = ("batch", "batch_output")
+"""What a client may upload (``batch``) and what pdserve writes (a batch's output and error files)."""
+
+DEFAULT_MAX_FILE_BYTES = 100 * 1024 * 1024
+DEFAULT_FILE_TTL_S = 30 * 24 * 3600
+"""Thirty days, as OpenAI keeps a batch's output files."""
+
+
+class FileObject(BaseModel):
+    """OpenAI's file object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    expires_at: int | None = None
+    filename: str
+    purpose: Purpose
+    status: Literal["processed"] = "processed"
+
+
+def new_id(prefix: str) -> str:
+    """An id in OpenAI's style (``file-…``, ``batch_…``), valid as a key component."""
+    return prefix + secrets.token_hex(12)
+
+
+class FileStore:
+    """Create, read, list and delete files (bytes in Redis, or in ``directory``)."""
+
+    def __init__(
+        self,
+        redis: RedisClient,
+        keys: Keys,
+        max_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        ttl_s: int = DEFAULT_FILE_TTL_S,
+        directory: str | Path | None = None,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self.directory = Path(directory) if directory else None
+
+    async def create(self, filename: str, purpose: str, content: bytes) -> FileObject:
+        """Store ``content`` as a new file; InvalidRequestError for a bad purpose or size."""
+        if purpose not in PURPOSES:
+            raise InvalidRequestError(f"purpose must be 'batch' (got {purpose!r})", "purpose")
+        if len(content) > self.max_bytes:
+            raise InvalidRequestError(
+                f"the file has {len(content)} bytes, more than this server's limit of {self.max_bytes}",
+                "file",
+            )
+        now = int(time.time())
+        info = FileObject(
+            id=new_id("file-"),
+            bytes=len(content),
+            created_at=now,
+            expires_at=now + self.ttl_s,
+            filename=filename or "upload.jsonl",
+            purpose=purpose,  # type: ignore[arg-type]  # checked above
+        )
+        if self.directory is not None:
+            await asyncio.to_thread(self._write, info.id, content)
+        with redis_errors("storing a file"):
+            pipe = self.redis.pipeline(transaction=False)
+            if self.directory is None:
+                pipe.set(self.keys.file_content(info.id), content, ex=self.ttl_s)
+            pipe.set(self.keys.file(info.id), info.model_dump_json(), ex=self.ttl_s)
+            pipe.zadd(self.keys.files, {info.id: time.time() * 1000})
+            await pipe.execute()
+        logger.info("file %s stored: %s, %d bytes, purpose %s", info.id, info.filename, info.bytes, purpose)
+        return info
+
+    async def get(self, file_id: str) -> FileObject:
+        with redis_errors("reading a file"):
+            raw = await self.redis.get(self._key(file_id))
+        if raw is None:
+            raise NotFoundError(f"No such file: {file_id}", "file_id")
+        return FileObject.model_validate_json(raw)
+
+    async def content(self, file_id: str) -> bytes:
+        info = await self.get(file_id)
+        if self.directory is not None:
+            try:
+                return await asyncio.to_thread(self._path(info.id).read_bytes)
+            except FileNotFoundError:
+                raise NotFoundError(f"The content of file {file_id} is gone", "file_id") from None
+        with redis_errors("reading a file"):
+            data = await self.redis.get(self.keys.file_content(info.id))
+        if data is None:
+            raise NotFoundError(f"No such file: {file_id}", "file_id")
+        return cast(bytes, data)
+
+    async def list_files(
+        self,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int = 10000,
+        newest_first: bool = True,
+    ) -> tuple[list[FileObject], bool]:
+        """Files in creation order (newest first by default) after the id ``after``; ``(files, has_more)``.
+        Ids whose file expired are dropped from the index as they are met."""
+        with redis_errors("listing files"):
+            ids = [
+                i.decode()
+                for i in cast(list[bytes], await self.redis.zrange(self.keys.files, 0, -1, desc=newest_first))
+            ]
+            if after is not None:
+                ids = ids[ids.index(after) + 1 :] if after in ids else []
+            found: list[FileObject] = []
+            gone: list[str] = []
+            for start in range(0, len(ids), 256):
+                part = ids[start : start + 256]
+                values = await self.redis.mget([self.keys.file(i) for i in part]) if part else []
+                for file_id, raw in zip(part, values):
+                    if raw is None:
+                        gone.append(file_id)
+                        continue
+                    info = FileObject.model_validate_json(raw)
+                    if purpose is None or info.purpose == purpose:
+                        found.append(info)
+                if len(found) > limit:
+                    break
+            if gone:
+                await self.redis.zrem(self.keys.files, *gone)
+                if self.directory is not None:
+                    for file_id in gone:
+                        with contextlib.suppress(OSError):
+                            self._path(file_id).unlink()
+        return found[:limit], len(found) > limit
+
+    async def delete(self, file_id: str) -> None:
+        """Delete a file; NotFoundError when there is none."""
+        key = self._key(file_id)
+        with redis_errors("deleting a file"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(key)
+            pipe.delete(self.keys.file_content(file_id))
+            pipe.zrem(self.keys.files, file_id)
+            deleted = (await pipe.execute())[0]
+        if self.directory is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._path(file_id).unlink()
+        if not deleted:
+            raise NotFoundError(f"No such file: {file_id}", "file_id")
+        logger.info("file %s deleted", file_id)
+
+    def _key(self, file_id: str) -> str:
+        try:
+            return self.keys.file(file_id)
+        except ValueError:
+            raise NotFoundError(f"No such file: {file_id!r}", "file_id") from None
+
+    def _path(self, file_id: str) -> Path:
+        assert self.directory is not None
+        return self.directory / f"{file_id}.jsonl"
+
+    def _write(self, file_id: str, content: bytes) -> None:
+        """Write to a temporary name and rename, so a reader never sees half a file."""
+        assert self.directory is not None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f".{file_id}.tmp"
+        tmp.write_bytes(content)
+        os.replace(tmp, self._path(file_id))
