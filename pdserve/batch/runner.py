@@ -28,7 +28,7 @@ from pdserve.router.protocol import InputLimits, parse_chat, parse_completion
 from pdserve.router.selection import model_len, resolve_model, vocab_size
 from pdserve.router.state import RouterState
 from pdserve.scheduler.batch_queue import BatchQueue
-from pdserve.scheduler.batches import BatchError, BatchObject, BatchStore
+from pdserve.scheduler.batches import ENDPOINTS, BatchError, BatchObject, BatchStore
 from pdserve.scheduler.files import FileStore
 from pdserve.scheduler.messages import InstanceInfo
 
@@ -50,7 +50,9 @@ class Line:
     """One line of an input file, checked."""
 
     custom_id: str
+    url: str
     body: bytes
+    model: str
 
 
 class BatchMetrics:
@@ -187,7 +189,7 @@ class BatchRunner:
             total=len(lines),
             chunks=chunks,
             chunk_lines=chunk_lines,
-            model=model,
+            model=model or None,
         )
         if started is None:  # cancelled meanwhile
             return
@@ -212,23 +214,22 @@ class BatchRunner:
         models: set[str] = set()
         for number, raw in enumerate(raw_lines, 1):
             try:
-                line, model = self._check_line(batch, raw, live, seen)
+                line, model = self._check_line(raw, live, seen)
                 lines.append(line)
                 models.add(model)
             except InvalidRequestError as e:
-                code = e.kind if e.kind != "invalid_request" else "invalid_request"
-                errors.append(BatchError(code=code, message=e.message, param=e.param, line=number))
+                errors.append(BatchError(code=e.kind, message=e.message, param=e.param, line=number))
                 if len(errors) >= MAX_ERRORS:
                     break
-        return lines, ",".join(sorted(models)), errors
+        return lines, models.pop() if len(models) == 1 else "", errors
 
-    def _check_line(
-        self, batch: BatchObject, raw: bytes, live: list[InstanceInfo], seen: set[str]
-    ) -> tuple[Line, str]:
+    def _check_line(self, raw: bytes, live: list[InstanceInfo], seen: set[str]) -> tuple[Line, str]:
+        """One line as the online endpoint would check it. Unlike OpenAI, a line's ``url`` may be
+        either endpoint (a file may mix chat and completions lines): it runs where it says."""
         try:
             item = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
-            raise InvalidRequestError(f"the line is not valid JSON: {e}", None) from None
+            raise _line_error(f"the line is not valid JSON: {e}", None, "invalid_json_line") from None
         if not isinstance(item, dict):
             raise InvalidRequestError("the line must be a JSON object", None)
         unknown = sorted(set(item) - {"custom_id", "method", "url", "body"})
@@ -242,25 +243,24 @@ class BatchRunner:
         seen.add(custom_id)
         if item.get("method") != "POST":
             raise InvalidRequestError("method must be 'POST'", "method")
-        if item.get("url") != batch.endpoint:
-            raise InvalidRequestError(f"url must be the batch's endpoint {batch.endpoint!r}", "url")
+        url = item.get("url")
+        if url not in ENDPOINTS:
+            raise InvalidRequestError(f"url must be one of {', '.join(ENDPOINTS)} (got {url!r})", "url")
         body = item.get("body")
         if not isinstance(body, dict):
             raise InvalidRequestError("body must be a JSON object", "body")
         if body.get("stream"):
             raise InvalidRequestError("a batch line cannot stream", "body.stream")
         encoded = orjson.dumps(body)
-        parse = parse_chat if batch.endpoint == "/v1/chat/completions" else parse_completion
+        parse = parse_chat if url == "/v1/chat/completions" else parse_completion
         try:
             parsed = parse(encoded, self.limits)
             model = resolve_model(live, parsed.model)
             parsed.check_vocab(vocab_size(live, model))
             parsed.check_length(model_len(live, model), self.limits.chars_per_token)
         except PdserveError as e:
-            error = InvalidRequestError(e.message, f"body.{e.param}" if e.param else "body")
-            error.kind = e.kind  # type: ignore[misc]  # model_not_found, context_length_exceeded…
-            raise error from None
-        return Line(custom_id, encoded), model
+            raise _line_error(e.message, f"body.{e.param}" if e.param else "body", e.kind) from None
+        return Line(custom_id, url, encoded, model), model
 
     async def _fail(self, batch: BatchObject, errors: list[BatchError]) -> None:
         data = [e.model_dump() for e in errors]
@@ -287,8 +287,7 @@ class BatchRunner:
             done = await self.batches.done_lines(batch_id)
             todo = [i for i in batch.chunk_range(chunk) if i not in done]
             lines = await self._batch_lines(batch)
-            model = batch.model.split(",")[0] if batch.model else ""
-            outcomes = await asyncio.gather(*(self._run_line(batch, i, lines[i], model, renew) for i in todo))
+            outcomes = await asyncio.gather(*(self._run_line(batch, i, lines[i], renew) for i in todo))
         finally:
             renew.cancel()
             with contextlib.suppress(asyncio.CancelledError, PdserveError):
@@ -326,9 +325,7 @@ class BatchRunner:
         batch = cached[1]
         return batch.status != "in_progress" or time.time() >= batch.expires_at
 
-    async def _run_line(
-        self, batch: BatchObject, index: int, line: Line, model: str, renew: asyncio.Task
-    ) -> bool:
+    async def _run_line(self, batch: BatchObject, index: int, line: Line, renew: asyncio.Task) -> bool:
         """Send one line until it has an answer that is not "not now"; False if it was not run."""
         pause = RETRY_PAUSE_S[0]
 
@@ -336,12 +333,12 @@ class BatchRunner:
             return renew.done() or await self._stopped(batch.id)
 
         while True:
-            async with self.capacity.admit(model, stopped) as admitted:
+            async with self.capacity.admit(line.model, stopped) as admitted:
                 if not admitted:
                     return False
                 self.metrics.in_flight.inc()
                 try:
-                    response = await self._post(batch.endpoint, line.body)
+                    response = await self._post(line.url, line.body)
                 finally:
                     self.metrics.in_flight.dec()
             if response.status_code not in RETRY_STATUSES:
@@ -384,7 +381,8 @@ class BatchRunner:
             raw = content.rstrip().split(b"\n")
             lines = []
             for item in map(orjson.loads, raw):
-                lines.append(Line(item["custom_id"], orjson.dumps(item["body"])))
+                model = item["body"].get("model") or batch.model or ""
+                lines.append(Line(item["custom_id"], item["url"], orjson.dumps(item["body"]), model))
             self._lines = {batch.id: lines}  # one batch at a time is plenty
         return lines
 
@@ -432,6 +430,13 @@ class BatchRunner:
             batch_id, (expect,), status=status, **{f"{status}_at": int(time.time())}, **ids
         )
         self._lines.pop(batch_id, None)
+
+
+def _line_error(message: str, param: str | None, code: str) -> InvalidRequestError:
+    """A line's validation error whose ``kind`` is the batch error code (``model_not_found``…)."""
+    error = InvalidRequestError(message, param)
+    error.kind = code  # type: ignore[misc]  # an instance's code, not a new class per code
+    return error
 
 
 def _json_or_text(content: bytes) -> object:
