@@ -11,6 +11,8 @@ from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting
 from pdserve.router.settings import RouterSettings
 
+NO_LISTENER = 0
+"""The port a batch worker's in-process router registers: it listens on none."""
 ROUTER_FLAGS_NOT_USED = ("host", "port", "router_id", "access_log", "metrics", "api_key", "api_key_file")
 """Router flags a batch worker has no use for: it listens on no port and answers no client."""
 
@@ -49,8 +51,11 @@ class BatchWorkerSettings:
                 raise ConfigError(f"{flag} must be at least {low} (got {value})")
         if not 0 < self.max_load <= 1:
             raise ConfigError(f"--max-load must be in (0, 1] (got {self.max_load})")
-        if self.router.router_id != self.name:
-            object.__setattr__(self, "router", dataclasses.replace(self.router, router_id=self.name))
+        if (self.router.router_id, self.router.port) != (self.name, NO_LISTENER):
+            # registered as a router (instances drop the work of routers that are gone), port 0:
+            # `pdserve status` tells it from the routers clients reach
+            router = dataclasses.replace(self.router, router_id=self.name, port=NO_LISTENER)
+            object.__setattr__(self, "router", router)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -36,6 +36,8 @@ def uvicorn_config(settings: RouterSettings, app: ASGIApp) -> uvicorn.Config:
 def run_router(args: argparse.Namespace) -> int:
     """Entry point of ``pdserve router``: serve until interrupted; returns the exit status."""
     settings = settings_from_args(args)
+    if settings.port == 0:
+        raise ConfigError("--port must be in 1..65535 (0 is for routers without a listener)")
     server = uvicorn.Server(uvicorn_config(settings, create_app(settings)))
     logger.info(
         "router %s listening on %s (Redis %s, cluster %s)",

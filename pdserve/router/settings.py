@@ -260,7 +260,7 @@ class RouterSettings:
             raise ConfigError(f"retry_attempts must be >= 0, got {self.retry_attempts}")
         if self.max_migrations < 0:
             raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
-        if not 0 < self.port < 65536:
+        if not 0 <= self.port < 65536:  # 0: no listener (a batch worker's in-process router)
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
 
     @property

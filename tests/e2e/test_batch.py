@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,6 +21,7 @@ import pytest
 import redis
 
 from pdserve.scheduler.batch_queue import BatchQueue
+from pdserve.scheduler.embedded import free_port
 from pdserve.scheduler.keys import Keys
 from pdserve.stack import Stack
 from tests.e2e.test_serving import client, model_name, start_stack
@@ -267,9 +269,21 @@ def test_a_job_lost_between_pop_and_start_is_run_again(echo_stack, redis_url) ->
     assert queue.waiting(validate)
     conn.lmove(queue.queue.key, queue.queue.intermediate_queue_key, "LEFT", "RIGHT")  # popped, then died
     assert not queue.waiting(validate)
-    worker = batch_worker(echo_stack, "rescuer")
+    metrics_port = free_port()
+    worker = batch_worker(echo_stack, "rescuer", "--metrics-port", str(metrics_port))
     try:
         batch = wait_final(oc, batch_id, 60)
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        assert 'pdserve_batch_lines_total{outcome="completed"} 10.0' in metrics, metrics
+        rq_info = subprocess.run(
+            [str(Path(sys.executable).parent / "rq"), "info", "--url", redis_url],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert rq_info.returncode == 0, rq_info.stderr
+        assert f"pdserve-batch-{echo_stack.spec.cluster}" in rq_info.stdout  # the queue
+        assert "rescuer" in rq_info.stdout  # the worker
     finally:
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(30) == 0

@@ -61,7 +61,7 @@ def test_docker_compose_accepts_the_files(files) -> None:
     services = {
         s: spec for s, spec in config["services"].items() if "monitoring" not in spec.get("profiles", ())
     }
-    assert set(services) == {"redis", "model", "prefill", "decode", "router", "lb"}
+    assert set(services) == {"redis", "model", "prefill", "decode", "router", "batch-worker", "lb"}
     published = [s for s, spec in services.items() if spec.get("ports")]
     assert published == ["lb"]  # only the load balancer is reachable from the host
     for name in ("redis", "prefill", "decode", "router", "lb"):
@@ -127,12 +127,13 @@ def test_the_sentinel_overlay_sends_every_pdserve_service_through_the_sentinels(
         "prefill",
         "decode",
         "router",
+        "batch-worker",
         "lb",
     }
     assert [s for s, spec in services.items() if spec.get("ports")] == ["lb"]
     url = "redis+sentinel://:x@sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/pdserve/0"
     clients = {s for s, spec in services.items() if "PDSERVE_REDIS_URL" in spec.get("environment", {})}
-    assert clients == {"prefill", "decode", "router"}
+    assert clients == {"prefill", "decode", "router", "batch-worker"}
     for name in clients:
         assert services[name]["environment"]["PDSERVE_REDIS_URL"] == url, name
         for sentinel in SENTINELS:

@@ -94,7 +94,7 @@ def test_every_bash_block_is_covered() -> None:
     for b in blocks("bash"):
         kinds = [m for m in (AFTER_UP, PIECES, OFFLINE, SENTINEL, *NOT_RUN) if m in b]
         assert len(kinds) == 1, f"README block not covered by tests/e2e/test_readme.py:\n{b}"
-    assert len(blocks("python")) == 3
+    assert len(blocks("python")) == 4  # the client, tools, batches and the offline API: each run below
 
 
 def documented_key_patterns() -> list[re.Pattern]:
@@ -120,7 +120,11 @@ def assert_keys_are_documented(record: dict) -> None:
         client.close()
     patterns = documented_key_patterns()
     assert len(keys) >= 7  # 2 instances, their index, 1 router, its index, 2 inboxes, the outbox
+    design = (ROOT / "docs" / "design.md").read_text()
     for key in keys:
+        if key.startswith("rq:"):  # the batch queue's keys are rq's own, documented as one row
+            assert "| `rq:queue:pdserve-batch-<c>`" in design
+            continue
         assert any(p.fullmatch(key) for p in patterns), f"{key} is not described in docs/design.md"
 
 
@@ -182,6 +186,12 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
         assert time.monotonic() - t0 < 60  # from `make up` to the first chat completion
         # `pdserve status` found the stack's Redis by itself: it lists the stack's workers and router.
         assert "cluster default: 2 instance(s), 1 router(s)" in after_up.stdout, after_up.stdout
+
+        batch = python(block("python", "client.batches.create"))
+        assert batch.returncode == 0, batch.stderr
+        assert batch.stdout.startswith(
+            "completed BatchRequestCounts(completed=2, failed=0, total=2)\nq0 The capital of France is Paris."
+        ), batch.stdout
 
         (record,) = (Path(env["HOME"]) / ".cache/pdserve").glob("up-*.json")  # one per stack
         assert_keys_are_documented(json.loads(record.read_text()))
