@@ -1,4 +1,4 @@
-"""``pdserve status``: the live set, the routers and the stream depths, read from Redis."""
+"""``pdserve status``: the live set, the routers, the stream depths and the batches, read from Redis."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from pdserve.errors import NotFoundError
 from pdserve.scheduler import (
     InstanceInfo,
     InstanceRegistry,
@@ -19,21 +20,39 @@ from pdserve.scheduler import (
     RouterRegistry,
     wait_for_redis,
 )
+from pdserve.scheduler.batch_queue import BatchQueue
+from pdserve.scheduler.batches import BatchObject, BatchStore
 from pdserve.scheduler.connection import redact_url
 from pdserve.scheduler.keys import INBOX_GROUP
+
+RECENT_BATCHES = 5
+"""How many final batches the status shows (the newest), besides every active one."""
 
 
 async def collect(redis_url: str, cluster: str) -> dict[str, Any]:
     redis = RedisSettings.from_url(redis_url).connect()
+    queue = batch_queue(redis_url, cluster)
     try:
         await wait_for_redis(redis, timeout_s=5)
-        return await read(redis, cluster)
+        return await read(redis, cluster, queue)
     finally:
         await redis.aclose()
+        if queue is not None:
+            queue.connection.close()
 
 
-async def read(redis: Any, cluster: str) -> dict[str, Any]:
-    """The status from one connected client (``collect`` without the connection)."""
+def batch_queue(redis_url: str, cluster: str) -> BatchQueue | None:
+    """The rq queue of batch jobs, whose depth the status shows; None on a Redis Cluster, where rq
+    (so the Batch API) does not run."""
+    settings = RedisSettings.from_url(redis_url)
+    if settings.mode == "cluster":
+        return None
+    return BatchQueue(settings.connect_sync(), Keys(cluster))
+
+
+async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dict[str, Any]:
+    """The status from one connected client (``collect`` without the connection); the batch queue's
+    depth is None without ``queue``."""
     keys = Keys(cluster)
     instances = await InstanceRegistry(redis, keys).live()
     routers = await RouterRegistry(redis, keys).live()
@@ -86,13 +105,80 @@ async def read(redis: Any, cluster: str) -> dict[str, Any]:
         }
         for n, r in enumerate(routers)
     ]
-    return {"cluster": cluster, "instances": out_instances, "routers": out_routers}
+    return {
+        "cluster": cluster,
+        "instances": out_instances,
+        "routers": out_routers,
+        "batches": await read_batches(redis, keys, queue),
+    }
+
+
+async def read_batches(redis: Any, keys: Keys, queue: BatchQueue | None) -> dict[str, Any]:
+    """Every active batch and the newest final ones, newest first. Read only: unlike
+    ``list_batches`` it leaves the index's expired ids for the API's listing to prune."""
+    store = BatchStore(redis, keys)
+    active_ids = set(await store.active())
+    active: list[BatchObject] = []
+    recent: list[BatchObject] = []
+    for batch_id in sorted(active_ids):
+        try:
+            active.append(await store.get(batch_id))
+        except NotFoundError:  # gone between the two reads
+            continue
+    start, page = 0, 50
+    while len(recent) < RECENT_BATCHES:
+        ids = [i.decode() for i in await redis.zrange(keys.batches, start, start + page - 1, desc=True)]
+        for batch_id in ids:
+            if batch_id in active_ids:
+                continue
+            try:
+                batch = await store.get(batch_id)
+            except NotFoundError:  # expired
+                continue
+            if batch.final:
+                recent.append(batch)
+                if len(recent) == RECENT_BATCHES:
+                    break
+        if len(ids) < page:
+            break
+        start += page
+    active.sort(key=lambda b: b.created_at, reverse=True)
+    depth = None if queue is None else await asyncio.to_thread(queue.depth)
+    return {
+        "queue_depth": depth,
+        "active": [_batch(b) for b in active if not b.final],
+        "recent": [_batch(b) for b in recent],
+    }
+
+
+def _batch(b: BatchObject) -> dict[str, Any]:
+    counts = b.request_counts
+    return {
+        "id": b.id,
+        "status": b.status,
+        "endpoint": b.endpoint,
+        "request_counts": {"completed": counts.completed, "failed": counts.failed, "total": counts.total},
+        "created_at": b.created_at,
+    }
+
+
+def counts_line(status: dict[str, Any]) -> str:
+    """``cluster c: N instance(s), M router(s)[, K batch worker(s)]``: a batch worker registers
+    its in-process router with port 0 (it listens on none)."""
+    batch_workers = sum(1 for r in status["routers"] if not r["port"])
+    line = (
+        f"cluster {status['cluster']}: {len(status['instances'])} instance(s), "
+        f"{len(status['routers']) - batch_workers} router(s)"
+    )
+    return line + (f", {batch_workers} batch worker(s)" if batch_workers else "")
+
+
+def address(router: dict[str, Any]) -> str:
+    return f"{router['host']}:{router['port']}" if router["port"] else f"{router['host']} (batch worker)"
 
 
 def render(status: dict[str, Any]) -> str:
-    lines = [
-        f"cluster {status['cluster']}: {len(status['instances'])} instance(s), {len(status['routers'])} router(s)"
-    ]
+    lines = [counts_line(status)]
     if status["instances"]:
         lines.append("")
         head = (
@@ -128,11 +214,36 @@ def render(status: dict[str, Any]) -> str:
     if status["routers"]:
         lines.append("")
         router_rows = [
-            (r["id"], f"{r['host']}:{r['port']}", str(r["outbox_len"]), _age(r["age_s"]))
-            for r in status["routers"]
+            (r["id"], address(r), str(r["outbox_len"]), _age(r["age_s"])) for r in status["routers"]
         ]
         lines += _table(("ROUTER", "ADDRESS", "OUTBOX", "AGE"), router_rows)
+    lines += _batch_lines(status.get("batches"))
     return "\n".join(lines)
+
+
+BATCH_COLUMNS = ("BATCH", "STATUS", "ENDPOINT", "COMPLETED/FAILED/TOTAL", "CREATED")
+
+
+def _batch_lines(batches: dict[str, Any] | None) -> list[str]:
+    """The batches' section of the text status: nothing when there are none and no queued job."""
+    if not batches or not (batches["active"] or batches["recent"] or batches["queue_depth"]):
+        return []
+    rows = [_batch_row(b) for b in (*batches["active"], *batches["recent"])]
+    return ["", _batch_head(batches), *(_table(BATCH_COLUMNS, rows) if rows else [])]
+
+
+def _batch_head(batches: dict[str, Any]) -> str:
+    depth = batches["queue_depth"]
+    return (
+        f"batches: {len(batches['active'])} active, {len(batches['recent'])} recently final; "
+        f"queue: {'n/a' if depth is None else f'{depth} job(s) waiting'}"
+    )
+
+
+def _batch_row(b: dict[str, Any]) -> tuple[str, ...]:
+    c = b["request_counts"]
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b["created_at"]))
+    return (b["id"], b["status"], b["endpoint"], f"{c['completed']}/{c['failed']}/{c['total']}", created)
 
 
 def _table(head: tuple[str, ...], rows: Sequence[tuple[object, ...]]) -> list[str]:
@@ -197,11 +308,7 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
     if status is None:
         return Text(f"{stamp}  {error}", style="bold red")
     wide = width >= WIDE
-    head = Text(
-        f"{stamp}  cluster {status['cluster']}: {len(status['instances'])} instance(s), "
-        f"{len(status['routers'])} router(s)    (Ctrl-C to quit)",
-        style="bold",
-    )
+    head = Text(f"{stamp}  {counts_line(status)}    (Ctrl-C to quit)", style="bold")
     columns = ["INSTANCE", "ROLE", "MODEL", "RUN", "WAIT", "WAIT TOK", "KV USED", "INBOX", "AGE", "STATE"]
     if not wide:
         columns = [c for c in columns if c not in ("MODEL", "WAIT TOK")]
@@ -237,8 +344,24 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
             )
     routers = _watch_table(["ROUTER", "ADDRESS", "OUTBOX", "AGE"], wide)
     for r in status["routers"]:
-        routers.add_row(r["id"], f"{r['host']}:{r['port']}", str(r["outbox_len"]), _age(r["age_s"]))
-    return Group(head, instances, routers)
+        routers.add_row(r["id"], address(r), str(r["outbox_len"]), _age(r["age_s"]))
+    return Group(head, instances, routers, *_watch_batches(status.get("batches"), wide))
+
+
+def _watch_batches(batches: dict[str, Any] | None, wide: bool) -> list[Any]:
+    """The ``--watch`` batches panel: a heading and a table, none when ``render`` shows none.
+    Narrow, it drops ENDPOINT and CREATED (a batch id alone takes 30 columns)."""
+    from rich.text import Text
+
+    if not _batch_lines(batches):
+        return []
+    assert batches is not None
+    columns = list(BATCH_COLUMNS) if wide else ["BATCH", "STATUS", "COMPLETED/FAILED/TOTAL"]
+    table = _watch_table(columns, wide)
+    for b in (*batches["active"], *batches["recent"]):
+        row = dict(zip(BATCH_COLUMNS, _batch_row(b), strict=True))
+        table.add_row(*(row[c] for c in columns))
+    return [Text(_batch_head(batches), style="bold"), table]
 
 
 def _watch_table(columns: Sequence[str], wide: bool) -> Any:
@@ -278,12 +401,13 @@ def watch(redis_url: str, cluster: str, interval_s: float = 1.0) -> int:
 
     async def loop(live: Live | None) -> None:
         redis = RedisSettings.from_url(redis_url).connect()
+        queue = batch_queue(redis_url, cluster)
         try:
             while True:
                 status: dict[str, Any] | None = None
                 error: str | None = None
                 try:
-                    status = await asyncio.wait_for(read(redis, cluster), 5)
+                    status = await asyncio.wait_for(read(redis, cluster, queue), 5)
                 except Exception as e:
                     error = unreachable(redis_url, e)
                 if live is not None:
@@ -293,6 +417,8 @@ def watch(redis_url: str, cluster: str, interval_s: float = 1.0) -> int:
                 await asyncio.sleep(interval_s)
         finally:
             await redis.aclose()
+            if queue is not None:
+                queue.connection.close()
 
     try:
         if not tty:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -264,6 +265,102 @@ def test_status_check_is_a_health_check(redis_url, capsys) -> None:
     assert main([*base, "decode-a"]) == 0 and "decode-a: ready" in capsys.readouterr().out
     assert main([*base, "decode-b"]) == 1 and "draining" in capsys.readouterr().err
     assert main([*base, "decode-c"]) == 1 and "not registered" in capsys.readouterr().err
+
+
+def make_batches(redis_url: str, cluster: str, finished: int = 0, later: int = 0) -> tuple[str, list[str]]:
+    """A batch in progress (3 lines: one done, one failed) with its validation job queued in rq,
+    then ``finished`` completed batches, then ``later`` validating ones; the ids of the first and of
+    the finished ones (oldest first)."""
+    import asyncio
+
+    from pdserve.scheduler import Keys, RedisSettings
+    from pdserve.scheduler.batch_queue import BatchQueue
+    from pdserve.scheduler.batches import BatchStore
+
+    async def make() -> tuple[str, list[str]]:
+        redis = RedisSettings.from_url(redis_url).connect()
+        store = BatchStore(redis, Keys(cluster))
+        try:
+            running = await store.create("file-abc", "/v1/chat/completions", "24h", None)
+            assert await store.update(running.id, ("validating",), status="in_progress", total=3)
+            assert await store.record(running.id, 0, {"ok": 0}, error=False)
+            assert await store.record(running.id, 2, {"bad": 2}, error=True)
+            done = []
+            for _ in range(finished):
+                batch = await store.create("file-abc", "/v1/completions", "1h", None)
+                assert await store.update(batch.id, ("validating",), status="completed", total=1)
+                done.append(batch.id)
+                await asyncio.sleep(0.003)  # distinct creation milliseconds: a defined newest
+            for _ in range(later):
+                await store.create("file-abc", "/v1/completions", "1h", None)
+            return running.id, done
+        finally:
+            await redis.aclose()
+
+    made = asyncio.run(make())
+    queue = BatchQueue(RedisSettings.from_url(redis_url).connect_sync(), Keys(cluster))
+    queue.enqueue_validate("batch_waiting")  # no batch worker runs here: it stays queued
+    queue.connection.close()
+    return made
+
+
+def test_status_shows_active_and_recent_batches(redis_url, redis_client, capsys) -> None:
+    """Text and JSON: the active batch with its counts, the 5 newest final ones, the queue depth."""
+    from pdserve.scheduler import Keys
+
+    running, done = make_batches(redis_url, "bstat", finished=7, later=1)
+    (late,) = redis_client.zrange(Keys("bstat").batches, -1, -1)
+    redis_client.srem(Keys("bstat").active_batches, late)  # as if created between the two reads
+    base = ["status", "--redis-url", redis_url, "--cluster", "bstat"]
+    assert main([*base, "--json"]) == 0
+    batches = json.loads(capsys.readouterr().out)["batches"]
+    assert batches["queue_depth"] == 1
+    (active,) = batches["active"]
+    assert active["id"] == running and active["status"] == "in_progress"
+    assert active["endpoint"] == "/v1/chat/completions"
+    assert active["request_counts"] == {"completed": 1, "failed": 1, "total": 3}
+    assert abs(active["created_at"] - time.time()) < 60
+    assert [b["id"] for b in batches["recent"]] == done[::-1][:5]  # newest first, five of seven
+    assert {b["status"] for b in batches["recent"]} == {"completed"}
+
+    assert main(base) == 0
+    text = capsys.readouterr().out
+    assert "batches: 1 active, 5 recently final; queue: 1 job(s) waiting" in text, text
+    (row,) = [line for line in text.splitlines() if line.startswith(running)]
+    assert row.split()[1:4] == ["in_progress", "/v1/chat/completions", "1/1/3"], row
+    assert done[-1] in text and done[1] not in text and done[0] not in text
+
+
+def test_status_finds_the_final_batches_behind_many_active_ones(redis_url, redis_client, capsys) -> None:
+    """The newest 50 batches are active: the recent final ones come from further down the index."""
+    running, done = make_batches(redis_url, "bdeep", finished=51, later=52)
+    assert main(["status", "--redis-url", redis_url, "--cluster", "bdeep", "--json"]) == 0
+    batches = json.loads(capsys.readouterr().out)["batches"]
+    assert len(batches["active"]) == 53 and running in {b["id"] for b in batches["active"]}
+    assert [b["id"] for b in batches["recent"]] == done[::-1][:5]
+
+
+def test_status_without_batches_or_rq_says_so_quietly(redis_url, redis_client, capsys) -> None:
+    """No batch: no batch section. A Redis Cluster URL has no rq queue (None, "n/a"), never an error."""
+    from pdserve.status import batch_queue, render
+
+    assert main(["status", "--redis-url", redis_url, "--cluster", "quiet"]) == 0
+    assert capsys.readouterr().out == "cluster quiet: 0 instance(s), 0 router(s)\n"
+    assert batch_queue("redis+cluster://127.0.0.1:1,127.0.0.1:2", "c") is None  # connects nothing
+    batch = {
+        "id": "batch_1",
+        "status": "in_progress",
+        "endpoint": "/v1/completions",
+        "request_counts": {"completed": 2, "failed": 0, "total": 4},
+        "created_at": 0,
+    }
+    status = {
+        "cluster": "c",
+        "instances": [],
+        "routers": [],
+        "batches": {"queue_depth": None, "active": [batch], "recent": []},
+    }
+    assert "queue: n/a" in render(status) and "2/0/4" in render(status)
 
 
 def test_generate_sampling_flags_come_from_sampling_params(capsys) -> None:

@@ -154,3 +154,27 @@ def test_watch_in_a_pipe_prints_a_snapshot_per_interval(redis_url) -> None:
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_watch_shows_the_batches(redis_url, redis_client) -> None:
+    """The batches panel: ids, statuses and counts whole at 80 columns; the endpoint when wide."""
+    import asyncio
+
+    from rich.console import Console
+
+    from pdserve.status import batch_queue, collect, view
+    from tests.test_cli import make_batches
+
+    running, done = make_batches(redis_url, "wbatch", finished=1)
+    assert batch_queue(redis_url, "wbatch") is not None
+    status = asyncio.run(collect(redis_url, "wbatch"))
+    for width in (80, 140):
+        console = Console(width=width, record=True, force_terminal=False)
+        console.print(view(status, None, console.width))
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width and "…" not in text, text
+        assert "batches: 1 active, 1 recently final; queue: 1 job(s) waiting" in text, text
+        (row,) = [line for line in text.splitlines() if running in line]
+        assert "in_progress" in row and "1/1/3" in row, text
+        assert done[0] in text
+        assert ("/v1/chat/completions" in row) == (width == 140), text

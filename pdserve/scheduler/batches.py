@@ -134,7 +134,7 @@ return out
 
 # KEYS[1] results, KEYS[2] errors; ARGV[1] line, ARGV[2] '1' for an error, ARGV[3] the line's JSON.
 _RECORD = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   return 0
 end
 redis.call('HSET', KEYS[tonumber(ARGV[2]) + 1], ARGV[1], ARGV[3])

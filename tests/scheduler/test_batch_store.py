@@ -4,7 +4,6 @@ once, listing and expiry, files in Redis or in a folder, and chunk leases."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -174,7 +173,9 @@ def test_list_is_newest_first_pages_and_drops_expired(redis_url: str, redis_clie
     run(redis_url, main)
 
 
-@pytest.mark.parametrize(("window", "seconds"), [("24h", 86400), ("30m", 1800), ("1d", 86400), ("7d", 604800)])
+@pytest.mark.parametrize(
+    ("window", "seconds"), [("24h", 86400), ("30m", 1800), ("1d", 86400), ("7d", 604800)]
+)
 def test_completion_window_accepts_durations(window: str, seconds: int) -> None:
     assert window_seconds(window) == seconds
 
