@@ -245,10 +245,8 @@ class Stack:
             batch_workers = 0
         for i in range(batch_workers):
             name = f"batch-{i}"
-            self.argv[name] = [
+            self.argv[name] = [  # no --name: each start (and restart) gets a fresh one
                 "batch-worker",
-                "--name",
-                f"{name}-{uuid.uuid4().hex[:6]}",
                 "--cluster",
                 spec.cluster,
                 "--ttl",

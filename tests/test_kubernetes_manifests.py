@@ -1,9 +1,10 @@
 """deploy/kubernetes: every manifest is a valid Kubernetes object (checked offline against the API's
 schemas, strictly: an unknown field fails), every file is used by a kustomization, and the objects
 keep pdserve's contract: routers probed on /ready, prefill and decode as StatefulSets whose pod
-names are their instance ids and whose /dev/shm is memory large enough for the KV cache, the Redis
-URL only ever from a Secret, scrape annotations naming the port that serves metrics, and only
-PDSERVE_* variables pdserve reads, with values its settings accept.
+names are their instance ids and whose /dev/shm is memory large enough for the KV cache, a batch
+worker reaching nothing but Redis, the Redis URL only ever from a Secret, scrape annotations naming
+the port that serves metrics, and only PDSERVE_* variables pdserve reads, with values its settings
+accept.
 
 The kustomizations are rendered here by a small renderer of the features they use (resources,
 patches of maps, images), so the checks run on what `kubectl apply -k` would send. Nothing reaches the network.
@@ -35,7 +36,7 @@ from pdserve.scheduler.connection import RedisSettings
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"
 VERSIONS = ("1.37", "1.30")  # the newest schemas kubernetes-validate ships, and an older common one
-COMPONENTS = {"router", "prefill", "decode", "redis", "redis-sentinel"}
+COMPONENTS = {"router", "prefill", "decode", "batch-worker", "redis", "redis-sentinel"}
 WORKLOADS = ("Deployment", "StatefulSet")
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches", "images"}
 """What the renderer below understands; a kustomization using more needs the renderer taught it."""
@@ -444,6 +445,133 @@ def test_worker_identity_and_transfer_address_come_from_the_pod(stack: Stack, ro
     assert args.command == "status" and args.check == "$PDSERVE_INSTANCE_ID"  # sh expands it
 
 
+def template_labels(obj: Obj) -> dict[str, str]:
+    return obj["spec"]["template"]["metadata"]["labels"]
+
+
+def policies_of(stack: Stack, labels: dict[str, str], policy_type: str) -> list[Obj]:
+    """The NetworkPolicies of that type selecting pods with these labels."""
+    return [
+        p
+        for p in stack.of_kind("NetworkPolicy")
+        if selector_matches(p["spec"]["podSelector"], labels) and policy_type in p["spec"]["policyTypes"]
+    ]
+
+
+def admits(rule: Obj, labels: dict[str, str]) -> bool:
+    """Whether an ingress rule lets pods with these labels (in the namespace) in."""
+    peers = rule.get("from")
+    return not peers or any(
+        set(peer) == {"podSelector"} and selector_matches(peer["podSelector"], labels) for peer in peers
+    )
+
+
+def compose_grace_s(service: str) -> int:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    m = re.fullmatch(r"(\d+)s", str(compose["services"][service]["stop_grace_period"]))
+    assert m, compose["services"][service]["stop_grace_period"]
+    return int(m[1])
+
+
+def test_batch_worker_is_a_deployment_reading_redis_from_the_secret(stack: Stack) -> None:
+    """`pdserve batch-worker` in base and so in every stack: one replica of the routers' image, the
+    routers' Redis URL from the Secret (the Sentinels' in the overlay; rq cannot use a Cluster), at
+    least compose's grace period for rq's warm shutdown, no probe that Redis would fail, no Service,
+    and a new rq name at each container start (rq refuses a name it still counts alive)."""
+    worker = stack.workload("batch-worker")
+    assert worker["kind"] == "Deployment" and worker["spec"]["replicas"] == 1
+    container = pdserve_container(worker)
+    assert container is not None and container["args"] == ["batch-worker"]
+    router = stack.workload("router")
+    router_container = pdserve_container(router)
+    assert router_container is not None and container["image"] == router_container["image"]
+
+    ref = env_of(container)["PDSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == SECRET
+    url = environment(stack, worker, container)["PDSERVE_REDIS_URL"]
+    assert url == environment(stack, router, router_container)["PDSERVE_REDIS_URL"]
+    mode = RedisSettings.from_url(url).mode
+    assert mode != "cluster", "rq has no Redis Cluster support"
+    if stack.folder == KUBE / "redis-sentinel":
+        assert mode == "sentinel" and url == stack.secret_value(*SECRET)
+        assert url != stack_at(KUBE).secret_value(*SECRET), "the overlay's URL replaces the placeholder"
+
+    spec = pod_spec(worker)
+    assert spec["terminationGracePeriodSeconds"] >= compose_grace_s("batch-worker")
+    probes = [p for p in ("livenessProbe", "readinessProbe", "startupProbe") if p in container]
+    assert not probes, f"{probes}: nothing checks a batch worker's health, and Redis outages must not kill it"
+    for kind in ("cpu", "memory"):
+        requests, limits = container["resources"]["requests"][kind], container["resources"]["limits"][kind]
+        assert 0 < quantity(requests) <= quantity(limits), kind
+    services = [
+        s["metadata"]["name"]
+        for s in stack.of_kind("Service")
+        if selects(s["spec"]["selector"], template_labels(worker))
+    ]
+    assert not services, f"nothing connects to a batch worker, yet {services} select it"
+
+
+def test_batch_worker_network_reaches_only_redis(stack: Stack) -> None:
+    """Into a batch worker: only its metrics port. Into prefill and decode pods from it: only their
+    metrics port (it reaches them through Redis). Out of it, where the stack deploys the Redis: the
+    Redis and Sentinel pods on their ports and DNS, nothing else; and Redis admits it."""
+    worker = stack.workload("batch-worker")
+    labels = template_labels(worker)
+    container = pdserve_container(worker)
+    assert container is not None
+    metrics = int(environment(stack, worker, container)["PDSERVE_METRICS_PORT"])
+
+    ingress = policies_of(stack, labels, "Ingress")
+    assert ingress, "no NetworkPolicy limits what connects to the batch worker"
+    for rule in (r for p in ingress for r in p["spec"].get("ingress", [])):
+        assert rule.get("ports"), f"an ingress rule admits every port: {rule}"
+        assert {container_port(container, p["port"]) for p in rule["ports"]} == {metrics}, rule
+    for role in ("prefill", "decode"):
+        target = stack.workload(role)
+        target_container = pdserve_container(target)
+        assert target_container is not None
+        target_metrics = int(environment(stack, target, target_container)["PDSERVE_METRICS_PORT"])
+        for rule in (
+            r for p in policies_of(stack, template_labels(target), "Ingress") for r in p["spec"]["ingress"]
+        ):
+            if admits(rule, labels):
+                ports = {container_port(target_container, p["port"]) for p in rule.get("ports", [])}
+                assert ports == {target_metrics}, f"{role} admits the batch worker beyond metrics: {rule}"
+
+    components = {component_of(o): o for o in stack.workloads()}
+    egress = policies_of(stack, labels, "Egress")
+    if "redis" not in components:  # a Redis of your own: wherever the Secret says, so not restricted
+        assert not egress
+        return
+    assert egress, "the stack deploys the Redis, yet the batch worker may reach anything"
+    reached = set()
+    for rule in (r for p in egress for r in p["spec"].get("egress", [])):
+        assert rule.get("ports"), f"egress to every port: {rule}"
+        ports = {(p["port"], p.get("protocol", "TCP")) for p in rule["ports"]}
+        if "to" not in rule:
+            assert ports == {(53, "UDP"), (53, "TCP")}, f"egress to anywhere but for DNS: {rule}"
+            continue
+        for peer in rule["to"]:
+            assert set(peer) == {"podSelector"}, peer
+            (component,) = [
+                c for c, o in components.items() if selector_matches(peer["podSelector"], template_labels(o))
+            ]
+            assert component in ("redis", "redis-sentinel"), f"the batch worker reaches {component}"
+            (target,) = pod_spec(components[component])["containers"]
+            assert {(container_port(target, p), proto) for p, proto in ports} == {
+                (int(p["containerPort"]), "TCP") for p in target["ports"]
+            }, rule
+            reached.add(component)
+    assert reached == {"redis", "redis-sentinel"}
+    for component in reached:
+        rules = [
+            r
+            for p in policies_of(stack, template_labels(components[component]), "Ingress")
+            for r in p["spec"]["ingress"]
+        ]
+        assert any(admits(r, labels) for r in rules), f"{component} does not admit the batch worker"
+
+
 def pdserve_containers() -> Iterator[tuple[Stack, Obj, Obj]]:
     for stack in stacks():
         for obj in stack.pdserve_workloads():
@@ -476,7 +604,7 @@ def test_redis_url_comes_from_the_secret_in_every_pdserve_container() -> None:
                 )
                 literal = [e["name"] for e in c.get("env", []) if REDIS_URL.search(str(e.get("value", "")))]
                 assert not literal, f"{obj['metadata']['name']}: Redis URL as a literal in {literal}"
-    assert seen == 3 * len(ROOTS)  # router, prefill, decode
+    assert seen == 4 * len(ROOTS)  # router, prefill, decode, batch-worker
 
 
 def test_sentinel_stack_points_pdserve_at_its_sentinels() -> None:
@@ -535,6 +663,8 @@ def test_pdserve_pods_are_scraped_on_the_port_serving_metrics() -> None:
         if container["args"][0] == "router":  # /metrics on its HTTP port
             assert port == int(env["PDSERVE_PORT"]), where
             assert env.get("PDSERVE_METRICS", "true") in ("1", "true", "yes", "on"), where
+        elif container["args"][0] == "batch-worker":  # its metrics server, on all interfaces
+            assert port == int(env["PDSERVE_METRICS_PORT"]), where
         else:  # the worker's own metrics server, off unless given a port
             assert port == int(env["PDSERVE_METRICS_PORT"]), where
             assert env["PDSERVE_METRICS_HOST"] in ("0.0.0.0", "::"), where
@@ -576,6 +706,7 @@ def test_pdserve_reads_every_variable_the_manifests_set() -> None:
 def test_each_pdserve_container_environment_makes_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the container's command would build from its variables: flags' types and choices, and
     the settings' own checks (the image's entrypoint is `pdserve`)."""
+    from pdserve.batch.settings import BatchWorkerSettings
     from pdserve.router.settings import settings_from_args
     from pdserve.worker.settings import WorkerSettings
 
@@ -583,7 +714,8 @@ def test_each_pdserve_container_environment_makes_valid_settings(monkeypatch: py
         with monkeypatch.context() as m:
             for name in [n for n in os.environ if n.startswith("PDSERVE_")]:
                 m.delenv(name)
-            for name, value in environment(stack, obj, container).items():
+            variables = environment(stack, obj, container)
+            for name, value in variables.items():
                 m.setenv(name, value)
             parser = build_parser()
             args = parser.parse_args(container["args"])
@@ -593,6 +725,14 @@ def test_each_pdserve_container_environment_makes_valid_settings(monkeypatch: py
                     assert given in action.choices, f"{obj['metadata']['name']}: {action.dest}={given!r}"
             if args.command == "router":
                 settings: Any = settings_from_args(args)
+            elif args.command == "batch-worker":
+                # the batch worker's own flags and the router's it uses, from the variables alone
+                assert container["args"] == ["batch-worker"], obj["metadata"]["name"]
+                own = argparse.ArgumentParser()
+                BatchWorkerSettings.add_arguments(own)
+                batch = BatchWorkerSettings.from_args(own.parse_args([]))
+                assert batch.metrics_port == int(variables["PDSERVE_METRICS_PORT"])
+                settings = batch.router
             else:
                 settings = from_args(WorkerSettings, args, engine=engine_config(args))
                 assert settings.instance_id == settings.host == f"{obj['metadata']['name']}-0"

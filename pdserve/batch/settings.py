@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import secrets
 import socket
 
 from pdserve.errors import ConfigError
@@ -21,7 +22,9 @@ ROUTER_FLAGS_NOT_USED = ("host", "port", "router_id", "access_log", "metrics", "
 class BatchWorkerSettings:
     """One ``pdserve batch-worker`` process."""
 
-    name: str = setting("", "this worker's name in rq and its router id (default batch-<hostname>-<pid>)")
+    name: str = setting(
+        "", "this worker's name in rq and its router id, unique (default batch-<hostname>-<pid>-<random>)"
+    )
     concurrency: int = setting(8, "lines one worker sends at once (default %(default)s)")
     max_load: float = setting(
         0.5,
@@ -40,7 +43,9 @@ class BatchWorkerSettings:
     def __post_init__(self) -> None:
         if not self.name:
             host = socket.gethostname().split(".")[0][:64] or "host"
-            object.__setattr__(self, "name", f"batch-{host}-{os.getpid()}")
+            # random too: a restarted worker (same host and pid, as in a container) must not meet
+            # its predecessor's rq and router registrations, which outlive a SIGKILL for a while
+            object.__setattr__(self, "name", f"batch-{host}-{os.getpid()}-{secrets.token_hex(3)}")
         for flag, value, low in (
             ("--concurrency", self.concurrency, 1),
             ("--chunk-lines", self.chunk_lines, 1),
