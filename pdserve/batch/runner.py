@@ -15,20 +15,19 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 import httpx
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.batch.settings import BatchWorkerSettings
-from pdserve.errors import InvalidRequestError, NotFoundError, PdserveError
+from pdserve.batch.validation import Line, check_lines, read_lines
+from pdserve.errors import NotFoundError, PdserveError
 from pdserve.router.app import RouterApp, create_app
-from pdserve.router.protocol import InputLimits, parse_chat, parse_completion
-from pdserve.router.selection import model_len, resolve_model, vocab_size
+from pdserve.router.protocol import InputLimits
 from pdserve.router.state import RouterState
 from pdserve.scheduler.batch_queue import BatchQueue
-from pdserve.scheduler.batches import ENDPOINTS, BatchError, BatchObject, BatchStore
+from pdserve.scheduler.batches import BatchError, BatchObject, BatchStore
 from pdserve.scheduler.files import FileStore
 from pdserve.scheduler.messages import InstanceInfo
 
@@ -37,22 +36,10 @@ logger = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 """Answers that say "not now": the line is sent again (after a pause) instead of failing."""
 RETRY_PAUSE_S = (0.5, 5.0)
-MAX_ERRORS = 100
-"""Validation stops listing errors after this many (the batch fails either way)."""
 CAPACITY_POLL_S = 0.05
 VALIDATION_CHUNK = -1
 """The chunk number under which a validation job holds its lease and records its job id."""
 STATUS_MAX_AGE_S = 0.5
-
-
-@dataclass
-class Line:
-    """One line of an input file, checked."""
-
-    custom_id: str
-    url: str
-    body: bytes
-    model: str
 
 
 class BatchMetrics:
@@ -151,20 +138,10 @@ class BatchRunner:
         """Check every line as the online endpoint would; then split the batch into chunk jobs, or
         fail it with errors naming the lines."""
         batch = await self.batches.get(batch_id)
-        if batch.status != "validating":
-            return f"skipped: the batch is {batch.status}"
-        owner = (await self.batches.chunk_jobs(batch_id)).get(VALIDATION_CHUNK)
-        if owner not in (None, job_id):
-            return f"skipped: job {owner} validates this batch now"
-        renew = asyncio.create_task(self._hold_lease(batch_id, VALIDATION_CHUNK, job_id))
-        try:
+        async with self._owned(batch, "validating", VALIDATION_CHUNK, job_id) as renew:
+            if renew is None:
+                return "skipped: the batch is not validating or another job validates it"
             await self._validate(batch)
-        finally:
-            renew.cancel()
-            with contextlib.suppress(asyncio.CancelledError, PdserveError):
-                await renew
-            with contextlib.suppress(PdserveError):
-                await self.batches.release_lease(batch_id, VALIDATION_CHUNK)
         return "validated"
 
     async def _validate(self, batch: BatchObject) -> None:
@@ -174,7 +151,8 @@ class BatchRunner:
         except NotFoundError:
             await self._fail(batch, [BatchError(code="input_file_missing", message="the input file is gone")])
             return
-        lines, model, errors = await self._check(batch, content)
+        live = await self.state.dispatcher.live.get()
+        lines, model, errors = check_lines(content, live, self.limits, self.settings.max_lines)
         if errors:
             await self._fail(batch, errors)
             return
@@ -200,68 +178,6 @@ class BatchRunner:
             "batch %s: %d lines valid, %d jobs of %d lines", batch_id, len(lines), chunks, chunk_lines
         )
 
-    async def _check(self, batch: BatchObject, content: bytes) -> tuple[list[Line], str, list[BatchError]]:
-        raw_lines = content.rstrip().split(b"\n") if content.strip() else []
-        errors: list[BatchError] = []
-        lines: list[Line] = []
-        if not raw_lines:
-            return [], "", [BatchError(code="empty_file", message="the input file has no lines")]
-        if len(raw_lines) > self.settings.max_lines:
-            message = f"the input file has {len(raw_lines)} lines; a batch may hold {self.settings.max_lines}"
-            return [], "", [BatchError(code="too_many_lines", message=message)]
-        live = await self.state.dispatcher.live.get()
-        seen: set[str] = set()
-        models: set[str] = set()
-        for number, raw in enumerate(raw_lines, 1):
-            try:
-                line, model = self._check_line(raw, live, seen)
-                lines.append(line)
-                models.add(model)
-            except InvalidRequestError as e:
-                errors.append(BatchError(code=e.kind, message=e.message, param=e.param, line=number))
-                if len(errors) >= MAX_ERRORS:
-                    break
-        return lines, models.pop() if len(models) == 1 else "", errors
-
-    def _check_line(self, raw: bytes, live: list[InstanceInfo], seen: set[str]) -> tuple[Line, str]:
-        """One line as the online endpoint would check it. Unlike OpenAI, a line's ``url`` may be
-        either endpoint (a file may mix chat and completions lines): it runs where it says."""
-        try:
-            item = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise _line_error(f"the line is not valid JSON: {e}", None, "invalid_json_line") from None
-        if not isinstance(item, dict):
-            raise InvalidRequestError("the line must be a JSON object", None)
-        unknown = sorted(set(item) - {"custom_id", "method", "url", "body"})
-        if unknown:
-            raise InvalidRequestError(f"unknown field {unknown[0]!r}", unknown[0])
-        custom_id = item.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            raise InvalidRequestError("custom_id must be a non-empty string", "custom_id")
-        if custom_id in seen:
-            raise InvalidRequestError(f"custom_id {custom_id!r} appears more than once", "custom_id")
-        seen.add(custom_id)
-        if item.get("method") != "POST":
-            raise InvalidRequestError("method must be 'POST'", "method")
-        url = item.get("url")
-        if url not in ENDPOINTS:
-            raise InvalidRequestError(f"url must be one of {', '.join(ENDPOINTS)} (got {url!r})", "url")
-        body = item.get("body")
-        if not isinstance(body, dict):
-            raise InvalidRequestError("body must be a JSON object", "body")
-        if body.get("stream"):
-            raise InvalidRequestError("a batch line cannot stream", "body.stream")
-        encoded = orjson.dumps(body)
-        parse = parse_chat if url == "/v1/chat/completions" else parse_completion
-        try:
-            parsed = parse(encoded, self.limits)
-            model = resolve_model(live, parsed.model)
-            parsed.check_vocab(vocab_size(live, model))
-            parsed.check_length(model_len(live, model), self.limits.chars_per_token)
-        except PdserveError as e:
-            raise _line_error(e.message, f"body.{e.param}" if e.param else "body", e.kind) from None
-        return Line(custom_id, url, encoded, model), model
-
     async def _fail(self, batch: BatchObject, errors: list[BatchError]) -> None:
         data = [e.model_dump() for e in errors]
         await self.batches.update(
@@ -277,26 +193,36 @@ class BatchRunner:
     async def run_chunk(self, batch_id: str, chunk: int, job_id: str) -> str:
         """Run the lines of ``chunk`` that have no outcome yet; returns what happened, for rq."""
         batch = await self.batches.get(batch_id)
-        if batch.status != "in_progress":
-            return f"skipped: the batch is {batch.status}"
-        owner = (await self.batches.chunk_jobs(batch_id)).get(chunk)
-        if owner not in (None, job_id):
-            return f"skipped: job {owner} owns this chunk now"
-        renew = asyncio.create_task(self._hold_lease(batch_id, chunk, job_id))
-        try:
+        async with self._owned(batch, "in_progress", chunk, job_id) as renew:
+            if renew is None:
+                return "skipped: the batch is not running or another job owns this chunk"
             done = await self.batches.done_lines(batch_id)
             todo = [i for i in batch.chunk_range(chunk) if i not in done]
             lines = await self._batch_lines(batch)
             outcomes = await asyncio.gather(*(self._run_line(batch, i, lines[i], renew) for i in todo))
+        ran = sum(1 for o in outcomes if o)
+        await self.maybe_finalize(batch_id)
+        return f"{ran} of {len(todo)} lines run"
+
+    @contextlib.asynccontextmanager
+    async def _owned(
+        self, batch: BatchObject, status: str, chunk: int, job_id: str
+    ) -> AsyncIterator[asyncio.Task | None]:
+        """Hold ``chunk``'s lease while the block runs, if the batch is ``status`` and no newer job
+        owns the chunk; yields the task renewing the lease (done once ownership is lost), or None."""
+        owner = (await self.batches.chunk_jobs(batch.id)).get(chunk)
+        if batch.status != status or owner not in (None, job_id):
+            yield None
+            return
+        renew = asyncio.create_task(self._hold_lease(batch.id, chunk, job_id))
+        try:
+            yield renew
         finally:
             renew.cancel()
             with contextlib.suppress(asyncio.CancelledError, PdserveError):
                 await renew
             with contextlib.suppress(PdserveError):
-                await self.batches.release_lease(batch_id, chunk)
-        ran = sum(1 for o in outcomes if o)
-        await self.maybe_finalize(batch_id)
-        return f"{ran} of {len(todo)} lines run"
+                await self.batches.release_lease(batch.id, chunk)
 
     async def _hold_lease(self, batch_id: str, chunk: int, job_id: str) -> None:
         holder = f"{self.settings.name}:{job_id}"
@@ -378,11 +304,7 @@ class BatchRunner:
         lines = self._lines.get(batch.id)
         if lines is None:
             content = await self.files.content(batch.input_file_id)
-            raw = content.rstrip().split(b"\n")
-            lines = []
-            for item in map(orjson.loads, raw):
-                model = item["body"].get("model") or batch.model or ""
-                lines.append(Line(item["custom_id"], item["url"], orjson.dumps(item["body"]), model))
+            lines = read_lines(content, batch.model or "")
             self._lines = {batch.id: lines}  # one batch at a time is plenty
         return lines
 
@@ -430,13 +352,6 @@ class BatchRunner:
             batch_id, (expect,), status=status, **{f"{status}_at": int(time.time())}, **ids
         )
         self._lines.pop(batch_id, None)
-
-
-def _line_error(message: str, param: str | None, code: str) -> InvalidRequestError:
-    """A line's validation error whose ``kind`` is the batch error code (``model_not_found``…)."""
-    error = InvalidRequestError(message, param)
-    error.kind = code  # type: ignore[misc]  # an instance's code, not a new class per code
-    return error
 
 
 def _json_or_text(content: bytes) -> object:
