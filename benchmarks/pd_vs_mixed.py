@@ -33,10 +33,11 @@ def main() -> int:
     from pdserve import bench
     from pdserve.engine.config import EngineConfig
     from pdserve.scheduler.embedded import free_port
-    from pdserve.stack import Stack, StackSpec, default_model
+    from pdserve.engine.model_store import resolve_model
+    from pdserve.stack import Stack, StackSpec
     from pdserve.tokenizer import Tokenizer
 
-    model_dir = default_model()
+    model_dir = resolve_model("tiny").path  # the tiny preset, made once in the cache (no download)
     tokenizer = Tokenizer.from_dir(model_dir)
     threads = max(1, (os.cpu_count() or 2) // 2)
     rows = []

@@ -267,9 +267,9 @@ def main() -> int:
     ap.add_argument("--peers-venv", type=Path, default=Path.home() / ".cache" / "pdserve" / "peers-venv")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "router_overhead.json")
     args = ap.parse_args()
-    from pdserve.stack import default_model
+    from pdserve.engine.model_store import resolve_model
 
-    model_dir = default_model()
+    model_dir = resolve_model("tiny").path  # the tiny preset, made once in the cache (no download)
     model = model_dir.name
     systems = args.systems.split(",")
     venv = ensure_peers(args.peers_venv) if {"sglang", "vllm"} & set(systems) else args.peers_venv

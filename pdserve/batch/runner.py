@@ -60,9 +60,10 @@ class BatchMetrics:
 
 
 class SpareCapacity:
-    """Admits a line only while some instance of its model has room: nothing waiting in its queue
-    and fewer running sequences than ``max_load`` × its ``max_num_seqs``. Online requests are never
-    gated (they go through the online routers); batch lines fill what they leave."""
+    """Admits a line only while some instance of its model has room: fewer sequences (running and
+    queued) than ``max_load`` × its ``max_num_seqs``, so online arrivals always find free slots.
+    Online requests are never gated (they go through the online routers), and the instances run
+    the lines as background work: prefilled only in steps no online prompt needs, preempted first."""
 
     def __init__(self, state: RouterState, max_load: float, concurrency: int) -> None:
         self.state = state
@@ -72,10 +73,10 @@ class SpareCapacity:
     def has_room(self, live: list[InstanceInfo], model: str) -> bool:
         ok = {"prefill": False, "decode": False}
         for info in live:
-            if info.model != model or info.draining or info.load.waiting:
+            if info.model != model or info.draining:
                 continue
-            limit = self.max_load * (info.max_num_seqs or 0)
-            if info.max_num_seqs and info.load.running >= max(1.0, limit):
+            held = info.load.running + info.load.waiting
+            if info.max_num_seqs and held >= max(1.0, self.max_load * info.max_num_seqs):
                 continue
             if info.role == "mixed":
                 return True

@@ -28,8 +28,9 @@ class BatchWorkerSettings:
     concurrency: int = setting(8, "lines one worker sends at once (default %(default)s)")
     max_load: float = setting(
         0.5,
-        "spare capacity: a line is sent only while some instance of its model has no request waiting "
-        "and runs fewer than this fraction of its --max-num-seqs (default %(default)s)",
+        "spare capacity: a line is sent only while some instance of its model holds fewer sequences "
+        "(running and queued) than this fraction of its --max-num-seqs; the instances run batch "
+        "lines only in what online requests leave (default %(default)s)",
     )
     chunk_lines: int = setting(50, "lines per rq job (default %(default)s)")
     max_lines: int = setting(50000, "most lines one batch may hold (default %(default)s, as OpenAI)")
@@ -56,10 +57,14 @@ class BatchWorkerSettings:
                 raise ConfigError(f"{flag} must be at least {low} (got {value})")
         if not 0 < self.max_load <= 1:
             raise ConfigError(f"--max-load must be in (0, 1] (got {self.max_load})")
-        if (self.router.router_id, self.router.port) != (self.name, NO_LISTENER):
+        if (self.router.router_id, self.router.port, self.router.background) != (
+            self.name,
+            NO_LISTENER,
+            True,
+        ):
             # registered as a router (instances drop the work of routers that are gone), port 0:
             # `pdserve status` tells it from the routers clients reach
-            router = dataclasses.replace(self.router, router_id=self.name, port=NO_LISTENER)
+            router = dataclasses.replace(self.router, router_id=self.name, port=NO_LISTENER, background=True)
             object.__setattr__(self, "router", router)
 
     @classmethod

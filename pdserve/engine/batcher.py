@@ -75,6 +75,12 @@ class Batcher:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq``: online sequences ahead of every waiting background one."""
+        if not seq.background:
+            for i, other in enumerate(self.waiting):
+                if other.background:
+                    self.waiting.insert(i, seq)
+                    return
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -110,20 +116,29 @@ class Batcher:
             decodes.append(seq)
             budget -= 1
         prefills: list[PrefillChunk] = []
+        # background prompts are prefilled only in steps no online prompt needs
+        online = any(not s.background for s in self.waiting) or any(
+            s.is_prefilling and not s.background for s in self.running
+        )
         for seq in self.running:
-            if seq.is_prefilling and seq not in decodes:
+            if seq.is_prefilling and seq not in decodes and not (online and seq.background):
                 chunk = self._next_chunk(seq)
                 if chunk.end - chunk.start <= budget:
                     prefills.append(chunk)
                     budget -= chunk.end - chunk.start
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.background and online:
+                # a preempted background sequence may be first; an online one behind it goes before
+                seq = next((s for s in self.waiting if not s.background), seq)
+                if seq.background:
+                    break
             need = blocks_for(seq.num_tokens, cfg.block_size)
             hits = self._prefix_hits(seq)
             chunk = self._next_chunk(seq, len(hits) * cfg.block_size)
             if not self.blocks.can_allocate(need - len(hits), hits) or chunk.end - chunk.start > budget:
                 break  # first come, first served: later requests wait behind this one
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.blocks.share(hits)
             seq.block_table = hits + self.blocks.allocate(need - len(hits))
             seq.num_registered_blocks = len(hits)  # already in the cache
@@ -189,7 +204,8 @@ class Batcher:
         """Make room for ``num_tokens`` tokens, preempting the newest sequences if needed."""
         need = blocks_for(num_tokens, self.config.block_size) - len(seq.block_table)
         while need > 0 and not self.blocks.can_allocate(need):
-            victim = self.running[-1]
+            # the newest background sequence first, else the newest
+            victim = next((s for s in reversed(self.running) if s.background), self.running[-1])
             self._preempt(victim)
             if victim is seq:
                 return False

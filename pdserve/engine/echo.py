@@ -162,6 +162,7 @@ class EchoEngine:
         params: SamplingParams,
         prefill_only: bool = False,
         resume_token_ids: list[int] | None = None,
+        background: bool = False,  # the echo engine runs everything at once: no priority to give
     ) -> None:
         if request_id in self.requests or request_id in self.prefilled:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")

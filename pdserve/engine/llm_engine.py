@@ -236,10 +236,11 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         prefill_only: bool = False,
         resume_token_ids: list[int] | None = None,
+        background: bool = False,
     ) -> Sequence:
         """Queue a request. ``resume_token_ids``: output an earlier attempt already delivered (a
         migration); they are recomputed with the prompt, like a preempted sequence's, and the
-        request continues after them."""
+        request continues after them. ``background``: a batch line, scheduled after online work."""
         if request_id in self.requests or request_id in self.prefilled:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         params = params or SamplingParams()
@@ -258,7 +259,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 "the tokens to resume from do not follow the request's grammar", "resume_token_ids"
             )
-        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
+        seq = Sequence(
+            request_id, list(prompt_token_ids), params, prefill_only=prefill_only, background=background
+        )
         seq.grammar = grammar
         req = self._track(seq)
         self._replay(req, resume)

@@ -28,6 +28,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     prefill_only: bool = False
+    background: bool = False  # a batch line: prefilled only when no online prompt waits, preempted first
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     block_table: list[int] = dataclasses.field(default_factory=list)

@@ -520,6 +520,7 @@ class RoutedGeneration:
             disaggregate_info=info,
             resume_token_ids=list(self.delivered) or None,
             echo=True if self._echo and p.token_ids is not None else None,
+            background=True if d.settings.background else None,
         )
 
     def _may_retry(self, error: ErrorInfo) -> bool:

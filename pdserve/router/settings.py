@@ -163,6 +163,8 @@ class RouterSettings:
     """How often the watcher compares in-flight requests with the live set."""
     redis_wait_s: float = 30.0
     """How long startup waits for Redis before giving up."""
+    background: bool = False
+    """Every request this router sends is background work (a batch worker's in-process router)."""
     files_dir: str = setting(
         "",
         "keep the Batch API's file contents in this folder, which every router and batch worker must "

@@ -303,6 +303,9 @@ class GenerateRequest(_Message):
     disaggregate_info: DisaggregateInfo | None = None
     resume_token_ids: list[int] | None = None
     echo: bool | None = None
+    background: bool | None = None
+    """A batch line: the instance runs it only in what online requests leave (see the engine's
+    batcher); None or False: an online request."""
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:

@@ -70,6 +70,7 @@ class Engine(Protocol):
         params: SamplingParams,
         prefill_only: bool = False,
         resume_token_ids: list[int] | None = None,
+        background: bool = False,
     ) -> Any: ...
     def add_prefilled(
         self,
@@ -104,6 +105,7 @@ class Prepared:
     params: SamplingParams
     resume_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_text: str | None = None
+    background: bool = False
 
 
 class EngineClient:
@@ -223,7 +225,7 @@ class EngineClient:
                     "resume_token_ids",
                 )
             text = self._engine.prompt_text(ids) if msg.echo and not resume else None
-            return Prepared(ids, params, resume, text)
+            return Prepared(ids, params, resume, text, bool(msg.background))
 
         return await self._off(prepare)
 
@@ -235,6 +237,7 @@ class EngineClient:
                 params=prepared.params,
                 prefill_only=prefill_only,
                 resume_token_ids=prepared.resume_ids or None,
+                background=prepared.background,
             )
         )
 

@@ -112,3 +112,56 @@ def test_preemption_frees_the_newest_and_recomputes_it() -> None:
     assert victim.request_id == "new" and victim.status is SequenceStatus.WAITING
     assert victim.num_computed_tokens == 0 and victim.block_table == []
     assert len(b.running[0].block_table) * BS >= b.running[0].num_tokens
+
+
+def bg(rid: str, n: int) -> Sequence:
+    """A batch line's sequence (background work)."""
+    s = seq(rid, n)
+    s.background = True
+    return s
+
+
+def test_an_online_prompt_goes_before_waiting_background_ones() -> None:
+    b = make(max_num_batched_tokens=16)  # one 16-token chunk per step
+    b.add(bg("batch-1", 16))
+    b.add(bg("batch-2", 16))
+    b.add(seq("online", 16))
+    _, prefills = run_step(b)
+    assert prefills == [("online", 0, 16)]
+    assert [s.request_id for s in b.waiting] == ["batch-1", "batch-2"]
+
+
+def test_background_prompts_are_not_prefilled_in_a_step_an_online_prompt_needs() -> None:
+    b = make(max_num_batched_tokens=64, prefill_chunk_size=8)
+    b.add(bg("batch", 16))
+    run_step(b)  # the background prompt's first chunk: nothing online is waiting
+    b.add(seq("online", 16))
+    _, prefills = run_step(b)  # room for both, yet the background chunk waits
+    assert [p[0] for p in prefills] == ["online"]
+    _, prefills = run_step(b)  # the online prompt's last chunk: still alone
+    assert [p[0] for p in prefills] == ["online"]
+    decodes, prefills = run_step(b)  # online decodes now; the background prompt goes on
+    assert decodes == ["online"] and prefills == [("batch", 8, 16)]
+
+
+def test_a_preempted_background_sequence_does_not_block_online_ones() -> None:
+    b = make(max_num_batched_tokens=16)
+    b.add(bg("batch", 16))
+    run_step(b)
+    b.add(seq("online", 16))
+    b._preempt(b.running[0])  # back at the head of the queue, ahead of the online one
+    assert [s.request_id for s in b.waiting] == ["batch", "online"]
+    _, prefills = run_step(b)
+    assert prefills == [("online", 0, 16)]
+
+
+def test_preemption_takes_background_sequences_first() -> None:
+    b = make(num_blocks=5)  # 4 usable blocks
+    b.add(bg("batch", 4))
+    run_step(b)
+    b.add(seq("online", 4))  # admitted after: the newest, which a plain preemption would take
+    for _ in range(6):
+        run_step(b)
+    # both grew past what 4 blocks hold: the background one gave way although it is older
+    assert [s.request_id for s in b.running] == ["online"]
+    assert b.waiting[0].request_id == "batch"

@@ -1029,3 +1029,21 @@ def test_a_retry_does_not_count_the_failed_attempt_as_load(redis_url: str, redis
             await p0.stop(deregister=False)
 
     run(main())
+
+
+def test_a_batch_workers_router_marks_its_requests_as_background(redis_url: str) -> None:
+    """The flag the instances schedule batch lines by: set by a batch worker's router only."""
+
+    async def main() -> None:
+        for background in (False, True):
+            async with router(redis_url, background=background) as client, redis_conn(redis_url) as r:
+                worker = await FakeWorker(r, instance("m0")).start()
+                resp = await client.post(
+                    "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}
+                )
+                assert resp.status_code == 200
+                [msg] = worker.received
+                assert msg.background is (True if background else None)
+                await worker.stop()
+
+    run(main())
