@@ -61,36 +61,46 @@ class BatchMetrics:
 
 class SpareCapacity:
     """Admits a line only while some instance of its model has room: fewer sequences (running and
-    queued) than ``max_load`` × its ``max_num_seqs``, so online arrivals always find free slots.
-    Online requests are never gated (they go through the online routers), and the instances run
-    the lines as background work: prefilled only in steps no online prompt needs, preempted first."""
+    queued) than ``max_load`` × its ``max_num_seqs``, so online arrivals always find free slots; and
+    at most ``concurrency`` lines at once, ``busy_concurrency`` while some instance of the model
+    serves online requests (its load minus its batch lines). Online requests are never gated (they
+    go through the online routers), and the instances run the lines as background work: prefilled
+    only in steps no online prompt needs, preempted first."""
 
-    def __init__(self, state: RouterState, max_load: float, concurrency: int) -> None:
+    def __init__(self, state: RouterState, max_load: float, concurrency: int, busy_concurrency: int) -> None:
         self.state = state
         self.max_load = max_load
-        self.slots = asyncio.Semaphore(concurrency)
+        self.concurrency = concurrency
+        self.busy_concurrency = busy_concurrency
+        self.in_flight = 0
+        self._waiters = asyncio.Semaphore(concurrency)  # lines past it wait without polling anything
 
-    def has_room(self, live: list[InstanceInfo], model: str) -> bool:
-        ok = {"prefill": False, "decode": False}
+    def limit(self, live: list[InstanceInfo], model: str) -> int:
+        """How many lines may be in flight now (0: no instance has room)."""
+        room = {"prefill": False, "decode": False, "mixed": False}
+        busy = False
         for info in live:
             if info.model != model or info.draining:
                 continue
             held = info.load.running + info.load.waiting
-            if info.max_num_seqs and held >= max(1.0, self.max_load * info.max_num_seqs):
-                continue
-            if info.role == "mixed":
-                return True
-            ok[info.role] = True
-        return ok["prefill"] and ok["decode"]
+            busy = busy or held > info.load.background
+            if not info.max_num_seqs or held < max(1.0, self.max_load * info.max_num_seqs):
+                room[info.role] = True
+        if not (room["mixed"] or (room["prefill"] and room["decode"])):
+            return 0
+        return self.busy_concurrency if busy else self.concurrency
 
     @contextlib.asynccontextmanager
     async def admit(self, model: str, stopped: Callable[[], Awaitable[bool]]) -> AsyncIterator[bool]:
-        """Wait for a slot and for room; yields False when ``stopped()`` turned true while waiting."""
-        async with self.slots:
+        """Wait for a slot within the limit; yields False when ``stopped()`` turned true meanwhile."""
+        async with self._waiters:
             while not await stopped():
-                live = await self.state.dispatcher.live.get()
-                if self.has_room(live, model):
-                    yield True
+                if self.in_flight < self.limit(await self.state.dispatcher.live.get(), model):
+                    self.in_flight += 1
+                    try:
+                        yield True
+                    finally:
+                        self.in_flight -= 1
                     return
                 await asyncio.sleep(CAPACITY_POLL_S)
             yield False
@@ -111,6 +121,7 @@ class BatchRunner:
         self._client: httpx.AsyncClient | None = None
         self._lines: dict[str, list[Line]] = {}
         self._status: dict[str, tuple[float, BatchObject]] = {}
+        self._refreshing = asyncio.Lock()
 
     @property
     def files(self) -> FileStore:
@@ -129,7 +140,8 @@ class BatchRunner:
         self._client = await self._stack.enter_async_context(
             httpx.AsyncClient(transport=transport, base_url="http://batch-worker", timeout=timeout)
         )
-        self.capacity = SpareCapacity(self.state, self.settings.max_load, self.settings.concurrency)
+        s = self.settings
+        self.capacity = SpareCapacity(self.state, s.max_load, s.concurrency, s.busy_concurrency)
 
     async def stop(self) -> None:
         await self._stack.aclose()
@@ -243,10 +255,13 @@ class BatchRunner:
         if self.stopping:
             return True
         cached = self._status.get(batch_id)
-        if cached is None or time.monotonic() - cached[0] > STATUS_MAX_AGE_S:
-            with contextlib.suppress(PdserveError):
-                cached = (time.monotonic(), await self.batches.get(batch_id))
-                self._status[batch_id] = cached
+        if (
+            cached is None or time.monotonic() - cached[0] > STATUS_MAX_AGE_S
+        ) and not self._refreshing.locked():
+            async with self._refreshing:  # one read for all the lines waiting; the others use the last
+                with contextlib.suppress(PdserveError, TimeoutError):
+                    batch = await asyncio.wait_for(self.batches.get(batch_id), STATUS_MAX_AGE_S * 10)
+                    cached = self._status[batch_id] = (time.monotonic(), batch)
         if cached is None:
             return False
         batch = cached[1]

@@ -25,7 +25,14 @@ class BatchWorkerSettings:
     name: str = setting(
         "", "this worker's name in rq and its router id, unique (default batch-<hostname>-<pid>-<random>)"
     )
-    concurrency: int = setting(8, "lines one worker sends at once (default %(default)s)")
+    concurrency: int = setting(
+        8, "lines one worker sends at once while the instances serve no online request (default %(default)s)"
+    )
+    busy_concurrency: int = setting(
+        2,
+        "lines one worker sends at once while some instance of the model serves online requests "
+        "(default %(default)s)",
+    )
     max_load: float = setting(
         0.5,
         "spare capacity: a line is sent only while some instance of its model holds fewer sequences "
@@ -49,6 +56,7 @@ class BatchWorkerSettings:
             object.__setattr__(self, "name", f"batch-{host}-{os.getpid()}-{secrets.token_hex(3)}")
         for flag, value, low in (
             ("--concurrency", self.concurrency, 1),
+            ("--busy-concurrency", self.busy_concurrency, 1),
             ("--chunk-lines", self.chunk_lines, 1),
             ("--max-lines", self.max_lines, 1),
             ("--metrics-port", self.metrics_port, 0),

@@ -41,6 +41,7 @@ class EchoRequest:
     blocks: list[int]
     prefill_only: bool
     out: list[int] = dataclasses.field(default_factory=list)
+    background: bool = False
 
 
 class EchoEngine:
@@ -107,7 +108,8 @@ class EchoEngine:
         )
 
     def load(self) -> EngineLoad:
-        return EngineLoad(running=len(self.requests), free_blocks=len(self.free))
+        background = sum(r.background for r in self.requests.values())
+        return EngineLoad(running=len(self.requests), free_blocks=len(self.free), background=background)
 
     def kv_view(self) -> np.ndarray:
         return self.cache
@@ -162,14 +164,14 @@ class EchoEngine:
         params: SamplingParams,
         prefill_only: bool = False,
         resume_token_ids: list[int] | None = None,
-        background: bool = False,  # the echo engine runs everything at once: no priority to give
+        background: bool = False,  # counted in the load; the echo engine runs everything at once
     ) -> None:
         if request_id in self.requests or request_id in self.prefilled:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         resume = list(resume_token_ids or ())
         blocks = self._allocate(blocks_for(len(prompt_token_ids) + len(resume), self.block_size))
         self.requests[request_id] = EchoRequest(
-            request_id, list(prompt_token_ids), params, blocks, prefill_only, resume
+            request_id, list(prompt_token_ids), params, blocks, prefill_only, resume, background
         )
 
     def add_prefilled(
@@ -179,12 +181,13 @@ class EchoEngine:
         first_token: int,
         params: SamplingParams,
         num_cached_tokens: int = 0,  # the echo engine caches nothing
+        background: bool = False,
     ) -> None:
         blocks = self.reserved.pop(request_id, None)
         if blocks is None:
             raise EngineError(f"no reserved blocks for request {request_id!r}")
         self.requests[request_id] = EchoRequest(
-            request_id, list(prompt_token_ids), params, blocks, False, [first_token]
+            request_id, list(prompt_token_ids), params, blocks, False, [first_token], background
         )
 
     def has_unfinished(self) -> bool:

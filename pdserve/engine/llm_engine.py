@@ -163,6 +163,7 @@ class LLMEngine:
         return EngineLoad(
             running=len(self.batcher.running),
             waiting=len(waiting),
+            background=sum(s.background for s in self.batcher.running) + sum(s.background for s in waiting),
             waiting_prefill_tokens=self.batcher.queued_prefill_tokens(),
             free_blocks=self.blocks.num_free,
             preemptions=self.batcher.num_preemptions,
@@ -516,6 +517,7 @@ class LLMEngine:
         first_token: int,
         params: SamplingParams,
         num_cached_tokens: int = 0,
+        background: bool = False,
     ) -> Sequence:
         """Continue a request whose prompt K/V now sits in its reserved blocks.
 
@@ -532,7 +534,7 @@ class LLMEngine:
                 f"the prefill's first token {first_token} does not follow the request's grammar"
             )
         blocks = self.reserved.pop(request_id)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, background=background)
         seq.grammar = grammar
         seq.block_table = blocks
         seq.num_computed_tokens = len(prompt_token_ids)

@@ -51,6 +51,7 @@ class EngineLoad:
     running: int = 0
     waiting: int = 0
     waiting_prefill_tokens: int = 0
+    background: int = 0  # of running + waiting, the batch lines
     free_blocks: int = 0
     preemptions: int = 0  # sequences preempted since the engine started
     cached_blocks: int = 0  # blocks registered in the prefix cache (in use or kept for reuse)

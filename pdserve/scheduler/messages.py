@@ -85,6 +85,9 @@ class LoadInfo(_Model):
     running: int = 0
     waiting: int = 0
     waiting_prefill_tokens: int = 0
+    background: int = 0
+    """Of ``running`` + ``waiting``, the batch lines (``GenerateRequest.background``): the rest is
+    online work, which batch workers yield to."""
 
 
 class TransferInfo(_Model):
@@ -335,6 +338,8 @@ class ReserveBlocks(_Message):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     prompt_token_ids: list[int]
     attempt: int = 0
+    background: bool | None = None
+    """The request's ``GenerateRequest.background``: the decode side schedules it the same way."""
 
 
 class ReserveReply(_Message):

@@ -79,6 +79,7 @@ class Engine(Protocol):
         first_token: int,
         params: SamplingParams,
         num_cached_tokens: int = 0,
+        background: bool = False,
     ) -> Any: ...
     def has_unfinished(self) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
@@ -242,13 +243,21 @@ class EngineClient:
         )
 
     async def add_prefilled(
-        self, key: str, prompt_ids: list[int], first_token: int, params: SamplingParams, num_cached: int = 0
+        self,
+        key: str,
+        prompt_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        num_cached: int = 0,
+        background: bool = False,
     ) -> None:
         """Continue a prefilled request; its grammar is compiled (and cached) off the engine thread first."""
         if params.guided is not None:
             self._check_grammar(params)
             await self._off(lambda: self._engine.validate(prompt_ids, params))
-        await self._run(lambda: self._engine.add_prefilled(key, prompt_ids, first_token, params, num_cached))
+        await self._run(
+            lambda: self._engine.add_prefilled(key, prompt_ids, first_token, params, num_cached, background)
+        )
 
     async def step(self) -> list[RequestOutput]:
         metrics = self.metrics

@@ -303,6 +303,7 @@ class WorkerService:
                 running=load.running,
                 waiting=load.waiting + self.handler.handing_off(),
                 waiting_prefill_tokens=load.waiting_prefill_tokens,
+                background=load.background,
             ),
             transfer=TransferInfo(
                 protocols=self.protocols, endpoint=self._endpoint() or None, incarnation=self.incarnation

@@ -207,6 +207,7 @@ class PrefillHandoff:
             sampling=self.prepared.params,
             prompt_token_ids=self.prepared.prompt_ids,
             attempt=m.attempt,
+            background=True if self.prepared.background else None,
         )
         await self.ctx.messenger.send(self.decode_id, reserve)
 
@@ -385,7 +386,12 @@ class DecodeLease:
         try:  # the engine rebuilds the request's state (a grammar's included) from the first token
             params = self.msg.sampling
             await self.ctx.engine.add_prefilled(
-                self.key, list(msg.prompt_token_ids), msg.first_token, params, msg.num_cached_tokens
+                self.key,
+                list(msg.prompt_token_ids),
+                msg.first_token,
+                params,
+                msg.num_cached_tokens,
+                background=bool(self.msg.background),
             )
         except Exception as foreign:
             e = foreign if isinstance(foreign, PdserveError) else EngineError(type(foreign).__name__)

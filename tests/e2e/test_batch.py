@@ -142,6 +142,15 @@ def test_cancel_leaves_the_lines_done_downloadable(batch_stack) -> None:
     lines = batch_lines(model_name(batch_stack), 300, max_tokens=16)
     batch_id = create(oc, lines)
     wait_for(oc, batch_id, 10)
+    deadline = time.monotonic() + 10  # the decode instance reports the lines as background work
+    while True:
+        live = httpx.get(batch_stack.urls[0] + "/v1/instances", timeout=5).json()["instances"]
+        (decode,) = [i for i in live if i["role"] == "decode"]
+        if decode["load"]["background"] > 0:
+            break
+        assert time.monotonic() < deadline, decode
+        time.sleep(0.2)
+    assert decode["load"]["running"] + decode["load"]["waiting"] >= decode["load"]["background"]
     assert oc.batches.cancel(batch_id).status in ("cancelling", "cancelled")
     batch = wait_final(oc, batch_id, 60)
     assert batch.status == "cancelled" and batch.cancelled_at is not None
