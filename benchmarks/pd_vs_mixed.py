@@ -32,8 +32,8 @@ def main() -> int:
 
     from pdserve import bench
     from pdserve.engine.config import EngineConfig
-    from pdserve.scheduler.embedded import free_port
     from pdserve.engine.model_store import resolve_model
+    from pdserve.scheduler.embedded import free_port
     from pdserve.stack import Stack, StackSpec
     from pdserve.tokenizer import Tokenizer
 

@@ -185,7 +185,9 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
         assert '"content":"The capital of France is Paris."' in after_up.stdout, after_up.stdout
         assert time.monotonic() - t0 < 60  # from `make up` to the first chat completion
         # `pdserve status` found the stack's Redis by itself: it lists the stack's workers and router.
-        assert "cluster default: 2 instance(s), 1 router(s), 1 batch worker(s)" in after_up.stdout, after_up.stdout
+        assert "cluster default: 2 instance(s), 1 router(s), 1 batch worker(s)" in after_up.stdout, (
+            after_up.stdout
+        )
 
         batch = python(block("python", "client.batches.create"))
         assert batch.returncode == 0, batch.stderr
