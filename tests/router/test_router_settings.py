@@ -50,7 +50,7 @@ def test_defaults_and_router_id() -> None:
         ("retry_attempts", -1, "retry_attempts"),
         ("router_id", "has:colon", "invalid router id"),
         ("cluster", "{x}", "invalid cluster name"),
-        ("port", 0, "port"),
+        ("port", 65536, "port"),  # 0 is valid: a batch worker's router listens on none
         ("max_stop_strings", 0, "max_stop_strings must be >= 1"),
         ("max_stop_string_len", 0, "max_stop_string_len"),
         ("max_stop_token_ids", -1, "max_stop_token_ids"),
