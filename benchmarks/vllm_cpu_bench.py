@@ -11,7 +11,9 @@ The engine runs in this process (V1 multiprocessing off) so each ``step()`` is o
 in engine_bench.engine_worker: prefill tok/s of one 512-token prompt (one step, best of
 ``--prefill-reps`` after a warm-up) and decode tok/s at batch 32, 8 and 1 with ~512 tokens of
 context (the median of ``--steps`` steps once every sequence decodes; the 32 sequences are
-prefilled once, then cut to 8 and to 1). Prints ``RESULT {json}`` with engine_bench's keys.
+prefilled once, then cut to 8 and to 1). Prints ``RESULT {json}`` with engine_bench's keys and
+``preloaded``: the tcmalloc and libiomp5 libraries mapped in this process (engine_bench preloads
+them as vLLM's CPU docs recommend; an empty list means the preload did not take).
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ from step_timing import decode_figures, median_step_ms
 
 CTX = 512
 BATCHES = (1, 8, 32)
+
+
+def mapped_libraries(prefixes: tuple[str, ...]) -> list[str]:
+    """The files mapped in this process whose names start with one of ``prefixes``."""
+    with open("/proc/self/maps") as f:
+        names = {os.path.basename(line.split()[-1]) for line in f if len(line.split()) >= 6}
+    return sorted(name for name in names if name.startswith(prefixes))
 
 
 def main() -> int:
@@ -67,7 +76,7 @@ def main() -> int:
 
     once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
     forever = SamplingParams(temperature=0, max_tokens=args.steps * 4 + 16, ignore_eos=True, detokenize=False)
-    res: dict = {"threads": args.threads}
+    res: dict = {"threads": args.threads, "preloaded": mapped_libraries(("libtcmalloc", "libiomp5"))}
     times = []
     for i in range(args.prefill_reps + 1):  # the first one warms up
         engine.add_request(f"p{i}", prompt(), once)

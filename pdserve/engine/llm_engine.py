@@ -28,6 +28,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.engine.grammar import GrammarMatcher, Grammars
 from pdserve.engine.kernels.attention import select_attention
 from pdserve.engine.kernels.cpu import choose_kernels
+from pdserve.engine.kernels.fused_decode import select_decode
 from pdserve.engine.kernels.gemm import select_gemm
 from pdserve.engine.kernels.paddle_setup import HOST, TUNING, paddle
 from pdserve.engine.kv_cache import KVCache, block_bytes
@@ -74,7 +75,7 @@ class LLMEngine:
         )
         self.threads = set_threads(config.threads)
         # EngineConfig.__post_init__ resolves each kernel setting left unset (environment or "auto")
-        assert config.kernels is not None and config.attention is not None and config.gemm is not None
+        assert config.kernels and config.attention and config.gemm and config.decode_step
         self.kernels = choose_kernels(config.kernels, HOST)
         log.info(
             "CPU %s: kernels %s%s",
@@ -87,6 +88,8 @@ class LLMEngine:
         log.info("attention: %s (%s)", self.attention.impl, self.attention.reason)
         self.gemm = select_gemm(config.gemm)
         log.info("gemm: %s (%s)", self.gemm.impl, self.gemm.reason)
+        self.decode_step = select_decode(config.decode_step, self.attention.kernel, self.gemm.mkl)
+        log.info("decode step: %s (%s)", self.decode_step.impl, self.decode_step.reason)
         self.model = Model(
             mc,
             iter_weights(self.model_dir, mc),  # streamed: each packed weight's plain copy freed at once
@@ -94,6 +97,7 @@ class LLMEngine:
             self.kernels,
             self.attention.kernel,
             self.gemm.mkl,
+            self.decode_step.fused,
         )
         num_blocks = config.num_blocks or int(
             config.kv_cache_gb * 2**30 // block_bytes(mc, config.block_size)

@@ -27,6 +27,7 @@ import numpy as np
 
 from pdserve.engine.kernels.attention import AttentionKernels
 from pdserve.engine.kernels.cpu import Kernels
+from pdserve.engine.kernels.fused_decode import FusedDecode, FusedWeights
 from pdserve.engine.kernels.gemm import PackedMatrix, PackedMkl
 from pdserve.engine.kernels.paddle_setup import functional as F
 from pdserve.engine.kernels.paddle_setup import incubate_functional as IF
@@ -88,6 +89,7 @@ class Model:
         kernels: Kernels,
         attention_kernels: AttentionKernels | None = None,
         gemm: PackedMkl | None = None,
+        fused: FusedDecode | None = None,
     ) -> None:
         self.cfg = cfg
         self.kernels = attention_kernels  # None: every attention op in Paddle (the reference path)
@@ -124,6 +126,29 @@ class Model:
         kvh = cfg.num_kv_heads
         self.eye = paddle.eye(kvh).reshape([1, kvh, 1, kvh, 1])  # block-diagonal q selector
         self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        # The fused decode step (kernels/fused_decode.py) calls the same kernels and packed GEMMs.
+        self.fused = fused if attention_kernels is not None and gemm is not None else None
+        self.fused_weights = self._fused_weights() if self.fused is not None else None
+
+    def _fused_weights(self) -> FusedWeights:
+        cfg, L = self.cfg, self.cfg.num_layers
+        norms = [self.w_np[f"l{i}.{n}"] for i in range(L) for n in ("in_norm", "post_norm")]
+        biases = tuple(
+            np.stack([np.from_dlpack(self.w[f"l{i}.{n}_bias"]) for i in range(L)])
+            if f"l0.{n}_bias" in self.w
+            else np.zeros((L, 0), np.float32)
+            for n in LINEARS
+        )
+        packed = [[self.packed[f"l{i}.{n}"].buffer.ctypes.data for n in LINEARS] for i in range(L)]
+        dims = (L, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+        return FusedWeights(
+            norms=np.stack([*norms, self.w_np["norm"]]),
+            packed=np.array(packed, np.int64),
+            biases=biases,  # type: ignore[arg-type]  # a 4-tuple: one per LINEARS name
+            lm_head=self.packed["lm_head"],
+            eps=self.cfg.rms_norm_eps,
+            dims=np.array(dims, np.int64),
+        )
 
     def _fused_norm(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
         return IF.fused_rms_norm(x, w, None, self.cfg.rms_norm_eps, 1)[0]
@@ -150,6 +175,14 @@ class Model:
         )
         return paddle.from_dlpack(x_out), paddle.from_dlpack(h)
 
+    def _outer_norm(self, x: paddle.Tensor, norm: str) -> paddle.Tensor:
+        """The first and the final RMSNorm: numba's on the kernel path (as the fused step runs it)."""
+        if self.kernels is None:
+            return self._norm(x, self.w[norm])
+        return paddle.from_dlpack(
+            self.kernels.rms_norm(np.from_dlpack(x), self.w_np[norm], self.cfg.rms_norm_eps)
+        )
+
     def _numba_swiglu(self, gate_up: paddle.Tensor) -> paddle.Tensor:
         assert self.kernels is not None  # chosen only with the kernels
         return paddle.from_dlpack(self.kernels.swiglu(np.from_dlpack(gate_up)))
@@ -172,11 +205,13 @@ class Model:
         """Run one packed step; writes the new tokens' K/V into ``cache`` and returns logits [M, V]
         (None when no row needs logits, e.g. a step of non-final prefill chunks)."""
         cfg = self.cfg
+        if self.fused is not None and step.output_rows.size and all(g.is_decode for g in step.groups):
+            return paddle.from_dlpack(self._fused_forward(cache, step))
         ids = paddle.to_tensor(step.token_ids)
         x = F.embedding(ids, self.w["embed"])
         attend = self._kernel_attention if self.kernels is not None else self._reference_attention
         state = self._prepare(cache, step)
-        h = self._norm(x, self.w["l0.in_norm"])
+        h = self._outer_norm(x, "l0.in_norm")
         for layer in range(cfg.num_layers):
             o = attend(self._linear(h, f"l{layer}.qkv"), layer, cache, step, state)
             x, h = self._add_norm(x, self._linear(o, f"l{layer}.o"), f"l{layer}.post_norm")
@@ -190,10 +225,36 @@ class Model:
         n = step.token_ids.shape[0]
         if step.output_rows.shape[0] != n or not np.array_equal(step.output_rows, np.arange(n)):
             x = paddle.index_select(x, paddle.to_tensor(step.output_rows))
-        x = self._norm(x, self.w["norm"])
+        x = self._outer_norm(x, "norm")
         if "lm_head" in self.packed or not cfg.tie_word_embeddings:
             return self._linear(x, "lm_head")
         return paddle.matmul(x, self.w["embed"], transpose_y=True)
+
+    def _fused_forward(self, cache: KVCache, step: StepInput) -> np.ndarray:
+        """A step of decoding tokens in one compiled call: the layer path's very kernels and bits."""
+        assert self.fused is not None and self.fused_weights is not None  # checked by forward
+        if len(step.groups) == 1:
+            group = step.groups[0]
+            assert group.tables is not None and group.lengths is not None  # a kernel-path decode group
+            tables, lengths = group.tables, group.lengths
+        else:  # the decodes and a batch-invariant step's padding: one table, NULL-padded to the widest
+            width = max(g.tables.shape[1] for g in step.groups if g.tables is not None)
+            tables = np.concatenate(
+                [
+                    np.pad(g.tables, ((0, 0), (0, width - g.tables.shape[1])))
+                    for g in step.groups
+                    if g.tables is not None
+                ]
+            )
+            lengths = np.concatenate([g.lengths for g in step.groups if g.lengths is not None])
+        return self.fused.run(
+            self.fused_weights,
+            np.from_dlpack(self.w["embed"]),
+            self.rope_np,
+            cache.kv_view().reshape(-1, self.cfg.head_dim),
+            cache.block_size,
+            (step.token_ids, step.positions, step.write_rows, tables, lengths, step.output_rows),
+        )
 
     def _prepare(self, cache: KVCache, step: StepInput) -> dict:
         """Per-step tensors every layer's attention shares."""

@@ -146,11 +146,16 @@ class ModelRunner:
             start += n
 
         pad = padded_rows(start, self.threads) - start if self.batch_invariant else 0
-        if pad > 0:  # dummy tokens attending only to themselves; their K/V land in the null block
+        if pad > 0:  # dummy tokens attending only to the null block, where their K/V land
             ids.append(np.zeros(pad, np.int64))
             pos.append(np.arange(pad, dtype=np.int64))
             slots.append(NULL_BLOCK * bs + np.arange(pad) % bs)
-            groups.append(AttentionGroup(start, pad, 1, 0, self._causal_mask(pad), False))
+            if self.paged_kernel:  # a decode group: a step of decodes stays one fused call
+                table = np.full((pad, blocks_for(pad, bs)), NULL_BLOCK, np.int64)
+                lengths = np.arange(1, pad + 1, dtype=np.int64)
+                groups.append(AttentionGroup(start, pad, pad, 0, None, True, tables=table, lengths=lengths))
+            else:
+                groups.append(AttentionGroup(start, pad, 1, 0, self._causal_mask(pad), False))
         spans = [PromptRows(seq, len(out_rows) + i, first, count) for seq, i, first, count in scored]
         out_rows += prompt_rows
         if out_rows and self.batch_invariant:

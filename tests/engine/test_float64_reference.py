@@ -91,7 +91,8 @@ def reference(smollm2_dir: Path) -> ReferenceLlama:
 
 
 PATHS = {
-    "default": {},  # packed MKL GEMMs and numba attention kernels where this host has them
+    "default": {},  # packed MKL GEMMs, numba attention kernels and the fused decode step where they run
+    "layers": {"decode_step": "layers"},  # the same kernels, decode steps one operation at a time
     "plain": {"gemm": "paddle", "attention": "reference"},  # Paddle's matmul and attention only
 }
 

@@ -105,6 +105,19 @@ def _add_rms_norm(
             h_out[t, j] = x_out[t, j] * r * w[j]
 
 
+def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:  # pragma: no cover
+    """out = x * rsqrt(mean(x^2) + eps) * w row by row, as ``_add_rms_norm`` normalises its sum (the
+    model's first and final norm on the kernel path)."""
+    n, hidden = x.shape
+    for t in prange(n):
+        total = np.float32(0.0)
+        for j in range(hidden):
+            total += x[t, j] * x[t, j]
+        r = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(hidden) + np.float32(eps)))
+        for j in range(hidden):
+            out[t, j] = x[t, j] * r * w[j]
+
+
 def _swiglu(gate_up: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled by numba
     """out = silu(gate) * up for gate_up ``[N, 2I]`` (gate first, as the fused weight) -> ``[N, I]``."""
     n, inter = out.shape
@@ -279,6 +292,7 @@ def _compile(threads: int) -> AttentionKernels:
             "rope_write": exact(_rope_write),
             "swiglu": fast(_swiglu),
             "add_rms_norm": fast(_add_rms_norm),
+            "rms_norm": fast(_rms_norm),
         }
     kernels = AttentionKernels(_compiled, threads)
     kernels.self_test()  # compiles now (or loads the per-CPU cache), not in the first request
@@ -352,6 +366,18 @@ class AttentionKernels:
         self._fns["add_rms_norm"](x, delta, w, eps, x_out, h_out)
         return x_out, h_out
 
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """RMSNorm(x) * w of ``[N, hidden]`` rows."""
+        self._set_threads(self.threads)
+        out = np.empty_like(x)
+        self._fns["rms_norm"](x, w, eps, out)
+        return out
+
+    @property
+    def compiled(self) -> dict[str, Any]:
+        """The compiled functions by name (the fused decode step calls them)."""
+        return self._fns
+
     def causal_softmax(self, scores: np.ndarray, first: int, group: int) -> None:
         """In place, see ``_causal_softmax``."""
         self._set_threads(self.threads)
@@ -408,6 +434,13 @@ class AttentionKernels:
         want = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * w[0]
         if not (np.array_equal(x_got, x + delta) and np.allclose(h_got, want, rtol=1e-5, atol=1e-6)):
             raise RuntimeError("the compiled add_rms_norm kernel disagrees with numpy")
+        if not np.allclose(
+            self.rms_norm(x, w[0], 1e-5),
+            x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * w[0],
+            rtol=1e-5,
+            atol=1e-6,
+        ):
+            raise RuntimeError("the compiled rms_norm kernel disagrees with numpy")
         gate_up = np.linspace(-100, 100, 2 * 3 * 5, dtype=np.float32).reshape(3, 10)
         g, u = gate_up[:, :5].astype(np.float64), gate_up[:, 5:]
         if not np.allclose(self.swiglu(gate_up), g / (1 + np.exp(-g)) * u, rtol=1e-6, atol=1e-6):

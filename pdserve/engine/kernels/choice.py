@@ -19,7 +19,7 @@ def check_mode(what: str, mode: str, modes: tuple[str, ...]) -> None:
     """Refuse a mode outside ``modes``, naming the flag and the variable that set it."""
     if mode not in modes:
         raise ConfigError(
-            f"{what} (--{what}, PDSERVE_{what.upper()}) must be one of {', '.join(modes)}, got {mode!r}"
+            f"{what} (--{what.replace('_', '-')}, PDSERVE_{what.upper()}) must be one of {', '.join(modes)}, got {mode!r}"
         )
 
 
