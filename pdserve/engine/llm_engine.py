@@ -30,6 +30,7 @@ from pdserve.engine.kernels.attention import select_attention
 from pdserve.engine.kernels.cpu import choose_kernels
 from pdserve.engine.kernels.fused_decode import select_decode
 from pdserve.engine.kernels.gemm import select_gemm
+from pdserve.engine.kernels.int8 import select_weights
 from pdserve.engine.kernels.paddle_setup import HOST, TUNING, paddle
 from pdserve.engine.kv_cache import KVCache, block_bytes
 from pdserve.engine.memory import resident_bytes
@@ -75,7 +76,7 @@ class LLMEngine:
         )
         self.threads = set_threads(config.threads)
         # EngineConfig.__post_init__ resolves each kernel setting left unset (environment or "auto")
-        assert config.kernels and config.attention and config.gemm and config.decode_step
+        assert config.kernels and config.attention and config.gemm and config.decode_step and config.weights
         self.kernels = choose_kernels(config.kernels, HOST)
         log.info(
             "CPU %s: kernels %s%s",
@@ -88,7 +89,9 @@ class LLMEngine:
         log.info("attention: %s (%s)", self.attention.impl, self.attention.reason)
         self.gemm = select_gemm(config.gemm)
         log.info("gemm: %s (%s)", self.gemm.impl, self.gemm.reason)
-        self.decode_step = select_decode(config.decode_step, self.attention.kernel, self.gemm.mkl)
+        self.int8 = select_weights(config.weights, self.threads)
+        log.info("weights: %s", "int8 per output channel" if self.int8 else "float32")
+        self.decode_step = select_decode(config.decode_step, self.attention.kernel, self.gemm.mkl, self.int8)
         log.info("decode step: %s (%s)", self.decode_step.impl, self.decode_step.reason)
         self.model = Model(
             mc,
@@ -98,6 +101,7 @@ class LLMEngine:
             self.attention.kernel,
             self.gemm.mkl,
             self.decode_step.fused,
+            self.int8,
         )
         num_blocks = config.num_blocks or int(
             config.kv_cache_gb * 2**30 // block_bytes(mc, config.block_size)
@@ -160,6 +164,7 @@ class LLMEngine:
             shm_name=self.cache.shm_name,
             vocab_size=self.model_config.vocab_size,
             prefix_caching=self.blocks.prefix_caching,
+            weights=str(self.config.weights),
         )
 
     def load(self) -> EngineLoad:

@@ -22,13 +22,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
 from pdserve.engine.kernels.attention import AttentionKernels
 from pdserve.engine.kernels.cpu import Kernels
-from pdserve.engine.kernels.fused_decode import FusedDecode, FusedWeights
+from pdserve.engine.kernels.fused_decode import FusedDecode, FusedWeights, no_int8
 from pdserve.engine.kernels.gemm import PackedMatrix, PackedMkl
+from pdserve.engine.kernels.int8 import Int8Gemm, Int8Matrix, quantize
 from pdserve.engine.kernels.paddle_setup import functional as F
 from pdserve.engine.kernels.paddle_setup import incubate_functional as IF
 from pdserve.engine.kernels.paddle_setup import paddle
@@ -90,26 +92,38 @@ class Model:
         attention_kernels: AttentionKernels | None = None,
         gemm: PackedMkl | None = None,
         fused: FusedDecode | None = None,
+        int8: Int8Gemm | None = None,
     ) -> None:
         self.cfg = cfg
         self.kernels = attention_kernels  # None: every attention op in Paddle (the reference path)
-        self.gemm = gemm  # None: Paddle's matmul on plain weights
+        self.int8 = int8  # int8 weights (kernels/int8.py): the linear layers and lm_head quantized
+        self.gemm = gemm if int8 is None else None  # None: Paddle's matmul on plain weights
         self.packed: dict[str, PackedMatrix] = {}
+        self.quantized: dict[str, Int8Matrix] = {}
         self.w: dict[str, paddle.Tensor] = {}
         self.weight_bytes = 0  # float32 bytes of the weights taken (the checkpoint's parameters)
         # Each weight is held once: the packed copies replace the plain ones (dropped as each is
         # packed, while ``weights`` streams in); other weights become Paddle tensors over the very
         # same memory (DLPack, no copy). A tied embedding stays for the lookup beside its packed
-        # lm_head; when it maps the checkpoint file, only the rows looked up stay resident.
+        # lm_head; when it maps the checkpoint file, only the rows looked up stay resident. With int8
+        # weights the quantized copies (int8, each layer's in one stack per linear) replace them.
         packable = {f"l{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS}
         packable |= set() if cfg.tie_word_embeddings else {"lm_head"}
+        self.stacks = self._int8_stacks() if int8 is not None else {}
         for name, array in weights.items() if isinstance(weights, Mapping) else weights:
             self.weight_bytes += array.nbytes
-            if gemm is not None and name in packable:
-                self.packed[name] = gemm.pack(array)
+            if int8 is not None and name in packable:
+                self.quantized[name] = self._quantize_into_stack(name, array)
                 continue
-            if gemm is not None and name == "embed" and cfg.tie_word_embeddings:
-                self.packed["lm_head"] = gemm.pack(array, transposed=True)
+            if self.gemm is not None and name in packable:
+                self.packed[name] = self.gemm.pack(array)
+                continue
+            if name == "embed" and cfg.tie_word_embeddings and (self.gemm is not None or int8 is not None):
+                if int8 is not None:
+                    self.quantized["lm_head"] = quantize(array, transposed=True)
+                else:
+                    assert self.gemm is not None  # the condition above
+                    self.packed["lm_head"] = self.gemm.pack(array, transposed=True)
                 release_pages(array)  # packing read all of it; the lookup needs only its rows
             self.w[name] = paddle.from_dlpack(np.ascontiguousarray(array))
         self._norm = self._fused_norm if kernels.rms_norm == "fused" else self._composed_norm
@@ -126,9 +140,38 @@ class Model:
         kvh = cfg.num_kv_heads
         self.eye = paddle.eye(kvh).reshape([1, kvh, 1, kvh, 1])  # block-diagonal q selector
         self.sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
-        # The fused decode step (kernels/fused_decode.py) calls the same kernels and packed GEMMs.
-        self.fused = fused if attention_kernels is not None and gemm is not None else None
+        # The fused decode step (kernels/fused_decode.py) calls the same kernels and GEMMs.
+        linears = self.gemm is not None or int8 is not None
+        self.fused = fused if attention_kernels is not None and linears else None
         self.fused_weights = self._fused_weights() if self.fused is not None else None
+
+    def _int8_stacks(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Empty int8 [L, out, in] and scale [L, out] stacks, one per linear (the fused step takes
+        each linear's layers as one array)."""
+        cfg = self.cfg
+        shapes = {
+            "qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
+            "o": (cfg.hidden_size, cfg.q_size),
+            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
+            "down": (cfg.hidden_size, cfg.intermediate_size),
+        }
+        L = cfg.num_layers
+        return {
+            n: (np.empty((L, *shape), np.int8), np.empty((L, shape[0]), np.float32))
+            for n, shape in shapes.items()
+        }
+
+    def _quantize_into_stack(self, name: str, array: np.ndarray) -> Int8Matrix:
+        if name == "lm_head":
+            return quantize(array)
+        layer, linear = name.split(".")
+        q, scale = self.stacks[linear]
+        i = int(layer[1:])
+        m = quantize(array)
+        if m.q.shape != q.shape[1:]:
+            raise ValueError(f"weight {name}: shape {array.shape} does not match the model's config")
+        q[i], scale[i] = m.q, m.scale
+        return Int8Matrix(q[i], scale[i])  # views of the stacks
 
     def _fused_weights(self) -> FusedWeights:
         cfg, L = self.cfg, self.cfg.num_layers
@@ -139,15 +182,33 @@ class Model:
             else np.zeros((L, 0), np.float32)
             for n in LINEARS
         )
+        common: dict[str, Any] = {
+            "norms": np.stack([*norms, self.w_np["norm"]]),
+            "eps": cfg.rms_norm_eps,
+            "dims": np.array(
+                [L, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size], np.int64
+            ),
+            "vocab": cfg.vocab_size,
+            "biases": biases,
+        }
+        if self.int8 is not None:
+            lm = self.quantized["lm_head"]
+            return FusedWeights(
+                packed=np.zeros((L, 4), np.int64),
+                lm_head=0,
+                quantized=tuple(self.stacks[n][0] for n in LINEARS),
+                scales=tuple(self.stacks[n][1] for n in LINEARS),
+                lm_quantized=lm.q,
+                lm_scale=lm.scale,
+                scratch=self.int8.scratch,
+                **common,
+            )
         packed = [[self.packed[f"l{i}.{n}"].buffer.ctypes.data for n in LINEARS] for i in range(L)]
-        dims = (L, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
         return FusedWeights(
-            norms=np.stack([*norms, self.w_np["norm"]]),
             packed=np.array(packed, np.int64),
-            biases=biases,  # type: ignore[arg-type]  # a 4-tuple: one per LINEARS name
-            lm_head=self.packed["lm_head"],
-            eps=self.cfg.rms_norm_eps,
-            dims=np.array(dims, np.int64),
+            lm_head=self.packed["lm_head"].buffer.ctypes.data,
+            **common,
+            **no_int8(L),
         )
 
     def _fused_norm(self, x: paddle.Tensor, w: paddle.Tensor) -> paddle.Tensor:
@@ -192,8 +253,11 @@ class Model:
         return x * cos + paddle.concat([-x[..., half:], x[..., :half]], axis=-1) * sin
 
     def _linear(self, x: paddle.Tensor, name: str) -> paddle.Tensor:
-        packed = self.packed.get(name)
-        if packed is None:
+        packed, quantized = self.packed.get(name), self.quantized.get(name)
+        if quantized is not None:
+            assert self.int8 is not None  # weights are quantized only with the int8 kernels
+            y = paddle.from_dlpack(self.int8.matmul(np.from_dlpack(x), quantized))
+        elif packed is None:
             y = paddle.matmul(x, self.w[name])
         else:
             assert self.gemm is not None  # weights are packed only with a gemm
@@ -226,7 +290,7 @@ class Model:
         if step.output_rows.shape[0] != n or not np.array_equal(step.output_rows, np.arange(n)):
             x = paddle.index_select(x, paddle.to_tensor(step.output_rows))
         x = self._outer_norm(x, "norm")
-        if "lm_head" in self.packed or not cfg.tie_word_embeddings:
+        if "lm_head" in self.packed or "lm_head" in self.quantized or not cfg.tie_word_embeddings:
             return self._linear(x, "lm_head")
         return paddle.matmul(x, self.w["embed"], transpose_y=True)
 

@@ -73,3 +73,4 @@ class EngineFacts:
     layout: str = "block_major"
     vocab_size: int | None = None  # valid token ids are below it (the router refuses others)
     prefix_caching: bool = False  # full blocks are kept for reuse (and published to the prefix index)
+    weights: str = "f32"  # precision of the linear weights: a prefill and a decode pair only when equal

@@ -87,7 +87,8 @@ def kv_mismatch(prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
     whose geometry differs in anything (block size or bytes, layers, KV heads, head dim, dtype,
     layout: two models served under one name) would move wrong bytes, over other sequences'
     blocks: such a pair is never made. A geometry one side does not register (a worker older than
-    the field) is not assumed equal.
+    the field) is not assumed equal. Nor are two weight precisions paired (``--weights``): the
+    decode side would continue on other numbers than the prefill side computed.
     """
     diffs = [
         f"{name} {getattr(prefill.kv, name)} vs {getattr(decode.kv, name)}"
@@ -96,6 +97,9 @@ def kv_mismatch(prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
         or getattr(decode.kv, name) is None
         or getattr(prefill.kv, name) != getattr(decode.kv, name)
     ]
+    weights = (prefill.kv.weights or "f32", decode.kv.weights or "f32")  # None: a worker before int8
+    if weights[0] != weights[1]:
+        diffs.append(f"weights {weights[0]} vs {weights[1]}")
     return f"{prefill.id} with {decode.id}: different KV caches ({', '.join(diffs)})" if diffs else None
 
 

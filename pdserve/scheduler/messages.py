@@ -77,6 +77,9 @@ class KVInfo(_Model):
     head_dim: int | None = None
     prefix_caching: bool = False
     """Full blocks are kept for reuse and listed in the prefix index (``Keys.prefix_index``)."""
+    weights: str | None = None
+    """Precision of the weights that compute the K/V and the tokens (``f32``, ``int8``; None: an
+    older worker, i.e. f32): a pair of two precisions would continue a sequence on other numbers."""
 
 
 class LoadInfo(_Model):

@@ -298,6 +298,7 @@ class WorkerService:
                 num_kv_heads=facts.num_kv_heads,
                 head_dim=facts.head_dim,
                 prefix_caching=facts.prefix_caching,
+                weights=facts.weights,
             ),
             load=LoadInfo(
                 running=load.running,

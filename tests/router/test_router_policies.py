@@ -231,6 +231,25 @@ def test_instances_differing_in_any_kv_geometry_are_never_paired(field: str, val
         assert (route.prefill.id, route.decode.id) == ("p0", "d0")  # only the same geometry pairs
 
 
+def test_instances_of_two_weight_precisions_are_never_paired(caplog) -> None:
+    """--weights int8 on one side: the decode side would continue on other numbers. A worker that
+    does not say (None, before int8 existed) is float32."""
+    sel = Selector("round_robin", "round_robin")
+    p0, older, int8 = (
+        instance(i, r, host="a") for i, r in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    )
+    p0.kv.weights, older.kv.weights, int8.kv.weights = "f32", None, "int8"
+    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+        route = sel.route([p0, int8], TINY)
+    assert route.prefill is None and route.decode.id == "d1"
+    assert "not pairing p0 with d1: different KV caches (weights f32 vs int8)" in caplog.text
+    for _ in range(4):
+        route = sel.route([p0, older, int8], TINY)
+        assert (route.prefill.id, route.decode.id) == ("p0", "d0")
+    p0.kv.weights = "int8"
+    assert (sel.route([p0, int8], TINY).prefill.id, sel.route([p0, int8], TINY).decode.id) == ("p0", "d1")
+
+
 def test_pairs_without_a_common_protocol_are_skipped() -> None:
     sel = Selector("round_robin", "round_robin")
     lonely = instance("p0", "prefill", host="a", protocols=("shm",))

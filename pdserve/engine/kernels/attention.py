@@ -272,6 +272,12 @@ class Attention:
 
 
 _compiled: dict[str, Any] | None = None  # numba's compiled functions, made once per process
+# At most this many work items (tokens, or decoding sequences) run on the calling thread alone: a
+# parallel region's start and join (TBB's, here) cost more than a few rows of a norm, and a decode
+# step makes ~6 such calls per layer (SmolLM2 at batch 1: ~4 ms of a ~21 ms step). Below the 8
+# rows of every batch-invariant step (model_runner.padded_rows), so that mode stays on one
+# variant; the serial and parallel variants compute each row with the same code.
+SERIAL_ITEMS = 4
 
 
 def _compile(threads: int) -> AttentionKernels:
@@ -286,6 +292,8 @@ def _compile(threads: int) -> AttentionKernels:
         _exp = numba.njit(inline="always", cache=True)(_exp32)
         fast = numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
         exact = numba.njit(parallel=True, cache=True, nogil=True)  # rounds like Paddle's elementwise ops
+        serial_fast = numba.njit(cache=True, fastmath=_FASTMATH, nogil=True)
+        serial_exact = numba.njit(cache=True, nogil=True)
         _compiled = {
             "decode": fast(_decode_attention),
             "causal_softmax": fast(_causal_softmax),
@@ -293,6 +301,12 @@ def _compile(threads: int) -> AttentionKernels:
             "swiglu": fast(_swiglu),
             "add_rms_norm": fast(_add_rms_norm),
             "rms_norm": fast(_rms_norm),
+            # the same functions on the calling thread only (prange is range without parallel=True)
+            "decode_serial": serial_fast(_decode_attention),
+            "rope_write_serial": serial_exact(_rope_write),
+            "swiglu_serial": serial_fast(_swiglu),
+            "add_rms_norm_serial": serial_fast(_add_rms_norm),
+            "rms_norm_serial": serial_fast(_rms_norm),
         }
     kernels = AttentionKernels(_compiled, threads)
     kernels.self_test()  # compiles now (or loads the per-CPU cache), not in the first request
@@ -315,6 +329,11 @@ class AttentionKernels:
         self._set_threads = numba.set_num_threads
         # numba.config sets NUMBA_NUM_THREADS through globals(), which its types cannot show
         self.threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+        self.serial_items = SERIAL_ITEMS
+
+    def _fn(self, name: str, items: int) -> Any:
+        """Kernel ``name`` for ``items`` work items: its serial variant up to SERIAL_ITEMS."""
+        return self._fns[name + "_serial" if items <= self.serial_items else name]
 
     def decode(
         self,
@@ -328,7 +347,7 @@ class AttentionKernels:
         """Attention ``[B, H, D]`` for ``q [B, H, D]``; ``shape`` is (layers, block_size, kv_heads)."""
         self._set_threads(self.threads)
         out = np.empty(q.shape, np.float32)
-        self._fns["decode"](rows, shape[0], shape[1], shape[2], layer, q, tables, lengths, out)
+        self._fn("decode", q.shape[0])(rows, shape[0], shape[1], shape[2], layer, q, tables, lengths, out)
         return out
 
     def rope_write(
@@ -347,14 +366,14 @@ class AttentionKernels:
         H, KVH, D = heads
         q = np.empty((n, H, D), np.float32)
         k, v = np.empty((n, KVH, D), np.float32), np.empty((n, KVH, D), np.float32)
-        self._fns["rope_write"](qkv, positions, *tables, rows, write_rows, q, k, v)
+        self._fn("rope_write", n)(qkv, positions, *tables, rows, write_rows, q, k, v)
         return q, k, v
 
     def swiglu(self, gate_up: np.ndarray) -> np.ndarray:
         """silu(gate) * up of ``[N, 2I]`` -> ``[N, I]``."""
         self._set_threads(self.threads)
         out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
-        self._fns["swiglu"](gate_up, out)
+        self._fn("swiglu", gate_up.shape[0])(gate_up, out)
         return out
 
     def add_rms_norm(
@@ -363,14 +382,14 @@ class AttentionKernels:
         """(x + delta, RMSNorm(x + delta) * w) of ``[N, hidden]`` rows."""
         self._set_threads(self.threads)
         x_out, h_out = np.empty_like(x), np.empty_like(x)
-        self._fns["add_rms_norm"](x, delta, w, eps, x_out, h_out)
+        self._fn("add_rms_norm", x.shape[0])(x, delta, w, eps, x_out, h_out)
         return x_out, h_out
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm(x) * w of ``[N, hidden]`` rows."""
         self._set_threads(self.threads)
         out = np.empty_like(x)
-        self._fns["rms_norm"](x, w, eps, out)
+        self._fn("rms_norm", x.shape[0])(x, w, eps, out)
         return out
 
     @property
@@ -384,7 +403,15 @@ class AttentionKernels:
         self._fns["causal_softmax"](scores, first, group)
 
     def self_test(self) -> None:
-        """Compile on a toy cache and check against numpy: a kernel that runs but is wrong is refused."""
+        """Compile on a toy cache and check against numpy, both variants: a kernel that runs but is
+        wrong is refused."""
+        try:
+            for self.serial_items in (SERIAL_ITEMS, 0):  # the serial variants, then the parallel ones
+                self._self_test()
+        finally:
+            self.serial_items = SERIAL_ITEMS
+
+    def _self_test(self) -> None:
         rng = np.random.default_rng(0)
         layers, bs, kvh, D, H = 2, 4, 2, 8, 4
         cache = rng.standard_normal((3, 2, layers, bs, kvh, D), dtype=np.float32)

@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.engine.kernels.attention import AttentionKernels
+from pdserve.engine.kernels.attention import SERIAL_ITEMS, AttentionKernels
 from pdserve.engine.kernels.choice import check_mode, load_or_fall_back
-from pdserve.engine.kernels.gemm import PackedMatrix, PackedMkl
+from pdserve.engine.kernels.gemm import PackedMkl
+from pdserve.engine.kernels.int8 import Int8Gemm, compile_int8, quantize
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +37,39 @@ _add_rms_norm: Any = None
 _rope_write: Any = None
 _decode: Any = None
 _swiglu: Any = None
+_rms_norm_serial: Any = None  # the same kernels on the calling thread (up to SERIAL_ITEMS rows)
+_add_rms_norm_serial: Any = None
+_rope_write_serial: Any = None
+_decode_serial: Any = None
+_swiglu_serial: Any = None
+_int8: Any = None
 _sgemm: Any = None  # cblas_sgemm_compute, an LLVM external symbol
-_gemm: Any = None  # _packed_gemm compiled
+_linear: Any = None  # _any_linear compiled
 
 
-def _packed_gemm(x: np.ndarray, packed: int, bias: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
-    """out = x @ B (+ bias) for B packed by MKL at address ``packed``: PackedMkl.matmul's very call,
-    then the bias added as Paddle adds it (one rounding)."""
+def _any_linear(
+    x: np.ndarray,
+    layer: int,
+    which: int,
+    packed: np.ndarray,
+    quantized: tuple[np.ndarray, ...],
+    scales: tuple[np.ndarray, ...],
+    bias: np.ndarray,
+    scratch: np.ndarray,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled by numba
+    """out = x @ W (+ bias) for linear ``which`` (0 qkv, 1 o, 2 gate_up, 3 down) of ``layer``: the
+    int8 product (kernels/int8.py) where the model holds int8 weights, else MKL's packed GEMM at
+    the address ``packed[layer, which]`` (PackedMkl.matmul's very call); the bias added as Paddle
+    adds it (one rounding)."""
     m, k = x.shape
     n = out.shape[1]
-    _sgemm(101, 111, 151, m, n, k, x.ctypes.data, k, packed, n, np.float32(0.0), out.ctypes.data, n)
+    q = quantized[which]
+    if q.shape[1]:
+        _int8(x, q[layer], scales[which][layer], scratch, out)
+    else:
+        _sgemm(101, 111, 151, m, n, k, x.ctypes.data, k, packed[layer, which], n, np.float32(0.0),
+               out.ctypes.data, n)  # fmt: skip
     if bias.shape[0]:
         for t in range(m):
             for j in range(n):
@@ -59,11 +83,16 @@ def _decode_model(
     norms: np.ndarray,
     eps: float,
     packed: np.ndarray,
+    quantized: tuple[np.ndarray, ...],
+    scales: tuple[np.ndarray, ...],
+    scratch: np.ndarray,
     bias_qkv: np.ndarray,
     bias_o: np.ndarray,
     bias_gate_up: np.ndarray,
     bias_down: np.ndarray,
     lm_head: int,
+    lm_quantized: np.ndarray,
+    lm_scale: np.ndarray,
     cos: np.ndarray,
     sin: np.ndarray,
     qcos: np.ndarray,
@@ -80,62 +109,106 @@ def _decode_model(
     """Model.forward for a step of decoding tokens, into ``logits`` [len(output_rows), vocab].
 
     norms: [2 L + 1, hidden] (layer l's input norm at 2l, its post-attention norm at 2l + 1, the
-    final norm last); packed: int64 [L, 4] addresses of the packed qkv, o, gate_up and down weights;
+    final norm last); packed: int64 [L, 4] addresses of the packed qkv, o, gate_up and down weights
+    (float32 weights), or quantized/scales: four int8 [L, n, k] and float32 [L, n] stacks (int8
+    weights; [L, 0, 0] and [L, 0] otherwise), scratch the int8 product's; lm_head: the packed
+    lm_head's address, or lm_quantized/lm_scale: its int8 form ([0, 0] and [0] otherwise);
     bias_*: [L, n] or [L, 0]; rows: the cache as ``[-1, head_dim]``; dims: int64 (layers, heads,
     kv_heads, head_dim, intermediate).
     """
     layers, H, KVH, D, inter = dims[0], dims[1], dims[2], dims[3], dims[4]
     n, hidden = ids.shape[0], embed.shape[1]
-    no_bias = norms[0][:0]
+    serial = n <= SERIAL_ITEMS  # AttentionKernels' choice: the layer path's very variants
     x = np.empty((n, hidden), np.float32)
     for t in range(n):
         x[t] = embed[ids[t]]
     h = np.empty((n, hidden), np.float32)
-    _rms_norm(x, norms[0], eps, h)
+    if serial:
+        _rms_norm_serial(x, norms[0], eps, h)
+    else:
+        _rms_norm(x, norms[0], eps, h)
     qkv = np.empty((n, (H + 2 * KVH) * D), np.float32)
     q, att = np.empty((n, H, D), np.float32), np.empty((n, H, D), np.float32)
     k, v = np.empty((n, KVH, D), np.float32), np.empty((n, KVH, D), np.float32)
     o, mlp = np.empty((n, hidden), np.float32), np.empty((n, hidden), np.float32)
     gate_up, act = np.empty((n, 2 * inter), np.float32), np.empty((n, inter), np.float32)
     for layer in range(layers):
-        _gemm(h, packed[layer, 0], bias_qkv[layer], qkv)
-        _rope_write(qkv, positions, cos, sin, qcos, qsin, rows, write_rows[layer], q, k, v)
-        _decode(rows, layers, block_size, KVH, layer, q, tables, lengths, att)
-        _gemm(att.reshape(n, H * D), packed[layer, 1], bias_o[layer], o)
-        x_next = np.empty((n, hidden), np.float32)
-        _add_rms_norm(x, o, norms[2 * layer + 1], eps, x_next, h)
-        x = x_next
-        _gemm(h, packed[layer, 2], bias_gate_up[layer], gate_up)
-        _swiglu(gate_up, act)
-        _gemm(act, packed[layer, 3], bias_down[layer], mlp)
-        x_next = np.empty((n, hidden), np.float32)
-        if layer + 1 < layers:
-            _add_rms_norm(x, mlp, norms[2 * layer + 2], eps, x_next, h)
+        _linear(h, layer, 0, packed, quantized, scales, bias_qkv[layer], scratch, qkv)
+        if serial:
+            _rope_write_serial(qkv, positions, cos, sin, qcos, qsin, rows, write_rows[layer], q, k, v)
+            _decode_serial(rows, layers, block_size, KVH, layer, q, tables, lengths, att)
         else:
+            _rope_write(qkv, positions, cos, sin, qcos, qsin, rows, write_rows[layer], q, k, v)
+            _decode(rows, layers, block_size, KVH, layer, q, tables, lengths, att)
+        _linear(att.reshape(n, H * D), layer, 1, packed, quantized, scales, bias_o[layer], scratch, o)
+        x_next = np.empty((n, hidden), np.float32)
+        if serial:
+            _add_rms_norm_serial(x, o, norms[2 * layer + 1], eps, x_next, h)
+        else:
+            _add_rms_norm(x, o, norms[2 * layer + 1], eps, x_next, h)
+        x = x_next
+        _linear(h, layer, 2, packed, quantized, scales, bias_gate_up[layer], scratch, gate_up)
+        if serial:
+            _swiglu_serial(gate_up, act)
+        else:
+            _swiglu(gate_up, act)
+        _linear(act, layer, 3, packed, quantized, scales, bias_down[layer], scratch, mlp)
+        x_next = np.empty((n, hidden), np.float32)
+        if layer + 1 == layers:
             for t in range(n):
                 for j in range(hidden):
                     x_next[t, j] = x[t, j] + mlp[t, j]
+        elif serial:
+            _add_rms_norm_serial(x, mlp, norms[2 * layer + 2], eps, x_next, h)
+        else:
+            _add_rms_norm(x, mlp, norms[2 * layer + 2], eps, x_next, h)
         x = x_next
     m = output_rows.shape[0]
     picked = np.empty((m, hidden), np.float32)
     for r in range(m):
         picked[r] = x[output_rows[r]]
     normed = np.empty((m, hidden), np.float32)
-    _rms_norm(picked, norms[2 * layers], eps, normed)
-    _gemm(normed, lm_head, no_bias, logits)
+    if m <= SERIAL_ITEMS:
+        _rms_norm_serial(picked, norms[2 * layers], eps, normed)
+    else:
+        _rms_norm(picked, norms[2 * layers], eps, normed)
+    if lm_quantized.shape[0]:
+        _int8(normed, lm_quantized, lm_scale, scratch, logits)
+    else:
+        vocab = logits.shape[1]
+        _sgemm(101, 111, 151, m, vocab, hidden, normed.ctypes.data, hidden, lm_head, vocab, np.float32(0.0),
+               logits.ctypes.data, vocab)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedWeights:
     """What the fused step reads of one model besides its embedding and the cache: its norms and
-    biases stacked, and the addresses of its packed weights (owned by the Model, alive as long)."""
+    biases stacked, and its linear weights either as the addresses of MKL-packed float32 buffers
+    (owned by the Model, alive as long) or as int8 stacks (kernels/int8.py)."""
 
     norms: np.ndarray  # float32 [2 L + 1, hidden]
-    packed: np.ndarray  # int64 [L, 4]
-    biases: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # qkv, o, gate_up, down: [L, n|0]
-    lm_head: PackedMatrix
     eps: float
     dims: np.ndarray  # int64 (layers, heads, kv_heads, head_dim, intermediate)
+    vocab: int
+    biases: tuple[np.ndarray, ...]  # qkv, o, gate_up, down: float32 [L, n] or [L, 0]
+    packed: np.ndarray  # int64 [L, 4] addresses; zeros with int8 weights
+    lm_head: int  # the packed lm_head's address; 0 with int8 weights
+    quantized: tuple[np.ndarray, ...]  # qkv, o, gate_up, down: int8 [L, n, k], or [L, 0, 0] each
+    scales: tuple[np.ndarray, ...]  # float32 [L, n], or [L, 0] each
+    lm_quantized: np.ndarray  # int8 [vocab, hidden], or [0, 0]
+    lm_scale: np.ndarray  # float32 [vocab], or [0]
+    scratch: np.ndarray  # the int8 product's (Int8Gemm.scratch)
+
+
+def no_int8(layers: int) -> dict[str, Any]:
+    """FusedWeights' int8 fields for a model of float32 weights."""
+    return {
+        "quantized": tuple(np.zeros((layers, 0, 0), np.int8) for _ in range(4)),
+        "scales": tuple(np.zeros((layers, 0), np.float32) for _ in range(4)),
+        "lm_quantized": np.zeros((0, 0), np.int8),
+        "lm_scale": np.zeros(0, np.float32),
+        "scratch": np.zeros(1, np.float32),
+    }
 
 
 class FusedDecode:
@@ -161,7 +234,7 @@ class FusedDecode:
         blocks of ``block_size`` tokens): ``step`` is (token ids, positions,
         write rows [L, 2 N KVH], block tables [N, nblk], lengths [N], output rows), all int64."""
         ids, positions, write_rows, tables, lengths, output_rows = step
-        logits = np.empty((output_rows.shape[0], weights.lm_head.n), np.float32)
+        logits = np.empty((output_rows.shape[0], weights.vocab), np.float32)
         self._set_threads(self.threads)
         self._fn(
             ids,
@@ -170,8 +243,13 @@ class FusedDecode:
             weights.norms,
             weights.eps,
             weights.packed,
+            weights.quantized,
+            weights.scales,
+            weights.scratch,
             *weights.biases,
-            weights.lm_head.buffer.ctypes.data,
+            weights.lm_head,
+            weights.lm_quantized,
+            weights.lm_scale,
             *rope,
             rows,
             block_size,
@@ -197,8 +275,9 @@ class Decode:
 _compiled: Any = None  # the compiled fused step, made once per process
 
 
-def _compile(kernels: AttentionKernels, mkl: PackedMkl) -> FusedDecode:
-    global _rms_norm, _add_rms_norm, _rope_write, _decode, _swiglu, _sgemm, _gemm, _compiled
+def _compile(kernels: AttentionKernels, mkl: PackedMkl, int8: Int8Gemm) -> FusedDecode:
+    global _rms_norm, _add_rms_norm, _rope_write, _decode, _swiglu, _int8, _sgemm, _linear, _compiled
+    global _rms_norm_serial, _add_rms_norm_serial, _rope_write_serial, _decode_serial, _swiglu_serial
     import llvmlite.binding
     import numba
     from numba import types
@@ -214,43 +293,54 @@ def _compile(kernels: AttentionKernels, mkl: PackedMkl) -> FusedDecode:
         fns = kernels.compiled
         _rms_norm, _add_rms_norm = fns["rms_norm"], fns["add_rms_norm"]
         _rope_write, _decode, _swiglu = fns["rope_write"], fns["decode"], fns["swiglu"]
-        _gemm = numba.njit(cache=True, nogil=True)(_packed_gemm)
+        _rms_norm_serial, _add_rms_norm_serial = fns["rms_norm_serial"], fns["add_rms_norm_serial"]
+        _rope_write_serial, _decode_serial = fns["rope_write_serial"], fns["decode_serial"]
+        _swiglu_serial = fns["swiglu_serial"]
+        _int8 = int8.fn
+        _linear = numba.njit(cache=True, nogil=True)(_any_linear)
         _compiled = numba.njit(cache=True, nogil=True)(_decode_model)
-        fused = FusedDecode(_compiled, kernels.threads)
-        _self_test(fused, kernels, mkl)
+        for quantized in (False, True):
+            _self_test(FusedDecode(_compiled, kernels.threads), kernels, mkl, int8 if quantized else None)
         log.info("fused decode step compiled in %.1f s", time.monotonic() - t0)
     return FusedDecode(_compiled, kernels.threads)
 
 
-def _self_test(fused: FusedDecode, kernels: AttentionKernels, mkl: PackedMkl) -> None:
-    """Compile on a toy two-layer model and check it against the same step composed from the same
-    kernels from Python: a fused step that runs but disagrees is refused."""
+def _self_test(fused: FusedDecode, kernels: AttentionKernels, mkl: PackedMkl, int8: Int8Gemm | None) -> None:
+    """Compile on a toy two-layer model (float32 weights packed, or int8 ones) and check it against
+    the same step composed from the same kernels from Python: a fused step that runs but disagrees
+    is refused."""
     rng = np.random.default_rng(0)
     L, bs, H, KVH, D, inter, hidden, vocab, n = 2, 4, 4, 2, 8, 12, 16, 11, 3
-    w = {
-        name: rng.standard_normal(shape, dtype=np.float32) * 0.3
-        for name, shape in (
-            ("qkv", (hidden, (H + 2 * KVH) * D)),
-            ("o", (H * D, hidden)),
-            ("gate_up", (hidden, 2 * inter)),
-            ("down", (inter, hidden)),
-        )
-    }
-    packed = {name: mkl.pack(a) for name, a in w.items()}  # both layers share the weights
+    names = ("qkv", "o", "gate_up", "down")
+    shapes = ((hidden, (H + 2 * KVH) * D), (H * D, hidden), (hidden, 2 * inter), (inter, hidden))
+    w = {name: rng.standard_normal(shape, dtype=np.float32) * 0.3 for name, shape in zip(names, shapes)}
     embed = rng.standard_normal((vocab, hidden), dtype=np.float32)
-    lm_head = mkl.pack(embed, transposed=True)
     norms = 1 + 0.1 * rng.standard_normal((2 * L + 1, hidden), dtype=np.float32)
     none = np.zeros((L, 0), np.float32)
-    biases = (none, none, none, none)
-    address = [packed[name].buffer.ctypes.data for name in ("qkv", "o", "gate_up", "down")]
-    weights = FusedWeights(
-        norms,
-        np.array([address] * L, np.int64),
-        biases,
-        lm_head,
-        1e-5,
-        np.array([L, H, KVH, D, inter], np.int64),
-    )
+    common: dict[str, Any] = {"norms": norms, "eps": 1e-5, "dims": np.array([L, H, KVH, D, inter], np.int64)}
+    common |= {"vocab": vocab, "biases": (none,) * 4}
+    matmul: dict[str, Any]
+    if int8 is None:  # both layers share the weights
+        packed = {name: mkl.pack(a) for name, a in w.items()}
+        lm_packed = mkl.pack(embed, transposed=True)
+        address = [packed[name].buffer.ctypes.data for name in names]
+        weights = FusedWeights(
+            packed=np.array([address] * L, np.int64), lm_head=lm_packed.buffer.ctypes.data, **common,
+            **no_int8(L),
+        )  # fmt: skip
+        matmul = {name: lambda x, m=packed[name]: mkl.matmul(x, m) for name in names}
+        matmul["lm_head"] = lambda x: mkl.matmul(x, lm_packed)
+    else:
+        q = {name: quantize(a) for name, a in w.items()}
+        lm_q = quantize(embed, transposed=True)
+        weights = FusedWeights(
+            packed=np.zeros((L, 4), np.int64), lm_head=0, **common,
+            quantized=tuple(np.stack([q[name].q] * L) for name in names),
+            scales=tuple(np.stack([q[name].scale] * L) for name in names),
+            lm_quantized=lm_q.q, lm_scale=lm_q.scale, scratch=int8.scratch,
+        )  # fmt: skip
+        matmul = {name: lambda x, m=q[name]: int8.matmul(x, m) for name in names}
+        matmul["lm_head"] = lambda x: int8.matmul(x, lm_q)
     angle = np.arange(8)[:, None] * (0.5 ** np.arange(D // 2))[None, :]
     cos = np.cos(np.concatenate([angle, angle], 1)).astype(np.float32)
     sin = np.sin(np.concatenate([angle, angle], 1)).astype(np.float32)
@@ -271,22 +361,27 @@ def _self_test(fused: FusedDecode, kernels: AttentionKernels, mkl: PackedMkl) ->
     x = embed[ids]
     h = kernels.rms_norm(x, norms[0], 1e-5)
     for layer in range(L):
-        q, _, _ = kernels.rope_write(
-            mkl.matmul(h, packed["qkv"]), positions, rope, want_cache, write_rows[layer], (H, KVH, D)
+        q_rot, _, _ = kernels.rope_write(
+            matmul["qkv"](h), positions, rope, want_cache, write_rows[layer], (H, KVH, D)
         )
-        att = kernels.decode(want_cache, (L, bs, KVH), layer, q, tables, lengths).reshape(n, H * D)
-        x, h = kernels.add_rms_norm(x, mkl.matmul(att, packed["o"]), norms[2 * layer + 1], 1e-5)
-        mlp = mkl.matmul(kernels.swiglu(mkl.matmul(h, packed["gate_up"])), packed["down"])
+        att = kernels.decode(want_cache, (L, bs, KVH), layer, q_rot, tables, lengths).reshape(n, H * D)
+        x, h = kernels.add_rms_norm(x, matmul["o"](att), norms[2 * layer + 1], 1e-5)
+        mlp = matmul["down"](kernels.swiglu(matmul["gate_up"](h)))
         if layer + 1 < L:
             x, h = kernels.add_rms_norm(x, mlp, norms[2 * layer + 2], 1e-5)
         else:
             x = x + mlp
-    want = mkl.matmul(kernels.rms_norm(x[out_rows], norms[2 * L], 1e-5), lm_head)
+    want = matmul["lm_head"](kernels.rms_norm(x[out_rows], norms[2 * L], 1e-5))
     if not (np.array_equal(got, want) and np.array_equal(cache, want_cache)):
-        raise RuntimeError("the compiled fused decode step disagrees with the layer path on a toy model")
+        kind = "int8" if int8 is not None else "float32"
+        raise RuntimeError(
+            f"the compiled fused decode step disagrees with the layer path on a toy {kind} model"
+        )
 
 
-def select_decode(mode: str, kernels: AttentionKernels | None, mkl: PackedMkl | None) -> Decode:
+def select_decode(
+    mode: str, kernels: AttentionKernels | None, mkl: PackedMkl | None, int8: Int8Gemm | None = None
+) -> Decode:
     """``auto``: the fused step where the numba kernels and MKL's packed GEMM both run (it calls
     them), else the layer path (never a crash); ``fused``: fused or an error; ``layers``: the
     layer-by-layer path."""
@@ -308,7 +403,7 @@ def select_decode(mode: str, kernels: AttentionKernels | None, mkl: PackedMkl | 
     fused, why = load_or_fall_back(
         "decode_step",
         mode,
-        lambda: _compile(kernels, mkl),
+        lambda: _compile(kernels, mkl, int8 or compile_int8(kernels.threads, mkl.path)),
         (Exception,),  # numba's TypingError/LoweringError, a symbol LLVM cannot find, a failed self-test
         "the fused decode step is unavailable",
         "layer-by-layer decode",

@@ -93,5 +93,5 @@ def test_a_fused_step_that_disagrees_is_refused(monkeypatch) -> None:
             return logits
 
     with pytest.raises(RuntimeError, match="disagrees with the layer path"):
-        fused_decode._self_test(Wrong(fused._fn, 1), kernels, mkl)
-    fused_decode._self_test(FusedDecode(fused._fn, 1), kernels, mkl)  # the real one passes
+        fused_decode._self_test(Wrong(fused._fn, 1), kernels, mkl, None)
+    fused_decode._self_test(FusedDecode(fused._fn, 1), kernels, mkl, None)  # the real one passes
