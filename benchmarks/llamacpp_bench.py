@@ -29,6 +29,21 @@ from step_timing import decode_figures, median_step_ms
 CTX = 512
 
 
+def disable_repacking() -> None:
+    """llama.cpp's ``--no-repack``: Llama() has no argument for it, but builds its model parameters
+    from ``llama_model_default_params``."""
+    from llama_cpp import llama_cpp
+
+    defaults = llama_cpp.llama_model_default_params
+
+    def no_repack() -> llama_cpp.llama_model_params:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_model_default_params = no_repack
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("gguf", help="the model file")
@@ -39,18 +54,10 @@ def main() -> int:
     args = ap.parse_args()
     import json
 
-    from llama_cpp import Llama, llama_cpp
+    from llama_cpp import Llama
 
-    if args.no_repack:  # Llama() has no argument for it: its model params start from these defaults
-        defaults = llama_cpp.llama_model_default_params
-
-        def no_repack() -> llama_cpp.llama_model_params:
-            params = defaults()
-            params.use_extra_bufts = False
-            return params
-
-        llama_cpp.llama_model_default_params = no_repack
-
+    if args.no_repack:
+        disable_repacking()
     llm = Llama(
         model_path=args.gguf,
         n_ctx=CTX + args.steps + 64,

@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from llamacpp_bench import disable_repacking
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,17 +27,10 @@ def main() -> int:
     ap.add_argument("--no-repack", action="store_true", help="no weight repacking (see llamacpp_bench.py)")
     args = ap.parse_args()
     import numpy as np
-    from llama_cpp import Llama, llama_cpp
+    from llama_cpp import Llama
 
     if args.no_repack:
-        defaults = llama_cpp.llama_model_default_params
-
-        def no_repack() -> llama_cpp.llama_model_params:
-            params = defaults()
-            params.use_extra_bufts = False
-            return params
-
-        llama_cpp.llama_model_default_params = no_repack
+        disable_repacking()
     request = json.load(sys.stdin)
     longest = max(len(s) for s in request["sequences"])
     llm = Llama(

@@ -78,6 +78,7 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "id": i.id,
                 "role": i.role,
                 "model": i.model,
+                "weights": i.kv.weights or "f32",
                 "host": i.host,
                 "pid": i.pid,
                 "running": i.load.running,
@@ -198,7 +199,7 @@ def render(status: dict[str, Any]) -> str:
             (
                 i["id"],
                 i["role"],
-                i["model"],
+                _model(i),
                 i["host"],
                 str(i["running"]),
                 str(i["waiting"]),
@@ -297,6 +298,12 @@ def check_instance(info: InstanceInfo | None, instance_id: str, cluster: str) ->
 WIDE = 120  # from this many columns on, ``--watch`` shows every column; narrower, the essential ones
 
 
+def _model(instance: dict[str, Any]) -> str:
+    """The served model, and its weights' precision where it is not the default float32."""
+    weights = instance.get("weights", "f32")
+    return instance["model"] if weights == "f32" else f"{instance['model']} ({weights})"
+
+
 def view(status: dict[str, Any] | None, error: str | None = None, width: int = WIDE) -> Any:
     """The ``--watch`` screen: a rich renderable of one status (or of why there is none). Narrower
     than ``WIDE`` columns (an 80-column terminal) it drops MODEL and WAIT TOK and the KV bar, and
@@ -324,7 +331,7 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
             instances.add_row(
                 i["id"],
                 i["role"],
-                i["model"],
+                _model(i),
                 *counts,
                 str(i["waiting_prefill_tokens"]),
                 f"{bar} {share:4.0%} ({used}/{i['num_blocks']})",

@@ -178,3 +178,19 @@ def test_watch_shows_the_batches(redis_url, redis_client) -> None:
         assert "in_progress" in row and "1/1/3" in row, text
         assert done[0] in text
         assert ("/v1/chat/completions" in row) == (width == 140), text
+
+
+def test_status_says_which_instances_run_int8_weights(redis_url) -> None:
+    import asyncio
+
+    from router_support import instance
+
+    from pdserve.status import collect, render
+
+    f32, int8 = instance("decode-0-aaaaaa", "decode"), instance("decode-1-bbbbbb", "decode")
+    int8.kv.weights = "int8"
+    register(redis_url, "wts", f32, int8)
+    status = asyncio.run(collect(redis_url, "wts"))
+    assert {i["id"]: i["weights"] for i in status["instances"]} == {f32.id: "f32", int8.id: "int8"}
+    lines = {line.split()[0]: line for line in render(status).splitlines() if line.startswith("decode-")}
+    assert f"{int8.model} (int8)" in lines[int8.id] and "(int8)" not in lines[f32.id]

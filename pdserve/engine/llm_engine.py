@@ -88,9 +88,11 @@ class LLMEngine:
         self.attention = select_attention(config.attention, self.threads)
         log.info("attention: %s (%s)", self.attention.impl, self.attention.reason)
         self.gemm = select_gemm(config.gemm)
-        log.info("gemm: %s (%s)", self.gemm.impl, self.gemm.reason)
         self.int8 = select_weights(config.weights, self.threads)
-        log.info("weights: %s", "int8 per output channel" if self.int8 else "float32")
+        if self.int8 is None:
+            log.info("gemm: %s (%s)", self.gemm.impl, self.gemm.reason)
+        else:
+            log.info("weights: int8 per output channel (numba dot products, MKL's sgemm above 4 rows)")
         self.decode_step = select_decode(config.decode_step, self.attention.kernel, self.gemm.mkl, self.int8)
         log.info("decode step: %s (%s)", self.decode_step.impl, self.decode_step.reason)
         self.model = Model(

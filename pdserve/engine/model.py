@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.engine.block_manager import NULL_BLOCK
 from pdserve.engine.kernels.attention import AttentionKernels
 from pdserve.engine.kernels.cpu import Kernels
 from pdserve.engine.kernels.fused_decode import FusedDecode, FusedWeights, no_int8
@@ -297,20 +298,17 @@ class Model:
     def _fused_forward(self, cache: KVCache, step: StepInput) -> np.ndarray:
         """A step of decoding tokens in one compiled call: the layer path's very kernels and bits."""
         assert self.fused is not None and self.fused_weights is not None  # checked by forward
-        if len(step.groups) == 1:
-            group = step.groups[0]
-            assert group.tables is not None and group.lengths is not None  # a kernel-path decode group
-            tables, lengths = group.tables, group.lengths
-        else:  # the decodes and a batch-invariant step's padding: one table, NULL-padded to the widest
-            width = max(g.tables.shape[1] for g in step.groups if g.tables is not None)
-            tables = np.concatenate(
-                [
-                    np.pad(g.tables, ((0, 0), (0, width - g.tables.shape[1])))
-                    for g in step.groups
-                    if g.tables is not None
-                ]
-            )
-            lengths = np.concatenate([g.lengths for g in step.groups if g.lengths is not None])
+        # the kernel path's decode groups carry tables and lengths: the decodes, and in
+        # batch-invariant mode the padding tokens; one table for all, NULL-padded to the widest
+        groups = [
+            (g.tables, g.lengths) for g in step.groups if g.tables is not None and g.lengths is not None
+        ]
+        assert len(groups) == len(step.groups)
+        width = max(t.shape[1] for t, _ in groups)
+        tables = np.concatenate(
+            [np.pad(t, ((0, 0), (0, width - t.shape[1])), constant_values=NULL_BLOCK) for t, _ in groups]
+        )
+        lengths = np.concatenate([n for _, n in groups])
         return self.fused.run(
             self.fused_weights,
             np.from_dlpack(self.w["embed"]),

@@ -4,8 +4,8 @@ On the layer-by-layer path a decode step runs ~10 operations per layer from Pyth
 between Paddle and numpy (DLPack) and dispatching a kernel: on SmolLM2-135M's 30 thin layers that
 Python took about as long as the GEMMs at batch 1. Here one numba function walks every layer: the
 GEMMs call MKL's ``cblas_sgemm_compute`` on the same packed weights (by symbol, through LLVM, the
-library loaded into the process once), and every other step calls the very kernel the layer path
-calls (kernels/attention.py). Same calls on the same operands in the same order: the logits are
+library loaded into the process once) or, with int8 weights, the int8 product (kernels/int8.py),
+and every other step calls the very kernel the layer path calls (kernels/attention.py). Same calls on the same operands in the same order: the logits are
 bitwise the layer path's, so batch-invariant mode and every exactness test hold unchanged.
 
 It runs the steps whose every token decodes (the runner gives a batch-invariant step's padding
@@ -25,6 +25,7 @@ from pdserve.engine.kernels.attention import SERIAL_ITEMS, AttentionKernels
 from pdserve.engine.kernels.choice import check_mode, load_or_fall_back
 from pdserve.engine.kernels.gemm import PackedMkl
 from pdserve.engine.kernels.int8 import Int8Gemm, compile_int8, quantize
+from pdserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -396,8 +397,6 @@ def select_decode(
         )
         why = f"the fused decode step calls {missing}, not in use; layer-by-layer decode"
         if mode == "fused":
-            from pdserve.errors import ConfigError
-
             raise ConfigError(f"decode_step=fused: {why}")
         return Decode("layers", why)
     fused, why = load_or_fall_back(
@@ -410,4 +409,5 @@ def select_decode(
     )
     if fused is None:
         return Decode("layers", why)
-    return Decode("fused", "one compiled call per decode step (numba + MKL's packed GEMM)", fused)
+    gemms = "the int8 product" if int8 is not None else "MKL's packed GEMM"
+    return Decode("fused", f"one compiled call per decode step (numba kernels + {gemms})", fused)
