@@ -11,10 +11,14 @@ are one pass, decode groups skip the gather and read the cache in place through 
 tables, every prefill chunk runs causal tiles at absolute positions over the cache (a prompt row's
 bits depend only on its position and the K/V before it, never on the chunking: exact across chunk
 starts, which a prefix cache relies on; the reference path is close, not exact), and SwiGLU and
-each residual add + RMSNorm are one numba pass; numpy and Paddle share memory through DLPack. With a ``PackedMkl`` (kernels/gemm.py)
-the linear layers and lm_head multiply against weights packed once for MKL, which replace the
-plain ones; under ``MKL_CBWR=AUTO,STRICT`` its rows are batch-invariant too. Otherwise (and for the first and final
-norm) RMSNorm and SwiGLU are fused or composed per ``Kernels`` (docs/design.md, "CPU kernels").
+each residual add + RMSNorm (and the first and final norm) are one numba pass; numpy and Paddle
+share memory through DLPack. With a ``PackedMkl`` (kernels/gemm.py) the linear layers and lm_head
+multiply against weights packed once for MKL, which replace the plain ones; under
+``MKL_CBWR=AUTO,STRICT`` its rows are batch-invariant too. Otherwise RMSNorm and SwiGLU are fused
+or composed per ``Kernels`` (docs/design.md, "CPU kernels").
+With the kernels and linear weights packed or quantized, a step whose every token decodes runs as
+one compiled call instead (kernels/fused_decode.py) with bitwise the same logits; with an
+``Int8Gemm`` the linear layers and lm_head hold int8 rows per output channel (kernels/int8.py).
 """
 
 from __future__ import annotations
