@@ -76,8 +76,8 @@ class EngineConfig:
     )
     decode_step: str | None = setting(
         None,
-        "decode steps: the whole model in one compiled call (fused; bitwise the layers path, ~1.5x "
-        "faster at batch 1 on a deep model), one Paddle/numba call per operation (layers), or fused "
+        "decode steps: the whole model in one compiled call (fused; bitwise the layers path, 1.4x "
+        "faster at batch 1 on SmolLM2), one Paddle/numba call per operation (layers), or fused "
         "where the numba kernels and MKL's packed GEMM are both in use, else layers (auto) "
         "(default: auto)",
         kind=str,
