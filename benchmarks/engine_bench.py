@@ -119,26 +119,39 @@ def vllm_preload(python: Path) -> str:
     return ":".join(str(p) for p in found)
 
 
-def run_peer(cmd: list[str], env: dict[str, str], what: str) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+class PeerFailed(RuntimeError):
+    """A peer's benchmark process ended without a result (``returncode`` < 0: killed by a signal)."""
+
+    def __init__(self, what: str, returncode: int, stderr: str) -> None:
+        super().__init__(f"{what} benchmark failed (exit {returncode}):\n{stderr[-3000:]}")
+        self.returncode = returncode
+
+
+def run_peer(cmd: list[str], env: dict[str, str], what: str, stdin: str | None = None) -> dict:
+    """Run a peer's script (fed ``stdin``) and return the JSON of its ``RESULT`` line."""
+    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, env=env, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"{what} benchmark failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    raise PeerFailed(what, proc.returncode, proc.stderr)
+
+
+def run_llamacpp_script(cmd: list[str], stdin: str | None = None) -> dict:
+    """A llama.cpp script's result (llamacpp_bench.py, llamacpp_score.py); where llama.cpp's weight
+    repacking dies by a signal (AMX on a VM that does not grant it), again with ``--no-repack``."""
+    try:
+        return run_peer(cmd, PRISTINE_ENV, "llama.cpp", stdin)
+    except PeerFailed as e:
+        if e.returncode >= 0:  # not killed by a signal
+            raise
+        print("  llama.cpp died by a signal; again with --no-repack", file=sys.stderr, flush=True)
+        return run_peer([*cmd, "--no-repack"], PRISTINE_ENV, "llama.cpp", stdin)
 
 
 def run_llamacpp(python: Path, gguf: Path, steps: int, prefill_reps: int) -> dict:
-    """llama.cpp on ``gguf`` in its own environment (benchmarks/llamacpp_bench.py); where its weight
-    repacking dies by a signal (AMX on a VM that does not grant it), again without repacking."""
+    """llama.cpp on ``gguf`` in its own environment (benchmarks/llamacpp_bench.py)."""
     cmd = [str(python), str(HERE / "llamacpp_bench.py"), str(gguf), "--steps", str(steps)]
-    cmd += ["--prefill-reps", str(prefill_reps)]
-    try:
-        return run_peer(cmd, PRISTINE_ENV, "llama.cpp")
-    except RuntimeError as e:
-        if "exit -" not in str(e):  # not killed by a signal
-            raise
-        print("  llama.cpp died by a signal; again with --no-repack", file=sys.stderr, flush=True)
-        return run_peer([*cmd, "--no-repack"], PRISTINE_ENV, "llama.cpp")
+    return run_llamacpp_script([*cmd, "--prefill-reps", str(prefill_reps)])
 
 
 def run_vllm(python: Path, model_dir: Path, steps: int, prefill_reps: int) -> dict:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from engine_bench import run_llamacpp_script
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -36,15 +36,7 @@ STORY = "Once upon a time, in a small village at the foot of a mountain, there l
 
 def llamacpp_scores(python: Path, gguf: Path, sequences: list[list[int]], starts: list[int]) -> dict:
     request = json.dumps({"sequences": sequences, "starts": starts})
-    for extra in ([], ["--no-repack"]):  # without repacking where it dies by a signal (llamacpp_bench.py)
-        cmd = [str(python), str(HERE / "llamacpp_score.py"), str(gguf), *extra]
-        proc = subprocess.run(cmd, input=request, capture_output=True, text=True, check=False)
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                return json.loads(line[7:])
-        if proc.returncode >= 0:
-            break
-    raise RuntimeError(f"llama.cpp scoring failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return run_llamacpp_script([str(python), str(HERE / "llamacpp_score.py"), str(gguf)], request)
 
 
 def main() -> int:

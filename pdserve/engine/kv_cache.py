@@ -27,6 +27,19 @@ def block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int = 4) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
 
 
+def cache_write_rows(slots: np.ndarray, layers: int, kv_heads: int, block_size: int) -> np.ndarray:
+    """Rows (of the block-major cache seen as ``[-1, head_dim]``) for K then V of each token in
+    ``slots`` and each kv head, per layer: int64 ``[layers, 2 * N * kv_heads]``."""
+    b, o = slots // block_size, slots % block_size
+    kv = np.arange(2)[None, :, None, None]
+    layer = np.arange(layers)[:, None, None, None]
+    head = np.arange(kv_heads)[None, None, None, :]
+    rows = (
+        ((b[None, None, :, None] * 2 + kv) * layers + layer) * block_size + o[None, None, :, None]
+    ) * kv_heads
+    return (rows + head).reshape(layers, -1).astype(np.int64, copy=False)
+
+
 class KVCache:
     """Owns the cache tensor and the index math that maps (block, K/V, layer, slot, head) to rows."""
 
@@ -71,13 +84,7 @@ class KVCache:
     # ---- index math (numpy, once per step) ------------------------------------------------
     def write_rows(self, slots: np.ndarray) -> np.ndarray:
         """Rows of ``self.rows`` for K then V of each token and kv head: int64 ``[L, 2*N*kvh]``."""
-        L, kvh, bs = self.cfg.num_layers, self.cfg.num_kv_heads, self.block_size
-        b, o = slots // bs, slots % bs
-        kv = np.arange(2)[None, :, None, None]
-        layer = np.arange(L)[:, None, None, None]
-        head = np.arange(kvh)[None, None, None, :]
-        rows = (((b[None, None, :, None] * 2 + kv) * L + layer) * bs + o[None, None, :, None]) * kvh + head
-        return rows.reshape(L, -1).astype(np.int64, copy=False)
+        return cache_write_rows(slots, self.cfg.num_layers, self.cfg.num_kv_heads, self.block_size)
 
     def gather_chunks(self, block_table: np.ndarray) -> np.ndarray:
         """Chunk ids to gather K then V blocks of each sequence: int64 ``[L, 2*B*nblk]``.

@@ -310,6 +310,8 @@ def _self_test(fused: FusedDecode, kernels: AttentionKernels, mkl: PackedMkl, in
     """Compile on a toy two-layer model (float32 weights packed, or int8 ones) and check it against
     the same step composed from the same kernels from Python: a fused step that runs but disagrees
     is refused."""
+    from pdserve.engine.kv_cache import cache_write_rows  # here: importing this module loads no Paddle
+
     rng = np.random.default_rng(0)
     L, bs, H, KVH, D, inter, hidden, vocab, n = 2, 4, 4, 2, 8, 12, 16, 11, 3
     names = ("qkv", "o", "gate_up", "down")
@@ -351,10 +353,7 @@ def _self_test(fused: FusedDecode, kernels: AttentionKernels, mkl: PackedMkl, in
     tables = np.array([[1, 0], [2, 3], [3, 0]], np.int64)
     lengths = positions + 1
     slot = tables[np.arange(n), positions // bs] * bs + positions % bs
-    # KVCache.write_rows' layout: for each layer, K rows of every (token, kv head), then V rows
-    kv, of_layer, head = np.arange(2)[None, :, None, None], np.arange(L)[:, None, None, None], np.arange(KVH)
-    block, offset = (slot // bs)[None, None, :, None], (slot % bs)[None, None, :, None]
-    write_rows = ((((block * 2 + kv) * L + of_layer) * bs + offset) * KVH + head).reshape(L, -1)
+    write_rows = cache_write_rows(slot, L, KVH, bs)
     out_rows = np.array([2, 0], np.int64)
     want_cache = cache.copy()
     got = fused.run(weights, embed, rope, cache, bs, (ids, positions, write_rows, tables, lengths, out_rows))
