@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from pdserve.scheduler import Keys
+from pdserve.scheduler.messages import InstanceInfo, decode_as
 from tests.e2e.test_serving import client, model_name, start_stack
 
 pytestmark = pytest.mark.timeout(240)
@@ -25,9 +26,21 @@ def index_size(redis_url: str, cluster: str, instance_id: str) -> int:
         return r.scard(Keys(cluster).prefix_index(instance_id))
 
 
+def open_requests(redis_url: str, cluster: str, instance_id: str) -> int:
+    """Running + waiting requests as the instance's last heartbeat told every router."""
+    with redis.Redis.from_url(redis_url) as r:
+        info = decode_as(InstanceInfo, r.get(Keys(cluster).instance(instance_id)))
+    return info.load.running + info.load.waiting
+
+
 def wait_indexed(redis_url: str, cluster: str, *instance_ids: str) -> None:
+    """Until the instances published their cached blocks and a heartbeat reported them idle: a
+    router that did not serve the last turn sees a finished request as load until then, and one
+    request's load outweighs the transfer a cached prefix saves on D."""
     deadline = time.monotonic() + 5
-    while not all(index_size(redis_url, cluster, i) for i in instance_ids):
+    while not all(
+        index_size(redis_url, cluster, i) and not open_requests(redis_url, cluster, i) for i in instance_ids
+    ):
         assert time.monotonic() < deadline, "the instances did not publish their cached blocks"
         time.sleep(0.05)
 
