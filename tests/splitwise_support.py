@@ -133,11 +133,12 @@ class Instance:
         return len(entries)
 
     async def step(self) -> int:
-        """One engine step, its outputs handed over; the number of outputs."""
+        """One engine step, its outputs handed over and published; the number of outputs."""
         if not self.engine.unfinished:
             return 0
         outputs = await self.engine.step()
         await self.handler.on_outputs(outputs)
+        await self.handler.ctx.messenger.flush()  # the worker's engine loop steps on meanwhile
         return len(outputs)
 
     @property

@@ -203,6 +203,7 @@ class Dispatcher:
             await cancel_and_wait(self._watcher)
             self._watcher = None
         await self.sender.drain()
+        self.sender.close()
 
     async def _watch(self) -> None:
         trust_after = 0.0  # after a Redis outage, instances need one TTL to register again

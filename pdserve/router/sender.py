@@ -20,8 +20,9 @@ from typing import Any
 from pdserve.errors import ControlPlaneError, InvalidRequestError
 from pdserve.scheduler.connection import NO_WAIT, RedisClient, RedisObserver, ReplicaWait
 from pdserve.scheduler.keys import Keys
+from pdserve.scheduler.lean_redis import lean_connection, pack
 from pdserve.scheduler.messages import InboxMessage, encode
-from pdserve.scheduler.streams import send_to_inbox
+from pdserve.scheduler.streams import pack_inbox_send, send_to_inbox
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class InboxSender:
         self.num_messages = 0
         self._pending: _Batch = []
         self._flushing: set[asyncio.Task[None]] = set()
+        self._lean = lean_connection(redis, "the inbox sender")
+        """Batches go out on this dedicated connection (lean_redis.py; None: redis-py's pipeline)."""
 
     async def send(self, instance_id: str, msg: InboxMessage) -> None:
         """XADD ``msg`` to the instance's inbox with whatever else is sent in this iteration."""
@@ -90,12 +93,7 @@ class InboxSender:
         starts: list[int] = []  # index of each message's XADD among the staged commands
         t0 = time.perf_counter()
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for instance_id, msg, data, _ in batch:
-                starts.append(len(pipe))
-                await send_to_inbox(self.redis, self.keys, instance_id, msg, pipeline=pipe, data=data)
-            waits = self.wait.stage(pipe)
-            results: list[Any] = await pipe.execute(raise_on_error=False)
+            results, waits = await self._round_trip(batch, starts)
             if waits:
                 self.wait.check(results[-1], f"sending {len(batch)} messages to inboxes")
         except Exception as e:  # the round trip failed, or was not replicated: every message failed
@@ -119,6 +117,31 @@ class InboxSender:
                     future.set_exception(error)
             elif future is not None and not future.done():
                 future.set_result(None)
+
+    async def _round_trip(self, batch: _Batch, starts: list[int]) -> tuple[list[Any], bool]:
+        """Every message's XADD + EXPIRE (then WAIT, if asked) in one round trip: the replies, each
+        error in its place, and whether the last one is WAIT's. Fills ``starts`` (each XADD's index)."""
+        if self._lean is None:
+            pipe = self.redis.pipeline(transaction=False)
+            for instance_id, msg, data, _ in batch:
+                starts.append(len(pipe))
+                await send_to_inbox(self.redis, self.keys, instance_id, msg, pipeline=pipe, data=data)
+            waits = self.wait.stage(pipe)
+            return await pipe.execute(raise_on_error=False), waits
+        commands = []
+        for i, (instance_id, _, data, _) in enumerate(batch):
+            starts.append(2 * i)
+            commands.append(pack_inbox_send(self.keys.inbox(instance_id), data))
+        waits = bool(self.wait.replicas)
+        if waits:
+            commands.append(pack(b"WAIT", self.wait.replicas, self.wait.timeout_ms))
+        count = 2 * len(batch) + waits
+        return await self._lean.call(b"".join(commands), count, raise_on_error=False), waits
+
+    def close(self) -> None:
+        """Close the dedicated connection (after :meth:`drain`)."""
+        if self._lean is not None:
+            self._lean.close()
 
 
 def _encode(msg: InboxMessage) -> bytes:

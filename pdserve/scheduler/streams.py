@@ -45,6 +45,7 @@ from pdserve.scheduler.connection import (
     server_info,
 )
 from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
+from pdserve.scheduler.lean_redis import bulk, lean_connection, pack
 from pdserve.scheduler.messages import (
     ANY_ATTEMPT,
     InboxMessage,
@@ -100,6 +101,11 @@ async def send_to_inbox(
     with redis_errors(f"sending {msg.type} {msg.request_id} to instance {instance_id}"):
         entry_id, _ = await pipe.execute()
     return entry_id
+
+
+def pack_inbox_send(key: str, data: bytes, maxlen: int = INBOX_MAXLEN, ttl_s: int = INBOX_TTL_S) -> bytes:
+    """:func:`send_to_inbox`'s two commands, packed for a lean connection (XADD's reply is first)."""
+    return pack(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", FIELD, data) + pack(b"EXPIRE", key, ttl_s)
 
 
 class Inbox:
@@ -333,7 +339,9 @@ class OutboxReader:
 
     Requests :meth:`subscribe` before their message is sent and read their ``asyncio.Queue``
     until a final delta (``is_final``). Deltas of unknown requests are dropped (debug log). What
-    has been read is trimmed in the same round trip as the next read.
+    has been read is trimmed in the same round trip as the next read, which takes everything there
+    (up to ``count`` entries) on a dedicated lean connection (lean_redis.py; redis-py's pipeline on a
+    Redis Cluster).
 
     Subscribers never hang on Redis: after ``fail_after_s`` without reaching it, every waiting
     request gets a final, retryable 503 error delta (and so do new ones until Redis is back); if
@@ -372,6 +380,10 @@ class OutboxReader:
         self._down_since: float | None = None
         self._outage_reported = False
         self._run_id: bytes | str | None = None
+        self._lean = lean_connection(redis, f"the outbox reader of {router_id}")
+        self._xread = pack(b"XREAD", b"COUNT", count, b"BLOCK", block_ms, b"STREAMS", self.key, b"")
+        self._xread = self._xread[: -len(bulk(b""))]
+        """XREAD without its last argument, the id to read after."""
 
     @property
     def healthy(self) -> bool:
@@ -421,6 +433,8 @@ class OutboxReader:
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
+        if self._lean is not None:
+            self._lean.close()
         self._fail_all(RouterStoppingError("the router is shutting down"))
 
     async def __aenter__(self) -> OutboxReader:
@@ -468,23 +482,40 @@ class OutboxReader:
                 self._lost(e, failures)
                 await asyncio.sleep(min(0.05 * 2**failures, self.max_backoff_s))
                 continue
-            for entry_id, fields in entries:
+            for entry_id, data in entries:
                 last_id = entry_id
                 try:
-                    self.dispatch(fields[FIELD])
-                except (MessageError, KeyError) as e:
+                    if data is None:
+                        raise MessageError(f"no {FIELD.decode()!r} field")
+                    self.dispatch(data)
+                except MessageError as e:
                     logger.error("%s: skipping unreadable entry %s: %s", self.key, entry_id.decode(), e)
             if entries:
                 read_up_to = last_id
 
-    async def _read(self, last_id: bytes, read_up_to: bytes | None) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """Trim what was read (exact XTRIM MINID) and block for new entries, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        if read_up_to is not None:
-            pipe.xtrim(self.key, minid=_next_id(read_up_to), approximate=False)
-        pipe.xread({self.key: last_id}, count=self.count, block=self.block_ms)
-        reply = (await pipe.execute())[-1]
-        return reply[0][1] if reply else []
+    async def _read(self, last_id: bytes, read_up_to: bytes | None) -> list[tuple[bytes, bytes | None]]:
+        """Trim what was read (exact XTRIM MINID) and block for new entries, in one round trip:
+        ``(entry id, its message)`` pairs."""
+        if self._lean is None:
+            pipe = self.redis.pipeline(transaction=False)
+            if read_up_to is not None:
+                pipe.xtrim(self.key, minid=_next_id(read_up_to), approximate=False)
+            pipe.xread({self.key: last_id}, count=self.count, block=self.block_ms)
+            reply = (await pipe.execute())[-1]
+            return [(entry_id, fields.get(FIELD)) for entry_id, fields in reply[0][1]] if reply else []
+        xread = self._xread + bulk(last_id)
+        if read_up_to is None:
+            (reply,) = await self._lean.call(xread, 1)
+        else:
+            trim = pack(b"XTRIM", self.key, b"MINID", _next_id(read_up_to))
+            _, reply = await self._lean.call(trim + xread, 2)
+        if not reply:
+            return []
+        if isinstance(reply, dict):  # RESP3: {stream: entries}
+            (entries,) = reply.values()
+        else:
+            entries = reply[0][1]
+        return [(entry_id, _field(fields)) for entry_id, fields in entries]
 
     async def _check_restart(self) -> None:
         if self._run_id == "":
@@ -533,6 +564,14 @@ def _check_block(redis: RedisClient, block_ms: int) -> None:
     timeout = connection_kwargs(redis).get("socket_timeout")
     if timeout is not None and block_ms / 1000 >= timeout:
         raise ValueError(f"block_ms={block_ms} must stay below the client's socket timeout ({timeout} s)")
+
+
+def _field(fields: list[bytes] | None) -> bytes | None:
+    """The message of a raw stream entry (``[field, value, ...]``; None once deleted)."""
+    if fields and fields[0] == FIELD:
+        return fields[1]
+    values = dict(zip(fields[::2], fields[1::2])) if fields else {}
+    return values.get(FIELD)
 
 
 def _next_id(entry_id: bytes) -> str:

@@ -39,7 +39,7 @@ from pdserve.scheduler import (
     Tokenize,
     Usage,
 )
-from pdserve.worker.messenger import Owner, engine_key, to_delta
+from pdserve.worker.messenger import Owner, engine_key, merge_deltas, to_delta
 from pdserve.worker.splitwise import Context, Splitwise
 
 log = logging.getLogger(__name__)
@@ -49,10 +49,15 @@ SEEN_GENERATES = 65536  # how many recent (request id, attempt) pairs a repeated
 
 
 class RequestHandler:
-    def __init__(self, ctx: Context, role: str, routers: RouterRegistry) -> None:
+    def __init__(
+        self, ctx: Context, role: str, routers: RouterRegistry, stream_interval_s: float = 0.0
+    ) -> None:
         self.ctx = ctx
         self.role = role
         self.routers = routers
+        self.stream_interval_s = stream_interval_s
+        """A request's tokens are published at most this often: those of the steps in between wait
+        for the next step and go as one delta (its first token and its end never wait)."""
         self.owners: dict[str, Owner] = {}  # engine key -> router request, for requests this engine decodes
         self.splitwise = Splitwise(ctx)
         self.draining = False
@@ -61,6 +66,8 @@ class RequestHandler:
         ] = {}  # engine key -> monotonic time its generate arrived, until token 1
         self._echo: dict[str, str] = {}  # engine key -> its prompt's text, sent with token 1 (echo)
         self._seqs: dict[str, int] = {}  # engine key -> the seq of its next delta (owners only)
+        self._held: dict[str, RequestDelta] = {}  # engine key -> its tokens not published yet
+        self._sent_at: dict[str, float] = {}  # engine key -> monotonic time of its latest delta
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # generates taken
         self._routers_seen: dict[str, float] = {}  # router id -> monotonic time its key was last seen
         self._routers_checked_at = float("-inf")
@@ -151,6 +158,8 @@ class RequestHandler:
         self._started.pop(key, None)
         self._echo.pop(key, None)
         self._seqs.pop(key, None)
+        self._held.pop(key, None)
+        self._sent_at.pop(key, None)
         return self.owners.pop(key, None)
 
     def _repeated(self, key: str) -> bool:
@@ -231,11 +240,16 @@ class RequestHandler:
             if owner is None:
                 continue  # aborted meanwhile
             try:
-                deltas[owner.router_id].append(self._delta(out, owner))
+                delta = self._delta(out, owner)
             except Exception as e:
                 log.exception("publishing the output of %s failed", out.request_id)
                 failed.append((out.request_id, self._internal(e), owner))
-        await self.ctx.messenger.publish(deltas)
+            else:
+                if delta is not None:
+                    deltas[owner.router_id].append(delta)
+        sent = self.ctx.messenger.post(deltas)  # the next step runs while it is sent...
+        if handoffs or self.ctx.messenger.backlogged:  # ... unless a hand-off must follow it, or Redis fails
+            await sent
         for out in handoffs:
             try:
                 await self.splitwise.on_output(out)
@@ -245,19 +259,28 @@ class RequestHandler:
         for key, error, maybe_owner in failed:
             await self._end(key, error, maybe_owner)
 
-    def _delta(self, out: RequestOutput, owner: Owner) -> RequestDelta:
-        """The event of one output of a request this engine serves (numbered within its attempt)."""
+    def _delta(self, out: RequestOutput, owner: Owner) -> RequestDelta | None:
+        """The event of one output of a request this engine serves (numbered within its attempt),
+        or None while its tokens wait for the stream interval (:attr:`stream_interval_s`)."""
         key = out.request_id
-        seq = self._seqs.get(key, 0)
-        delta = to_delta(out, owner, seq)
+        now = self.ctx.clock.monotonic()
+        delta = to_delta(out, owner, 0)
         started = self._started.pop(key, None)
         if started is not None:
-            delta.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - started, queue_s=out.queue_s)
+            delta.timing = Timing(s_ttft_s=now - started, queue_s=out.queue_s)
         delta.prompt_text = self._echo.pop(key, None)
+        held = self._held.pop(key, None)
+        if held is not None:
+            delta = merge_deltas(held, delta)
+        if not out.finished and now - self._sent_at.get(key, float("-inf")) < self.stream_interval_s:
+            self._held[key] = delta
+            return None
+        delta.seq = self._seqs.get(key, 0)
         if out.finished:
             self._forget(key)
         else:
-            self._seqs[key] = seq + 1
+            self._seqs[key] = delta.seq + 1
+            self._sent_at[key] = now
         return delta
 
     async def tick(self) -> None:

@@ -1,10 +1,18 @@
 """Everything an instance sends: step outputs to routers' outboxes, protocol messages to peers' inboxes.
 
+Outbox events go through one ordered buffer: the engine loop posts a step (:meth:`Messenger.post`) and
+steps on while it is sent; the steps posted while a publish is on the wire go out together in the
+next one, merged into ONE entry per router. A fast engine (sub-millisecond steps) then writes, and
+every router reads and relays, a few large entries per request instead of one per token; a slow one
+(a model's steps take milliseconds) sends every step alone, as soon as it is done. Every other
+event (:meth:`Messenger.publish`) joins the same buffer and waits until it is sent, so events leave
+in the order they were made, and a hand-off to a peer follows the tokens it comes after.
+
 A send that Redis fails is retried with backoff (50 ms doubling to 1 s) for up to one
-registration TTL, so a Redis blip or restart loses no token: each step's sends complete, in order,
-before the next step's. Past one TTL this instance's key has expired, so routers have moved or
-failed its requests; the send is then logged and reported as ``False``, never raised into the
-loops, and the instance keeps serving.
+registration TTL, so a Redis blip or restart loses no token: the buffer is sent in order once Redis
+answers, and while it is failing the engine loop waits for it (no unbounded backlog). Past one TTL
+this instance's key has expired, so routers have moved or failed its requests; the send is then
+logged and reported as ``False``, never raised into the loops, and the instance keeps serving.
 """
 
 from __future__ import annotations
@@ -72,6 +80,17 @@ def to_delta(out: RequestOutput, owner: Owner, seq: int) -> RequestDelta:
     return delta
 
 
+def merge_deltas(first: RequestDelta, then: RequestDelta) -> RequestDelta:
+    """One delta of two consecutive ones of a request (what the router would make of the pair):
+    tokens, text and logprobs joined; the first's timing, echo and prompt logprobs; the second's end."""
+    first.token_ids = first.token_ids + then.token_ids
+    first.text += then.text
+    if then.logprobs is not None:
+        first.logprobs = (first.logprobs or []) + then.logprobs
+    first.finish_reason, first.usage, first.error = then.finish_reason, then.usage, then.error
+    return first
+
+
 def _logprob(lp: TokenLogprob) -> LogprobInfo:
     pairs = zip(lp.top_logprobs or [], lp.top_tokens or [])
     top = [TopLogprob(token_id=t, token=text, logprob=v) for (t, v), text in pairs]
@@ -95,6 +114,19 @@ class Messenger:
         self.give_up_after_s = give_up_after_s
         self.outbox = Outbox(redis, keys, wait=wait)
         self.num_send_retries = 0
+        self.num_publishes = 0
+        self._pending: dict[str, list[RequestDelta]] = {}
+        self._pending_sent: asyncio.Future[bool] | None = None
+        """Resolves when the events in ``_pending`` are sent."""
+        self._in_flight: asyncio.Future[bool] | None = None
+        """Resolves when the batch on the wire is sent."""
+        self._flusher: asyncio.Task[None] | None = None
+        self._failing = False
+
+    @property
+    def backlogged(self) -> bool:
+        """Publishing is failing (being retried): a caller should wait for its events to be sent."""
+        return self._failing
 
     async def _retrying(self, what: str, send: Callable[[], Awaitable[object]]) -> bool:
         give_up_at = time.monotonic() + self.give_up_after_s
@@ -105,25 +137,69 @@ class Messenger:
             except ControlPlaneError as e:
                 if time.monotonic() + delay > give_up_at:
                     log.error("could not %s for %g s, giving up: %s", what, self.give_up_after_s, e)
+                    self._failing = False
                     return False
                 if delay == RETRY_FIRST_S:
                     log.warning("could not %s (%s); retrying until Redis answers", what, e)
+                self._failing = True
                 self.num_send_retries += 1
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
             else:
+                self._failing = False
                 if delay != RETRY_FIRST_S:
                     log.info("sent after retrying: %s", what)
                 return True
 
+    def post(self, deltas_by_router: Mapping[str, Sequence[RequestDelta]]) -> asyncio.Future[bool]:
+        """Queue one step's events for the next publish (merged with whatever else is queued by
+        then) without waiting; the future says whether they were sent."""
+        loop = asyncio.get_running_loop()
+        if self._pending_sent is None:
+            self._pending_sent = loop.create_future()
+        sent = self._pending_sent
+        for router_id, deltas in deltas_by_router.items():
+            if deltas:
+                self._pending.setdefault(router_id, []).extend(deltas)
+        if not self._pending:  # nothing new: done once what is on the wire is
+            self._pending_sent = None
+            if self._in_flight is not None:
+                return self._in_flight
+            sent.set_result(True)
+        elif self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush(), name=f"publish-{self.instance_id}")
+        return sent
+
     async def publish(self, deltas_by_router: Mapping[str, Sequence[RequestDelta]]) -> bool:
-        """One step's events, one outbox entry per router, in one round trip."""
-        if not any(deltas_by_router.values()):
-            return True
-        return await self._retrying(
-            f"publish a step to {len(deltas_by_router)} routers",
-            lambda: self.outbox.publish_many(self.instance_id, deltas_by_router),
-        )
+        """Events, one outbox entry per router, sent after everything posted before them."""
+        return await asyncio.shield(self.post(deltas_by_router))
+
+    async def flush(self) -> bool:
+        """Until everything posted so far is sent (False: some of it was given up)."""
+        return await self.publish({})
+
+    async def _flush(self) -> None:
+        """Send the buffer, one round trip at a time, until it stays empty."""
+        while self._pending:
+            batch, sent = self._pending, self._pending_sent
+            assert sent is not None
+            self._pending, self._pending_sent, self._in_flight = {}, None, sent
+            try:
+                ok = await self._retrying(
+                    f"publish to {len(batch)} routers",
+                    lambda batch=batch: self.outbox.publish_many(self.instance_id, batch),  # type: ignore[misc]
+                )
+            except BaseException as e:  # cancelled (shutdown), or a bug: never leave a waiter hanging
+                if not sent.done():
+                    sent.set_exception(
+                        e if isinstance(e, Exception) else ControlPlaneError("publish cancelled")
+                    )
+                raise
+            finally:
+                self._in_flight = None
+            self.num_publishes += 1
+            if not sent.done():
+                sent.set_result(ok)
 
     async def deliver(self, owner: Owner, *deltas: RequestDelta) -> bool:
         return await self.publish({owner.router_id: list(deltas)})

@@ -109,7 +109,7 @@ class WorkerService:
             )
             ctx = Context(self.id, self.engine, messenger, self.clock, self.transports, self.metrics)
             routers = RouterRegistry(self.redis, self.keys, ttl_s=self.settings.ttl_s)
-            self.handler = RequestHandler(ctx, self.settings.role, routers)
+            self.handler = RequestHandler(ctx, self.settings.role, routers, self.settings.stream_interval_s)
             await self.inbox.ensure_group()
             if self.engine.facts.prefix_caching:
                 index = PrefixIndex(self.redis, self.keys, self.settings.ttl_s)
@@ -257,6 +257,7 @@ class WorkerService:
             await cancel_and_wait(task)
         if self.handler is not None:
             await self.handler.fail_all("instance is shutting down")
+            await self.handler.ctx.messenger.flush()  # the last steps' tokens, posted but maybe not sent
         self.transports.close()
         await self.heartbeat.stop(deregister=True)  # only what it registered: not a live id we were refused
         if self.prefix_publisher is not None:

@@ -99,6 +99,13 @@ class WorkerSettings:
         "127.0.0.1",
         "address the metrics port listens on; 0.0.0.0 for a Prometheus on another host (default %(default)s)",
     )
+    stream_interval_s: float = setting(
+        0.02,
+        "a request's tokens are published at most every this many seconds: those of faster steps wait "
+        "for the next step and go together (its first token and its end never wait), so routers relay "
+        "a few larger SSE events instead of one per token; a model's steps on a CPU mostly take longer, "
+        "and then every token goes alone (0: each step's at once) (default %(default)s)",
+    )
     max_prompt_chars_per_token: int = setting(
         32,
         "a prompt (or chat messages and tools) longer than this many characters per token of the model "
@@ -132,6 +139,8 @@ class WorkerSettings:
             )
         if self.max_grammar_bytes < 1:
             raise ConfigError(f"--max-grammar-bytes must be >= 1, got {self.max_grammar_bytes}")
+        if self.stream_interval_s < 0:
+            raise ConfigError(f"--stream-interval must be >= 0, got {self.stream_interval_s}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         object.__setattr__(self, "model_dir", Path(self.model_dir))
