@@ -6,12 +6,18 @@ Each router runs in PD mode in front of workers that cost next to nothing: mock 
 --requests streaming chat requests of 16 output tokens, at each --concurrency, driven by
 pdserve.bench from this process. Reported per system and concurrency: req/s, p50/p99 TTFT and
 end-to-end latency, the router's CPU time per request (user+system of all its processes and
-threads, from /proc) and, for pdserve, Redis's too; ratios are to the fastest peer. The load
-generator's own CPU share is printed, to show it is not the bottleneck. Everything binds to
-127.0.0.1; the peers' wheels go into a virtual environment this script creates (--peers-venv);
+threads, from /proc) and, for pdserve, Redis's too, with the router's outbox reads (XREAD) and all
+stream appends (XADD) per request from Redis's INFO commandstats; ratios are to the fastest peer.
+The load generator's own CPU share is printed, to show it is not the bottleneck. Everything binds
+to 127.0.0.1; the peers' wheels go into a virtual environment this script creates (--peers-venv);
 it stops every process it started, by pid.
 
-    python benchmarks/router_overhead.py [--requests 2000] [--concurrency 32,8]
+--workers model runs pdserve alone in front of one prefill and one decode instance of a real model
+(--model, default smollm2-135m; one thread each): what the router costs when tokens come at a
+model's pace.
+
+    python benchmarks/router_overhead.py [--requests 2000] [--concurrency 32,8,1]
+    python benchmarks/router_overhead.py --systems pdserve --workers model --requests 200
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -130,10 +137,18 @@ def start_mocks(procs: Procs, model: str, model_dir: Path) -> tuple[int, int, in
     return p, boot, d
 
 
+@dataclasses.dataclass
+class System:
+    url: str
+    router_pids: list[int]
+    redis_pid: int | None = None  # pdserve's Redis (metered and counted); None for the peers
+    redis_url: str | None = None
+
+
 def start_system(
-    name: str, procs: Procs, venv: Path, model: str, model_dir: Path
-) -> tuple[str, list[int], int | None]:
-    """Start one system; returns its URL, the router pids to meter, and Redis's pid (pdserve)."""
+    name: str, procs: Procs, venv: Path, model: str, model_dir: Path, workers: str = "echo"
+) -> System:
+    """Start one system: its URL, the router pids to meter, and pdserve's Redis."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if name in ("pdserve", "pdserve-nometrics"):
@@ -143,14 +158,14 @@ def start_system(
         redis.start()
         procs.procs.append(redis.proc)
         cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
+        engine = ["--engine", "echo"] if workers == "echo" else ["--threads", "1"]
         for role in ("prefill", "decode"):
             procs.start(
                 f"pdserve-{role}",
                 [
                     *cli,
                     "worker",
-                    "--engine",
-                    "echo",
+                    *engine,
                     "--role",
                     role,
                     "--model",
@@ -173,7 +188,7 @@ def start_system(
                 *(["--no-metrics"] if name == "pdserve-nometrics" else []),
             ],
         )
-        return url, [router.pid], redis.proc.pid
+        return System(url, [router.pid], redis.proc.pid, redis.url)
     p, boot, d = start_mocks(procs, model, model_dir)
     prom = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     if name == "sglang":
@@ -208,22 +223,34 @@ def start_system(
             *prom,
         ]
     router = procs.start(f"{name}-router", args, env={"HF_HUB_OFFLINE": "1"})
-    return url, [router.pid], None
+    return System(url, [router.pid])
 
 
-def measure(
-    url: str, model: str, n: int, concurrency: int, router_pids: list[int], redis_pids: list[int]
-) -> dict:
-    """Warm up, then ``n`` streaming chats at ``concurrency``: latency, req/s, and the CPU the
-    routers and the Redis processes (``redis_pids``; none: not metered) spent per request."""
+def command_calls(redis_url: str | None) -> dict[str, int]:
+    """Redis's calls per command so far (INFO commandstats); empty for a system without Redis."""
+    if redis_url is None:
+        return {}
+    import redis
+
+    with redis.Redis.from_url(redis_url) as r:
+        stats = r.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+
+def measure(system: System, model: str, n: int, concurrency: int) -> dict:
+    """Warm up, then ``n`` streaming chats at ``concurrency``: latency, req/s, the CPU the router
+    and pdserve's Redis spent per request, and pdserve's Redis commands per request."""
     from pdserve import bench
 
+    url, router_pids = system.url, system.router_pids
+    redis_pids = [system.redis_pid] if system.redis_pid is not None else []
     rng = __import__("random").Random(0)
     warm = bench.random_prompts(min(100, n), 32, 16, 0.0, True, rng)
     asyncio.run(bench.run(url, "/v1/chat/completions", model, warm, concurrency, float("inf"), True, 0))
     prompts = bench.random_prompts(n, 32, 16, 0.0, True, rng)
     cpu0 = [cpu_seconds(p) for p in router_pids]
     redis0 = sum(cpu_seconds(p) for p in redis_pids)
+    calls0 = command_calls(system.redis_url)
     me0 = time.process_time()
     results, duration = asyncio.run(
         bench.run(url, "/v1/chat/completions", model, prompts, concurrency, float("inf"), True, 0)
@@ -231,9 +258,14 @@ def measure(
     me = time.process_time() - me0
     router_cpu = sum(cpu_seconds(p) for p in router_pids) - sum(cpu0)
     redis_cpu = sum(cpu_seconds(p) for p in redis_pids) - redis0 if redis_pids else None
+    calls = command_calls(system.redis_url)
     s = bench.summarize(results, duration, (50, 99))
     ok = max(1, s["successful_requests"])
     m = s["metrics"]
+
+    def per_request(command: str) -> float | None:
+        return (calls[command] - calls0.get(command, 0)) / ok if command in calls else None
+
     return {
         "ok": s["successful_requests"],
         "failed": s["failed_requests"],
@@ -245,6 +277,8 @@ def measure(
         "e2e_p99_ms": m["e2e_ms"]["p99"],
         "router_cpu_ms_per_req": router_cpu / ok * 1e3,
         "redis_cpu_ms_per_req": None if redis_cpu is None else redis_cpu / ok * 1e3,
+        "outbox_reads_per_req": per_request("xread"),
+        "xadds_per_req": per_request("xadd"),
         "loadgen_cpu_share": me / duration,
     }
 
@@ -254,7 +288,7 @@ def main() -> int:
     ap.add_argument(
         "--requests", type=int, default=2000, help="measured requests per run (default %(default)s)"
     )
-    ap.add_argument("--concurrency", default="32,8", help="comma-separated (default %(default)s)")
+    ap.add_argument("--concurrency", default="32,8,1", help="comma-separated (default %(default)s)")
     ap.add_argument(
         "--systems",
         default="sglang,vllm,pdserve",
@@ -264,14 +298,29 @@ def main() -> int:
     ap.add_argument(
         "--rounds", type=int, default=1, help="run the systems this many times, alternating (default 1)"
     )
+    ap.add_argument(
+        "--workers",
+        choices=("echo", "model"),
+        default="echo",
+        help="pdserve's workers: echo (no model, as cheap as the peers' mocks) or model (a real model, "
+        "--model; pdserve only) (default %(default)s)",
+    )
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="the model of --workers model: a preset or folder (default %(default)s)",
+    )
     ap.add_argument("--peers-venv", type=Path, default=Path.home() / ".cache" / "pdserve" / "peers-venv")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "router_overhead.json")
     args = ap.parse_args()
     from pdserve.engine.model_store import resolve_model
 
-    model_dir = resolve_model("tiny").path  # the tiny preset, made once in the cache (no download)
-    model = model_dir.name
     systems = args.systems.split(",")
+    if args.workers == "model" and {"sglang", "vllm"} & set(systems):
+        ap.error("--workers model runs pdserve only (the peers' workers are mocks): --systems pdserve")
+    # echo: the tiny preset, made once in the cache (no download); it only lends its tokenizer
+    model_dir = resolve_model("tiny" if args.workers == "echo" else args.model).path
+    model = model_dir.name
     venv = ensure_peers(args.peers_venv) if {"sglang", "vllm"} & set(systems) else args.peers_venv
     logs = args.out.parent / "router_overhead_logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -279,16 +328,17 @@ def main() -> int:
     for round_, name in ((r, name) for r in range(args.rounds) for name in systems):
         procs = Procs(logs)
         try:
-            url, pids, redis_pid = start_system(name, procs, venv, model, model_dir)
-            wait_serving(url, model)
+            system = start_system(name, procs, venv, model, model_dir, args.workers)
+            wait_serving(system.url, model, 90 if args.workers == "echo" else 600)
             for c in (int(x) for x in args.concurrency.split(",")):
                 print(f"{name}: {args.requests} requests at concurrency {c} ...", file=sys.stderr, flush=True)
                 rows.append(
                     {
                         "system": name,
+                        "workers": args.workers if name.startswith("pdserve") else "mock",
                         "round": round_,
                         "concurrency": c,
-                        **measure(url, model, args.requests, c, pids, [redis_pid] if redis_pid else []),
+                        **measure(system, model, args.requests, c),
                     }
                 )
         finally:
@@ -304,22 +354,37 @@ def main() -> int:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{os.cpu_count()} cores; streaming chat, 16 output tokens; CPU ms per request")
+    print(
+        f"\n{os.cpu_count()} cores; streaming chat, 16 output tokens; CPU ms per request; "
+        "XREAD (outbox reads) and XADD per request"
+    )
     head = f"{'system':<17} {'conc':>4} {'ok':>5} {'req/s':>8} {'TTFT p50':>9} {'p99':>8} {'E2E p50':>8} {'p99':>8} "
-    print(head + f"{'router CPU':>10} {'+Redis':>7} {'loadgen':>7} {'req/s vs best peer':>19}")
+    print(
+        head + f"{'router CPU':>10} {'+Redis':>7} {'vs peer':>7} {'XREAD':>6} {'XADD':>6} {'loadgen':>7} "
+        f"{'req/s vs best peer':>19}"
+    )
     for r in rows:
         peers = [
-            x["req_s"]
+            x
             for x in rows
-            if x["concurrency"] == r["concurrency"] and not x["system"].startswith("pdserve")
+            if x["concurrency"] == r["concurrency"]
+            and x["round"] == r["round"]
+            and not x["system"].startswith("pdserve")
         ]
-        ratio = f"{r['req_s'] / max(peers):.2f}x" if peers else "-"
-        redis = f"{r['redis_cpu_ms_per_req']:.2f}" if r["redis_cpu_ms_per_req"] is not None else "-"
+        ratio = f"{r['req_s'] / max(x['req_s'] for x in peers):.2f}x" if peers else "-"
+        best_cpu = min((x["router_cpu_ms_per_req"] for x in peers), default=None)
+        vs_cpu = f"{r['router_cpu_ms_per_req'] / best_cpu:.2f}x" if best_cpu else "-"
         print(
             f"{r['system']:<17} {r['concurrency']:>4} {r['ok']:>5} {r['req_s']:>8.1f} {r['ttft_p50_ms']:>9.2f} "
             f"{r['ttft_p99_ms']:>8.2f} {r['e2e_p50_ms']:>8.2f} {r['e2e_p99_ms']:>8.2f} "
-            f"{r['router_cpu_ms_per_req']:>10.2f} {redis:>7} {r['loadgen_cpu_share']:>6.0%} {ratio:>19}"
+            f"{r['router_cpu_ms_per_req']:>10.2f} {_cell(r['redis_cpu_ms_per_req'])} {vs_cpu:>7} "
+            f"{_cell(r['outbox_reads_per_req'], 6)} {_cell(r['xadds_per_req'], 6)} "
+            f"{r['loadgen_cpu_share']:>6.0%} {ratio:>19}"
         )
+
+
+def _cell(value: float | None, width: int = 7) -> str:
+    return f"{value:>{width}.2f}" if value is not None else f"{'-':>{width}}"
 
 
 def print_metrics_cost(rows: list[dict]) -> None:

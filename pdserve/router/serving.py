@@ -281,18 +281,17 @@ async def _stream(send: Send, rid: str, gens: list[RoutedGeneration], builder: R
         logger.exception("request %s: stream failed", rid)
         error = e
     if error is not None:
-        tail = error_event(error)  # never a silent cut: the client learns why the stream ended
+        out += error_event(error)  # never a silent cut: the client learns why the stream ended
     elif builder.include_usage:
-        tail = builder.usage_chunk(choices)
-    else:
-        tail = b""
-    await send({"type": "http.response.body", "body": tail + DONE, "more_body": False})
+        out += builder.usage_chunk(choices)
+    await send({"type": "http.response.body", "body": bytes(out + DONE), "more_body": False})
 
 
 async def _relay_one(
     send: Send, out: bytearray, gen: RoutedGeneration, choice: Choice, builder: ResponseBuilder
 ) -> ErrorInfo | None:
-    """Relay one choice until its final delta; returns the ErrorInfo that ended it, if any."""
+    """Relay one choice until its final delta; returns the ErrorInfo that ended it, if any. What is
+    left in ``out`` (the last chunks) goes with the stream's end, in one write."""
     delta = None
     while not gen.finished:
         delta = gen.poll() if out else None
@@ -305,8 +304,6 @@ async def _relay_one(
             break
         choice.note(delta)
         out += builder.delta_chunk(0, delta, choice.timing)
-    if out:
-        await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
     return delta.error if delta is not None and delta.error is not None else None
 
 
@@ -329,6 +326,7 @@ async def _relay_many(
     pumps = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens) if not gen.finished]
     try:
         await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
+        out.clear()
         remaining = len(pumps)
         while remaining:
             index, delta = await merged.get()

@@ -5,12 +5,14 @@ checkout, retry and timeout contexts), which cost about two and a half times the
 (measured on one outbox read: ~130 µs of CPU through a pipeline, ~36 µs here).
 
 redis-py opens the connection, so TLS, AUTH, HELLO, CLIENT SETNAME, SELECT and Sentinel's primary
-discovery are exactly its own; then this takes the transport over. Errors are redis-py's, so callers
-keep their error handling: ``ConnectionError`` when the connection is lost (or the server turned
-replica, ``READONLY``), ``TimeoutError`` past the client's socket timeout, ``ResponseError`` for an
-error reply. The connection is dropped on any of them and opened again by the next call. A Redis
-Cluster client has no lean path (each key's commands go to its own shard): :func:`lean_connection`
-returns None there and the caller keeps redis-py.
+discovery are exactly its own; then this takes the transport over. Errors are redis-py's classes, so
+callers keep their error handling: ``ConnectionError`` when the connection is lost (and for the
+replies redis-py counts as one: ``LOADING``, too many clients; and ``READONLY``, a primary turned
+replica), ``TimeoutError`` past the client's socket timeout: the connection is then dropped and the
+next call opens another. An error reply of one command (``ResponseError`` and its subclasses, mapped
+as redis-py maps them) leaves the connection as it is. A Redis Cluster client has no lean path (each
+key's commands go to its own shard): :func:`lean_connection` returns None there and the caller keeps
+redis-py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
+from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from pdserve.scheduler.connection import RedisClient, connection_kwargs
@@ -102,8 +105,8 @@ class LeanConnection:
 
     async def execute(self, packed: bytes, count: int, raise_on_error: bool = True) -> list[Any]:
         """Send ``packed`` (``count`` commands) and return their replies. An error reply is raised
-        (the first one), or left in the list (``raise_on_error=False``); READONLY always closes the
-        connection and raises ConnectionError (the primary was demoted: the next one is found)."""
+        (the first one), or left in the list (``raise_on_error=False``); one that redis-py counts as
+        a connection error (READONLY, LOADING, ...) always drops the connection and is raised."""
         replies = self._replies
         if replies is None or replies.lost is not None:
             replies = await self._open()
@@ -111,30 +114,44 @@ class LeanConnection:
         done: asyncio.Future[list[Any]] = loop.create_future()
         replies.waiting.append((count, [], done))
         replies.transport.write(packed)
-        timer = None if self.timeout_s is None else loop.call_later(self.timeout_s, self._expire, done)
+        timer = None
+        if self.timeout_s is not None:
+            timer = loop.call_later(self.timeout_s, self._expire, replies, done)
         try:
             result = await done
+        except asyncio.CancelledError:  # its replies still come, after a blocking command maybe:
+            self._drop(replies)  # later round trips must not wait behind them
+            raise
         finally:
             if timer is not None:
                 timer.cancel()
-        for reply in result:
+        first_error = None
+        for i, reply in enumerate(result):
             if isinstance(reply, ResponseError):
-                if str(reply).startswith("READONLY"):
-                    self.close()
-                    raise ConnectionError(f"the server is a replica now ({reply})")
-                if raise_on_error:
-                    raise reply
+                error = result[i] = _redis_error(reply)
+                if isinstance(error, ConnectionError):
+                    self._drop(replies)
+                    raise error
+                first_error = first_error or error
+        if first_error is not None and raise_on_error:
+            raise first_error
         return result
 
-    def _expire(self, done: asyncio.Future[list[Any]]) -> None:
+    def close(self) -> None:
+        if self._replies is not None:
+            self._drop(self._replies)
+
+    def _drop(self, replies: _Replies) -> None:
+        """Close ``replies``' connection (not a newer one another call may have opened since)."""
+        if self._replies is replies:
+            self._replies = None
+        if replies.lost is None:
+            replies.connection_lost(ConnectionError("connection closed"))
+
+    def _expire(self, replies: _Replies, done: asyncio.Future[list[Any]]) -> None:
         if not done.done():
             done.set_exception(TimeoutError(f"Redis did not answer within {self.timeout_s:g} s"))
-            self.close()  # the replies still due would answer the next round trip
-
-    def close(self) -> None:
-        replies, self._replies = self._replies, None
-        if replies is not None and replies.lost is None:
-            replies.connection_lost(ConnectionError("connection closed"))
+            self._drop(replies)  # the replies still due would answer the next round trip
 
     async def _open(self) -> _Replies:
         async with self._opening:
@@ -153,6 +170,16 @@ class LeanConnection:
             self._replies = replies
             logger.debug("lean Redis connection for %s open", self.name)
             return replies
+
+
+def _redis_error(reply: ResponseError) -> ResponseError | ConnectionError:
+    """An error reply as redis-py raises it (``READONLY`` too, which its Sentinel connections make a
+    ConnectionError: the primary was demoted, the next connection finds the new one)."""
+    message = str(reply)
+    if message.startswith("READONLY"):
+        return ConnectionError(f"the server is a replica now ({message})")
+    error: ResponseError | ConnectionError = BaseParser.parse_error(message)
+    return error
 
 
 def lean_connection(client: RedisClient, name: str) -> LeanConnection | None:

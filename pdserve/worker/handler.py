@@ -102,6 +102,7 @@ class RequestHandler:
                 key = engine_key(msg.request_id, msg.attempt)
                 self.owners[key] = owner
                 self._seqs[key] = msg.next_seq  # prefill published the deltas before
+                self._sent_at[key] = self.ctx.clock.monotonic()  # ... its first token just now
         elif isinstance(msg, Abort):
             await self.on_abort(msg)
         elif isinstance(msg, Tokenize):
@@ -275,18 +276,38 @@ class RequestHandler:
         if not out.finished and now - self._sent_at.get(key, float("-inf")) < self.stream_interval_s:
             self._held[key] = delta
             return None
+        return self._numbered(key, delta, now, out.finished)
+
+    def _numbered(self, key: str, delta: RequestDelta, now: float, final: bool) -> RequestDelta:
+        """``delta``, numbered, as it leaves: the request is forgotten after its final one."""
         delta.seq = self._seqs.get(key, 0)
-        if out.finished:
+        if final:
             self._forget(key)
         else:
             self._seqs[key] = delta.seq + 1
             self._sent_at[key] = now
         return delta
 
+    def _post_due(self, now: float) -> None:
+        """Post the held tokens whose interval passed (a request the engine stopped stepping for a
+        while, preempted or waiting, does not keep them until its next step)."""
+        due: dict[str, list[RequestDelta]] = collections.defaultdict(list)
+        for key in [
+            k for k in self._held if now - self._sent_at.get(k, float("-inf")) >= self.stream_interval_s
+        ]:
+            delta, owner = self._held.pop(key), self.owners.get(key)
+            if owner is not None:
+                due[owner.router_id].append(self._numbered(key, delta, now, False))
+        if due:
+            self.ctx.messenger.post(due)
+
     async def tick(self) -> None:
-        """Timers of the hand-offs; once a second, drop the work of routers that are gone."""
+        """Timers of the hand-offs and of held tokens; once a second, drop the work of routers
+        that are gone."""
         await self.splitwise.tick()
         now = self.ctx.clock.monotonic()
+        if self._held:
+            self._post_due(now)
         if now - self._routers_checked_at >= ROUTER_CHECK_S:
             self._routers_checked_at = now
             await self._drop_orphans()
@@ -333,5 +354,7 @@ class RequestHandler:
         self._started.clear()
         self._echo.clear()
         self._seqs.clear()
+        self._held.clear()
+        self._sent_at.clear()
         if owners:
             await self.ctx.messenger.fail_many(owners, UnavailableError(message))

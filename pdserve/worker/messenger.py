@@ -122,13 +122,19 @@ class Messenger:
         """Resolves when the batch on the wire is sent."""
         self._flusher: asyncio.Task[None] | None = None
         self._failing = False
+        self._num_given_up = 0  # batches of the buffer given up (or lost to a bug)
+        self._flushed_given_up = 0  # ... as the last flush() saw them
 
     @property
     def backlogged(self) -> bool:
         """Publishing is failing (being retried): a caller should wait for its events to be sent."""
         return self._failing
 
-    async def _retrying(self, what: str, send: Callable[[], Awaitable[object]]) -> bool:
+    async def _retrying(
+        self, what: str, send: Callable[[], Awaitable[object]], publishing: bool = False
+    ) -> bool:
+        """``send`` until it succeeds (True) or ``give_up_after_s`` passed (False); ``publishing``:
+        the outbox buffer's own round trip, which :attr:`backlogged` reports on."""
         give_up_at = time.monotonic() + self.give_up_after_s
         delay = RETRY_FIRST_S
         while True:
@@ -137,16 +143,16 @@ class Messenger:
             except ControlPlaneError as e:
                 if time.monotonic() + delay > give_up_at:
                     log.error("could not %s for %g s, giving up: %s", what, self.give_up_after_s, e)
-                    self._failing = False
+                    self._failing &= not publishing
                     return False
                 if delay == RETRY_FIRST_S:
                     log.warning("could not %s (%s); retrying until Redis answers", what, e)
-                self._failing = True
+                self._failing |= publishing
                 self.num_send_retries += 1
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
             else:
-                self._failing = False
+                self._failing &= not publishing
                 if delay != RETRY_FIRST_S:
                     log.info("sent after retrying: %s", what)
                 return True
@@ -175,8 +181,12 @@ class Messenger:
         return await asyncio.shield(self.post(deltas_by_router))
 
     async def flush(self) -> bool:
-        """Until everything posted so far is sent (False: some of it was given up)."""
-        return await self.publish({})
+        """Until everything posted so far is sent (False: some of it, since the last flush, was
+        given up)."""
+        ok = await self.publish({})
+        ok &= self._num_given_up == self._flushed_given_up
+        self._flushed_given_up = self._num_given_up
+        return ok
 
     async def _flush(self) -> None:
         """Send the buffer, one round trip at a time, until it stays empty."""
@@ -184,20 +194,24 @@ class Messenger:
             batch, sent = self._pending, self._pending_sent
             assert sent is not None
             self._pending, self._pending_sent, self._in_flight = {}, None, sent
+            ok = False
             try:
                 ok = await self._retrying(
                     f"publish to {len(batch)} routers",
                     lambda batch=batch: self.outbox.publish_many(self.instance_id, batch),  # type: ignore[misc]
+                    publishing=True,
                 )
-            except BaseException as e:  # cancelled (shutdown), or a bug: never leave a waiter hanging
-                if not sent.done():
-                    sent.set_exception(
-                        e if isinstance(e, Exception) else ControlPlaneError("publish cancelled")
-                    )
+            except asyncio.CancelledError:  # the loop is closing: nobody will send what is left
+                for future in (sent, self._pending_sent):
+                    if future is not None and not future.done():
+                        future.set_result(False)
                 raise
+            except Exception:  # a bug (a message that cannot be encoded): these events are lost
+                log.exception("publishing %d routers' events failed", len(batch))
             finally:
                 self._in_flight = None
             self.num_publishes += 1
+            self._num_given_up += not ok
             if not sent.done():
                 sent.set_result(ok)
 
