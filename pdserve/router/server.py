@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 
 def uvicorn_config(settings: RouterSettings, app: ASGIApp) -> uvicorn.Config:
     """The uvicorn configuration of a router: uvloop + httptools (uvloop sets TCP_NODELAY on every
-    accepted socket; ``tests/router/test_router_settings.py`` checks it), access log off unless asked."""
+    accepted socket; ``tests/router/test_router_settings.py`` checks it), access log off unless asked,
+    and with it the proxy-headers middleware (the forwarded client address is the access log's only)."""
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -27,6 +28,7 @@ def uvicorn_config(settings: RouterSettings, app: ASGIApp) -> uvicorn.Config:
         http="httptools",
         lifespan="on",
         access_log=settings.access_log,
+        proxy_headers=settings.access_log,
         log_config=None,
         timeout_keep_alive=75,
         server_header=False,
