@@ -247,7 +247,7 @@ class RouterMetrics:
             Histogram(
                 "pdserve_redis_round_trip_seconds",
                 "the router's Redis round trips by "
-                "operation: inbox_send (one pipeline per event-loop batch), live_set",
+                "operation: inbox_send (one round trip per event-loop batch), live_set",
                 ["op"],
                 buckets=REDIS_BUCKETS,
                 registry=r,
