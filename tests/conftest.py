@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from pdserve.scheduler.embedded import EmbeddedRedis
 
 # Bitwise batch invariance needs MKL's strict mode, set before Paddle (and MKL) load. `make test` sets it too.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
@@ -46,6 +51,19 @@ def redis_client(redis_url: str):
     yield client
     client.flushdb()
     client.close()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A redis-server of the test's own, to stop, restart and reconfigure (outages, replicas)."""
+    if os.environ.get("PDSERVE_TEST_REDIS_URL"):
+        pytest.skip("needs a local redis-server binary to stop, restart and reconfigure")
+    from pdserve.scheduler.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(workdir=tmp_path)
+    server.start()
+    yield server
+    server.stop(kill=True)
 
 
 @pytest.fixture(scope="session")

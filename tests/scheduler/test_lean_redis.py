@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -58,16 +56,6 @@ async def wait_blocked(client: aioredis.Redis, not_id: int | None = None) -> int
                 return int(entry["id"])
         await asyncio.sleep(0.01)
     raise AssertionError("no lean connection got blocked")
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    if os.environ.get("PDSERVE_TEST_REDIS_URL"):
-        pytest.skip("needs a local redis-server binary to stop, restart and reconfigure")
-    server = EmbeddedRedis(workdir=tmp_path)
-    server.start()
-    yield server
-    server.stop(kill=True)
 
 
 def test_pack_is_redis_pys_encoding_and_binary_values_round_trip(

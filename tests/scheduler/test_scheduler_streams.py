@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -206,16 +203,6 @@ def test_outbox_is_trimmed_by_its_reader_and_capped_without_one(
 
 
 # -- outages: a private redis-server that the tests stop and restart ----------------------------------
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    if os.environ.get("PDSERVE_TEST_REDIS_URL"):
-        pytest.skip("needs a local redis-server binary to stop and restart")
-    server = EmbeddedRedis(workdir=tmp_path)
-    server.start()
-    yield server
-    server.stop(kill=True)
 
 
 def test_reader_fails_waiting_requests_when_redis_stays_unreachable(private_redis: EmbeddedRedis) -> None:

@@ -5,13 +5,10 @@ a Redis outage holds the buffer (nothing lost, nothing raised) until Redis answe
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import pytest
 import redis
 import redis.asyncio as aioredis
 from redis_support import run
@@ -132,16 +129,6 @@ def test_flush_waits_for_the_batch_on_the_wire(redis_url: str, redis_client: red
         assert messenger.num_publishes == 1 and len(await entries(r, k, R1)) == 1
 
     bounded(redis_url, main)
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    if os.environ.get("PDSERVE_TEST_REDIS_URL"):
-        pytest.skip("needs a local redis-server binary to stop and restart")
-    server = EmbeddedRedis(workdir=tmp_path)
-    server.start()
-    yield server
-    server.stop(kill=True)
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
