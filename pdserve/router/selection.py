@@ -157,6 +157,9 @@ class Selector:
         self.in_flight: dict[str, int] = {}
         self._warned_at = float("-inf")
         self._mismatch_warned: dict[str, float] = {}  # reason -> when it was last logged
+        self._pairable: dict[tuple[str, str], tuple[InstanceInfo, InstanceInfo, bool]] = {}
+        """(P id, D id) -> the registrations last checked and whether they pair (checked again
+        when either registration is a new value: the live set is re-read every half second)."""
         self._live: Sequence[InstanceInfo] | None = None
         self._live_by_id: Sequence[InstanceInfo] = ()
 
@@ -227,12 +230,7 @@ class Selector:
         self, prefills: list[InstanceInfo], decodes: list[InstanceInfo], request: PolicyRequest
     ) -> Route | None:
         if isinstance(self.prefill_policy, PrefixCache):  # it picks P and D together
-            pairs = [
-                (p, d)
-                for p in prefills
-                for d in decodes
-                if d.id != p.id and self._kv_compatible(p, d) and transfer_protocol(p, d)
-            ]
+            pairs = [(p, d) for p in prefills for d in decodes if self._pairs(p, d)]
             if not pairs:
                 return None
             choice = self.prefill_policy.pick_pair(pairs, self.in_flight, request)
@@ -255,6 +253,23 @@ class Selector:
                 return Route(decode=decode, prefill=prefill, protocol=usable[decode.id])
             prefills = [p for p in prefills if p is not prefill]  # no partner: skip this prefill
         return None
+
+    def _pairs(self, prefill: InstanceInfo, decode: InstanceInfo) -> bool:
+        """Whether ``prefill`` can hand off to ``decode`` (KV geometry and a transfer protocol),
+        checked once per pair of registration values."""
+        key = (prefill.id, decode.id)
+        seen = self._pairable.get(key)
+        if seen is not None and seen[0] is prefill and seen[1] is decode:
+            return seen[2]
+        ok = (
+            decode.id != prefill.id
+            and self._kv_compatible(prefill, decode)
+            and transfer_protocol(prefill, decode) is not None
+        )
+        if len(self._pairable) > 4096:  # ids of instances long gone
+            self._pairable.clear()
+        self._pairable[key] = (prefill, decode, ok)
+        return ok
 
     def _kv_compatible(self, prefill: InstanceInfo, decode: InstanceInfo) -> bool:
         reason = kv_mismatch(prefill, decode)

@@ -314,6 +314,14 @@ class EmbeddedSentinel:
         log.info("failover: port %d is the primary now", node.port)
         return node
 
+    def wait_replicas_in_sync(self, timeout_s: float = 30.0) -> None:
+        """Until every running node but the primary replicates the current primary with its link up
+        (after a failover the Sentinels reconfigure the other replicas: until then a WAIT fails)."""
+        primary = self.primary()
+        for node in self.nodes:
+            if node is not primary and node.proc is not None:
+                self._wait_in_sync(node, primary, timeout_s)
+
     def restart(self, node: EmbeddedRedis, timeout_s: float = 30.0) -> None:
         """Start a stopped node again on its port as a replica of the current primary; return once it
         is in sync and every Sentinel sees it as a healthy replica."""

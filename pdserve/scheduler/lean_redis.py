@@ -4,15 +4,16 @@ redis-py's per-command machinery (pipeline objects, argument packing, response c
 checkout, retry and timeout contexts), which cost about two and a half times the round trip itself
 (measured on one outbox read: ~130 µs of CPU through a pipeline, ~36 µs here).
 
-redis-py opens the connection, so TLS, AUTH, HELLO, CLIENT SETNAME, SELECT and Sentinel's primary
-discovery are exactly its own; then this takes the transport over. Errors are redis-py's classes, so
-callers keep their error handling: ``ConnectionError`` when the connection is lost (and for the
+redis-py opens the connection, so TLS, AUTH, HELLO, CLIENT SETNAME and SELECT are exactly its own;
+then this takes the transport over. Errors are redis-py's classes, so callers keep their error handling: ``ConnectionError`` when the connection is lost (and for the
 replies redis-py counts as one: ``LOADING``, too many clients; and ``READONLY``, a primary turned
 replica), ``TimeoutError`` past the client's socket timeout: the connection is then dropped and the
 next call opens another. An error reply of one command (``ResponseError`` and its subclasses, mapped
-as redis-py maps them) leaves the connection as it is. A Redis Cluster client has no lean path (each
-key's commands go to its own shard): :func:`lean_connection` returns None there and the caller keeps
-redis-py.
+as redis-py maps them) leaves the connection as it is. Only a single server's client has a lean path
+(``redis://``, ``rediss://``, ``unix://``): :func:`lean_connection` returns None for a Redis Cluster
+(each key's commands go to its own shard) and for a Sentinel-managed primary (in the failover test
+with this path, requests were lost to first-token timeouts, cause not found yet; redis-py's
+connections serve there), and the caller keeps redis-py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import hiredis
 import redis.asyncio as aioredis
 from redis._parsers.base import BaseParser
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from pdserve.scheduler.connection import RedisClient, connection_kwargs
@@ -83,7 +85,7 @@ class _Replies(asyncio.Protocol):
 
 
 class LeanConnection:
-    """One dedicated connection of a client's Redis server (its primary, through Sentinel)."""
+    """One dedicated connection of a single Redis server's client."""
 
     def __init__(self, client: aioredis.Redis, name: str) -> None:
         self.client = client
@@ -183,7 +185,9 @@ def _redis_error(reply: ResponseError) -> ResponseError | ConnectionError:
 
 
 def lean_connection(client: RedisClient, name: str) -> LeanConnection | None:
-    """A lean connection of ``client``'s server; None for a Redis Cluster client."""
-    if isinstance(client, aioredis.RedisCluster):
+    """A lean connection of ``client``'s server; None for a Redis Cluster or Sentinel client."""
+    if isinstance(client, aioredis.RedisCluster) or isinstance(
+        client.connection_pool, SentinelConnectionPool
+    ):
         return None
     return LeanConnection(client, name)

@@ -386,3 +386,21 @@ def test_selector_routes_a_local_prefill_as_its_own_mode() -> None:
     assert route.headers()["x-pdserve-mode"] == "local"
     assert sel.route(live, cached(1000, d0=100)).mode == "splitwise"
     assert sel.reads_prefix_index and not Selector("least_load", "least_load").reads_prefix_index
+
+
+def test_the_default_policy_checks_a_pair_again_when_a_registration_changes() -> None:
+    """prefix_cache remembers which pairs can hand off, per registration value: a decode instance
+    that re-registers with another KV geometry (or no common transport) is not paired any more, and
+    one that becomes compatible again is."""
+    sel = Selector("prefix_cache", "prefix_cache")
+    p0, d0 = instance("p0", "prefill", host="a"), instance("d0", "decode", host="a")
+    route = sel.route([p0, d0], TINY)
+    assert (route.prefill.id, route.decode.id) == ("p0", "d0")
+    assert sel.route([p0, d0], TINY).prefill is not None  # the remembered answer
+    d0_new = d0.model_copy(deep=True)
+    d0_new.kv.block_size = 32
+    assert sel.route([p0, d0_new], TINY).prefill is None  # a new value: checked again
+    elsewhere = d0.model_copy(deep=True)
+    elsewhere.host, elsewhere.transfer.protocols = "b", ["shm"]  # another host, shm only
+    assert sel.route([p0, elsewhere], TINY).prefill is None
+    assert sel.route([p0, d0.model_copy(deep=True)], TINY).prefill.id == "p0"

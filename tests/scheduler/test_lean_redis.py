@@ -223,19 +223,22 @@ def test_the_handshake_is_redis_pys_auth_select_and_client_name(private_redis: E
     with_lean(f"redis://:wrong@127.0.0.1:{private_redis.port}/3", refused)
 
 
-def test_lean_connection_is_none_for_a_cluster_client_and_lean_for_a_plain_one() -> None:
+def test_lean_connection_is_none_for_cluster_and_sentinel_clients_and_lean_for_a_plain_one() -> None:
     async def main() -> None:
         port = free_port()  # nothing listens there: making the clients must not connect
         cluster = RedisSettings.from_url(f"redis+cluster://127.0.0.1:{port}").connect()
+        sentinel = RedisSettings.from_url(f"redis+sentinel://127.0.0.1:{port}/main").connect()
         plain = RedisSettings.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout_s=0.7).connect()
         try:
             assert isinstance(cluster, aioredis.RedisCluster)
             assert lean_connection(cluster, "cluster") is None
+            assert lean_connection(sentinel, "sentinel") is None
             lean = lean_connection(plain, "plain")
             assert isinstance(lean, LeanConnection)
             assert lean.client is plain and lean.timeout_s == 0.7
         finally:
             await cluster.aclose()
+            await sentinel.aclose()
             await plain.aclose()
 
     asyncio.run(main())
