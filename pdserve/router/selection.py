@@ -157,9 +157,9 @@ class Selector:
         self.in_flight: dict[str, int] = {}
         self._warned_at = float("-inf")
         self._mismatch_warned: dict[str, float] = {}  # reason -> when it was last logged
-        self._pairable: dict[tuple[str, str], tuple[InstanceInfo, InstanceInfo, bool]] = {}
-        """(P id, D id) -> the registrations last checked and whether they pair (checked again
-        when either registration is a new value: the live set is re-read every half second)."""
+        self._pairable: dict[tuple[str, str], tuple[InstanceInfo, InstanceInfo, str | None]] = {}
+        """(P id, D id) -> the registrations last checked and their hand-off protocol, None: they do
+        not pair (checked again when either is a new value: the live set is re-read every 0.5 s)."""
         self._live: Sequence[InstanceInfo] | None = None
         self._live_by_id: Sequence[InstanceInfo] = ()
 
@@ -230,22 +230,16 @@ class Selector:
         self, prefills: list[InstanceInfo], decodes: list[InstanceInfo], request: PolicyRequest
     ) -> Route | None:
         if isinstance(self.prefill_policy, PrefixCache):  # it picks P and D together
-            pairs = [(p, d) for p in prefills for d in decodes if self._pairs(p, d)]
+            pairs = [(p, d) for p in prefills for d in decodes if self._protocol(p, d)]
             if not pairs:
                 return None
             choice = self.prefill_policy.pick_pair(pairs, self.in_flight, request)
             if choice.prefill is None:
                 return Route(decode=choice.decode, local_prefill=True)
-            return Route(choice.decode, choice.prefill, transfer_protocol(choice.prefill, choice.decode))
+            return Route(choice.decode, choice.prefill, self._protocol(choice.prefill, choice.decode))
         while prefills:
             prefill = self.prefill_policy.pick(prefills, self.in_flight, request)
-            usable = {
-                d.id: p
-                for d in decodes
-                if d.id != prefill.id
-                and self._kv_compatible(prefill, d)
-                and (p := transfer_protocol(prefill, d))
-            }
+            usable = {d.id: p for d in decodes if (p := self._protocol(prefill, d))}
             if usable:
                 decode = self.decode_policy.pick(
                     [d for d in decodes if d.id in usable], self.in_flight, request
@@ -254,22 +248,20 @@ class Selector:
             prefills = [p for p in prefills if p is not prefill]  # no partner: skip this prefill
         return None
 
-    def _pairs(self, prefill: InstanceInfo, decode: InstanceInfo) -> bool:
-        """Whether ``prefill`` can hand off to ``decode`` (KV geometry and a transfer protocol),
-        checked once per pair of registration values."""
+    def _protocol(self, prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
+        """How ``prefill`` hands off to ``decode``, or None when it cannot (the same instance, another
+        KV geometry or precision, no common transport); checked once per pair of registration values."""
         key = (prefill.id, decode.id)
         seen = self._pairable.get(key)
         if seen is not None and seen[0] is prefill and seen[1] is decode:
             return seen[2]
-        ok = (
-            decode.id != prefill.id
-            and self._kv_compatible(prefill, decode)
-            and transfer_protocol(prefill, decode) is not None
-        )
+        protocol = None
+        if decode.id != prefill.id and self._kv_compatible(prefill, decode):
+            protocol = transfer_protocol(prefill, decode)
         if len(self._pairable) > 4096:  # ids of instances long gone
             self._pairable.clear()
-        self._pairable[key] = (prefill, decode, ok)
-        return ok
+        self._pairable[key] = (prefill, decode, protocol)
+        return protocol
 
     def _kv_compatible(self, prefill: InstanceInfo, decode: InstanceInfo) -> bool:
         reason = kv_mismatch(prefill, decode)

@@ -5,15 +5,16 @@ checkout, retry and timeout contexts), which cost about two and a half times the
 (measured on one outbox read: ~130 µs of CPU through a pipeline, ~36 µs here).
 
 redis-py opens the connection, so TLS, AUTH, HELLO, CLIENT SETNAME and SELECT are exactly its own;
-then this takes the transport over. Errors are redis-py's classes, so callers keep their error handling: ``ConnectionError`` when the connection is lost (and for the
-replies redis-py counts as one: ``LOADING``, too many clients; and ``READONLY``, a primary turned
-replica), ``TimeoutError`` past the client's socket timeout: the connection is then dropped and the
-next call opens another. An error reply of one command (``ResponseError`` and its subclasses, mapped
-as redis-py maps them) leaves the connection as it is. Only a single server's client has a lean path
-(``redis://``, ``rediss://``, ``unix://``): :func:`lean_connection` returns None for a Redis Cluster
-(each key's commands go to its own shard) and for a Sentinel-managed primary (in the failover test
-with this path, requests were lost to first-token timeouts, cause not found yet; redis-py's
-connections serve there), and the caller keeps redis-py.
+then this takes the transport over. Errors are redis-py's classes, so callers keep their error
+handling: ``ConnectionError`` when the connection is lost (and for the replies redis-py counts as
+one: ``LOADING``, too many clients; and ``READONLY``, a primary turned replica), ``TimeoutError``
+past the client's socket timeout: the connection is then dropped and the next call opens another. An
+error reply of one command (``ResponseError`` and its subclasses, mapped as redis-py maps them)
+leaves the connection as it is. Only a single server's client has a lean path (``redis://``,
+``rediss://``, ``unix://``): :func:`lean_connection` returns None for a Redis Cluster (each key's
+commands go to its own shard) and for a Sentinel-managed primary (in the failover test with this
+path, requests were lost to first-token timeouts, cause not found yet; redis-py's connections serve
+there), and the caller keeps redis-py.
 """
 
 from __future__ import annotations

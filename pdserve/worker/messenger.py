@@ -143,16 +143,19 @@ class Messenger:
             except ControlPlaneError as e:
                 if time.monotonic() + delay > give_up_at:
                     log.error("could not %s for %g s, giving up: %s", what, self.give_up_after_s, e)
-                    self._failing &= not publishing
+                    if publishing:
+                        self._failing = False
                     return False
                 if delay == RETRY_FIRST_S:
                     log.warning("could not %s (%s); retrying until Redis answers", what, e)
-                self._failing |= publishing
+                if publishing:
+                    self._failing = True
                 self.num_send_retries += 1
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
             else:
-                self._failing &= not publishing
+                if publishing:
+                    self._failing = False
                 if delay != RETRY_FIRST_S:
                     log.info("sent after retrying: %s", what)
                 return True

@@ -202,6 +202,7 @@ def test_instances_with_different_kv_geometry_are_never_paired(caplog) -> None:
     for _ in range(4):
         route = sel.route([p0, d16, d32], TINY)
         assert (route.prefill.id, route.decode.id) == ("p0", "d0")  # only the compatible partner
+    d32 = d32.model_copy(deep=True)  # a new registration value (the selector checks each once)
     d32.kv.block_size, d32.kv.dtype = 16, "bfloat16"
     assert sel.route([p0, d32], TINY).prefill is None
 
@@ -246,6 +247,7 @@ def test_instances_of_two_weight_precisions_are_never_paired(caplog) -> None:
     for _ in range(4):
         route = sel.route([p0, older, int8], TINY)
         assert (route.prefill.id, route.decode.id) == ("p0", "d0")
+    p0 = p0.model_copy(deep=True)  # a new registration value (the selector checks each once)
     p0.kv.weights = "int8"
     assert (sel.route([p0, int8], TINY).prefill.id, sel.route([p0, int8], TINY).decode.id) == ("p0", "d1")
 
@@ -389,7 +391,7 @@ def test_selector_routes_a_local_prefill_as_its_own_mode() -> None:
 
 
 def test_the_default_policy_checks_a_pair_again_when_a_registration_changes() -> None:
-    """prefix_cache remembers which pairs can hand off, per registration value: a decode instance
+    """The selector remembers which pairs can hand off, per registration value: a decode instance
     that re-registers with another KV geometry (or no common transport) is not paired any more, and
     one that becomes compatible again is."""
     sel = Selector("prefix_cache", "prefix_cache")
