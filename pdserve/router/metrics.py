@@ -1,8 +1,8 @@
 """The router's Prometheus metrics: every name it exports is declared here, once.
 
 One :class:`RouterMetrics` per app (its own ``CollectorRegistry``, so several apps in one process
-never collide), served as text at ``GET /metrics``. The hot path observes once per delta through
-label children bound in advance (or cached on first use): no label dicts are built per delta.
+never collide), served as text at ``GET /metrics``. The hot path observes through
+:class:`LoopCounter` and :class:`LoopHistogram` (a dict update, a bisect: no lock, no label dict).
 Gauges that mirror state (in flight, live instances) are computed when scraped. The router is one
 process, so no multi-process collection is needed.
 """
@@ -11,17 +11,10 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from pdserve.scheduler.messages import RequestDelta
@@ -103,45 +96,80 @@ class _LiveInstances(Collector):
         yield family
 
 
-class _Children:
-    """A labelled metric's children, each made once: ``labels()`` builds a dict and takes a lock,
-    too much for the hot path; here a repeated label tuple is one dict lookup."""
+class LoopCounter(Collector):
+    """A counter, with labels or without, for code that runs on one event loop: ``inc`` is a dict
+    update (prometheus_client's counters take a lock and check their labels on every call); scrapes
+    run on the same loop, so they always see a consistent state."""
 
-    __slots__ = ("_made", "_metric")
-
-    def __init__(self, metric: Any) -> None:
-        self._metric = metric
-        self._made: dict[tuple[str, ...], Any] = {}
-
-    def __call__(self, *labels: str) -> Any:
-        child = self._made.get(labels)
-        if child is None:
-            child = self._made[labels] = self._metric.labels(*labels)
-        return child
-
-
-class LoopHistogram(Collector):
-    """A histogram without labels for code that runs on one event loop: ``observe`` is a bisect and
-    two additions (about 5x cheaper than prometheus_client's locked Histogram); scrapes run on the
-    same loop, so they always see a consistent state."""
-
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
-        self.name, self.help = name, help
-        self.bounds = [*buckets, float("inf")]
-        self.counts = [0] * len(self.bounds)
-        self.sum = 0.0
+    def __init__(
+        self, name: str, help: str, registry: CollectorRegistry, labels: tuple[str, ...] = ()
+    ) -> None:
+        self.name, self.help, self.labels = name, help, labels
+        self.values: dict[tuple[str, ...], float] = {} if labels else {(): 0.0}
         registry.register(self)
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        """Add ``amount`` to the series of ``labels`` (one value per label name, in order)."""
+        values = self.values
+        values[labels] = values.get(labels, 0.0) + amount
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.help, labels=self.labels)
+        for labels, value in self.values.items():
+            family.add_metric(labels, value)
+        yield family
+
+
+class _Buckets:
+    """One histogram series: a bisect and two additions per observation."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
+
+class LoopHistogram(Collector):
+    """A histogram for code that runs on one event loop (about 5x cheaper than prometheus_client's
+    locked Histogram). Without labels, :meth:`observe`; with labels, ``series(*values).observe``
+    (bind the series once where the labels are known in advance)."""
+
+    def __init__(
+        self,
+        name: str,
+        help: str,
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+        labels: tuple[str, ...] = (),
+    ) -> None:
+        self.name, self.help, self.labels = name, help, labels
+        self.bounds = [*buckets, float("inf")]
+        self._series: dict[tuple[str, ...], _Buckets] = {}
+        if not labels:
+            self.observe = self.series().observe
+        registry.register(self)
+
+    def series(self, *labels: str) -> _Buckets:
+        found = self._series.get(labels)
+        if found is None:
+            found = self._series[labels] = _Buckets(self.bounds)
+        return found
+
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        cumulative, buckets = 0, []
-        for bound, n in zip(self.bounds, self.counts):
-            cumulative += n
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-        yield HistogramMetricFamily(self.name, self.help, buckets=buckets, sum_value=self.sum)
+        family = HistogramMetricFamily(self.name, self.help, labels=self.labels)
+        for labels, series in self._series.items():
+            cumulative, buckets = 0, []
+            for bound, n in zip(self.bounds, series.counts):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            family.add_metric(list(labels), buckets, sum_value=series.sum)
+        yield family
 
 
 class RouterMetrics:
@@ -151,14 +179,11 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry()
         self.active = 0
         """Client requests being served now (past admission)."""
-        self._requests = _Children(
-            Counter(
-                "pdserve_requests",
-                "client requests answered, by endpoint, served model, HTTP status and "
-                "error kind ('' for success)",
-                ["endpoint", "model", "status", "error_kind"],
-                registry=r,
-            )
+        self._requests = LoopCounter(
+            "pdserve_requests",
+            "client requests answered, by endpoint, served model, HTTP status and error kind ('' for success)",
+            r,
+            ("endpoint", "model", "status", "error_kind"),
         )
         Gauge("pdserve_in_flight_requests", "client requests being served", registry=r).set_function(
             lambda: self.active
@@ -199,67 +224,54 @@ class RouterMetrics:
             E2E_BUCKETS,
             r,
         )
-        self._retries = _Children(
-            Counter(
-                "pdserve_retries",
-                "attempts re-sent to a fresh pair before any token, by the error kind that caused it",
-                ["kind"],
-                registry=r,
-            )
+        self._retries = LoopCounter(
+            "pdserve_retries",
+            "attempts re-sent to a fresh pair before any token, by the error kind that caused it",
+            r,
+            ("kind",),
         )
-        self.migrations = Counter(
-            "pdserve_migrations", "generations moved to another instance after tokens flowed", registry=r
+        self.migrations = LoopCounter(
+            "pdserve_migrations", "generations moved to another instance after tokens flowed", r
         )
-        self._selections = _Children(
-            Counter(
-                "pdserve_selections",
-                "attempts sent, by role and instance picked",
-                ["role", "instance"],
-                registry=r,
-            )
+        self._selections = LoopCounter(
+            "pdserve_selections", "attempts sent, by role and instance picked", r, ("role", "instance")
         )
-        self.generation_tokens = Counter(
-            "pdserve_generation_tokens",
-            "completion tokens of finished choices (their final usage)",
-            registry=r,
+        self.generation_tokens = LoopCounter(
+            "pdserve_generation_tokens", "completion tokens of finished choices (their final usage)", r
         )
-        self.prompt_tokens = Counter(
-            "pdserve_prompt_tokens", "prompt tokens of finished choices (their final usage)", registry=r
+        self.prompt_tokens = LoopCounter(
+            "pdserve_prompt_tokens", "prompt tokens of finished choices (their final usage)", r
         )
-        self.prefix_lookup_tokens = Counter(
+        self.prefix_lookup_tokens = LoopCounter(
             "pdserve_prefix_lookup_tokens",
             "prompt tokens of attempts placed by cached prefix (the router tokenized them)",
-            registry=r,
+            r,
         )
-        self.prefix_hit_tokens = Counter(
+        self.prefix_hit_tokens = LoopCounter(
             "pdserve_prefix_hit_tokens",
             "of those, the tokens the prefix index said the instance picked to prefill holds (the "
             "hit rate routing expects: this over pdserve_prefix_lookup_tokens)",
-            registry=r,
+            r,
         )
-        self.local_prefills = Counter(
+        self.local_prefills = LoopCounter(
             "pdserve_local_prefills",
             "attempts a decode instance prefilled itself, its cache holding all but a few prompt "
             "tokens (--local-prefill-tokens)",
-            registry=r,
+            r,
         )
-        self._redis_time = _Children(
-            Histogram(
-                "pdserve_redis_round_trip_seconds",
-                "the router's Redis round trips by "
-                "operation: inbox_send (one round trip per event-loop batch), live_set",
-                ["op"],
-                buckets=REDIS_BUCKETS,
-                registry=r,
-            )
+        self._redis_time = LoopHistogram(
+            "pdserve_redis_round_trip_seconds",
+            "the router's Redis round trips by operation: inbox_send (one round trip per event-loop "
+            "batch), live_set",
+            REDIS_BUCKETS,
+            r,
+            ("op",),
         )
-        self._redis_errors = _Children(
-            Counter(
-                "pdserve_redis_errors",
-                "failed Redis calls by operation (inbox_send, live_set, outbox_read) and exception type",
-                ["op", "error"],
-                registry=r,
-            )
+        self._redis_errors = LoopCounter(
+            "pdserve_redis_errors",
+            "failed Redis calls by operation (inbox_send, live_set, outbox_read) and exception type",
+            r,
+            ("op", "error"),
         )
         self._live = _LiveInstances()
         r.register(self._live)
@@ -272,7 +284,7 @@ class RouterMetrics:
 
     # ---- hooks -----------------------------------------------------------------------------------
     def on_request(self, endpoint: str, model: str, status: int, error_kind: str) -> None:
-        self._requests(endpoint, model, str(status), error_kind).inc()
+        self._requests.inc(endpoint, model, str(status), error_kind)
 
     def on_delta(self, delta: RequestDelta, first: bool, arrived: float, last: float, now: float) -> None:
         """One accepted, non-error delta of a generation (``first``: its first visible one)."""
@@ -290,31 +302,31 @@ class RouterMetrics:
                 self.kv_transfer.observe(timing.kv_transfer_s)
         usage = delta.usage
         if usage is not None and delta.finish_reason is not None:
-            self.generation_tokens.inc(usage.completion_tokens)
-            self.prompt_tokens.inc(usage.prompt_tokens)
+            self.generation_tokens.inc(amount=usage.completion_tokens)
+            self.prompt_tokens.inc(amount=usage.prompt_tokens)
             self.e2e.observe(now - arrived)
 
     def on_redis(self, op: str, seconds: float | None, error: BaseException | None) -> None:
         """A Redis round trip (``RedisObserver``)."""
         if error is not None:
-            self._redis_errors(op, type(error).__name__).inc()
+            self._redis_errors.inc(op, type(error).__name__)
         elif seconds is not None:
-            self._redis_time(op).observe(seconds)
+            self._redis_time.series(op).observe(seconds)
 
     def on_retry(self, kind: str) -> None:
-        self._retries(kind).inc()
+        self._retries.inc(kind)
 
     def on_prefix(self, route: Route, request: PolicyRequest) -> None:
         """An attempt placed with the prompt's length known (prefix routing)."""
         if route.local_prefill:
             self.local_prefills.inc()
         if request.num_tokens is not None:
-            self.prefix_lookup_tokens.inc(request.num_tokens)
+            self.prefix_lookup_tokens.inc(amount=request.num_tokens)
             hit = request.cached_tokens.get(route.entry.id, 0)
             if hit:
-                self.prefix_hit_tokens.inc(hit)
+                self.prefix_hit_tokens.inc(amount=hit)
 
     def on_route(self, route: Route) -> None:
         if route.prefill is not None:
-            self._selections("prefill", route.prefill.id).inc()
-        self._selections(route.decode.role, route.decode.id).inc()
+            self._selections.inc("prefill", route.prefill.id)
+        self._selections.inc(route.decode.role, route.decode.id)

@@ -223,8 +223,13 @@ class _Common(_SamplingBody):
     guided_grammar: Rejected = None
 
     def given_sampling(self) -> dict[str, Any]:
-        """The plain sampling fields the body sets (not null), by SamplingParams field name."""
-        return {name: value for name in SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
+        """The plain sampling fields the body sets (not null), by SamplingParams field name (a new
+        dict each call)."""
+        return {
+            name: value
+            for name in self.model_fields_set
+            if name in SAMPLING_FIELDS and (value := getattr(self, name)) is not None
+        }
 
 
 class CompletionRequest(_Common):
@@ -606,7 +611,12 @@ def _unknown(param: str) -> str:
 
 def _refuse(obj: BaseModel, policy: FieldPolicy, prefix: str = "") -> None:
     """Raise InvalidRequestError naming the first rejected field that ``obj`` has a value for."""
+    given = obj.model_fields_set  # a field the body does not give holds its default
+    if given.isdisjoint(policy.rejected):
+        return
     for name, why in policy.rejected.items():
+        if name not in given:
+            continue
         value = getattr(obj, name)
         if value is not None and (name not in _DEFAULTS or value != _DEFAULTS[name]):
             raise InvalidRequestError(f"{prefix}{name} is not supported: {why}", prefix + name)

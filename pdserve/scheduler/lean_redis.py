@@ -51,14 +51,47 @@ def bulk(arg: Arg) -> bytes:
 class _Replies(asyncio.Protocol):
     """Hands each round trip its replies, in order (several may be in flight on one connection)."""
 
-    def __init__(self, transport: asyncio.Transport, owner: object = None) -> None:
+    def __init__(
+        self, transport: asyncio.Transport, owner: object = None, timeout_s: float | None = None
+    ) -> None:
         self.transport = transport
         self.owner = owner  # what opened the transport (asyncio's StreamWriter closes it when collected)
+        self.timeout_s = timeout_s
         self.reader = hiredis.Reader(replyError=ResponseError)
-        self.waiting: collections.deque[tuple[int, list[Any], asyncio.Future[list[Any]]]] = (
+        self.waiting: collections.deque[tuple[int, list[Any], asyncio.Future[list[Any]], float]] = (
             collections.deque()
         )
+        """(replies expected, replies so far, their future, loop.time() when sent), oldest first."""
         self.lost: Exception | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    def send(self, packed: bytes, count: int) -> asyncio.Future[list[Any]]:
+        """Write ``packed`` (``count`` commands); the future of their replies."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[Any]] = loop.create_future()
+        self.waiting.append((count, [], done, loop.time()))
+        self.transport.write(packed)
+        if self._watchdog is None and self.timeout_s is not None:
+            self._watchdog = loop.call_later(self.timeout_s, self._check)
+        return done
+
+    def _check(self) -> None:
+        """The socket timeout, one timer per connection (not one per round trip): replies come in
+        order, so only the oldest round trip waiting can be late; it fails with TimeoutError and the
+        connection is dropped (the replies still due would answer the next round trip)."""
+        self._watchdog = None
+        if not self.waiting or self.lost is not None or self.timeout_s is None:
+            return
+        loop = asyncio.get_running_loop()
+        _, _, done, sent_at = self.waiting[0]
+        late_in = sent_at + self.timeout_s - loop.time()
+        if late_in > 0:
+            self._watchdog = loop.call_later(late_in, self._check)
+            return
+        self.waiting.popleft()
+        if not done.done():
+            done.set_exception(TimeoutError(f"Redis did not answer within {self.timeout_s:g} s"))
+        self.connection_lost(ConnectionError("connection closed"))
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
@@ -67,7 +100,7 @@ class _Replies(asyncio.Protocol):
             reply = self.reader.gets()
             if reply is False:
                 return
-            count, replies, done = waiting[0]
+            count, replies, done, _ = waiting[0]
             replies.append(reply)
             if len(replies) == count:
                 waiting.popleft()
@@ -79,9 +112,12 @@ class _Replies(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = exc if isinstance(exc, ConnectionError) else ConnectionError(f"connection lost: {exc}")
         while self.waiting:
-            _, _, done = self.waiting.popleft()
+            done = self.waiting.popleft()[2]
             if not done.done():
                 done.set_exception(self.lost)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         self.transport.close()
 
 
@@ -92,13 +128,14 @@ class LeanConnection:
         self.client = client
         self.name = name  # for logs: what this connection is for
         self.timeout_s = connection_kwargs(client).get("socket_timeout") or None
+        self.retry = client.get_retry()
         self._replies: _Replies | None = None
         self._opening: asyncio.Lock = asyncio.Lock()
 
     async def call(self, packed: bytes, count: int, raise_on_error: bool = True) -> list[Any]:
         """:meth:`execute` with the client's retries of connection errors and timeouts, as
         redis-py's own pipelines (a command whose reply was lost may run twice)."""
-        retry = self.client.get_retry()
+        retry = self.retry
         if retry is None:
             return await self.execute(packed, count, raise_on_error)
         return await retry.call_with_retry(lambda: self.execute(packed, count, raise_on_error), self._dropped)
@@ -113,21 +150,11 @@ class LeanConnection:
         replies = self._replies
         if replies is None or replies.lost is not None:
             replies = await self._open()
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[list[Any]] = loop.create_future()
-        replies.waiting.append((count, [], done))
-        replies.transport.write(packed)
-        timer = None
-        if self.timeout_s is not None:
-            timer = loop.call_later(self.timeout_s, self._expire, replies, done)
         try:
-            result = await done
+            result = await replies.send(packed, count)
         except asyncio.CancelledError:  # its replies still come, after a blocking command maybe:
             self._drop(replies)  # later round trips must not wait behind them
             raise
-        finally:
-            if timer is not None:
-                timer.cancel()
         first_error = None
         for i, reply in enumerate(result):
             if isinstance(reply, ResponseError):
@@ -151,11 +178,6 @@ class LeanConnection:
         if replies.lost is None:
             replies.connection_lost(ConnectionError("connection closed"))
 
-    def _expire(self, replies: _Replies, done: asyncio.Future[list[Any]]) -> None:
-        if not done.done():
-            done.set_exception(TimeoutError(f"Redis did not answer within {self.timeout_s:g} s"))
-            self._drop(replies)  # the replies still due would answer the next round trip
-
     async def _open(self) -> _Replies:
         async with self._opening:
             if self._replies is not None and self._replies.lost is None:
@@ -168,7 +190,7 @@ class LeanConnection:
                 await conn.disconnect()
                 raise ConnectionError("this redis-py's connections expose no transport")
             conn._reader = conn._writer = None  # taken over: redis-py must not close it when collected
-            replies = _Replies(transport, writer)
+            replies = _Replies(transport, writer, self.timeout_s)
             transport.set_protocol(replies)
             self._replies = replies
             logger.debug("lean Redis connection for %s open", self.name)

@@ -17,6 +17,8 @@ docs/design.md's key table ("Redis key schema"):
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -105,7 +107,15 @@ async def send_to_inbox(
 
 def pack_inbox_send(key: str, data: bytes, maxlen: int = INBOX_MAXLEN, ttl_s: int = INBOX_TTL_S) -> bytes:
     """:func:`send_to_inbox`'s two commands, packed for a lean connection (XADD's reply is first)."""
-    return pack(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", FIELD, data) + pack(b"EXPIRE", key, ttl_s)
+    head, tail = _inbox_frame(key, maxlen, ttl_s)
+    return head + bulk(data) + tail
+
+
+@functools.lru_cache(maxsize=1024)
+def _inbox_frame(key: str, maxlen: int, ttl_s: int) -> tuple[bytes, bytes]:
+    """What surrounds the message in :func:`pack_inbox_send`, packed once per inbox."""
+    xadd = pack(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", FIELD, b"")
+    return xadd[: -len(bulk(b""))], pack(b"EXPIRE", key, ttl_s)
 
 
 class Inbox:
@@ -324,20 +334,48 @@ def _stage_publish(
     pipe.expire(key, ttl_s)
 
 
-class DeltaQueue(asyncio.Queue[RequestDelta]):
-    """One request's deltas, stamped as the reader receives them from workers (not when the
-    request consumes them): how recently the worker made progress, whatever the client's pace."""
+class DeltaQueue:
+    """One request's deltas, in order, for one reader (its generation), stamped as the reader
+    receives them from workers (not when the request consumes them): how recently the worker made
+    progress, whatever the client's pace. A deque and one waiter: asyncio.Queue's bounds, join and
+    many getters cost about ten Python calls per delta that one request never needs."""
+
+    __slots__ = ("_items", "_waiter", "received")
 
     def __init__(self) -> None:
-        super().__init__()
+        self._items: collections.deque[RequestDelta] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
         self.received: dict[int, tuple[float, bool]] = {}
         """attempt -> (time.monotonic() of the latest delta received for it, whether it was final)."""
+
+    def put_nowait(self, delta: RequestDelta) -> None:
+        self._items.append(delta)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> RequestDelta:
+        """The next delta; IndexError when there is none."""
+        return self._items.popleft()
+
+    async def get(self) -> RequestDelta:
+        """The next delta, waiting for it (one getter at a time)."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
 
 class OutboxReader:
     """The one task of a router process that reads its outbox and hands each delta to its request.
 
-    Requests :meth:`subscribe` before their message is sent and read their ``asyncio.Queue``
+    Requests :meth:`subscribe` before their message is sent and read their :class:`DeltaQueue`
     until a final delta (``is_final``). Deltas of unknown requests are dropped (debug log). What
     has been read is trimmed in the same round trip as the next read, which takes everything there
     (up to ``count`` entries) on a dedicated lean connection (lean_redis.py; redis-py's pipeline on a
@@ -381,9 +419,11 @@ class OutboxReader:
         self._outage_reported = False
         self._run_id: bytes | str | None = None
         self._lean = lean_connection(redis, f"the outbox reader of {router_id}")
-        self._xread = pack(b"XREAD", b"COUNT", count, b"BLOCK", block_ms, b"STREAMS", self.key, b"")
-        self._xread = self._xread[: -len(bulk(b""))]
+        no_id = len(bulk(b""))
+        self._xread = pack(b"XREAD", b"COUNT", count, b"BLOCK", block_ms, b"STREAMS", self.key, b"")[:-no_id]
         """XREAD without its last argument, the id to read after."""
+        self._xtrim = pack(b"XTRIM", self.key, b"MINID", b"")[:-no_id]
+        """XTRIM without its last argument, the lowest id to keep."""
 
     @property
     def healthy(self) -> bool:
@@ -507,7 +547,7 @@ class OutboxReader:
         if read_up_to is None:
             (reply,) = await self._lean.call(xread, 1)
         else:
-            trim = pack(b"XTRIM", self.key, b"MINID", _next_id(read_up_to))
+            trim = self._xtrim + bulk(_next_id(read_up_to))
             _, reply = await self._lean.call(trim + xread, 2)
         if not reply:
             return []
@@ -574,7 +614,7 @@ def _field(fields: list[bytes] | None) -> bytes | None:
     return values.get(FIELD)
 
 
-def _next_id(entry_id: bytes) -> str:
+def _next_id(entry_id: bytes) -> bytes:
     """The smallest stream id greater than ``entry_id`` (XTRIM MINID keeps ids >= its argument)."""
-    ms, _, seq = entry_id.decode().partition("-")
-    return f"{ms}-{int(seq or 0) + 1}"
+    ms, _, seq = entry_id.partition(b"-")
+    return b"%s-%d" % (ms, int(seq or 0) + 1)

@@ -24,6 +24,7 @@ from pdserve.scheduler import (
     send_to_inbox,
 )
 from pdserve.scheduler.embedded import EmbeddedRedis
+from pdserve.scheduler.streams import DeltaQueue
 
 KEYS = Keys("streams-test")
 
@@ -39,7 +40,7 @@ def delta(request_id: str, *tokens: int, final: bool = False) -> RequestDelta:
     )
 
 
-async def drain(queue: asyncio.Queue[RequestDelta], n: int, timeout: float = 2.0) -> list[RequestDelta]:
+async def drain(queue: DeltaQueue, n: int, timeout: float = 2.0) -> list[RequestDelta]:
     return [await asyncio.wait_for(queue.get(), timeout) for _ in range(n)]
 
 
