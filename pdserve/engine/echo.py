@@ -105,6 +105,7 @@ class EchoEngine:
             layout=ECHO_LAYOUT,
             shm_name=self.segment.name if self.segment else None,
             vocab_size=self.tokenizer.vocab_size if self.tokenizer is not None else None,
+            calls_inline=True,
         )
 
     def load(self) -> EngineLoad:

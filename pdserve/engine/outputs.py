@@ -74,3 +74,7 @@ class EngineFacts:
     vocab_size: int | None = None  # valid token ids are below it (the router refuses others)
     prefix_caching: bool = False  # full blocks are kept for reuse (and published to the prefix index)
     weights: str = "f32"  # precision of the linear weights: a prefill and a decode pair only when equal
+    calls_inline: bool = False
+    """Every engine call takes microseconds (the echo engine, no model): the worker makes them on its
+    event loop, where handing each to the engine thread would cost far more than the call (preparing
+    a request, which may tokenize a large prompt, still runs on the preparation threads)."""

@@ -142,6 +142,8 @@ class EngineClient:
                     with self._prefix_lock:
                         self._prefix_changes.update(changes)
 
+        if self.facts.calls_inline:
+            return call()
         return await asyncio.get_running_loop().run_in_executor(self._exec, call)
 
     async def _off(self, fn: Callable[[], T]) -> T:

@@ -202,3 +202,35 @@ def test_grammars_compile_on_the_preparation_threads(tiny_model_dir) -> None:
 
     threads = run(main())
     assert len(threads) == 2 and all(t.startswith("prepare") for t in threads), threads
+
+
+def test_echo_engine_calls_run_on_the_loop_and_a_model_engines_on_the_engine_thread(tiny_model_dir) -> None:
+    """The echo engine's calls take microseconds, so its worker makes them on the event loop (a thread
+    hop per call cost more than the call); a model engine's steps run on its engine thread."""
+    import threading
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.echo import EchoEngine
+    from pdserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(num_blocks=64, max_model_len=1024, threads=1)
+
+    async def thread_of_a_step(factory) -> str:
+        engine = await EngineClient.start(factory)
+        inner = engine._engine
+        step = inner.step
+        seen: list[str] = []
+
+        def recorded():
+            seen.append(threading.current_thread().name)
+            return step()
+
+        inner.step = recorded
+        try:
+            await engine.step()
+            return seen[0]
+        finally:
+            await engine.close()
+
+    assert run(thread_of_a_step(lambda: EchoEngine(None))) == threading.main_thread().name
+    assert run(thread_of_a_step(lambda: LLMEngine(tiny_model_dir, config))).startswith("engine")
