@@ -189,3 +189,41 @@ def test_loop_histogram_matches_prometheus_client() -> None:
         )
 
     assert samples(mine) == samples(theirs)
+
+
+def test_loop_counters_and_labelled_histograms_match_prometheus_client() -> None:
+    """The router's lock-free counters (with and without labels) and labelled histograms expose what
+    prometheus_client's Counter and Histogram would, zero-valued unlabelled counter included."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from pdserve.router.metrics import REDIS_BUCKETS, LoopCounter, LoopHistogram
+
+    mine, theirs = CollectorRegistry(), CollectorRegistry()
+    plain = LoopCounter("pdserve_a", "a", mine)
+    LoopCounter("pdserve_never", "never", mine)  # exposed at 0, as prometheus_client does
+    labelled = LoopCounter("pdserve_b", "b", mine, ("op", "error"))
+    hist = LoopHistogram("pdserve_c_seconds", "c", REDIS_BUCKETS, mine, ("op",))
+    plain_ = Counter("pdserve_a", "a", registry=theirs)
+    Counter("pdserve_never", "never", registry=theirs)
+    labelled_ = Counter("pdserve_b", "b", ["op", "error"], registry=theirs)
+    hist_ = Histogram("pdserve_c_seconds", "c", ["op"], buckets=REDIS_BUCKETS, registry=theirs)
+    for amount in (1, 2.5, 16):
+        plain.inc(amount=amount)
+        plain_.inc(amount)
+    for op, error in (("send", "TimeoutError"), ("read", "ConnectionError"), ("send", "TimeoutError")):
+        labelled.inc(op, error)
+        labelled_.labels(op, error).inc()
+    for op, value in (("send", 0.0002), ("read", 0.3), ("send", 5.0), ("send", 0.0001)):
+        hist.series(op).observe(value)
+        hist_.labels(op).observe(value)
+
+    def samples(registry):
+        text = generate_latest(registry).decode()
+        return sorted(
+            (s.name, tuple(sorted(s.labels.items())), s.value)
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if not s.name.endswith("_created")
+        )
+
+    assert samples(mine) == samples(theirs)

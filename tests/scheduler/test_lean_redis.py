@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -141,6 +142,25 @@ def test_a_timeout_raises_and_drops_the_connection_so_its_late_reply_confuses_no
     first_id, second_id, echo, queue = with_lean(redis_url, main, socket_timeout_s=0.3)
     assert second_id != first_id and echo == [b"after"]
     assert queue == [b"item"]
+
+
+def test_the_timeout_counts_from_each_round_trips_own_send(redis_url: str) -> None:
+    """One timer serves a connection: round trips answered in time never time out however long the
+    connection lives, and a late one fails one socket timeout after it was sent, not after the first."""
+
+    async def main(lean: LeanConnection, client: aioredis.Redis) -> tuple[float, bool]:
+        for _ in range(10):  # 0.5 s of quick round trips: past the 0.3 s timeout in all
+            assert await lean.execute(pack(b"PING"), 1) == [b"PONG"]
+            await asyncio.sleep(0.05)
+        replies = lean._replies
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await lean.execute(pack(b"BLPOP", b"never", 2), 1)
+        return time.monotonic() - t0, replies is not None and replies.lost is not None
+
+    waited, dropped = with_lean(redis_url, main, socket_timeout_s=0.3)
+    assert 0.25 <= waited < 0.6, waited
+    assert dropped
 
 
 def test_a_killed_connection_fails_execute_while_call_reconnects_and_retries(

@@ -250,3 +250,25 @@ def test_reader_fails_requests_in_flight_when_redis_restarted(private_redis: Emb
         await r.aclose()
 
     asyncio.run(main())
+
+
+def test_a_delta_queue_keeps_order_and_survives_a_getter_that_timed_out() -> None:
+    """One request's deltas come out in the order they went in, get() waits for the next one, and a
+    get() cancelled by a timeout (a tokenize request's wait) leaves the queue usable."""
+
+    async def main() -> None:
+        queue = DeltaQueue()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(queue.get(), 0.01)
+        assert queue.empty()
+        waiting = asyncio.ensure_future(queue.get())
+        await asyncio.sleep(0)
+        queue.put_nowait(RequestDelta(request_id="a", text="1"))
+        queue.put_nowait(RequestDelta(request_id="a", text="2"))
+        assert (await waiting).text == "1"
+        assert queue.get_nowait().text == "2"
+        assert queue.empty()
+        with pytest.raises(IndexError):
+            queue.get_nowait()
+
+    asyncio.run(main())
