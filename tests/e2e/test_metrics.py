@@ -168,7 +168,7 @@ def test_metrics_off_and_open_with_api_keys(tiny_model_dir, redis_url) -> None:
 
 def test_loop_histogram_matches_prometheus_client() -> None:
     """The router's lock-free histogram exposes what prometheus_client's Histogram would."""
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Histogram
 
     from pdserve.router.metrics import ITL_BUCKETS, LoopHistogram
 
@@ -179,22 +179,13 @@ def test_loop_histogram_matches_prometheus_client() -> None:
         a.observe(v)
         b.observe(v)
 
-    def samples(registry):
-        text = generate_latest(registry).decode()
-        return sorted(
-            (s.name, tuple(sorted(s.labels.items())), s.value)
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-            if not s.name.endswith("_created")
-        )
-
-    assert samples(mine) == samples(theirs)
+    assert _samples(mine) == _samples(theirs)
 
 
 def test_loop_counters_and_labelled_histograms_match_prometheus_client() -> None:
     """The router's lock-free counters (with and without labels) and labelled histograms expose what
     prometheus_client's Counter and Histogram would, zero-valued unlabelled counter included."""
-    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Counter, Histogram
 
     from pdserve.router.metrics import REDIS_BUCKETS, LoopCounter, LoopHistogram
 
@@ -217,13 +208,17 @@ def test_loop_counters_and_labelled_histograms_match_prometheus_client() -> None
         hist.series(op).observe(value)
         hist_.labels(op).observe(value)
 
-    def samples(registry):
-        text = generate_latest(registry).decode()
-        return sorted(
-            (s.name, tuple(sorted(s.labels.items())), s.value)
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-            if not s.name.endswith("_created")
-        )
+    assert _samples(mine) == _samples(theirs)
 
-    assert samples(mine) == samples(theirs)
+
+def _samples(registry) -> list[tuple[str, tuple, float]]:
+    """Every sample a registry exposes, sorted (no ``_created``)."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(registry).decode()
+    return sorted(
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if not s.name.endswith("_created")
+    )
