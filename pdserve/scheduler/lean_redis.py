@@ -48,6 +48,12 @@ def bulk(arg: Arg) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
+def pack_head(*args: Arg) -> bytes:
+    """A command of ``len(args) + 1`` arguments packed without its last: ``pack_head(*a) + bulk(x)``
+    is ``pack(*a, x)``, for commands sent often with only the last argument changing."""
+    return pack(*args, b"")[: -len(bulk(b""))]
+
+
 class _Replies(asyncio.Protocol):
     """Hands each round trip its replies, in order (several may be in flight on one connection)."""
 

@@ -47,7 +47,7 @@ from pdserve.scheduler.connection import (
     server_info,
 )
 from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
-from pdserve.scheduler.lean_redis import bulk, lean_connection, pack
+from pdserve.scheduler.lean_redis import bulk, lean_connection, pack, pack_head
 from pdserve.scheduler.messages import (
     ANY_ATTEMPT,
     InboxMessage,
@@ -114,8 +114,7 @@ def pack_inbox_send(key: str, data: bytes, maxlen: int = INBOX_MAXLEN, ttl_s: in
 @functools.lru_cache(maxsize=1024)
 def _inbox_frame(key: str, maxlen: int, ttl_s: int) -> tuple[bytes, bytes]:
     """What surrounds the message in :func:`pack_inbox_send`, packed once per inbox."""
-    xadd = pack(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", FIELD, b"")
-    return xadd[: -len(bulk(b""))], pack(b"EXPIRE", key, ttl_s)
+    return pack_head(b"XADD", key, b"MAXLEN", b"~", maxlen, b"*", FIELD), pack(b"EXPIRE", key, ttl_s)
 
 
 class Inbox:
@@ -419,10 +418,9 @@ class OutboxReader:
         self._outage_reported = False
         self._run_id: bytes | str | None = None
         self._lean = lean_connection(redis, f"the outbox reader of {router_id}")
-        no_id = len(bulk(b""))
-        self._xread = pack(b"XREAD", b"COUNT", count, b"BLOCK", block_ms, b"STREAMS", self.key, b"")[:-no_id]
+        self._xread = pack_head(b"XREAD", b"COUNT", count, b"BLOCK", block_ms, b"STREAMS", self.key)
         """XREAD without its last argument, the id to read after."""
-        self._xtrim = pack(b"XTRIM", self.key, b"MINID", b"")[:-no_id]
+        self._xtrim = pack_head(b"XTRIM", self.key, b"MINID")
         """XTRIM without its last argument, the lowest id to keep."""
 
     @property

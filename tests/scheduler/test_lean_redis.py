@@ -24,7 +24,15 @@ from redis.exceptions import (
 
 from pdserve.scheduler.connection import RedisSettings
 from pdserve.scheduler.embedded import EmbeddedRedis, free_port
-from pdserve.scheduler.lean_redis import Arg, LeanConnection, _redis_error, lean_connection, pack
+from pdserve.scheduler.lean_redis import (
+    Arg,
+    LeanConnection,
+    _redis_error,
+    bulk,
+    lean_connection,
+    pack,
+    pack_head,
+)
 
 T = TypeVar("T")
 NAME = "lean-redis-test"
@@ -72,6 +80,7 @@ def test_pack_is_redis_pys_encoding_and_binary_values_round_trip(
     ]
     for args in commands:
         assert pack(*args) == b"".join(packer.pack_command(*args)), args
+        assert pack_head(*args[:-1]) + bulk(args[-1]) == pack(*args), args
     payload = bytes(range(256)) + b"\r\n$5\r\n*2\r\n"
 
     async def main(lean: LeanConnection, client: aioredis.Redis) -> tuple[Any, Any]:
