@@ -212,14 +212,25 @@ class Dispatcher:
             if not self.generations:
                 continue
             try:
-                live = await self.live.get()
-                if time.monotonic() >= trust_after:
-                    self.check_instances({info.id for info in live})
+                alive = {info.id for info in await self.live.get()}
+                if time.monotonic() < trust_after:
+                    continue
+                if self._missing(alive):
+                    if not await self.reader.confirm_primary():  # not the Redis it knew: no evidence
+                        trust_after = time.monotonic() + self.settings.ttl_s
+                        continue
+                    self.live.invalidate()  # read again, after the check, before blaming anyone
+                    alive = {info.id for info in await self.live.get()}
+                self.check_instances(alive)
             except ControlPlaneError as e:  # the OutboxReader reports a lasting outage to every request
                 logger.debug("watcher could not read the live set: %s", e)
                 trust_after = time.monotonic() + self.settings.ttl_s
             except Exception:
                 logger.exception("watcher failed; continuing")
+
+    def _missing(self, alive: Collection[str]) -> bool:
+        """Whether some generation waits on an instance not in ``alive``."""
+        return any(i not in alive for gen in self.generations.values() for i in gen.watched)
 
     def check_instances(self, alive: Collection[str]) -> None:
         """Fail (or retry, or migrate) every generation that waits on an instance not in ``alive``,

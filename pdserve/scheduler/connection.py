@@ -349,6 +349,18 @@ async def server_info(client: RedisClient, key: str) -> dict[str, Any]:
     return await client.info("server")
 
 
+async def server_role(client: RedisClient, key: str) -> str:
+    """``ROLE`` of the server holding ``key`` (``master``, ``slave``): a primary that a failover
+    demoted still answers reads, with its new primary's data."""
+    if isinstance(client, aioredis.RedisCluster):
+        await client.initialize()
+        reply = await client.execute_command("ROLE", target_nodes=client.get_node_from_key(key))
+    else:
+        reply = await client.execute_command("ROLE")
+    role = reply[0]
+    return role.decode() if isinstance(role, bytes) else str(role)
+
+
 def require_bytes_responses(client: RedisClient) -> None:
     """Raise ValueError unless ``client`` returns bytes (``decode_responses=False``, as connect() makes)."""
     if connection_kwargs(client).get("decode_responses"):

@@ -249,8 +249,8 @@ class LiveSetCache(Generic[InfoT]):
 class Heartbeat(Generic[InfoT]):
     """Keeps one registration alive: renews it every ttl/3 from ``info()``, deregisters on stop.
 
-    Redis errors are logged and retried with backoff (never fatal): the key then expires on its
-    own and the next successful beat re-creates it. Use as ``async with Heartbeat(...)``.
+    Redis errors are logged and retried with backoff up to one interval (never fatal): the key then
+    expires on its own and the next successful beat re-creates it. Use as ``async with Heartbeat(...)``.
     """
 
     def __init__(
@@ -321,7 +321,10 @@ class Heartbeat(Generic[InfoT]):
                 logger.exception("heartbeat of %s could not build its registration", self._member_id)
 
     def _backoff(self, failures: int) -> float:
-        return min(0.1 * 2 ** (failures - 1), self.max_backoff_s)
+        """Never longer than a healthy beat's interval: a key lost with a restarted or failed-over
+        Redis is back within one interval of Redis answering again (workers wait one TTL of
+        missing-ness before they take a router for dead)."""
+        return min(0.1 * 2 ** (failures - 1), self.max_backoff_s, self.interval_s)
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -45,6 +45,7 @@ from pdserve.scheduler.connection import (
     redis_errors,
     require_bytes_responses,
     server_info,
+    server_role,
 )
 from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
 from pdserve.scheduler.lean_redis import bulk, lean_connection, pack, pack_head
@@ -555,18 +556,44 @@ class OutboxReader:
             entries = reply[0][1]
         return [(entry_id, _field(fields)) for entry_id, fields in entries]
 
-    async def _check_restart(self) -> None:
+    async def confirm_primary(self) -> bool:
+        """Whether Redis is still the primary this router has been reading: False when the server
+        answering is a replica (a primary demoted by a failover answers reads with its new primary's
+        older data, from which live instances may be missing), cannot be reached, or has a new
+        ``run_id`` (every request in flight is then failed, as by the reader). The watcher asks
+        before it takes instances missing from the live set for dead."""
+        try:
+            role = await server_role(self.redis, self.key)
+        except ResponseError:
+            role = "master"  # ROLE is forbidden here: the run_id check must do
+        except (RedisError, OSError):
+            return False
+        if role != "master":
+            logger.warning(
+                "%s: Redis answers as a %s (a demoted primary?); its data is not trusted", self.key, role
+            )
+            return False
+        try:
+            return not await self._check_restart()
+        except (RedisError, OSError):
+            return False
+
+    async def _check_restart(self) -> bool:
+        """Whether Redis's ``run_id`` changed since the last check (then every request in flight
+        fails with ``control_plane_restarted``)."""
         if self._run_id == "":
-            return  # INFO is forbidden here: no restart detection
+            return False  # INFO is forbidden here: no restart detection
         try:
             run_id = (await server_info(self.redis, self.key)).get("run_id", "")
         except ResponseError as e:
             logger.warning("%s: cannot read Redis's run_id (%s); restarts will not be detected", self.key, e)
             run_id = ""
-        if self._run_id is not None and run_id != self._run_id:
+        restarted = self._run_id is not None and run_id != self._run_id
+        if restarted:
             logger.error("Redis restarted (run_id changed); failing %d requests in flight", len(self._queues))
             self._fail_all(ControlPlaneRestartedError("Redis restarted; results in flight may be lost"))
         self._run_id = run_id
+        return restarted
 
     def _lost(self, error: BaseException, failures: int) -> None:
         now = self.clock()

@@ -8,8 +8,9 @@ Roles:
 * ``decode``: the decode side: reserve blocks on request, take the prefilled sequence over and
   decode it as an ordinary request of this instance.
 
-Requests whose router is gone are dropped; every other request ends with an event in its router's
-outbox. The instance's lifecycle (Redis, heartbeat, loops, drain) is service.py's job.
+Every request ends with an event in its router's outbox, those of a router that is gone too (a
+retryable failure nobody may read: if Redis only lost the router's key, the router retries). The
+instance's lifecycle (Redis, heartbeat, loops, drain) is service.py's job.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pdserve.worker.splitwise import Context, Splitwise
 log = logging.getLogger(__name__)
 
 ROUTER_CHECK_S = 1.0  # how often the liveness of the routers we serve is checked
+FORGET_MISSING_ROUTER_S = 300.0  # a router missing this long with no work here is no longer tracked
 SEEN_GENERATES = 65536  # how many recent (request id, attempt) pairs a repeated generate is checked against
 
 
@@ -71,7 +73,9 @@ class RequestHandler:
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # generates taken
         self._routers_seen: dict[str, float] = {}  # router id -> monotonic time its key was last seen
         self._routers_checked_at = float("-inf")
-        self._trust_routers_after = float("-inf")
+        self._routers_missing_since: dict[str, float] = {}
+        """router id -> monotonic time its key was first found missing, in checks Redis answered
+        since the last failure: a router is gone once that is one TTL ago."""
 
     def in_flight(self) -> int:
         return len(self.owners) + len(self.splitwise)
@@ -190,7 +194,8 @@ class RequestHandler:
             return
         if not await self._router_alive(msg.router_id):
             log.info("dropping %s: router %s is gone", msg.request_id, msg.router_id)
-            return None
+            await messenger.fail(owner, self._router_gone_error(), retryable=True)
+            return
         try:
             prepared = await self.ctx.engine.prepare(msg)
         except InvalidRequestError as e:
@@ -313,38 +318,63 @@ class RequestHandler:
             await self._drop_orphans()
 
     def control_plane_failed(self) -> None:
-        """Redis failed us: for one TTL from now a router's missing key is no evidence that it died
-        (a restarted Redis is empty until every router's next heartbeat)."""
-        self._trust_routers_after = self.ctx.clock.monotonic() + self.routers.ttl_s
+        """Redis failed us: a router's key found missing before now is no evidence that it died (a
+        restarted or failed-over Redis lacks it until the router's next heartbeat)."""
+        self._routers_missing_since.clear()
+
+    async def _routers_gone(self, routers: set[str]) -> set[str]:
+        """Those of ``routers`` whose key has been missing in every check for one TTL, with Redis
+        answering all along: a live router renews its key every TTL/3, so one missing read is no
+        proof (Redis may have restarted, or failed over to a replica the key had not reached)."""
+        now = self.ctx.clock.monotonic()
+        try:
+            alive = await self.routers.alive(routers)
+        except ControlPlaneError:
+            self.control_plane_failed()
+            return set()
+        missing = self._routers_missing_since
+        for router_id in alive:
+            missing.pop(router_id, None)
+            self._routers_seen[router_id] = now
+        return {r for r in routers - alive if now - missing.setdefault(r, now) >= self.routers.ttl_s}
+
+    def _router_gone_error(self) -> ControlPlaneError:
+        return ControlPlaneError(
+            f"this request's router has not been registered in Redis for {self.routers.ttl_s:g} s;"
+            f" instance {self.ctx.instance_id} dropped it"
+        )
 
     async def _drop_orphans(self) -> None:
+        """Abort the requests of routers that are gone, and tell those routers (retryable): if one is
+        alive after all, its requests are retried or migrated rather than left waiting."""
         routers = {o.router_id for o in self.owners.values()} | self.splitwise.router_ids()
-        if not routers or self.ctx.clock.monotonic() < self._trust_routers_after:
+        now = self.ctx.clock.monotonic()
+        self._routers_missing_since = {
+            r: t
+            for r, t in self._routers_missing_since.items()
+            if r in routers or now - t < FORGET_MISSING_ROUTER_S
+        }
+        if not routers:
             return
-        gone = routers - await self.routers.alive(routers)
+        gone = await self._routers_gone(routers)
+        if not gone:
+            return
+        told: list[tuple[Owner, bool]] = []
         for key, owner in list(self.owners.items()):
             if owner.router_id in gone:
                 log.info("router %s is gone: aborting %s", owner.router_id, owner.request_id)
                 self._forget(key)
                 await self.ctx.engine.abort(key, "router gone")
-        if gone:
-            await self.splitwise.drop_routers(gone)
+                told.append((owner, True))
+        told += [(owner, True) for owner in await self.splitwise.drop_routers(gone)]
+        await self.ctx.messenger.fail_many(told, self._router_gone_error())
 
     async def _router_alive(self, router_id: str) -> bool:
-        """Checked at most once a second per router: new work of a router that is gone is dropped."""
-        now = self.ctx.clock.monotonic()
-        if (
-            now - self._routers_seen.get(router_id, float("-inf")) < ROUTER_CHECK_S
-            or now < self._trust_routers_after
-        ):
+        """Checked at most once a second per router while it is seen: new work of a router that is
+        gone is refused."""
+        if self.ctx.clock.monotonic() - self._routers_seen.get(router_id, float("-inf")) < ROUTER_CHECK_S:
             return True
-        try:
-            alive = router_id in await self.routers.alive([router_id])
-        except ControlPlaneError:
-            return True  # Redis trouble is not evidence that the router died
-        if alive:
-            self._routers_seen[router_id] = now
-        return alive
+        return router_id not in await self._routers_gone({router_id})
 
     async def fail_all(self, message: str) -> None:
         """Every request still here gets a clear final event (retryable if no token went out yet)."""

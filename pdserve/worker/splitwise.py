@@ -523,12 +523,16 @@ class Splitwise:
             await self.leases[key].abort(reason)
         self._settle(key)
 
-    async def drop_routers(self, gone: set[str]) -> None:
-        """Requests of routers that are gone: free them, and tell their decode instances."""
+    async def drop_routers(self, gone: set[str]) -> list[Owner]:
+        """Requests of routers that are gone: free them, and tell their decode instances; the
+        owners of the hand-offs dropped (the caller tells their routers)."""
+        dropped = []
         for handoff in list(self.prefills.values()):
-            if handoff.owner.router_id in gone:
+            if handoff.owner.router_id in gone and not handoff.final:
                 await handoff.abort("router gone", tell_decode=True)
+                dropped.append(handoff.owner)
         self._reap()
+        return dropped
 
     async def tick(self) -> None:
         for handoff in list(self.prefills.values()):

@@ -223,6 +223,31 @@ def test_heartbeat_survives_errors_and_re_registers(redis_url: str, redis_client
     run(redis_url, main)
 
 
+def test_a_failing_heartbeat_retries_at_least_once_per_interval(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """After an outage the key is back within about one beat interval of Redis answering, however
+    long the outage was: workers take a router whose key stays missing for a TTL for dead."""
+
+    async def main(r: aioredis.Redis) -> None:
+        registry = InstanceRegistry(r, KEYS, ttl_s=0.6)  # beats every 0.2 s
+        unreachable = RedisSettings(port=1, retries=0, connect_timeout_s=0.1).connect()
+        hb = Heartbeat(registry, lambda: info("d0"))
+        await hb.start()
+        registry.redis = unreachable  # failing beats at 0.2, 0.3, 0.5, 0.9, 1.7 s, then 3.3 s if uncapped
+        await asyncio.sleep(2.0)
+        assert not await r.exists(KEYS.instance("d0"))
+        registry.redis = r
+        back_at = time.monotonic()
+        while not await r.exists(KEYS.instance("d0")):
+            assert time.monotonic() - back_at < 0.5, "the heartbeat waited out its backoff"
+            await asyncio.sleep(0.01)
+        await hb.stop()
+        await unreachable.aclose()
+
+    run(redis_url, main)
+
+
 def test_heartbeat_start_fails_loudly_when_redis_is_down() -> None:
     async def main() -> None:
         client = RedisSettings(port=1, retries=0, connect_timeout_s=0.2).connect()

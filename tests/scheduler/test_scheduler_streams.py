@@ -252,6 +252,38 @@ def test_reader_fails_requests_in_flight_when_redis_restarted(private_redis: Emb
     asyncio.run(main())
 
 
+def test_the_primary_is_confirmed_by_role_and_run_id(private_redis: EmbeddedRedis, tmp_path) -> None:
+    """What the watcher asks before blaming instances missing from the live set: a server demoted to
+    a replica (it serves its new primary's older data) is not confirmed and fails nothing; a
+    restarted one is not confirmed and fails every request in flight."""
+    other = EmbeddedRedis(workdir=tmp_path / "other")
+    (tmp_path / "other").mkdir()
+    other.start()
+
+    async def main() -> None:
+        r = RedisSettings.from_url(private_redis.url, retries=0, connect_timeout_s=0.2).connect()
+        reader = OutboxReader(r, KEYS, "r1", block_ms=100, fail_after_s=30, max_backoff_s=0.05)
+        queue = reader.subscribe("a")  # (not started: its own reconnect would see the restart first)
+        assert await reader.confirm_primary()
+        await r.execute_command("REPLICAOF", "127.0.0.1", other.port)
+        assert not await reader.confirm_primary()
+        await r.execute_command("REPLICAOF", "NO", "ONE")
+        assert await reader.confirm_primary()
+        assert queue.empty()
+        private_redis.stop(kill=True)
+        private_redis.start()
+        assert not await reader.confirm_primary()  # the pooled connection died with it
+        assert not await reader.confirm_primary()  # a new one: another run_id
+        (event,) = await drain(queue, 1)
+        assert event.error is not None and event.error.kind == "control_plane_restarted"
+        await r.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        other.stop(kill=True)
+
+
 def test_a_delta_queue_keeps_order_and_survives_a_getter_that_timed_out() -> None:
     """One request's deltas come out in the order they went in, get() waits for the next one, and a
     get() cancelled by a timeout (a tokenize request's wait) leaves the queue usable."""

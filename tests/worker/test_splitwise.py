@@ -21,7 +21,7 @@ from splitwise_support import (
 
 from pdserve.cache_transfer.shm import ShmWriter
 from pdserve.errors import EngineError, TransferError
-from pdserve.scheduler import Abort, ErrorInfo, Prefilled, ReserveBlocks, RouterRegistry, Tokenize
+from pdserve.scheduler import Abort, ErrorInfo, Prefilled, ReserveBlocks, RouterInfo, RouterRegistry, Tokenize
 from pdserve.worker.splitwise import RESERVE_RETRY_MS, DecodeState, PrefillState
 
 PROMPT = list(range(1, 11))  # 10 tokens: 3 blocks of 4
@@ -301,15 +301,70 @@ def test_abort_while_transferring_frees_after_the_write(redis_url) -> None:
 
 
 def test_a_router_that_is_gone_loses_its_hand_offs_and_decode_hears_it(redis_url) -> None:
+    """Gone = its key missing in every check for one TTL: then its hand-offs are freed, decode hears
+    it, and its outbox gets a retryable control_plane_unavailable (read by nobody if it is dead)."""
+
     async def main() -> None:
         async with pair(redis_url) as (p, prefill, decode):
-            await to_blocks_ready(p, prefill, decode)
+            await to_blocks_ready(p, prefill, decode, reserve_s=60, transfer_s=60)
+            ttl_s = prefill.handler.routers.ttl_s
             await RouterRegistry(p.redis, p.keys).deregister(ROUTER)
+            await prefill.handler.tick()  # the first check that finds the key missing: no proof yet
+            p.clock.advance(ttl_s - 1)  # (the routers are checked once a second)
+            await prefill.handler.tick()
+            assert prefill.prefill.state is PrefillState.BLOCKS_READY
+            p.clock.advance(1)
             await prefill.handler.tick()
             assert all_free(prefill)
             await settle(prefill, decode)
             assert all_free(decode)
-            assert await p.events() == []
+            assert_failed(await p.events(), "control_plane_unavailable")
+
+    run(main())
+
+
+def test_a_router_key_lost_with_redis_for_less_than_a_ttl_loses_nothing(redis_url) -> None:
+    """A restarted or failed-over Redis lacks the router's key until its next heartbeat: a key
+    missing for less than a TTL, or missing since the worker's own Redis failure, drops no work."""
+
+    async def main() -> None:
+        async with pair(redis_url) as (p, prefill, decode):
+            await to_blocks_ready(p, prefill, decode, reserve_s=60, transfer_s=60)
+            ttl_s = prefill.handler.routers.ttl_s
+            registry = RouterRegistry(p.redis, p.keys)
+            await registry.deregister(ROUTER)
+            await prefill.handler.tick()
+            p.clock.advance(ttl_s - 1)
+            prefill.handler.control_plane_failed()  # Redis failed this worker: the clock starts again
+            await prefill.handler.tick()
+            p.clock.advance(ttl_s - 1)
+            await prefill.handler.tick()
+            assert prefill.prefill.state is PrefillState.BLOCKS_READY
+            await registry.register(RouterInfo(id=ROUTER, host="h", pid=1, port=1, started_at=0.0))
+            p.clock.advance(ttl_s)
+            await prefill.handler.tick()  # seen again: the missing time is forgotten
+            await settle(prefill, decode)
+            assert_completed(await p.events(), PROMPT, 4)
+
+    run(main())
+
+
+def test_a_generate_from_a_router_that_is_gone_gets_a_retryable_answer(redis_url) -> None:
+    """Not dropped in silence: a router that Redis only forgot retries it instead of waiting out its
+    first-token timeout."""
+
+    async def main() -> None:
+        async with pair(redis_url) as (p, prefill, _decode):
+            await RouterRegistry(p.redis, p.keys).deregister(ROUTER)
+            await p.send(prefill, p.request(PROMPT))
+            await prefill.receive()  # missing for the first time: served
+            assert len(prefill.handler.splitwise.prefills) == 1
+            p.clock.advance(prefill.handler.routers.ttl_s)
+            await p.send(prefill, p.request(PROMPT, reserve_s=60, transfer_s=60))
+            await prefill.receive()
+            assert len(prefill.handler.splitwise.prefills) == 1  # the second one is not started
+            (event,) = [e for e in await p.events() if e.request_id == "req-1"]
+            assert (event.error.kind, event.error.retryable) == ("control_plane_unavailable", True)
 
     run(main())
 
