@@ -477,6 +477,16 @@ def redis_errors(action: str) -> Iterator[None]:
         yield
     except RedisError as e:
         raise ControlPlaneError(f"Redis failed while {action}: {error_reason(e)}") from e
+    except RuntimeError as e:
+        if not _transport_closed(e):
+            raise
+        raise ControlPlaneError(f"Redis failed while {action}: the connection closed") from e
+
+
+def _transport_closed(e: RuntimeError) -> bool:
+    """uvloop's error for a write on a transport it closed (the server went away while redis-py was
+    setting a new connection up): redis-py lets it through as it is, not as a ConnectionError."""
+    return "the handler is closed" in str(e)
 
 
 def error_reason(e: BaseException) -> str:

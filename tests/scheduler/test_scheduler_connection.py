@@ -275,3 +275,27 @@ def test_clients_that_decode_responses_or_time_out_before_a_block_are_refused() 
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_write_on_a_connection_uvloop_closed_is_a_control_plane_error() -> None:
+    """A server that dies while redis-py sets a new connection up closes uvloop's transport under it,
+    and the write raises a bare RuntimeError: a Redis failure the callers retry, not a crash of the
+    loop that made it (a worker's prefix-index loop stopped its instance on it)."""
+    import uvloop
+
+    async def main() -> None:
+        server = await asyncio.start_server(lambda _r, _w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.transport.abort()  # what uvloop does on a reset
+        await asyncio.sleep(0)
+        with (
+            pytest.raises(ControlPlaneError, match="sending: the connection closed"),
+            redis_errors("sending"),
+        ):
+            writer.writelines([b"PING\r\n"])
+        with pytest.raises(RuntimeError, match="a bug"), redis_errors("sending"):
+            raise RuntimeError("a bug")  # any other RuntimeError stays what it is
+        server.close()
+
+    uvloop.run(main())
