@@ -13,9 +13,9 @@ error reply of one command (``ResponseError`` and its subclasses, mapped as redi
 leaves the connection as it is. Only a single server's client has a lean path (``redis://``,
 ``rediss://``, ``unix://``): :func:`lean_connection` returns None for a Redis Cluster (each key's
 commands go to its own shard) and for a Sentinel-managed primary (in the failover test with this
-path, requests were lost to first-token timeouts; the code from before this path shows the same
-failure now and then, so it may not be the cause, but redis-py's connections serve there until the
-failover is mended), and the caller keeps redis-py.
+path, requests were lost to first-token timeouts, as they were before it: workers dropped a live
+router's work when a failover lost its key, since fixed; redis-py's connections serve there until
+the failover test has been run with this path), and the caller keeps redis-py.
 """
 
 from __future__ import annotations

@@ -354,6 +354,7 @@ class RequestHandler:
             for r, t in self._routers_missing_since.items()
             if r in routers or now - t < FORGET_MISSING_ROUTER_S
         }
+        self._routers_seen = {r: t for r, t in self._routers_seen.items() if now - t < ROUTER_CHECK_S}
         if not routers:
             return
         gone = await self._routers_gone(routers)
