@@ -470,6 +470,9 @@ def test_the_compose_stack_serves_50_requests_through_the_load_balancer(netns, t
                 spec = {**spec, "healthcheck": {"test": ["CMD-SHELL", router_check(addresses, name)]}}
             c.healthy(name, spec)
         c.start("lb", services["lb"], ["nginx", "-c", str(nginx_main_conf(tmp_path))])
+        # nginx binds a moment after it starts: the client waits for the service's health check
+        # (its wget is the image's busybox; the same GET through Python here)
+        c.healthy("lb", {"healthcheck": {"test": ["CMD-SHELL", lb_check()]}})
         out = subprocess.run(
             [
                 "ip",
@@ -497,6 +500,11 @@ def test_the_compose_stack_serves_50_requests_through_the_load_balancer(netns, t
     finally:
         killed = c.stop()
     assert killed == []
+
+
+def lb_check() -> str:
+    """The load balancer's health check (``/lb-health``, answered by nginx itself)."""
+    return f"python -c \"import httpx; httpx.get('http://{LB_ADDRESS}/lb-health', timeout=2).raise_for_status()\""
 
 
 def router_check(addresses: dict[str, list[str]], name: str) -> str:
