@@ -30,6 +30,7 @@ from pdserve.scheduler.batch_queue import BatchQueue
 from pdserve.scheduler.batches import BatchError, BatchObject, BatchStore
 from pdserve.scheduler.files import FileStore
 from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -231,9 +232,9 @@ class BatchRunner:
         try:
             yield renew
         finally:
-            renew.cancel()
-            with contextlib.suppress(asyncio.CancelledError, PdserveError):
-                await renew
+            # cancel_and_wait, not cancel() and await: a cancel swallowed by a Redis call left the
+            # lease renewed forever, the chunk's job hung and the batch never expired
+            await cancel_and_wait(renew)
             with contextlib.suppress(PdserveError):
                 await self.batches.release_lease(batch.id, chunk)
 
