@@ -471,8 +471,10 @@ def test_the_compose_stack_serves_50_requests_through_the_load_balancer(netns, t
             c.healthy(name, spec)
         c.start("lb", services["lb"], ["nginx", "-c", str(nginx_main_conf(tmp_path))])
         # nginx binds a moment after it starts: the client waits for the service's health check
-        # (its wget is the image's busybox; the same GET through Python here)
-        c.healthy("lb", {"healthcheck": {"test": ["CMD-SHELL", lb_check()]}})
+        # (the image's busybox wget GETs /lb-health, answered by nginx itself)
+        c.healthy(
+            "lb", {"healthcheck": {"test": ["CMD-SHELL", http_check(f"http://{LB_ADDRESS}/lb-health")]}}
+        )
         out = subprocess.run(
             [
                 "ip",
@@ -502,17 +504,15 @@ def test_the_compose_stack_serves_50_requests_through_the_load_balancer(netns, t
     assert killed == []
 
 
-def lb_check() -> str:
-    """The load balancer's health check (``/lb-health``, answered by nginx itself)."""
-    return f"python -c \"import httpx; httpx.get('http://{LB_ADDRESS}/lb-health', timeout=2).raise_for_status()\""
+def http_check(url: str) -> str:
+    """A health check that GETs ``url`` (through Python: the images' wget or curl may be missing here)."""
+    return f"python -c \"import httpx; httpx.get('{url}', timeout=2).raise_for_status()\""
 
 
 def router_check(addresses: dict[str, list[str]], name: str) -> str:
     """The router service's health check, aimed at this replica's address instead of 127.0.0.1."""
     address = addresses["router"][int(name.split("-")[1]) - 1]
-    return (
-        f"python -c \"import httpx; httpx.get('http://{address}:8000/ready', timeout=2).raise_for_status()\""
-    )
+    return http_check(f"http://{address}:8000/ready")
 
 
 AFTER_FAILOVER = """
