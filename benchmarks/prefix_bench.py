@@ -276,7 +276,7 @@ def run_config(
 
 
 def _block_bytes(model_dir: Path, block_size: int) -> int:
-    from pdserve.engine.kv_cache import block_bytes
+    from pdserve.engine.kv_layout import block_bytes
     from pdserve.engine.model_config import ModelConfig
 
     return block_bytes(ModelConfig.from_dir(model_dir), block_size)

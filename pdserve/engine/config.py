@@ -13,11 +13,14 @@ from pdserve.engine.kernels.cpu import KERNEL_MODES
 from pdserve.engine.kernels.fused_decode import DECODE_MODES
 from pdserve.engine.kernels.gemm import GEMM_MODES
 from pdserve.engine.kernels.int8 import WEIGHT_TYPES
+from pdserve.engine.platform import DEVICES, DTYPES
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
 
 # The choice settings left unset: read from PDSERVE_<NAME>, else this default (said in each help).
 _CHOICE_DEFAULTS = {
+    "device": "auto",
+    "dtype": "auto",
     "kernels": "auto",
     "attention": "auto",
     "gemm": "auto",
@@ -31,7 +34,33 @@ class EngineConfig:
     """Engine sizing. ``num_blocks`` wins over ``kv_cache_gb``; ``max_num_batched_tokens`` defaults
     to one prefill chunk plus one token per running sequence."""
 
-    kv_cache_gb: float = setting(1.0, "KV cache size in GiB (default %(default)s)")
+    device: str | None = setting(
+        None,
+        "where the model runs: the CPU with Paddle (cpu), an NVIDIA GPU with PyTorch (cuda; needs "
+        "`pip install pdserve[cuda]`), or cuda when PyTorch sees a GPU, else cpu (auto) (default: auto)",
+        kind=str,
+        choices=DEVICES,
+    )
+    dtype: str | None = setting(
+        None,
+        "weights and KV cache on a GPU: bfloat16, or float32 (exact, TF32 off); auto: bfloat16 on cuda, "
+        "float32 on cpu (the CPU engine computes in float32 only) (default: auto)",
+        kind=str,
+        choices=DTYPES,
+    )
+    gpu: int | None = setting(
+        None, "which GPU (its index among CUDA_VISIBLE_DEVICES; default: the first)", kind=int
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "share of the GPU's memory this instance may fill with weights, KV cache and CUDA graphs; two "
+        "instances sharing one GPU take a part each (`pdserve up --device cuda` splits it) "
+        "(default %(default)s)",
+    )
+    cuda_graphs: bool = setting(
+        True, "replay decode steps as CUDA graphs captured per batch size (default on; prefill runs eagerly)"
+    )
+    kv_cache_gb: float = setting(1.0, "KV cache size in GiB on the CPU (default %(default)s)")
     num_blocks: int | None = setting(None, "KV cache size in blocks (overrides --kv-cache-gb)", kind=int)
     block_size: int = setting(16, "tokens per KV block (default %(default)s)")
     max_num_seqs: int = setting(64, "most sequences running at once (default %(default)s)")
@@ -116,5 +145,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu is not None and self.gpu < 0:
+            raise ConfigError(f"gpu must be >= 0, got {self.gpu}")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")

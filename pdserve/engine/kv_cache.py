@@ -17,27 +17,11 @@ import numpy as np
 from pdserve.cache_transfer import shm as shm_transport
 from pdserve.cache_transfer.regions import Region, block_regions
 from pdserve.engine.kernels.paddle_setup import paddle
+from pdserve.engine.kv_layout import block_bytes, cache_write_rows
 from pdserve.engine.memory import page_zeros
 from pdserve.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
-
-
-def block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int = 4) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-
-
-def cache_write_rows(slots: np.ndarray, layers: int, kv_heads: int, block_size: int) -> np.ndarray:
-    """Rows (of the block-major cache seen as ``[-1, head_dim]``) for K then V of each token in
-    ``slots`` and each kv head, per layer: int64 ``[layers, 2 * N * kv_heads]``."""
-    b, o = slots // block_size, slots % block_size
-    kv = np.arange(2)[None, :, None, None]
-    layer = np.arange(layers)[:, None, None, None]
-    head = np.arange(kv_heads)[None, None, None, :]
-    rows = (
-        ((b[None, None, :, None] * 2 + kv) * layers + layer) * block_size + o[None, None, :, None]
-    ) * kv_heads
-    return (rows + head).reshape(layers, -1).astype(np.int64, copy=False)
 
 
 class KVCache:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,22 +25,14 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.engine.grammar import GrammarMatcher, Grammars
-from pdserve.engine.kernels.attention import select_attention
-from pdserve.engine.kernels.cpu import choose_kernels
-from pdserve.engine.kernels.fused_decode import select_decode
-from pdserve.engine.kernels.gemm import select_gemm
-from pdserve.engine.kernels.int8 import select_weights
-from pdserve.engine.kernels.paddle_setup import HOST, TUNING, paddle
-from pdserve.engine.kv_cache import KVCache, block_bytes
 from pdserve.engine.memory import resident_bytes
-from pdserve.engine.model import Model
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import ModelRunner, PromptRows
+from pdserve.engine.model_runner import PromptRows
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
+from pdserve.engine.platform import Platform, select_platform
 from pdserve.engine.sampler import Sample, Sampler, logprobs_of, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.weights import iter_weights
-from pdserve.errors import ConfigError, EngineError, InvalidRequestError, RequestTooLongError
+from pdserve.errors import EngineError, InvalidRequestError, RequestTooLongError
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
@@ -57,15 +48,12 @@ class _Request:
     """One per prompt position, filled as its prefill chunks run; handed out with the first token."""
 
 
-def set_threads(n: int | None) -> int:
-    """Paddle pins OpenMP to one thread at import; raise it (there is no public setter)."""
-    n = n or os.cpu_count() or 1
-    paddle.base.core.set_num_threads(n)
-    return n
-
-
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model_dir: str | Path, config: EngineConfig | None = None, platform: Platform | None = None
+    ) -> None:
+        """``platform``: the one ``config.device`` names unless given (tests run the torch platform
+        on torch's CPU device this way)."""
         self.config = config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -74,45 +62,11 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        self.threads = set_threads(config.threads)
-        # EngineConfig.__post_init__ resolves each kernel setting left unset (environment or "auto")
-        assert config.kernels and config.attention and config.gemm and config.decode_step and config.weights
-        self.kernels = choose_kernels(config.kernels, HOST)
-        log.info(
-            "CPU %s: kernels %s%s",
-            HOST.describe(),
-            self.kernels.describe(),
-            f"; applied {', '.join(TUNING)} before importing Paddle" if TUNING else "",
-        )
         t0 = time.perf_counter()
-        self.attention = select_attention(config.attention, self.threads)
-        log.info("attention: %s (%s)", self.attention.impl, self.attention.reason)
-        self.gemm = select_gemm(config.gemm)
-        self.int8 = select_weights(config.weights, self.threads)
-        if self.int8 is None:
-            log.info("gemm: %s (%s)", self.gemm.impl, self.gemm.reason)
-        else:
-            log.info("weights: int8 per output channel (numba dot products, MKL's sgemm above 4 rows)")
-        self.decode_step = select_decode(config.decode_step, self.attention.kernel, self.gemm.mkl, self.int8)
-        log.info("decode step: %s (%s)", self.decode_step.impl, self.decode_step.reason)
-        self.model = Model(
-            mc,
-            iter_weights(self.model_dir, mc),  # streamed: each packed weight's plain copy freed at once
-            self.max_model_len,
-            self.kernels,
-            self.attention.kernel,
-            self.gemm.mkl,
-            self.decode_step.fused,
-            self.int8,
-        )
-        num_blocks = config.num_blocks or int(
-            config.kv_cache_gb * 2**30 // block_bytes(mc, config.block_size)
-        )
-        if num_blocks < 2:
-            raise ConfigError(f"kv_cache_gb={config.kv_cache_gb} holds fewer than 2 KV blocks")
-        self.cache = KVCache(
-            mc, num_blocks, config.block_size, shared=config.shared_kv, shm_name=config.shm_name
-        )
+        platform = platform or select_platform(config)
+        self.executor = ex = platform.executor(self.model_dir, mc, config, self.max_model_len)
+        self.cache, self.runner, self.threads = ex.cache, ex.runner, ex.threads
+        num_blocks = ex.num_blocks
         self.blocks = BlockManager(num_blocks, prefix_caching=config.prefix_caching)
         self.batcher = Batcher(
             BatcherConfig(
@@ -124,33 +78,29 @@ class LLMEngine:
             ),
             self.blocks,
         )
-        self.runner = ModelRunner(
-            self.cache,
-            batch_invariant=bool(config.batch_invariant),
-            threads=self.threads,
-            paged_kernel=self.attention.kernel is not None,
-        )
         self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.sampler.vocab_limit)  # structured output
         # A decode step computes a token's K/V with other kernels than a prefill does (the last bits
         # differ), so in batch-invariant mode only blocks a prefill computed are cached: a hit then
         # changes no bit. Otherwise the blocks decoding fills are cached too (more hits).
-        self._cache_decoded_blocks = not config.batch_invariant
+        self._cache_decoded_blocks = not ex.batch_invariant
         self.requests: dict[str, _Request] = {}
         self.prefilled: dict[str, Sequence] = {}  # prefill-only sequences holding blocks for hand-off
         self.reserved: dict[str, list[int]] = {}  # blocks reserved for incoming KV
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         log.info(
-            "engine ready: %s, %d layers, max_model_len %d, %d KV blocks, %d threads (%.1f s); "
+            "engine ready on %s: %s, %d layers, max_model_len %d, %d KV blocks (%s), %d threads (%.1f s); "
             "resident %.2f GB (weights %.2f GB, KV cache %.2f GB)",
+            ex.device_name or ex.device,
             mc.architecture,
             mc.num_layers,
             self.max_model_len,
             num_blocks,
+            ex.dtype,
             self.threads,
             time.perf_counter() - t0,
             resident_bytes() / 1e9,
-            self.model.weight_bytes / 1e9,
+            ex.weight_bytes / 1e9,
             self.cache.nbytes / 1e9,
         )
 
@@ -160,13 +110,17 @@ class LLMEngine:
             block_size=self.config.block_size,
             num_blocks=self.blocks.num_blocks,
             block_bytes=self.cache.block_bytes,
-            num_layers=self.cache.cfg.num_layers,
-            num_kv_heads=self.cache.cfg.num_kv_heads,
-            head_dim=self.cache.cfg.head_dim,
+            num_layers=self.model_config.num_layers,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
             shm_name=self.cache.shm_name,
             vocab_size=self.model_config.vocab_size,
             prefix_caching=self.blocks.prefix_caching,
-            weights=str(self.config.weights),
+            weights=self.executor.weights,
+            dtype=self.executor.dtype,
+            device=self.executor.device,
+            device_name=self.executor.device_name,
+            memory_bytes=self.executor.weight_bytes + self.cache.nbytes,
         )
 
     def load(self) -> EngineLoad:
@@ -305,8 +259,8 @@ class LLMEngine:
             return outputs
         step_input, out_seqs, prompt_rows = self.runner.prepare(batch)
         try:
-            logits = self.model.forward(self.cache, step_input)
-        except Exception as e:  # a Paddle failure must end these requests, not hang them
+            rows = self.executor.forward(step_input)
+        except Exception as e:  # a Paddle or torch failure must end these requests, not hang them
             log.exception("model step failed")
             return outputs + self._fail_batch(batch, f"model step failed: {e}")
         for seq in batch.decodes:
@@ -316,9 +270,8 @@ class LLMEngine:
         for chunk in batch.prefills:
             chunk.seq.num_computed_tokens = chunk.end
             self.batcher.cache_full_blocks(chunk.seq)
-        if logits is None:
+        if rows is None:
             return outputs
-        rows = logits.numpy()
         for span in prompt_rows:  # before the samples: the first token hands them out
             self._score_prompt(span, rows[span.row : span.row + span.count])
         rows = rows[: len(out_seqs)]
@@ -456,8 +409,9 @@ class LLMEngine:
             raise EngineError(f"request {request_id!r} is not a prefilled sequence on this engine")
         return seq.block_table[: blocks_for(seq.num_prompt_tokens, self.config.block_size)]
 
-    def kv_view(self) -> np.ndarray:
-        """The whole cache as bytes (zero-copy; the KV transport reads prefilled blocks from it)."""
+    def kv_view(self) -> Any:
+        """The whole cache as bytes, zero-copy: a numpy uint8 array in host memory, a flat uint8 torch
+        tensor on a GPU (the KV transport reads prefilled blocks from it)."""
         return self.cache.raw_view()
 
     def export_kv(self, request_id: str) -> bytes:
@@ -572,4 +526,4 @@ class LLMEngine:
             req.stop.feed(req.detok.add(token))
 
     def close(self) -> None:
-        self.cache.close()
+        self.executor.close()

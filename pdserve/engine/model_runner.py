@@ -23,9 +23,9 @@ import numpy as np
 
 from pdserve.engine.batcher import Batch, blocks_for
 from pdserve.engine.block_manager import NULL_BLOCK
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model import AttentionGroup, StepInput
+from pdserve.engine.kv_layout import RunnerCache
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_input import AttentionGroup, StepInput
 
 _NEG_INF = np.float32(-np.inf)
 
@@ -62,7 +62,7 @@ class PromptRows:
 
 class ModelRunner:
     def __init__(
-        self, cache: KVCache, batch_invariant: bool = False, threads: int = 1, paged_kernel: bool = False
+        self, cache: RunnerCache, batch_invariant: bool = False, threads: int = 1, paged_kernel: bool = False
     ) -> None:
         self.cache = cache
         self.paged_kernel = paged_kernel  # decode groups carry block tables for the in-place kernel

@@ -63,7 +63,7 @@ def test_prompts_differ_in_length(alone, config: EngineConfig) -> None:
 def test_batched_equals_alone(tiny_model_dir, alone, config: EngineConfig) -> None:
     """The same sequences inside one batch, next to sequences of other lengths that started earlier."""
     engine = LLMEngine(tiny_model_dir, config)
-    assert engine.kernels.swiglu == (
+    assert engine.executor.kernels.swiglu == (
         "composed" if config.kernels == "composed" else "fused"
     )  # the path asked for
     for i, text in enumerate(["a b c d e f g " * n for n in (1, 5, 9, 20, 40)]):

@@ -51,7 +51,7 @@ while engine.has_unfinished():
     engine.step()
 print(json.dumps({
     "runtime": runtime, "loaded": loaded, "generated": resident_bytes(),
-    "weights": engine.model.weight_bytes, "cache": engine.cache.nbytes,
+    "weights": engine.executor.weight_bytes, "cache": engine.cache.nbytes,
     "ready": [m for m in records if m.startswith("engine ready")],
 }))
 """

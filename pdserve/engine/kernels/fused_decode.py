@@ -310,7 +310,7 @@ def _self_test(fused: FusedDecode, kernels: AttentionKernels, mkl: PackedMkl, in
     """Compile on a toy two-layer model (float32 weights packed, or int8 ones) and check it against
     the same step composed from the same kernels from Python: a fused step that runs but disagrees
     is refused."""
-    from pdserve.engine.kv_cache import cache_write_rows  # here: importing this module loads no Paddle
+    from pdserve.engine.kv_layout import cache_write_rows
 
     rng = np.random.default_rng(0)
     L, bs, H, KVH, D, inter, hidden, vocab, n = 2, 4, 4, 2, 8, 12, 16, 11, 3

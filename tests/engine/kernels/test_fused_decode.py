@@ -30,9 +30,9 @@ def generate(model_dir, decode: str, batch_invariant: bool, counted: list[int] |
         decode_step=decode,
         batch_invariant=batch_invariant,
     )
-    assert llm.engine.decode_step.impl == decode
+    assert llm.engine.executor.decode_step.impl == decode
     if counted is not None:  # count the fused calls (the real ones run)
-        fused = llm.engine.model.fused
+        fused = llm.engine.executor.model.fused
         assert fused is not None
         run = fused.run
 

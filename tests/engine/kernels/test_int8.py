@@ -71,7 +71,7 @@ def test_int8_is_batch_invariant_and_its_fused_step_is_bitwise_its_layer_path(ti
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     common = {"num_blocks": 64, "keep_logits": True, "weights": "int8", "batch_invariant": True}
     fused = LLM(tiny_model_dir, decode_step="fused", **common)
-    assert fused.engine.model.quantized and not fused.engine.model.packed
+    assert fused.engine.executor.model.quantized and not fused.engine.executor.model.packed
     alone = [fused.generate(p, greedy)[0] for p in PROMPTS]
     batched = fused.generate(PROMPTS, greedy)
     layers = LLM(tiny_model_dir, decode_step="layers", **common).generate(PROMPTS, greedy)
