@@ -76,9 +76,13 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     from pdserve.engine.model_store import FETCHED_PRESETS, fetch_preset
 
     if args.preset in FETCHED_PRESETS:
+        if args.seeded:
+            raise SystemExit(f"pdserve: error: --seeded: {args.preset} is a real model, not random weights")
         path = fetch_preset(args.preset, args.dir, overwrite=args.overwrite)
     else:
-        path = init_model(args.dir, preset=args.preset, seed=args.seed, overwrite=args.overwrite)
+        path = init_model(
+            args.dir, preset=args.preset, seed=args.seed, overwrite=args.overwrite, seeded=args.seeded
+        )
     print(f"wrote {args.preset} model to {path}")
     return 0
 
@@ -422,10 +426,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PRESETS,
         default="tiny",
         help="smollm2-135m: a real instruct model (0.54 GB as float32); tiny: hidden 256, 4 layers "
-        "(20 MB); small: the ERNIE-4.5-0.3B shape (1.3 GB) (default %(default)s)",
+        "(20 MB); small: the ERNIE-4.5-0.3B shape (1.3 GB); smollm2-shape, llama3-8b-shape: random "
+        "weights in those models' shapes (0.6 GB, 32 GB as float32: use --seeded) (default %(default)s)",
     )
     init.add_argument(
-        "--seed", type=int, default=0, help="weight seed of tiny and small (default %(default)s)"
+        "--seeded",
+        action="store_true",
+        help="write no weight files: record the seed, and every load generates the same weights "
+        "(an 8B-shaped model in a few kB; loading generates them, tens of seconds)",
+    )
+    init.add_argument(
+        "--seed", type=int, default=0, help="weight seed of the random presets (default %(default)s)"
     )
     init.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     init.set_defaults(func=lambda a: cmd_model_init(a))

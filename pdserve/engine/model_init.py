@@ -12,6 +12,7 @@ import copy
 import functools
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -120,11 +121,53 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_COMMON,
     },
 }
-NUM_SHARDS = {"tiny": 1, "small": 2}
+# Seeded random weights in the shapes of two models people serve: what speed and exactness are
+# measured on where the real checkpoint cannot be fetched (written with --seeded: no weight files).
+PRESETS["smollm2-shape"] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    **_COMMON,
+}
+PRESETS["llama3-8b-shape"] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    **_COMMON,
+}
+NUM_SHARDS = {"tiny": 1, "small": 2, "smollm2-shape": 1, "llama3-8b-shape": 8}
+SEEDED_WEIGHTS = "seeded_weights.json"  # in a folder written with seeded=True, instead of weight files
+_SEEDED_CHUNKS = 16  # a seeded tensor's rows come in this many streams (the same on any host)
 
 
-def init_model(path: str | Path, preset: str = "tiny", seed: int = 0, overwrite: bool = False) -> Path:
-    """Write ``preset`` into ``path`` atomically (temp folder + rename) and return the path."""
+def init_model(
+    path: str | Path, preset: str = "tiny", seed: int = 0, overwrite: bool = False, seeded: bool = False
+) -> Path:
+    """Write ``preset`` into ``path`` atomically (temp folder + rename) and return the path.
+    ``seeded``: no weight files; the folder records the seed and every load generates the same
+    weights (:func:`seeded_tensor`), so an 8B-shaped model costs no disk."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
     target = Path(path).absolute()
@@ -137,7 +180,10 @@ def init_model(path: str | Path, preset: str = "tiny", seed: int = 0, overwrite:
             tmp / "generation_config.json",
             {"bos_token_id": None, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "pad_token_id": ENDOFTEXT_ID},
         )
-        _write_weights(tmp, config, seed, NUM_SHARDS[preset])
+        if seeded:
+            write_json(tmp / SEEDED_WEIGHTS, {"seed": seed, "format": 1})
+        else:
+            _write_weights(tmp, config, seed, NUM_SHARDS[preset])
     elapsed = time.perf_counter() - start
     logger.info("model %s (preset %s, seed %d) written in %.1fs", target, preset, seed, elapsed)
     return target
@@ -371,6 +417,33 @@ def _init_tensor(rng: np.random.Generator, shape: tuple[int, ...], kind: str) ->
     elif kind == "linear":
         w *= np.float32(1.0 / math.sqrt(shape[1]))  # torch layout [out, in]: fan_in is the last dim
     return w
+
+
+def seeded_tensor(seed: int, index: int, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    """Tensor ``index`` of :func:`weight_shapes` in a seeded folder: its rows filled by
+    ``_SEEDED_CHUNKS`` independent streams at once (numpy releases the GIL while it fills), scaled
+    as :func:`_init_tensor` scales them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdserve.engine.memory import page_empty
+
+    out = page_empty(shape)
+    rows = shape[0]
+    step = -(-rows // _SEEDED_CHUNKS)
+
+    def fill(i: int) -> None:
+        part = out[i * step : (i + 1) * step]
+        if part.size:
+            np.random.default_rng([seed, index, i]).standard_normal(part.shape, np.float32, out=part)
+
+    with ThreadPoolExecutor(min(_SEEDED_CHUNKS, os.cpu_count() or 1)) as pool:
+        list(pool.map(fill, range(_SEEDED_CHUNKS)))
+    if kind == "norm":
+        out *= np.float32(0.1)
+        out += np.float32(1.0)
+    elif kind == "linear":
+        out *= np.float32(1.0 / math.sqrt(shape[1]))
+    return out
 
 
 def _write_weights(folder: Path, config: dict[str, Any], seed: int, num_shards: int) -> None:

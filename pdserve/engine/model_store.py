@@ -57,11 +57,13 @@ FETCHED_PRESETS = {
         size_mb=93,
     ),  # HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0), its Q4_1 GGUF
 }
-MADE_PRESETS = ("tiny", "small")  # pdserve.engine.model_init writes these
+MADE_PRESETS = ("tiny", "small", "smollm2-shape", "llama3-8b-shape")  # pdserve.engine.model_init writes these
+SEEDED_PRESETS = ("smollm2-shape", "llama3-8b-shape")  # made without weight files (generated at load)
 PRESETS = (*FETCHED_PRESETS, *MADE_PRESETS)
 MODEL_HELP = (
     "the model: a folder (Hugging Face layout), a .gguf file, a Hugging Face hub id (org/name), or a "
-    "preset: smollm2-135m (a real instruct model, fetched once), tiny or small (random weights, for tests)"
+    "preset: smollm2-135m (a real instruct model, fetched once), tiny or small (random weights, for tests), "
+    "smollm2-shape or llama3-8b-shape (seeded random weights in those models' shapes, generated at load)"
 )
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]  # what a model folder needs
@@ -137,12 +139,12 @@ def import_source(source: str | Path, target: str | Path, overwrite: bool = Fals
 def check_model_folder(path: Path) -> None:
     """Raise ConfigError naming what a model folder lacks (config, weights, tokenizer)."""
     from pdserve.engine.model_config import ModelConfig
-    from pdserve.engine.weights import checkpoint_files
+    from pdserve.engine.weights import checkpoint_sources
 
     missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).is_file()]
     if missing:
         raise ConfigError(f"{path} is not a Hugging Face model folder: it lacks {', '.join(missing)}")
-    checkpoint_files(path)
+    checkpoint_sources(path)
     ModelConfig.from_dir(path)
 
 
@@ -244,10 +246,10 @@ def made_preset(name: str) -> Path:
     with FileLock(str(models_dir() / f".{name}.lock")):
         if not (path / "config.json").is_file() or not config.is_file():
             log.info("writing the %s model in %s", name, path)
-            init_model(path, preset=name, overwrite=path.exists())
+            init_model(path, preset=name, overwrite=path.exists(), seeded=name in SEEDED_PRESETS)
         elif json.loads(config.read_text()).get("chat_template") != CHATML_TEMPLATE:
             log.info("rewriting the %s model in %s (its chat template is from an older pdserve)", name, path)
-            init_model(path, preset=name, overwrite=True)
+            init_model(path, preset=name, overwrite=True, seeded=name in SEEDED_PRESETS)
     return path
 
 

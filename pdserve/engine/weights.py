@@ -113,6 +113,52 @@ class SafetensorsFile:
         return out
 
 
+class SeededTensors:
+    """The weights of a folder written by ``init_model(..., seeded=True)``, generated as read; the
+    same interface as :class:`SafetensorsFile` (``tensors``, ``read``)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from pdserve.engine.model_init import SEEDED_WEIGHTS, weight_shapes
+
+        try:
+            self.seed = int(orjson.loads((model_dir / SEEDED_WEIGHTS).read_bytes())["seed"])
+            config = orjson.loads((model_dir / "config.json").read_bytes())
+            specs = weight_shapes(config)
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{model_dir / SEEDED_WEIGHTS} or its config.json is malformed: {e}") from None
+        self.tensors: dict[str, tuple[str, tuple[int, ...], int]] = {
+            name: ("F32", shape, i) for i, (name, shape, _) in enumerate(specs)
+        }
+        self._kind = {name: kind for name, _, kind in specs}
+
+    def read(self, name: str) -> np.ndarray:
+        from pdserve.engine.model_init import seeded_tensor
+
+        _, shape, index = self.tensors[name]
+        return seeded_tensor(self.seed, index, shape, self._kind[name])
+
+
+def checkpoint_sources(model_dir: Path) -> dict[str, SafetensorsFile | SeededTensors]:
+    """Tensor name → where it is read from: its safetensors file, or a seeded folder's generator."""
+    from pdserve.engine.model_init import SEEDED_WEIGHTS
+
+    if (model_dir / SEEDED_WEIGHTS).is_file():
+        seeded = SeededTensors(model_dir)
+        return dict.fromkeys(seeded.tensors, seeded)
+    files: dict[str, SafetensorsFile | SeededTensors] = {}
+    for path in checkpoint_files(model_dir):
+        st = SafetensorsFile(path)
+        files.update(dict.fromkeys(st.tensors, st))
+    return files
+
+
+def hf_tensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Every checkpoint tensor under its Hugging Face name, float32 in torch's ``[out, in]`` layout
+    (to load the very same weights into another implementation, e.g. an eager reference)."""
+    for name, source in checkpoint_sources(Path(model_dir)).items():
+        yield name, source.read(name)
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -160,10 +206,7 @@ def iter_weights(model_dir: str | Path, cfg: ModelConfig) -> Iterator[tuple[str,
     """Yield the fused float32 weights one at a time (see :func:`load_weights` for the names),
     ``embed`` first. Checks every tensor's presence and shape before yielding any."""
     model_dir = Path(model_dir)
-    files: dict[str, SafetensorsFile] = {}
-    for path in checkpoint_files(model_dir):
-        st = SafetensorsFile(path)
-        files.update(dict.fromkeys(st.tensors, st))
+    files = checkpoint_sources(model_dir)
 
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     D = cfg.head_dim

@@ -1,0 +1,113 @@
+"""Decode steps replayed as CUDA graphs: one graph per batch-size bucket, static input buffers.
+
+A decode step launches a few hundred small kernels; at small batches launching them costs more than
+running them. A captured graph replays the whole step as one launch. Each bucket's graph reads its
+inputs from static buffers (token ids, positions, slots, block tables as wide as the longest
+context, lengths) that a step fills before the replay; rows past the step's batch pad the bucket
+with a token of length 1 in the null block (its K/V lands there, its logits are dropped). Graphs
+are captured largest first into one memory pool, so the smaller ones reuse the largest's memory.
+Prefill stays eager (its shapes vary with every chunk and its kernels are large).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.engine.block_manager import NULL_BLOCK
+from pdserve.engine.torch_model import DeviceGroup, DeviceStep, TorchModel
+
+log = logging.getLogger(__name__)
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every 8 up to ``max_num_seqs`` (which is last)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs]
+    sizes += list(range(8, max_num_seqs, 8))
+    return [*sizes, max_num_seqs]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding ``n`` decodes, or None when ``n`` is above them all."""
+    return next((b for b in buckets if b >= n), None)
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one model and cache, and the buffers they read."""
+
+    def __init__(
+        self, model: TorchModel, cache: torch.Tensor, max_num_seqs: int, max_blocks_per_seq: int
+    ) -> None:
+        self.model, self.cache = model, cache
+        self.buckets = graph_buckets(max_num_seqs)
+        top, dev = self.buckets[-1], cache.device
+        self.block_size = cache.shape[3]
+        # one host staging buffer for ids, positions, slots, lengths: one pinned copy per step
+        self.host = torch.zeros((4, top), dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.inputs = torch.zeros((4, top), dtype=torch.long, device=dev)
+        self.tables = torch.zeros((top, max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self.lengths32 = torch.ones(top, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool: Any = None  # the first graph's memory pool handle, shared by the others
+
+    def _step(self, b: int) -> DeviceStep:
+        ids, pos, slots, _ = self.inputs[:, :b]
+        group = DeviceGroup(0, b, True, self.tables[:b], self.lengths32[:b], 0)
+        return DeviceStep(ids, pos, slots, [group], None)
+
+    def capture(self) -> None:
+        """Capture every bucket's graph, largest first, into one memory pool."""
+        t0 = time.perf_counter()
+        self.inputs[2].fill_(NULL_BLOCK * self.block_size)  # warm-up and capture write the null block
+        stream = torch.cuda.Stream(self.cache.device)
+        stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):
+                step = self._step(b)
+                self.model.forward(self.cache, step)  # warm-up: kernels compiled, autotuned, loaded
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = self.model.forward(self.cache, step)
+                assert out is not None
+                self.pool = graph.pool()
+                self.graphs[b], self.outputs[b] = graph, out
+        torch.cuda.current_stream(self.cache.device).wait_stream(stream)
+        torch.cuda.synchronize(self.cache.device)
+        log.info(
+            "captured %d decode CUDA graphs (batch %s) in %.1f s",
+            len(self.graphs),
+            ", ".join(map(str, self.buckets)),
+            time.perf_counter() - t0,
+        )
+
+    def run(
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        tables: np.ndarray,
+        lengths: np.ndarray,
+    ) -> torch.Tensor | None:
+        """Replay the bucket for this decode step; its logits rows (a view of the graph's output,
+        valid until the next replay), or None when the step is larger than every bucket."""
+        n = token_ids.shape[0]
+        b = bucket_for(n, self.buckets)
+        if b is None or tables.shape[1] > self.tables.shape[1]:
+            return None
+        host = self.host.numpy()
+        host[0, :n], host[1, :n], host[2, :n], host[3, :n] = token_ids, positions, slots, lengths
+        host[:3, n:b] = 0
+        host[2, n:b] = NULL_BLOCK * self.block_size  # padding rows write into the null block
+        host[3, n:b] = 1
+        self.inputs[:, :b].copy_(self.host[:, :b], non_blocking=True)
+        self.lengths32[:b].copy_(self.inputs[3, :b])
+        width = tables.shape[1]
+        self.tables[:n, :width].copy_(torch.from_numpy(tables).to(torch.int32), non_blocking=False)
+        self.tables[n:b, 0] = NULL_BLOCK
+        self.graphs[b].replay()
+        return self.outputs[b][:n]
