@@ -177,7 +177,7 @@ LOAD_CHECKS = {
         if layer(m) == "scheduler"
     },
     **{
-        m: ("paddle", "redis", "pdserve.worker", "pdserve.router", "pdserve.scheduler")
+        m: ("paddle", "torch", "redis", "pdserve.worker", "pdserve.router", "pdserve.scheduler")
         for m in MODULES
         if layer(m) == "cache_transfer"
     },
@@ -190,6 +190,7 @@ LOAD_CHECKS = {
     **{
         f"pdserve.engine.{m}": (
             "redis",
+            "torch",
             "pdserve.scheduler",
             "pdserve.worker",
             "pdserve.router",
@@ -197,7 +198,16 @@ LOAD_CHECKS = {
         )
         for m in ("llm_engine", "llm", "disaggregate", "echo")
     },
-    "pdserve.engine.config": ("paddle", "numba", "redis", "pdserve.worker"),
+    # the CPU path never loads torch, the torch (CUDA) path never loads Paddle
+    **{
+        f"pdserve.engine.{m}": ("torch", "triton")
+        for m in ("paddle_executor", "platform", "model", "kv_cache", "model_runner", "step_input")
+    },
+    **{
+        f"pdserve.engine.{m}": ("paddle", "redis", "pdserve.worker", "pdserve.router")
+        for m in ("torch_executor", "torch_model", "torch_cache", "cuda_graphs", "kernels.triton_attention")
+    },
+    "pdserve.engine.config": ("paddle", "torch", "numba", "redis", "pdserve.worker"),
     "pdserve.sampling_params": ("paddle", "redis", "pdserve.worker", "pdserve.router"),
     "pdserve.tokenizer": ("paddle", "numba", "redis", "pdserve.engine", "pdserve.worker", "pdserve.router"),
     "pdserve.scheduler.keys": ("paddle", "redis"),

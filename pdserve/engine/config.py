@@ -13,9 +13,11 @@ from pdserve.engine.kernels.cpu import KERNEL_MODES
 from pdserve.engine.kernels.fused_decode import DECODE_MODES
 from pdserve.engine.kernels.gemm import GEMM_MODES
 from pdserve.engine.kernels.int8 import WEIGHT_TYPES
-from pdserve.engine.platform import DEVICES, DTYPES
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
+
+DEVICES = ("auto", "cpu", "cuda")  # --device: platform.py resolves auto
+DTYPES = ("auto", "bfloat16", "float32")
 
 # The choice settings left unset: read from PDSERVE_<NAME>, else this default (said in each help).
 _CHOICE_DEFAULTS = {

@@ -29,7 +29,7 @@ from pdserve.engine.memory import resident_bytes
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import PromptRows
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
-from pdserve.engine.platform import Platform, select_platform
+from pdserve.engine.platform import Platform, resolve_device
 from pdserve.engine.sampler import Sample, Sampler, logprobs_of, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.errors import EngineError, InvalidRequestError, RequestTooLongError
@@ -46,6 +46,19 @@ class _Request:
     stop: StopStringMatcher
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """One per prompt position, filled as its prefill chunks run; handed out with the first token."""
+
+
+def select_platform(config: EngineConfig) -> Platform:
+    """The platform ``config.device`` names (``auto`` resolved here)."""
+    assert config.device is not None  # EngineConfig.__post_init__ resolves it
+    device = resolve_device(config.device)
+    if device == "cuda":
+        from pdserve.engine.torch_executor import TorchPlatform
+
+        return TorchPlatform(f"cuda:{config.gpu or 0}")
+    from pdserve.engine.paddle_executor import PaddlePlatform
+
+    return PaddlePlatform()
 
 
 class LLMEngine:

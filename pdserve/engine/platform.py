@@ -18,17 +18,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from pdserve.engine.config import DEVICES, DTYPES, EngineConfig
+
 if TYPE_CHECKING:
     from pdserve.cache_transfer.regions import Region
-    from pdserve.engine.config import EngineConfig
     from pdserve.engine.model_config import ModelConfig
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.step_input import StepInput
 
 log = logging.getLogger(__name__)
-
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "bfloat16", "float32")
 
 
 class EngineCache(Protocol):
@@ -131,16 +129,3 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         return "bfloat16" if device == "cuda" else "float32"
     return dtype
-
-
-def select_platform(config: EngineConfig) -> Platform:
-    """The platform ``config.device`` names (``auto`` resolved here)."""
-    assert config.device is not None  # EngineConfig.__post_init__ resolves it
-    device = resolve_device(config.device)
-    if device == "cuda":
-        from pdserve.engine.torch_executor import TorchPlatform
-
-        return TorchPlatform(f"cuda:{config.gpu or 0}")
-    from pdserve.engine.paddle_executor import PaddlePlatform
-
-    return PaddlePlatform()
