@@ -89,6 +89,13 @@ class StackSpec:
         "give every worker a Prometheus port (free ports, printed in the banner; routers always "
         "serve /metrics) (default off)",
     )
+    gpus: str | None = setting(
+        None,
+        "with --device cuda: the GPUs the workers share, as indices (e.g. 0,1): workers go to them in "
+        "turn, and each card's --gpu-memory-utilization is split between the workers on it "
+        "(default: every worker on --gpu, else the first card)",
+        kind=str,
+    )
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # every worker's
     router_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """RouterSettings fields every router gets (benchmarks and tests: `up` has no flags for them)."""
@@ -102,6 +109,15 @@ class StackSpec:
             raise ConfigError("--routers must be >= 1")
         if self.prefill + self.decode + self.mixed < 1:
             raise ConfigError("at least one of --prefill, --decode, --mixed must be >= 1")
+        if self.gpus is not None:
+            try:
+                cards = [int(g) for g in self.gpus.split(",")]
+            except ValueError:
+                raise ConfigError(
+                    f"--gpus must be GPU indices separated by commas, got {self.gpus!r}"
+                ) from None
+            if not cards or min(cards) < 0:
+                raise ConfigError(f"--gpus must be GPU indices separated by commas, got {self.gpus!r}")
         if self.prefill and not self.decode and not self.mixed:
             raise ConfigError(
                 "--prefill needs --decode (or --mixed): a prefill instance cannot finish a request"
@@ -201,9 +217,17 @@ class Stack:
         n_workers = spec.prefill + spec.decode + spec.mixed
         threads = spec.engine.threads or max(1, (os.cpu_count() or 1) // n_workers)
         engine = dataclasses.replace(spec.engine, threads=threads)
+        placement = self._gpu_placement(n_workers) if spec.engine_kind == "model" else None
+        n = 0
         for role, count in (("decode", spec.decode), ("prefill", spec.prefill), ("mixed", spec.mixed)):
             for i in range(count):
                 name = f"{role}-{i}"
+                if placement is not None:
+                    card, share = placement[n]
+                    engine = dataclasses.replace(
+                        spec.engine, device="cuda", gpu=card, gpu_memory_utilization=share
+                    )
+                n += 1
                 worker = WorkerSettings(
                     model_dir=self.model.path,
                     served_model_name=self.model.name,
@@ -257,6 +281,25 @@ class Stack:
                 str(spec.redis_wait_timeout_ms),
             ]
             self.batch_workers.append((name, self._spawn(self.argv[name])))
+
+    def _gpu_placement(self, n_workers: int) -> list[tuple[int, float]] | None:
+        """With a CUDA device, each worker's (card, share of its memory): workers go to the cards in
+        turn and split each card's ``--gpu-memory-utilization``; None on the CPU."""
+        from pdserve.engine.platform import resolve_device
+
+        spec = self.spec
+        assert spec.engine.device is not None  # EngineConfig resolves it
+        if resolve_device(spec.engine.device) != "cuda":
+            return None
+        cards = [int(g) for g in spec.gpus.split(",")] if spec.gpus else [spec.engine.gpu or 0]
+        on_card = [cards[i % len(cards)] for i in range(n_workers)]
+        share = spec.engine.gpu_memory_utilization
+        placement = [(card, share / on_card.count(card)) for card in on_card]
+        print(
+            "GPU: " + ", ".join(f"card {c}: {on_card.count(c)} worker(s)" for c in dict.fromkeys(on_card)),
+            flush=True,
+        )
+        return placement
 
     def record(self) -> None:
         """Write ``record_path()`` (read by ``pdserve status``); ``stop`` removes it."""

@@ -33,6 +33,7 @@ SENTINEL = "pdserve redis --sentinel"
 NOT_RUN = {
     "make test": "the two commands: this test runs what `make up` runs, and `make test` runs this test",
     "benchmarks/engine_bench.py": "a benchmark of about 15 minutes, run by hand",
+    "--device cuda": "needs an NVIDIA GPU: benchmarks/gpu_check.sh runs a GPU stack there",
     "# host B": "needs two hosts: tests/e2e/test_multihost.py runs these commands in two network namespaces",
 }
 
