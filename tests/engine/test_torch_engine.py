@@ -111,6 +111,29 @@ def test_the_kv_hand_off_between_two_engines_continues_exactly(tiny_model_dir: P
     assert prefill.facts().device == "cpu" and prefill.facts().dtype == "float32"
 
 
+def test_decode_through_the_graph_buckets_static_buffers_gives_the_same_steps(
+    tiny_model_dir, generated
+) -> None:
+    """Decode steps through DecodeGraphs' padded static buffers (buckets 1, 2, 4: three sequences run
+    in bucket 4 with one padding row in the null block; tables as wide as the longest context),
+    here uncaptured (eager): the same tokens and logits as the plain path."""
+    from pdserve.engine.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
+
+    assert graph_buckets(4) == [1, 2, 4] and graph_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_buckets(1) == [1] and bucket_for(3, [1, 2, 4]) == 4 and bucket_for(5, [1, 2, 4]) is None
+    eng = engine(tiny_model_dir, max_num_seqs=4)
+    ex = eng.executor
+    ex.graphs = DecodeGraphs(ex.model, ex.cache.tensor, 4, 2048 // 16)
+    calls = []
+    run_bucket = ex.graphs.run
+    ex.graphs.run = lambda *a: calls.append(a[0].shape[0]) or run_bucket(*a)
+    out = run(eng, PROMPTS)
+    assert 3 in calls  # a step of three decodes went through bucket 4
+    for key, (tokens, logits) in generated.items():
+        assert out[key][0] == tokens
+        np.testing.assert_allclose(np.stack(out[key][1]), np.stack(logits), atol=2e-5, rtol=0)
+
+
 def test_the_shared_cache_is_the_shm_segment_a_same_host_writer_fills(tiny_model_dir: Path) -> None:
     """On torch's CPU device a decode cache lies in the instance's shm segment: its raw bytes are the
     tensor's (what the shm transport writes), and closing the engine removes the segment."""
