@@ -17,9 +17,9 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels.cpu import choose_kernels
 from pdserve.engine.kernels.paddle_setup import HOST, paddle
 from pdserve.engine.kernels.paddle_setup import functional as F
-from pdserve.engine.paddle_executor import set_threads
 from pdserve.engine.model import Model
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.paddle_executor import set_threads
 from pdserve.engine.weights import load_weights
 
 

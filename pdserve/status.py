@@ -79,6 +79,10 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "role": i.role,
                 "model": i.model,
                 "weights": i.kv.weights or "f32",
+                "device": i.kv.device,
+                "device_name": i.kv.device_name,
+                "dtype": i.kv.dtype,
+                "memory_bytes": i.kv.memory_bytes,
                 "host": i.host,
                 "pid": i.pid,
                 "running": i.load.running,
@@ -186,6 +190,7 @@ def render(status: dict[str, Any]) -> str:
             "INSTANCE",
             "ROLE",
             "MODEL",
+            "DEVICE",
             "HOST",
             "RUN",
             "WAIT",
@@ -200,6 +205,7 @@ def render(status: dict[str, Any]) -> str:
                 i["id"],
                 i["role"],
                 _model(i),
+                device(i),
                 i["host"],
                 str(i["running"]),
                 str(i["waiting"]),
@@ -296,6 +302,7 @@ def check_instance(info: InstanceInfo | None, instance_id: str, cluster: str) ->
 
 
 WIDE = 120  # from this many columns on, ``--watch`` shows every column; narrower, the essential ones
+WIDEST = 150  # ... and from this many on, each instance's DEVICE too
 
 
 def _model(instance: dict[str, Any]) -> str:
@@ -304,10 +311,22 @@ def _model(instance: dict[str, Any]) -> str:
     return instance["model"] if weights == "f32" else f"{instance['model']} ({weights})"
 
 
+DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def device(instance: dict[str, Any]) -> str:
+    """Where the KV cache lives, its element type and the device memory the instance holds, in one
+    short cell: ``cuda bf16 71.3G``, ``cpu f32`` (an older worker says no device: cpu)."""
+    dtype = instance.get("dtype") or "?"
+    cell = f"{instance.get('device') or 'cpu'} {DTYPES.get(dtype, dtype)}"
+    memory = instance.get("memory_bytes")
+    return f"{cell} {memory / 2**30:.1f}G" if memory else cell
+
+
 def view(status: dict[str, Any] | None, error: str | None = None, width: int = WIDE) -> Any:
     """The ``--watch`` screen: a rich renderable of one status (or of why there is none). Narrower
     than ``WIDE`` columns (an 80-column terminal) it drops MODEL and WAIT TOK and the KV bar, and
-    packs the table, so every instance id and state stays whole."""
+    packs the table, so every instance id and state stays whole; DEVICE shows from ``WIDEST`` on."""
     from rich.console import Group
     from rich.text import Text
 
@@ -316,7 +335,21 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
         return Text(f"{stamp}  {error}", style="bold red")
     wide = width >= WIDE
     head = Text(f"{stamp}  {counts_line(status)}    (Ctrl-C to quit)", style="bold")
-    columns = ["INSTANCE", "ROLE", "MODEL", "RUN", "WAIT", "WAIT TOK", "KV USED", "INBOX", "AGE", "STATE"]
+    columns = [
+        "INSTANCE",
+        "ROLE",
+        "MODEL",
+        "DEVICE",
+        "RUN",
+        "WAIT",
+        "WAIT TOK",
+        "KV USED",
+        "INBOX",
+        "AGE",
+        "STATE",
+    ]
+    if width < WIDEST:
+        columns.remove("DEVICE")
     if not wide:
         columns = [c for c in columns if c not in ("MODEL", "WAIT TOK")]
         columns[columns.index("INBOX")] = "INBOX/PEND"  # its length / its pending count
@@ -332,6 +365,7 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
                 i["id"],
                 i["role"],
                 _model(i),
+                *([device(i)] if "DEVICE" in columns else []),
                 *counts,
                 str(i["waiting_prefill_tokens"]),
                 f"{bar} {share:4.0%} ({used}/{i['num_blocks']})",

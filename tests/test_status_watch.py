@@ -194,3 +194,34 @@ def test_status_says_which_instances_run_int8_weights(redis_url) -> None:
     assert {i["id"]: i["weights"] for i in status["instances"]} == {f32.id: "f32", int8.id: "int8"}
     lines = {line.split()[0]: line for line in render(status).splitlines() if line.startswith("decode-")}
     assert f"{int8.model} (int8)" in lines[int8.id] and "(int8)" not in lines[f32.id]
+
+
+def test_status_shows_each_instances_device_dtype_and_memory(redis_url) -> None:
+    """One compact DEVICE cell: where the KV cache lives, its element type and the device memory
+    held; a worker that registers no device (older, or a CPU one) is cpu. In --watch, only from
+    150 columns on (narrower, the other columns stay whole)."""
+    import asyncio
+
+    from rich.console import Console
+    from router_support import instance
+
+    from pdserve.status import collect, render, view
+
+    cpu, gpu = instance("decode-0-aaaaaa", "decode"), instance("decode-1-bbbbbb", "decode")
+    gpu.kv.device, gpu.kv.dtype, gpu.kv.device_name = "cuda", "bfloat16", "NVIDIA H200 (cuda:0)"
+    gpu.kv.memory_bytes = 71 * 2**30 + 2**29
+    register(redis_url, "wdev", cpu, gpu)
+    status = asyncio.run(collect(redis_url, "wdev"))
+    by_id = {i["id"]: i for i in status["instances"]}
+    assert (by_id[gpu.id]["device"], by_id[gpu.id]["device_name"]) == ("cuda", "NVIDIA H200 (cuda:0)")
+    assert (by_id[cpu.id]["device"], by_id[cpu.id]["memory_bytes"]) == ("cpu", None)
+    text = render(status)
+    assert "DEVICE" in text.splitlines()[2]
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("decode-")}
+    assert "cuda bf16 71.5G" in lines[gpu.id] and "cpu f32" in lines[cpu.id]
+    for width in (80, 140, 160):
+        console = Console(width=width, record=True, force_terminal=False)
+        console.print(view(status, None, console.width))
+        shown = console.export_text()
+        assert max(len(line) for line in shown.splitlines()) <= width and "…" not in shown, shown
+        assert ("cuda bf16 71.5G" in shown) == (width == 160), shown

@@ -2,8 +2,12 @@
 
 A transport is chosen per prefill/decode pair (``disaggregate_info.protocol``); both sides walk
 their block lists in block-table order (see regions.py). Each protocol is one module implementing
-:class:`TransportBackend` (``shm.py``, ``mooncake.py``), registered in ``transports.TRANSPORTS``;
-this module knows none of them, and the worker names none of them.
+:class:`TransportBackend` (``shm.py``, ``mooncake.py``, ``cuda_ipc.py``), registered in
+``transports.TRANSPORTS``; this module knows none of them, and the worker names none of them.
+
+A cache lives in host memory (``device`` "cpu": its view a numpy uint8 array) or in GPU memory
+("cuda": a flat ``torch.uint8`` CUDA tensor); each backend says which it moves (``devices``).
+This module never imports torch: the CPU path must not load it.
 """
 
 from __future__ import annotations
@@ -13,9 +17,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
-import numpy as np
-
 from pdserve.cache_transfer.regions import Region, pair_regions
+from pdserve.errors import ConfigError
 
 B = TypeVar("B", bound="TransportBackend")
 
@@ -26,10 +29,12 @@ class KVTransport(abc.ABC):
     protocol: str
 
     @abc.abstractmethod
-    def write(self, src: np.ndarray, segments: list[tuple[int, int, int]]) -> int:
-        """Copy ``src[s:s+n]`` to the peer at ``d`` for each ``(s, d, n)``; returns bytes moved."""
+    def write(self, src: Any, segments: list[tuple[int, int, int]]) -> int:
+        """Copy ``src[s:s+n]`` to the peer at ``d`` for each ``(s, d, n)``; returns bytes moved.
 
-    def write_blocks(self, src: np.ndarray, src_regions: list[Region], dst_regions: list[Region]) -> int:
+        ``src`` is the local cache's :attr:`LocalCache.view` (numpy on a host cache, torch on a GPU)."""
+
+    def write_blocks(self, src: Any, src_regions: list[Region], dst_regions: list[Region]) -> int:
         return self.write(src, pair_regions(src_regions, dst_regions))
 
     def current(self) -> bool:
@@ -42,12 +47,22 @@ class KVTransport(abc.ABC):
         """Release connections or mappings to the peer."""
 
 
+CPU, CUDA = "cpu", "cuda"  # where a KV cache lives (EngineFacts.device, KVInfo.device)
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalCache:
     """This instance's KV cache, as a backend's local side sees it."""
 
-    view: np.ndarray  # the whole cache as uint8: alive and unmoved until the backend is closed
+    view: Any
+    """The whole cache as bytes, alive and unmoved until the backend is closed: a numpy uint8 array
+    on a host cache (``device`` "cpu"), a flat ``torch.uint8`` CUDA tensor on a GPU ("cuda")."""
     shm_name: str | None = None  # the shared-memory segment holding it (a decode instance's), if any
+    device: str = CPU
+    block_bytes: int | None = None  # bytes of one block: what a block-wise backend (cuda_ipc) copies
+    shared: bool = False
+    """Peers write into this cache (a decode instance's): a backend that must export it to advertise
+    an endpoint does so only then (a prefill's cache is never exported)."""
 
 
 class TransportBackend(abc.ABC):
@@ -58,6 +73,17 @@ class TransportBackend(abc.ABC):
     """
 
     protocol: ClassVar[str]
+    devices: ClassVar[tuple[str, ...]] = (CPU,)
+    """Where the caches it moves may live (``LocalCache.device``): host memory by default."""
+
+    @classmethod
+    def unsuited(cls, device: str) -> str | None:
+        """Why this transport cannot move a cache that lives on ``device``; None when it can."""
+        if device in cls.devices:
+            return None
+        return (
+            f"the {cls.protocol} transport moves KV caches in {' or '.join(cls.devices)} memory, not {device}"
+        )
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -69,8 +95,9 @@ class TransportBackend(abc.ABC):
     @classmethod
     def left_out_of_auto(cls, options: Mapping[str, Any]) -> str | None:
         """Why ``--kv-transfer auto`` does not offer this transport with these worker settings, or
-        None when it does: by default, whatever :meth:`unavailable` says."""
-        return cls.unavailable()
+        None when it does: by default, the cache's device (``options["device"]``, "cpu" when not
+        given: :meth:`unsuited`), then whatever :meth:`unavailable` says."""
+        return cls.unsuited(options.get("device") or CPU) or cls.unavailable()
 
     @classmethod
     def from_options(cls: type[B], options: Mapping[str, Any]) -> B:
@@ -80,7 +107,8 @@ class TransportBackend(abc.ABC):
 
     @abc.abstractmethod
     def open(self, local: LocalCache) -> None:
-        """Open the local side over this instance's cache (start engines, register memory)."""
+        """Open the local side over this instance's cache (start engines, register memory); a
+        ConfigError when the cache lives where this transport cannot move it (:meth:`check_device`)."""
 
     @abc.abstractmethod
     def endpoint(self) -> Any:
@@ -92,3 +120,10 @@ class TransportBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Close the local side: afterwards no peer can write into this cache through it."""
+
+    @classmethod
+    def check_device(cls, local: LocalCache) -> None:
+        """ConfigError when ``local`` lives where this transport cannot move it (:meth:`unsuited`)."""
+        reason = cls.unsuited(local.device)
+        if reason is not None:
+            raise ConfigError(reason)

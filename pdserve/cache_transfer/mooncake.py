@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBackend
+from pdserve.cache_transfer.base import CPU, KVTransport, LocalCache, TransportBackend
 from pdserve.cache_transfer.regions import Segment
 from pdserve.errors import ConfigError, TransferError
 
@@ -217,10 +217,21 @@ class MooncakeBackend(TransportBackend):
         return unavailable()
 
     @classmethod
+    def unsuited(cls, device: str) -> str | None:
+        if device == CPU:
+            return None
+        return (
+            f"the mooncake transport registers KV caches in host memory, and this instance's is on "
+            f"{device}: a staged path through pinned host memory is future work (between GPUs of one "
+            "host use --kv-transfer cuda_ipc)"
+        )
+
+    @classmethod
     def left_out_of_auto(cls, options: Mapping[str, Any]) -> str | None:
         """Mooncake listens on every interface whatever address it is given, so ``auto`` offers it
-        only where the operator named the private address peers reach it at."""
-        reason = cls.unavailable()
+        only where the operator named the private address peers reach it at (and only over a cache
+        in host memory)."""
+        reason = cls.unsuited(options.get("device") or CPU) or cls.unavailable()
         if reason is None and not options.get("transfer_address"):
             reason = (
                 "no --transfer-address given (Mooncake's ports listen on every interface: give the "
@@ -233,6 +244,7 @@ class MooncakeBackend(TransportBackend):
         return cls(options.get("transfer_address") or "", options.get("mooncake_protocol") or "tcp")
 
     def open(self, local: LocalCache) -> None:
+        self.check_device(local)
         agent = MooncakeAgent(self.address or default_address(), self.wire)
         agent.register(local.view)
         self.agent = agent

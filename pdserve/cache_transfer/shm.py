@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBackend
+from pdserve.cache_transfer.base import CPU, KVTransport, LocalCache, TransportBackend
 from pdserve.cache_transfer.regions import Segment
 from pdserve.errors import ConfigError, TransferError
 
@@ -253,7 +253,17 @@ class ShmBackend(TransportBackend):
     def __init__(self) -> None:
         self.segment: str | None = None
 
+    @classmethod
+    def unsuited(cls, device: str) -> str | None:
+        if device == CPU:
+            return None
+        return (
+            f"the shm transport copies KV caches in host memory, and this instance's is on {device} "
+            "(between GPUs of one host use --kv-transfer cuda_ipc)"
+        )
+
     def open(self, local: LocalCache) -> None:
+        self.check_device(local)
         self.segment = local.shm_name  # None for a cache outside shared memory (a prefill's)
 
     def endpoint(self) -> str | None:

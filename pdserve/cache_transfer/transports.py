@@ -2,6 +2,9 @@
 
 Adding a transport: one module implementing :class:`~pdserve.cache_transfer.base.TransportBackend`
 and one line in :data:`TRANSPORTS` (its flags, if it has any, in ``worker/settings.py``).
+
+Importing this module loads no transport's heavy dependency (no torch, no Mooncake wheel): each
+backend loads its own when asked whether it can run, or opened.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBackend
+from pdserve.cache_transfer.base import CPU, KVTransport, LocalCache, TransportBackend
+from pdserve.cache_transfer.cuda_ipc import CudaIpcBackend
 from pdserve.cache_transfer.mooncake import MooncakeBackend
 from pdserve.cache_transfer.shm import ShmBackend
 from pdserve.errors import ConfigError, TransferError
@@ -21,15 +25,19 @@ log = logging.getLogger(__name__)
 TRANSPORTS: dict[str, type[TransportBackend]] = {
     ShmBackend.protocol: ShmBackend,
     MooncakeBackend.protocol: MooncakeBackend,
+    CudaIpcBackend.protocol: CudaIpcBackend,
 }
-AUTO, ALL = "auto", "both"  # every available transport; every transport ("both" of the first two)
+AUTO, ALL = "auto", "both"  # every available transport; every transport for the cache's device
 KV_TRANSFERS = (AUTO, *TRANSPORTS, ALL)  # the choices of --kv-transfer
 
 
 def configured(choice: str, options: Mapping[str, Any] | None = None) -> list[str]:
     """The protocols ``--kv-transfer choice`` offers: ``auto`` those this host can run with these
     worker settings (``options``; the reason each other one is left out is logged), ``both`` all
-    of them, a protocol name just that one."""
+    of those that move a cache where this one lives (``options["device"]``, "cpu" when not
+    given: shm and mooncake in host memory, cuda_ipc on a GPU), a protocol name just that one (a
+    ConfigError when it cannot move a cache on that device)."""
+    device = (options or {}).get("device") or CPU
     if choice == AUTO:
         offered = []
         for protocol, backend in TRANSPORTS.items():
@@ -40,8 +48,11 @@ def configured(choice: str, options: Mapping[str, Any] | None = None) -> list[st
                 log.info("KV transport %s left out (--kv-transfer auto): %s", protocol, reason)
         return offered
     if choice == ALL:
-        return list(TRANSPORTS)
+        return [protocol for protocol, backend in TRANSPORTS.items() if backend.unsuited(device) is None]
     if choice in TRANSPORTS:
+        reason = TRANSPORTS[choice].unsuited(device)
+        if reason is not None:
+            raise ConfigError(f"--kv-transfer {choice}: {reason}")
         return [choice]
     raise ConfigError(f"--kv-transfer must be one of {', '.join(KV_TRANSFERS)}, got {choice!r}")
 

@@ -55,6 +55,9 @@ class PaddleExecutor(Executor):
     def __init__(self, model_dir: Path, mc: ModelConfig, config: EngineConfig, max_model_len: int) -> None:
         if config.dtype not in (None, "auto", "float32"):
             raise ConfigError(f"--dtype {config.dtype}: the CPU engine computes in float32 only")
+        # Paddle's eager mode is per thread, on only in the thread that first imported it: this one
+        # may be another (a worker builds its engine on the engine thread, which runs every step)
+        paddle.disable_static()
         self.threads = set_threads(config.threads)
         # EngineConfig.__post_init__ resolves each kernel setting left unset (environment or "auto")
         assert config.kernels and config.attention and config.gemm and config.decode_step and config.weights

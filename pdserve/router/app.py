@@ -262,8 +262,9 @@ def _add_operator_routes(app: FastAPI, state: RouterState) -> None:
         return JsonResponse(body, _rid(request))
 
 
-BUFFER_FIELDS = frozenset({"addr", "length"})
-"""Fields of a transfer endpoint that locate registered memory: never served over HTTP."""
+BUFFER_FIELDS = frozenset({"addr", "length", "handle", "ref_counter", "event"})
+"""Fields of a transfer endpoint that locate registered memory or open it (mooncake's buffer,
+cuda_ipc's IPC handles): never served over HTTP."""
 
 
 def instance_view(info: InstanceInfo, details: bool) -> dict[str, Any]:

@@ -4,8 +4,8 @@ Rules, in order:
 
 1. Only live, non-draining instances of the requested model are candidates.
 2. Splitwise when a prefill and a decode instance have the same KV geometry (:func:`kv_mismatch`)
-   and share a KV transfer protocol: ``shm`` when both are on one host and offer it, else the
-   first protocol of prefill's list that decode offers (``shm`` never crosses hosts). A prefill without any usable decode partner is skipped.
+   and share a KV transfer protocol: on one host ``shm`` or ``cuda_ipc`` when both offer it, else
+   the first protocol of prefill's list that decode offers (those two never cross hosts). A prefill without any usable decode partner is skipped.
 3. Otherwise one instance serves the whole request: a mixed one, else a decode one (decode-only
    fallback when there is no prefill instance). Prefill instances alone cannot serve: 503.
 
@@ -27,6 +27,7 @@ from pdserve.scheduler.messages import InstanceInfo
 logger = logging.getLogger(__name__)
 
 SHM = "shm"
+ONE_HOST = frozenset({SHM, "cuda_ipc"})  # protocols that reach only a cache on the same host
 _WARN_EVERY_S = 60.0
 
 
@@ -69,14 +70,27 @@ class Route:
 
 
 def transfer_protocol(prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
-    """How KV moves from ``prefill`` to ``decode``, or None when they share no usable protocol."""
+    """How KV moves from ``prefill`` to ``decode``, or None when they share no usable protocol: on
+    one host, the first one-host protocol (``shm``, ``cuda_ipc``) of prefill's list that decode
+    offers, else the first other protocol of prefill's list that decode offers."""
     offered = decode.transfer.protocols
-    if prefill.host == decode.host and SHM in prefill.transfer.protocols and SHM in offered:
-        return SHM
-    return next((p for p in prefill.transfer.protocols if p != SHM and p in offered), None)
+    if prefill.host == decode.host:
+        local = next((p for p in prefill.transfer.protocols if p in ONE_HOST and p in offered), None)
+        if local is not None:
+            return local
+    return next((p for p in prefill.transfer.protocols if p not in ONE_HOST and p in offered), None)
 
 
-KV_GEOMETRY = ("block_size", "block_bytes", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout")
+KV_GEOMETRY = (
+    "block_size",
+    "block_bytes",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "layout",
+    "device",
+)
 """The ``KVInfo`` fields a prefill/decode pair's caches must agree on."""
 
 
@@ -86,7 +100,8 @@ def kv_mismatch(prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
     The prefill side computes the decode side's byte offsets from its own KV geometry, so a pair
     whose geometry differs in anything (block size or bytes, layers, KV heads, head dim, dtype,
     layout: two models served under one name) would move wrong bytes, over other sequences'
-    blocks: such a pair is never made. A geometry one side does not register (a worker older than
+    blocks: such a pair is never made. Nor is a cache in host memory paired with one on a GPU
+    (``device``): no transport moves bytes between the two kinds. A geometry one side does not register (a worker older than
     the field) is not assumed equal. Nor are two weight precisions paired (``--weights``): the
     decode side would continue on other numbers than the prefill side computed.
     """

@@ -80,6 +80,11 @@ class KVInfo(_Model):
     weights: str | None = None
     """Precision of the weights that compute the K/V and the tokens (``f32``, ``int8``; None: an
     older worker, i.e. f32): a pair of two precisions would continue a sequence on other numbers."""
+    device: str = "cpu"
+    """Where the cache lives: ``cpu`` (host memory) or ``cuda`` (a GPU; an older worker: cpu). A
+    pair's caches must be of one kind: their bytes move by different transports."""
+    device_name: str | None = None  # e.g. "NVIDIA H200 (cuda:0)": shown by `pdserve status`
+    memory_bytes: int | None = None  # device memory the weights and the KV cache hold (None: not said)
 
 
 class LoadInfo(_Model):

@@ -22,8 +22,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-import numpy as np
-
 from pdserve.cache_transfer.regions import Region, block_regions
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput
 from pdserve.errors import InvalidRequestError, RequestTooLongError
@@ -92,7 +90,7 @@ class Engine(Protocol):
     def cancel_reservation(self, request_id: str) -> bool: ...
     def prefilled_blocks(self, request_id: str) -> list[int]: ...
     def release_prefilled(self, request_id: str) -> bool: ...
-    def kv_view(self) -> np.ndarray: ...
+    def kv_view(self) -> Any: ...
     def close(self) -> None: ...
 
 
@@ -311,8 +309,9 @@ class EngineClient:
         """Blocks holding a prefilled prompt's KV, in block-table order."""
         return await self._run(lambda: self._engine.prefilled_blocks(key))
 
-    def kv_view(self) -> np.ndarray:
-        """The whole cache as bytes: its memory, not engine state (the transport reads pinned blocks)."""
+    def kv_view(self) -> Any:
+        """The whole cache as bytes: its memory, not engine state (the transport reads pinned blocks):
+        a numpy uint8 array in host memory, a flat torch.uint8 tensor on a GPU (``facts.device``)."""
         return self._engine.kv_view()
 
     def regions(self, block_ids: list[int]) -> list[Region]:

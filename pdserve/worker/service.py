@@ -191,9 +191,17 @@ class WorkerService:
         if s.role == "mixed":
             return
         assert self.engine is not None
+        facts = self.engine.facts
         options = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}  # each backend reads its own
+        options["device"] = facts.device  # where the cache lives: which transports can move it
         protocols = transports.configured(s.kv_transfer, options)
-        local = LocalCache(self.engine.kv_view(), self.engine.facts.shm_name)
+        local = LocalCache(
+            self.engine.kv_view(),
+            facts.shm_name,
+            device=facts.device,
+            block_bytes=facts.block_bytes,
+            shared=s.role == "decode",  # peers write into a decode instance's cache only
+        )
         backends = await asyncio.to_thread(transports.open_backends, protocols, options, local)
         self.transports.backends.update(backends)
         log.info(
@@ -300,6 +308,9 @@ class WorkerService:
                 head_dim=facts.head_dim,
                 prefix_caching=facts.prefix_caching,
                 weights=facts.weights,
+                device=facts.device,
+                device_name=facts.device_name,
+                memory_bytes=facts.memory_bytes or None,
             ),
             load=LoadInfo(
                 running=load.running,

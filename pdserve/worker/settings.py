@@ -76,8 +76,9 @@ class WorkerSettings:
     kv_transfer: str = setting(
         "auto",
         "KV transports a prefill/decode instance offers: shm (same host, one copy), mooncake (across "
-        "hosts), both; auto: shm, plus mooncake when it is installed and --transfer-address is given "
-        "(default %(default)s)",
+        "hosts), cuda_ipc (GPU caches, same host), both (all those that move this instance's cache); "
+        "auto: on a CPU cache shm, plus mooncake when it is installed and --transfer-address is given; "
+        "on a GPU cache cuda_ipc (default %(default)s)",
         choices=KV_TRANSFERS,
     )
     # The flags of one transport, read by its backend by field name (TransportBackend.from_options):

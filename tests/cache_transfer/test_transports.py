@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.cache_transfer import shm
 from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBackend
+from pdserve.cache_transfer.cuda_ipc import CudaIpcBackend
 from pdserve.cache_transfer.mooncake import MooncakeBackend
 from pdserve.cache_transfer.regions import block_regions
 from pdserve.cache_transfer.shm import ShmBackend, ShmWriter
@@ -81,12 +82,32 @@ def loop(monkeypatch):
 
 
 def test_the_choices_of_kv_transfer_come_from_the_table() -> None:
-    assert KV_TRANSFERS == ("auto", "shm", "mooncake", "both")
-    assert dict(TRANSPORTS) == {"shm": ShmBackend, "mooncake": MooncakeBackend}
+    assert KV_TRANSFERS == ("auto", "shm", "mooncake", "cuda_ipc", "both")
+    assert dict(TRANSPORTS) == {"shm": ShmBackend, "mooncake": MooncakeBackend, "cuda_ipc": CudaIpcBackend}
     assert configured("shm") == ["shm"] and configured("mooncake") == ["mooncake"]
-    assert configured("both") == ["shm", "mooncake"]
-    with pytest.raises(ConfigError, match="--kv-transfer must be one of auto, shm, mooncake, both"):
+    assert configured("both") == ["shm", "mooncake"]  # every one that moves a cache in host memory
+    assert configured("both", {"device": "cuda"}) == ["cuda_ipc"]  # ... or on a GPU
+    assert configured("cuda_ipc", {"device": "cuda"}) == ["cuda_ipc"]
+    with pytest.raises(ConfigError, match="--kv-transfer must be one of auto, shm, mooncake, cuda_ipc, both"):
         configured("carrier-pigeon")
+
+
+@pytest.mark.parametrize(
+    "choice, device, says",
+    [
+        ("shm", "cuda", "the shm transport copies KV caches in host memory, and this instance's is on cuda"),
+        ("mooncake", "cuda", "a staged path through pinned host memory is future work"),
+        ("cuda_ipc", "cpu", "cuda_ipc moves KV caches in GPU memory, and this instance's is on cpu"),
+    ],
+)
+def test_a_transport_named_for_a_cache_it_cannot_move_is_refused(choice: str, device: str, says: str) -> None:
+    """``--kv-transfer shm`` on a GPU instance (or cuda_ipc on a CPU one) stops the worker at start
+    with the reason, rather than advertise a transport that cannot move its cache."""
+    with pytest.raises(ConfigError, match=f"--kv-transfer {choice}: .*{says}"):
+        configured(choice, {"device": device})
+    view = np.zeros(BLOCK, np.uint8)
+    with pytest.raises(ConfigError, match=says):  # and the backend refuses to open over it
+        TRANSPORTS[choice]().open(LocalCache(view, device=device, block_bytes=BLOCK))
 
 
 def test_auto_leaves_out_what_this_host_cannot_run_and_says_why(monkeypatch, caplog) -> None:
@@ -112,7 +133,8 @@ def test_auto_offers_mooncake_only_where_its_address_is_given(monkeypatch, caplo
 
 def test_a_writer_needs_a_known_protocol_offered_here_and_advertised_by_the_peer() -> None:
     with pytest.raises(
-        TransferError, match=r"unsupported KV transfer protocol 'nvlink' \(supported: shm, mooncake\)"
+        TransferError,
+        match=r"unsupported KV transfer protocol 'nvlink' \(supported: shm, mooncake, cuda_ipc\)",
     ):
         open_writer({}, "nvlink", {"nvlink": "x"})
     with pytest.raises(

@@ -240,10 +240,11 @@ def _with_endpoints(instance_id: str):
             "length": 987654321,
             "protocol": "tcp",
         },
+        "cuda_ipc": {"handle": "SVBDSEFORExF", "ref_counter": "L3RvcmNo", "event": "RVZFTlQ=", "pid": 42},
     }
     info = instance(instance_id, "decode")
     return info.model_copy(
-        update={"transfer": TransferInfo(protocols=["shm", "mooncake"], endpoint=endpoint)}
+        update={"transfer": TransferInfo(protocols=["shm", "mooncake", "cuda_ipc"], endpoint=endpoint)}
     )
 
 
@@ -255,8 +256,9 @@ def test_instances_hide_transfer_endpoints_and_never_serve_buffer_addresses(redi
         r = await client.get("/v1/instances", **kw)
         assert r.status_code == 200, r.text
         assert "140000000000" not in r.text and "987654321" not in r.text  # the buffer, in no field
+        assert all(h not in r.text for h in ("SVBDSEFORExF", "L3RvcmNo", "RVZFTlQ="))  # nor IPC handles
         (d0,) = r.json()["instances"]
-        assert d0["transfer"]["protocols"] == ["shm", "mooncake"]
+        assert d0["transfer"]["protocols"] == ["shm", "mooncake", "cuda_ipc"]
         return d0
 
     def hidden(d0: dict) -> bool:
@@ -277,6 +279,7 @@ def test_instances_hide_transfer_endpoints_and_never_serve_buffer_addresses(redi
                 assert d0["transfer"]["endpoint"] == {
                     "shm": "pdserve-d0",
                     "mooncake": {"session": "10.0.0.2:15000", "protocol": "tcp"},
+                    "cuda_ipc": {"pid": 42},
                 }
                 no_key = await client.get("/v1/instances", params={"details": "1"})
                 assert no_key.status_code == 401

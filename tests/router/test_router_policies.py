@@ -19,7 +19,8 @@ from pdserve.router.policies.prefix_affinity import (
     rank,
 )
 from pdserve.router.policies.simple import Random, RoundRobin
-from pdserve.router.selection import Selector, resolve_model, transfer_protocol
+from pdserve.router.selection import Selector, kv_mismatch, resolve_model, transfer_protocol
+from pdserve.scheduler.messages import KVInfo
 
 TINY = PolicyRequest("tiny")
 """A request of model tiny whose prompt the router does not know (the request-blind policies)."""
@@ -180,6 +181,46 @@ def test_shm_only_on_one_host() -> None:
     )
 
 
+def test_cuda_ipc_only_on_one_host_and_never_across() -> None:
+    """cuda_ipc, like shm, reaches only a cache on the same host: across hosts the pair takes the
+    first other protocol both offer, or is not made."""
+    p = instance("p0", "prefill", host="a", protocols=("cuda_ipc", "tcp"))
+    same = instance("d0", "decode", host="a", protocols=("tcp", "cuda_ipc"))
+    other = instance("d1", "decode", host="b", protocols=("cuda_ipc", "tcp"))
+    ipc_only = instance("d2", "decode", host="b", protocols=("cuda_ipc",))
+    assert transfer_protocol(p, same) == "cuda_ipc"
+    assert transfer_protocol(p, other) == "tcp"
+    assert transfer_protocol(p, ipc_only) is None
+    tcp_first = instance("p1", "prefill", host="a", protocols=("tcp", "cuda_ipc"))
+    assert transfer_protocol(tcp_first, same) == "cuda_ipc"  # one host: the one-host copy first
+
+
+def test_a_cpu_cache_and_a_gpu_cache_are_never_paired(caplog) -> None:
+    """No transport moves bytes between host memory and a GPU cache (their layouts may match, their
+    transports do not): a CPU prefill never hands off to a CUDA decode. A registration without a
+    device (an older worker) is a CPU one."""
+    sel = Selector("round_robin", "round_robin")
+    p0 = instance("p0", "prefill", host="a", protocols=("shm", "cuda_ipc"))
+    cpu = instance("d0", "decode", host="a", protocols=("shm", "cuda_ipc"))
+    gpu = instance("d1", "decode", host="a", protocols=("shm", "cuda_ipc"))
+    gpu.kv.device = "cuda"
+    assert kv_mismatch(p0, gpu) == "p0 with d1: different KV caches (device cpu vs cuda)"
+    assert kv_mismatch(p0, cpu) is None and KVInfo.model_fields["device"].default == "cpu"
+    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+        route = sel.route([p0, gpu], TINY)
+    assert route.prefill is None and route.decode.id == "d1"  # d1 serves it alone
+    assert "not pairing p0 with d1: different KV caches (device cpu vs cuda)" in caplog.text
+    for _ in range(4):
+        route = sel.route([p0, cpu, gpu], TINY)
+        assert (route.prefill.id, route.decode.id, route.protocol) == ("p0", "d0", "shm")
+    p_gpu = instance("p1", "prefill", host="a", protocols=("cuda_ipc",))
+    p_gpu.kv.device = "cuda"
+    gpu_only = instance("d2", "decode", host="a", protocols=("cuda_ipc",))
+    gpu_only.kv.device = "cuda"
+    route = sel.route([p_gpu, gpu_only], TINY)
+    assert (route.prefill.id, route.decode.id, route.protocol) == ("p1", "d2", "cuda_ipc")
+
+
 def test_splitwise_pair_and_protocol() -> None:
     sel = Selector("round_robin", "round_robin")
     live = [instance("p0", "prefill", host="a"), instance("d0", "decode", host="a"), instance("m0", "mixed")]
@@ -215,6 +256,7 @@ def test_instances_with_different_kv_geometry_are_never_paired(caplog) -> None:
         ("head_dim", 16),
         ("block_bytes", 8192),
         ("num_layers", None),  # a worker older than the field: its geometry is not assumed equal
+        ("device", "cuda"),  # a GPU cache: no transport moves bytes between it and host memory
     ],
 )
 def test_instances_differing_in_any_kv_geometry_are_never_paired(field: str, value, caplog) -> None:

@@ -4,6 +4,7 @@ service offering, advertising and closing whatever backends the table holds, nam
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from typing import Any, ClassVar
 
@@ -14,6 +15,7 @@ from router_support import instance
 from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBackend
 from pdserve.cache_transfer.transports import TRANSPORTS
 from pdserve.engine.config import EngineConfig
+from pdserve.errors import ConfigError
 from pdserve.worker.service import WorkerService
 from pdserve.worker.settings import WorkerSettings
 from pdserve.worker.splitwise import Transports
@@ -134,14 +136,15 @@ def service_settings(redis_url: str, tmp_path, role: str, kv_transfer: str) -> W
     )
 
 
-async def registered(service: WorkerService) -> dict[str, Any]:
-    """The service's transfer registration while it runs; it is drained and stopped after."""
+async def registered(service: WorkerService, part: str = "transfer") -> dict[str, Any]:
+    """The service's transfer registration (or another ``part``) while it runs; it is drained and
+    stopped after."""
     task = asyncio.create_task(service.run())
     try:
         for _ in range(400):
             info = await service.registry.get(service.id)
             if info is not None:
-                return info.transfer.model_dump()
+                return getattr(info, part).model_dump()
             assert not task.done(), task.exception()
             await asyncio.sleep(0.05)
         raise AssertionError("the worker did not register")
@@ -157,6 +160,8 @@ def test_a_decode_instance_advertises_each_backend_it_opened_and_closes_them(
     transfer = asyncio.run(registered(service))
     (backend,) = counting.instances
     assert backend.local is not None and backend.local.shm_name == f"pdserve-{service.id}"
+    local = backend.local
+    assert (local.device, local.shared, local.block_bytes) == ("cpu", True, service.engine.facts.block_bytes)
     assert transfer == {
         "protocols": ["counting"],
         "endpoint": {"counting": {"bytes": backend.local.view.nbytes}},
@@ -186,3 +191,61 @@ def test_shm_on_decode_is_the_segment_a_prefill_offers_without_an_endpoint(redis
     }
     restarted = WorkerService(decode.settings)  # the same id, started again
     assert restarted.incarnation != decode.incarnation
+
+
+class GpuCountingBackend(CountingBackend):
+    """A transport for caches in GPU memory (as cuda_ipc), remembering the options it was given."""
+
+    protocol = "gpu-counting"
+    devices = ("cuda",)
+    options: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def from_options(cls, options: Any) -> GpuCountingBackend:
+        cls.options = dict(options)
+        return cls()
+
+
+def on_a_gpu(monkeypatch) -> None:
+    """The echo engine, saying its cache is on a GPU (what the torch engine's facts say there)."""
+    from pdserve.engine.echo import EchoEngine
+
+    facts = EchoEngine.facts
+
+    def gpu_facts(self):
+        return dataclasses.replace(
+            facts(self), device="cuda", device_name="NVIDIA H200 (cuda:0)", memory_bytes=3 << 30
+        )
+
+    monkeypatch.setattr(EchoEngine, "facts", gpu_facts)
+
+
+def test_a_gpu_instance_registers_its_device_and_hands_it_to_its_transports(
+    redis_url, tmp_path, monkeypatch
+) -> None:
+    """The registration says where the cache lives (the router pairs only like with like), and the
+    transports get the device in their options and their LocalCache."""
+    monkeypatch.setitem(TRANSPORTS, "gpu-counting", GpuCountingBackend)
+    on_a_gpu(monkeypatch)
+    CountingBackend.instances.clear()
+    service = WorkerService(service_settings(redis_url, tmp_path, "prefill", "gpu-counting"))
+    kv = asyncio.run(registered(service, "kv"))
+    assert (kv["device"], kv["device_name"], kv["memory_bytes"]) == ("cuda", "NVIDIA H200 (cuda:0)", 3 << 30)
+    (backend,) = CountingBackend.instances
+    assert (backend.local.device, backend.local.shared) == ("cuda", False)  # a prefill's: not exported
+    assert GpuCountingBackend.options["device"] == "cuda"
+
+
+def test_a_cpu_instance_registers_a_cpu_cache(redis_url, tmp_path, counting) -> None:
+    service = WorkerService(service_settings(redis_url, tmp_path, "prefill", "counting"))
+    kv = asyncio.run(registered(service, "kv"))
+    assert (kv["device"], kv["device_name"], kv["memory_bytes"]) == ("cpu", None, None)
+
+
+def test_a_gpu_instance_asked_for_shm_stops_at_start_and_says_why(redis_url, tmp_path, monkeypatch) -> None:
+    on_a_gpu(monkeypatch)
+    service = WorkerService(service_settings(redis_url, tmp_path, "decode", "shm"))
+    with pytest.raises(
+        ConfigError, match="--kv-transfer shm: the shm transport copies KV caches in host memory"
+    ):
+        asyncio.run(service.run())
