@@ -118,6 +118,11 @@ class TransportBackend(abc.ABC):
     def writer(self, peer: Any) -> KVTransport:
         """A writer into the peer whose registration advertises ``peer`` as this protocol's endpoint."""
 
+    def land(self, regions: list[Region]) -> None:  # noqa: B027 - optional hook
+        """A peer's ``prefilled`` says its bytes for these regions of this cache were written through
+        this transport: make them the cache's (a staged transport copies them from host memory into
+        the device cache). Called before the request continues here; by default nothing to do."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Close the local side: afterwards no peer can write into this cache through it."""
 

@@ -31,8 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.cache_transfer.base import CPU, KVTransport, LocalCache, TransportBackend
-from pdserve.cache_transfer.regions import Segment
+from pdserve.cache_transfer.base import CPU, CUDA, KVTransport, LocalCache, TransportBackend
+from pdserve.cache_transfer.regions import Region, Segment
+from pdserve.cache_transfer.staging import HostStaging
 from pdserve.errors import ConfigError, TransferError
 
 log = logging.getLogger(__name__)
@@ -190,15 +191,27 @@ class MooncakeWriter(KVTransport):
 
     protocol = PROTOCOL
 
-    def __init__(self, agent: MooncakeAgent, peer: dict[str, Any]) -> None:
+    def __init__(
+        self, agent: MooncakeAgent, peer: dict[str, Any], staging: HostStaging | None = None
+    ) -> None:
         missing = [k for k in ("session", "addr", "length") if k not in peer]
         if missing:
             raise TransferError(f"peer's mooncake endpoint lacks {', '.join(missing)}")
         self.agent = agent
         self.peer = peer
+        self.staging = staging
 
-    def write(self, src: np.ndarray, segments: list[Segment]) -> int:
-        return self.agent.write(self.peer, src, segments)
+    def write(self, src: Any, segments: list[Segment]) -> int:
+        """From a host cache, straight; from a GPU cache (``src`` its device view), through this
+        instance's host mirror: device → mirror, then the write, then the mirror's pages go back."""
+        if self.staging is None:
+            return self.agent.write(self.peer, src, segments)
+        ranges = [(s, n) for s, _, n in segments]
+        self.staging.out(ranges)
+        try:
+            return self.agent.write(self.peer, self.staging.mirror, segments)
+        finally:
+            self.staging.release(ranges)
 
 
 class MooncakeBackend(TransportBackend):
@@ -207,30 +220,21 @@ class MooncakeBackend(TransportBackend):
     ``mooncake_protocol`` (the wire, ``tcp`` or ``rdma``): the worker's flags of those names."""
 
     protocol = PROTOCOL
+    devices = (CPU, CUDA)  # a GPU cache through a host mirror (staging.py)
 
     def __init__(self, address: str = "", wire: str = "tcp") -> None:
         self.address, self.wire = address, wire
         self.agent: MooncakeAgent | None = None
+        self.staging: HostStaging | None = None
 
     @classmethod
     def unavailable(cls) -> str | None:
         return unavailable()
 
     @classmethod
-    def unsuited(cls, device: str) -> str | None:
-        if device == CPU:
-            return None
-        return (
-            f"the mooncake transport registers KV caches in host memory, and this instance's is on "
-            f"{device}: a staged path through pinned host memory is future work (between GPUs of one "
-            "host use --kv-transfer cuda_ipc)"
-        )
-
-    @classmethod
     def left_out_of_auto(cls, options: Mapping[str, Any]) -> str | None:
         """Mooncake listens on every interface whatever address it is given, so ``auto`` offers it
-        only where the operator named the private address peers reach it at (and only over a cache
-        in host memory)."""
+        only where the operator named the private address peers reach it at."""
         reason = cls.unsuited(options.get("device") or CPU) or cls.unavailable()
         if reason is None and not options.get("transfer_address"):
             reason = (
@@ -246,8 +250,23 @@ class MooncakeBackend(TransportBackend):
     def open(self, local: LocalCache) -> None:
         self.check_device(local)
         agent = MooncakeAgent(self.address or default_address(), self.wire)
-        agent.register(local.view)
+        if local.device == CUDA:  # the engine registers host memory: a mirror of the device cache
+            self.staging = HostStaging(local.view)
+            log.info(
+                "mooncake stages the GPU's KV cache through host memory (%d MiB mapped)",
+                self.staging.nbytes >> 20,
+            )
+        try:
+            agent.register(self.staging.mirror if self.staging is not None else local.view)
+        except BaseException:
+            self.close()
+            raise
         self.agent = agent
+
+    def land(self, regions: list[Region]) -> None:
+        """With a GPU cache: the bytes a peer wrote into these regions of the mirror, into the cache."""
+        if self.staging is not None:
+            self.staging.into_device(regions)
 
     def endpoint(self) -> dict[str, Any] | None:
         return self.agent.endpoint if self.agent is not None else None
@@ -255,9 +274,12 @@ class MooncakeBackend(TransportBackend):
     def writer(self, peer: Any) -> MooncakeWriter:
         if self.agent is None:
             raise TransferError("the mooncake transport is not open here")
-        return MooncakeWriter(self.agent, peer)
+        return MooncakeWriter(self.agent, peer, self.staging)
 
     def close(self) -> None:
         """Unregister the cache (before its memory goes: no peer may write into it after)."""
         if self.agent is not None:
             self.agent.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None

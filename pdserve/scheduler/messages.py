@@ -378,6 +378,9 @@ class Prefilled(_Message):
     """The ``RequestDelta.seq`` decode's first delta gets (prefill published the ones before)."""
     num_cached_tokens: int = 0
     """Prompt tokens the prefill instance took from its prefix cache (decode reports them in usage)."""
+    protocol: str | None = None
+    """The transport that wrote the KV (``DisaggregateInfo.protocol``): decode lets it land them
+    (``TransportBackend.land``: a staged transport copies them from host memory to its GPU)."""
 
 
 class Abort(_Message):

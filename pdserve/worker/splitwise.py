@@ -349,6 +349,7 @@ class PrefillHandoff:
             error=ErrorInfo.of(error) if error else None,
             next_seq=FIRST_SEQ + 1,
             num_cached_tokens=first.num_cached_tokens if first else 0,
+            protocol=self.info.protocol,
         )
         await self.ctx.messenger.send(self.decode_id, msg)
 
@@ -384,6 +385,10 @@ class DecodeLease:
             self.ctx.metrics.kv_received.inc(written * self.ctx.engine.facts.block_bytes)
         owner = Owner(self.msg.router_id, msg.request_id, msg.attempt)
         try:  # the engine rebuilds the request's state (a grammar's included) from the first token
+            backend = self.ctx.transports.backends.get(msg.protocol or "")
+            if backend is not None and len(self.blocks) > self.num_cached:
+                regions = self.ctx.engine.regions(self.blocks[self.num_cached :])
+                await asyncio.to_thread(backend.land, regions)
             params = self.msg.sampling
             await self.ctx.engine.add_prefilled(
                 self.key,

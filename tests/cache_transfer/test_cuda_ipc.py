@@ -197,22 +197,18 @@ def test_this_host_without_a_gpu_leaves_cuda_ipc_out_and_says_why(caplog) -> Non
     assert "cuda_ipc left out (--kv-transfer auto): " + reason in caplog.text
 
 
-def test_auto_on_a_gpu_leaves_out_the_host_memory_transports(monkeypatch, caplog) -> None:
-    """shm and mooncake copy host memory: a GPU instance's ``auto`` offers cuda_ipc alone, and says
-    why the others are out (a staged Mooncake path through pinned host memory is future work)."""
+def test_auto_on_a_gpu_offers_cuda_ipc_and_the_staged_mooncake_not_shm(monkeypatch, caplog) -> None:
+    """shm maps host memory: a GPU instance's ``auto`` leaves it out and says why; mooncake stages
+    through a host mirror (staging.py), offered where its address is given, after cuda_ipc."""
     from pdserve.cache_transfer.mooncake import MooncakeBackend
 
     monkeypatch.setattr(CudaIpcBackend, "unavailable", classmethod(lambda cls: None))
     monkeypatch.setattr(MooncakeBackend, "unavailable", classmethod(lambda cls: None))
     options = {"device": "cuda", "transfer_address": "10.0.0.2"}
     with caplog.at_level(logging.INFO, logger="pdserve.cache_transfer.transports"):
-        assert configured("auto", options) == ["cuda_ipc"]
+        assert configured("auto", options) == ["mooncake", "cuda_ipc"]
     assert (
         "shm left out (--kv-transfer auto): the shm transport copies KV caches in host memory" in caplog.text
-    )
-    assert (
-        "mooncake left out (--kv-transfer auto): the mooncake transport registers KV caches in host memory, and this instance's is on cuda: a staged path through pinned host memory is future work"
-        in caplog.text
     )
     assert configured("auto", {"transfer_address": "10.0.0.2"}) == ["shm", "mooncake"]  # a CPU instance
 

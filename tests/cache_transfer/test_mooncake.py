@@ -147,3 +147,37 @@ def test_a_missing_wheel_names_what_to_install() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "pip install 'pdserve[mooncake]'" in out.stdout, out
+
+
+def test_a_gpu_cache_is_staged_through_a_host_mirror_and_lands_on_prefilled() -> None:
+    """A cache in device memory goes through host mirrors (staging.py): P's blocks device -> mirror,
+    Mooncake mirror -> D's mirror, D's ``land`` mirror -> device. The staging's own code runs here on
+    torch's CPU device standing in for the GPU (the same tensor copies); the bytes cross real TCP.
+    Only the reserved blocks change on D, and the mirrors' pages of a whole block are handed back."""
+    torch = pytest.importorskip("torch", reason="staging a GPU cache needs PyTorch")
+    block = 8192  # two pages: a block's pages are its own
+    src = torch.from_numpy(np.random.default_rng(1).integers(0, 256, NUM_BLOCKS * block, dtype=np.uint8))
+    dst = torch.zeros(NUM_BLOCKS * block, dtype=torch.uint8)
+    prefill, decode = MooncakeBackend("127.0.0.1"), MooncakeBackend("127.0.0.1")
+    prefill.open(LocalCache(src, device="cuda", block_bytes=block))
+    decode.open(LocalCache(dst, device="cuda", block_bytes=block, shared=True))
+    try:
+        assert prefill.staging is not None and decode.staging is not None
+        endpoint = decode.endpoint()
+        assert endpoint is not None and endpoint["length"] == dst.numel()
+        assert endpoint["addr"] == decode.staging.mirror.ctypes.data  # the mirror is what peers write
+        src_blocks, dst_blocks = [3, 4, 9, 60], [20, 21, 7, 0]
+        writer = open_writer({"mooncake": prefill}, "mooncake", {"mooncake": endpoint})
+        moved = writer.write_blocks(src, block_regions(src_blocks, block), block_regions(dst_blocks, block))
+        assert moved == len(src_blocks) * block
+        assert not dst.any()  # written into D's mirror only: the cache changes when the bytes land
+        decode.land(block_regions(dst_blocks, block))
+        out, want = dst.numpy(), src.numpy()
+        for s, d in zip(src_blocks, dst_blocks, strict=True):
+            assert np.array_equal(out[d * block : (d + 1) * block], want[s * block : (s + 1) * block])
+        untouched = sorted(set(range(NUM_BLOCKS)) - set(dst_blocks))
+        assert not any(out[b * block : (b + 1) * block].any() for b in untouched)
+        assert not decode.staging.mirror.any() and not prefill.staging.mirror.any()  # pages handed back
+    finally:
+        prefill.close()
+        decode.close()

@@ -86,7 +86,7 @@ def test_the_choices_of_kv_transfer_come_from_the_table() -> None:
     assert dict(TRANSPORTS) == {"shm": ShmBackend, "mooncake": MooncakeBackend, "cuda_ipc": CudaIpcBackend}
     assert configured("shm") == ["shm"] and configured("mooncake") == ["mooncake"]
     assert configured("both") == ["shm", "mooncake"]  # every one that moves a cache in host memory
-    assert configured("both", {"device": "cuda"}) == ["cuda_ipc"]  # ... or on a GPU
+    assert configured("both", {"device": "cuda"}) == ["mooncake", "cuda_ipc"]  # ... or on a GPU (staged)
     assert configured("cuda_ipc", {"device": "cuda"}) == ["cuda_ipc"]
     with pytest.raises(ConfigError, match="--kv-transfer must be one of auto, shm, mooncake, cuda_ipc, both"):
         configured("carrier-pigeon")
@@ -96,7 +96,6 @@ def test_the_choices_of_kv_transfer_come_from_the_table() -> None:
     "choice, device, says",
     [
         ("shm", "cuda", "the shm transport copies KV caches in host memory, and this instance's is on cuda"),
-        ("mooncake", "cuda", "a staged path through pinned host memory is future work"),
         ("cuda_ipc", "cpu", "cuda_ipc moves KV caches in GPU memory, and this instance's is on cpu"),
     ],
 )
