@@ -20,7 +20,10 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the numba kernels once, before any test: numba caches them per CPU next to
     engine/kernels/attention.py, so the many engines the tests start in other processes load them instead of
-    each compiling them (tens of seconds on a fresh clone, several at once in a stack)."""
+    each compiling them (tens of seconds on a fresh clone, several at once in a stack). Not for a
+    run of the GPU tests alone (``-m gpu``: benchmarks/gpu_check.sh), which start no CPU engine."""
+    if session.config.option.markexpr == "gpu":
+        return
     from pdserve.engine.kernels.attention import select_attention
 
     select_attention("auto", 1)

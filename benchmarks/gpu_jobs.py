@@ -1,0 +1,632 @@
+"""The job side of benchmarks/gpu_bench.py: what runs inside each job's child process.
+
+A job loads one model (or none) and records its cells through a :class:`Recorder`, which appends
+each cell's state to a JSON-lines file as it changes (a job killed at its time limit loses nothing
+already measured) and bounds each cell with an interval timer. Here: the ceilings, pdserve's and
+HF transformers' speed cells and the bounds they are held to; gpu_handoff.py and gpu_exact.py hold
+the other two jobs. torch is imported inside the jobs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import os
+import signal
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("gpu_bench")
+
+VENDOR_BANDWIDTH = 4.8e12  # B/s, H200 HBM3e (datasheet)
+VENDOR_BF16_FLOPS = 989e12  # FLOP/s, H100/H200 SXM bf16 dense (datasheet)
+EXACT_TOLERANCE = 1e-3  # max |f32 - f64| / max |f64|
+AGREEMENT_FLOOR = 0.99  # bf16 vs f32 greedy tokens
+FIRST_ID = 3  # random prompt tokens from here up (0..2 are the presets' special tokens)
+
+# the contract's names, then the names the presets may carry in model_init.PRESETS
+ALIASES = {
+    "llama3-8b": ("llama3-8b", "llama3-8b-shape"),
+    "smollm2-135m": ("smollm2-135m", "smollm2-shape", "smollm2"),
+}
+
+
+@dataclasses.dataclass
+class Opts:
+    """What a job needs of the command line (JSON across the process boundary)."""
+
+    device: str
+    dtype: str
+    quick: bool
+    presets: list[str]
+    exact_presets: list[str]
+    batch_sizes: list[int]
+    prompt_len: int
+    gen_len: int
+    skip_steps: int
+    prefill_len: int
+    prefill_reps: int
+    handoff_reps: int
+    agree_tokens: int
+    models: str
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> Opts:
+        def split(s: str) -> list[str]:
+            return [x.strip() for x in s.split(",") if x.strip()]
+
+        return cls(
+            device=a.device,
+            dtype=a.dtype,
+            quick=a.quick,
+            presets=split(a.presets),
+            exact_presets=split(a.exact_presets),
+            batch_sizes=[int(b) for b in split(a.batch_sizes)],
+            prompt_len=a.prompt_len,
+            gen_len=a.gen_len,
+            skip_steps=a.skip_steps,
+            prefill_len=a.prefill_len,
+            prefill_reps=a.prefill_reps,
+            handoff_reps=a.handoff_reps,
+            agree_tokens=a.agree_tokens,
+            models=str(a.models),
+        )
+
+
+class CellTimeout(BaseException):
+    """A cell past its limit (a BaseException: the engine's step, which turns an Exception in the
+    forward into failed requests, must not swallow it)."""
+
+
+class Recorder:
+    """Appends each cell's state to the cells file as it changes (so a killed job loses nothing
+    already measured), and bounds each cell's time with an interval timer."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _write(self, cell: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(cell, default=float) + "\n")
+
+    def not_run(self, names: list[str], after: dict) -> None:
+        """Record ``names`` as not run because the cell ``after`` (the model's load) did not succeed."""
+        status = "skipped" if after["status"] == "skipped" else "error"
+        for name in names:
+            self._write({"cell": name, "status": status, "error": f"{after['cell']}: {after.get('error')}"})
+
+    def cell(self, name: str, limit_s: float, fn: Callable[[], dict]) -> dict:
+        self._write({"cell": name, "status": "running"})
+        log.info("cell %s (limit %.0f s)", name, limit_s)
+
+        def on_alarm(signum: int, frame: Any) -> None:
+            raise CellTimeout(f"cell ran past its {limit_s:.0f} s")
+
+        old = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, limit_s)
+        t0 = time.perf_counter()
+        try:
+            values = fn()
+            status = values.pop("status", "ok")
+            cell = {"cell": name, "status": status, **values}
+        except CellTimeout as e:
+            cell = {"cell": name, "status": "timeout", "error": str(e)}
+        except Skip as e:
+            cell = {"cell": name, "status": "skipped", "error": str(e)}
+        except Exception as e:
+            log.exception("cell %s failed", name)
+            cell = {"cell": name, "status": "error", "error": f"{type(e).__name__}: {e}"}
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        cell["seconds"] = round(time.perf_counter() - t0, 2)
+        log.info("cell %s: %s", name, json.dumps(cell, default=float)[:400])
+        self._write(cell)
+        return cell
+
+
+class Skip(Exception):
+    """A cell that cannot run here (its reason recorded, not a failure)."""
+
+
+def job_main(spec_json: str, cells_file: Path) -> int:
+    """Run the job ``spec_json`` describes (kind, preset, options), its cells into ``cells_file``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec = json.loads(spec_json)
+    o = Opts(**spec["opts"])
+    rec = Recorder(cells_file)
+    kind, preset = spec["kind"], spec["preset"]
+    if kind == "handoff":
+        from gpu_handoff import job_handoff
+
+        job_handoff(rec, o, preset)
+    elif kind == "exact":
+        from gpu_exact import job_exact
+
+        job_exact(rec, o, preset)
+    else:
+        {"ceilings": job_ceilings, "pdserve": job_pdserve, "eager": job_eager}[kind](rec, o, preset)
+    return 0
+
+
+def torch_setup(o: Opts) -> Any:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 is float32 (exactness cells)
+    torch.backends.cudnn.allow_tf32 = False
+    if o.device == "cuda" and not torch.cuda.is_available():
+        raise Skip(f"torch {torch.__version__} sees no CUDA device")
+    return torch
+
+
+def sync(o: Opts) -> None:
+    if o.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def free_memory(o: Opts) -> None:
+    gc.collect()
+    if o.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# ---- models ------------------------------------------------------------------------------------
+def preset_name(want: str) -> str:
+    """The model_init preset for ``want`` (the contract's name or the one the presets carry)."""
+    from pdserve.engine.model_init import PRESETS
+
+    for name in ALIASES.get(want, (want,)):
+        if name in PRESETS:
+            return name
+    raise Skip(f"no model preset {want!r} (model_init.PRESETS has {', '.join(PRESETS)})")
+
+
+def model_dir(o: Opts, want: str) -> Path:
+    """A seeded folder of preset ``want`` (``NAME-2l``: NAME with 2 layers), made once under --models."""
+    import inspect
+
+    from pdserve.engine.model_init import init_model
+
+    layers = None
+    if want.endswith("-2l"):
+        want, layers = want[:-3], 2
+    name = preset_name(want)
+    path = Path(o.models) / (name + (f"-{layers}l" if layers else ""))
+    if not (path / "config.json").is_file():
+        seeded = "seeded" in inspect.signature(init_model).parameters
+        init_model(path, preset=name, overwrite=True, **({"seeded": True} if seeded else {}))
+        if layers:
+            if not seeded:
+                raise Skip("a cut-down preset needs seeded weights (init_model(seeded=True))")
+            cfg_path = path / "config.json"
+            cfg = json.loads(cfg_path.read_text())
+            cfg["num_hidden_layers"] = layers
+            cfg_path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+@dataclasses.dataclass
+class Shape:
+    layers: int
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def of(cls, folder: Path) -> Shape:
+        c = json.loads((folder / "config.json").read_text())
+        heads = c["num_attention_heads"]
+        return cls(
+            c["num_hidden_layers"],
+            c["hidden_size"],
+            c["intermediate_size"],
+            heads,
+            c.get("num_key_value_heads") or heads,
+            c.get("head_dim") or c["hidden_size"] // heads,
+            c["vocab_size"],
+            bool(c.get("tie_word_embeddings")),
+        )
+
+    @property
+    def layer_matmul_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.inter
+
+    @property
+    def matmul_params(self) -> int:
+        """What one token multiplies through the layers (no embedding, no lm_head)."""
+        return self.layers * self.layer_matmul_params
+
+    def decode_weight_bytes(self, itemsize: int) -> int:
+        """Bytes a decode step reads of the weights: every layer's matrices and the lm_head (norms
+        are float32 and tiny; the embedding reads one row per token)."""
+        norms = 4 * self.hidden * (2 * self.layers + 1)
+        return (self.matmul_params + self.vocab * self.hidden) * itemsize + norms
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
+
+
+# ---- ceilings ----------------------------------------------------------------------------------
+def job_ceilings(rec: Recorder, o: Opts, preset: str | None) -> None:
+    import torch
+
+    dev = torch.device(o.device)
+
+    def timed(fn: Callable[[], Any], reps: int) -> float:
+        """Median seconds of ``fn`` (CUDA events on a GPU)."""
+        for _ in range(3):
+            fn()
+        sync(o)
+        times = []
+        for _ in range(reps):
+            if o.device == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def copy() -> dict:
+        torch_setup(o)
+        nbytes = (256 << 20) if o.quick else (4 << 30)
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        s = timed(lambda: dst.copy_(src), 10)
+        ok = bool(torch.equal(dst[:4096], src[:4096]))
+        return {
+            "bytes": nbytes,
+            "seconds_median": s,
+            "bandwidth_B_s": 2 * nbytes / s,
+            "checked": ok,
+            "note": "bytes read + bytes written over the median time of 10 copies",
+        }
+
+    def gemm() -> dict:
+        n = 1024 if o.quick else 8192
+        dtype = torch.float32 if o.device == "cpu" else torch.bfloat16
+        a = torch.randn(n, n, dtype=dtype, device=dev)
+        b = torch.randn(n, n, dtype=dtype, device=dev)
+        s = timed(lambda: a @ b, 10)
+        return {"n": n, "dtype": str(dtype), "seconds_median": s, "flop_s": 2 * n**3 / s}
+
+    rec.cell("copy_bandwidth", 60, copy)
+    rec.cell("gemm", 60, gemm)
+
+
+# ---- pdserve -----------------------------------------------------------------------------------
+def new_engine(o: Opts, folder: Path, **config: Any) -> Any:
+    """An LLMEngine on the torch platform: cuda, or torch's CPU device (--quick)."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    if o.device == "cpu":
+        from pdserve.engine.torch_executor import TorchPlatform
+
+        return LLMEngine(folder, EngineConfig(device="cpu", **config), platform=TorchPlatform("cpu"))
+    return LLMEngine(folder, EngineConfig(device="cuda", **config))
+
+
+def random_prompts(rng: np.random.Generator, n: int, length: int, vocab: int) -> list[list[int]]:
+    return [rng.integers(FIRST_ID, vocab, length).tolist() for _ in range(n)]
+
+
+def run_engine(engine: Any, requests: dict[str, tuple[list[int], Any]]) -> dict[str, dict]:
+    """Add ``requests`` (id -> (prompt ids, SamplingParams)) and step until all finish; per id its
+    tokens, kept logits rows, prompt logprobs and error."""
+    out = {rid: {"token_ids": [], "logits": [], "prompt_logprobs": None, "error": None} for rid in requests}
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, prompt_token_ids=ids, params=params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            r = out.get(o.request_id)
+            if r is None:
+                continue
+            r["token_ids"] += o.token_ids
+            if o.logits is not None:
+                r["logits"].append(np.asarray(o.logits))
+            if o.prompt_logprobs is not None:
+                r["prompt_logprobs"] = o.prompt_logprobs
+            if o.error:
+                r["error"] = o.error
+    errors = [f"{rid}: {r['error']}" for rid, r in out.items() if r["error"]]
+    if errors:
+        raise RuntimeError("; ".join(errors[:3]))
+    return out
+
+
+def drain(engine: Any) -> None:
+    """Abort whatever a timed-out cell left in the engine, so the next cell starts empty."""
+    for rid in list(getattr(engine, "requests", {})):
+        engine.abort(rid)
+    for _ in range(100):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+
+
+def decode_round(
+    engine: Any, vocab: int, batch: int, prompt_len: int, gen: int, skip: int, seed: int
+) -> dict:
+    """One batch of ``batch`` greedy requests; the timed steady-state steps: those that start with
+    every sequence past its first token, less the first ``skip``."""
+    from pdserve.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
+    ids = [f"d{seed}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, random_prompts(rng, batch, prompt_len, vocab)):
+        engine.add_request(rid, prompt_token_ids=prompt, params=params)
+    started: set[str] = set()
+    steady: list[tuple[float, int]] = []
+    try:
+        while engine.has_unfinished():
+            all_started = len(started) == batch
+            t0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+            n = 0
+            for out in outs:
+                if out.error:
+                    raise RuntimeError(f"{out.request_id}: {out.error}")
+                n += len(out.token_ids)
+                if out.token_ids:
+                    started.add(out.request_id)
+            if all_started and n:
+                steady.append((dt, n))
+    except BaseException:
+        drain(engine)
+        raise
+    timed = steady[skip:]
+    if not timed:
+        raise RuntimeError(f"no steady decode step to time ({len(steady)} steady steps, skip {skip})")
+    secs, tokens = sum(t for t, _ in timed), sum(n for _, n in timed)
+    return {
+        "tok_s": tokens / secs,
+        "step_ms_median": statistics.median(t for t, _ in timed) * 1e3,
+        "steps": len(timed),
+        "tokens": tokens,
+        "mean_context": prompt_len + 1 + skip + len(timed) / 2,
+    }
+
+
+def decode_bounds(
+    shape: Shape, itemsize: int, batch: int, mean_context: float, tok_s: float, measured_bw: float | None
+) -> dict:
+    step_bytes = shape.decode_weight_bytes(itemsize) + batch * mean_context * shape.kv_bytes_per_token(
+        itemsize
+    )
+    out = {
+        "bytes_per_step": int(step_bytes),
+        "vendor_bound_tok_s": batch * VENDOR_BANDWIDTH / step_bytes,
+    }
+    out["of_vendor_bound"] = tok_s / out["vendor_bound_tok_s"]
+    if measured_bw:
+        out["measured_bound_tok_s"] = batch * measured_bw / step_bytes
+        out["of_measured_bound"] = tok_s / out["measured_bound_tok_s"]
+    return out
+
+
+def prefill_bounds(shape: Shape, tok_s: float, measured_flops: float | None) -> dict:
+    flop_per_token = 2 * shape.matmul_params
+    out = {
+        "matmul_params": shape.matmul_params,
+        "vendor_bound_tok_s": VENDOR_BF16_FLOPS / flop_per_token,
+        "note": "bound: 2 x matmul params (layers' matrices; no attention, no lm_head) per token",
+    }
+    out["of_vendor_bound"] = tok_s / out["vendor_bound_tok_s"]
+    if measured_flops:
+        out["measured_bound_tok_s"] = measured_flops / flop_per_token
+        out["of_measured_bound"] = tok_s / out["measured_bound_tok_s"]
+    return out
+
+
+def measured_ceilings() -> tuple[float | None, float | None]:
+    """The ceilings the parent measured this run (it passes them in the environment)."""
+    bw, fl = os.environ.get("GPU_BENCH_BANDWIDTH"), os.environ.get("GPU_BENCH_FLOPS")
+    return (float(bw) if bw else None, float(fl) if fl else None)
+
+
+def itemsize_of(dtype: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+
+
+def job_pdserve(rec: Recorder, o: Opts, preset: str) -> None:
+    holder: dict[str, Any] = {}
+    bw, flops = measured_ceilings()
+
+    def load() -> dict:
+        torch_setup(o)
+        folder = model_dir(o, preset)
+        t0 = time.perf_counter()
+        top = max(o.batch_sizes)
+        engine = new_engine(
+            o,
+            folder,
+            dtype=o.dtype,
+            max_num_seqs=top,
+            max_model_len=max(o.prompt_len + o.gen_len, o.prefill_len + 1) + 16,
+            prefill_chunk_size=max(o.prefill_len, 512),
+            max_num_batched_tokens=max(o.prefill_len, 512) + top,
+            prefix_caching=False,
+            **({} if o.device == "cuda" else {"kv_cache_gb": 0.25}),
+        )
+        holder.update(engine=engine, folder=folder, shape=Shape.of(folder), vocab=engine.tokenizer.vocab_size)
+        return {"load_s": time.perf_counter() - t0}
+
+    load_cell = rec.cell("load", 150 if not o.quick else 300, load)
+    if load_cell["status"] != "ok":
+        rec.not_run([f"decode_b{b}" for b in o.batch_sizes] + [f"prefill_{o.prefill_len}"], load_cell)
+        return
+    engine, shape, vocab = holder["engine"], holder["shape"], holder["vocab"]
+    itemsize = itemsize_of(o.dtype)
+    for b in o.batch_sizes:
+
+        def decode(b: int = b) -> dict:
+            # warm-up at this batch size: kernels compiled, graphs (captured at start) replayed once
+            decode_round(engine, vocab, b, o.prompt_len, o.skip_steps + 4, 0, seed=1000 + b)
+            r = decode_round(engine, vocab, b, o.prompt_len, o.gen_len, o.skip_steps, seed=b)
+            return {"batch": b, **r, **decode_bounds(shape, itemsize, b, r["mean_context"], r["tok_s"], bw)}
+
+        rec.cell(f"decode_b{b}", 60 if not o.quick else 300, decode)
+
+    def prefill() -> dict:
+        from pdserve.sampling_params import SamplingParams
+
+        rng = np.random.default_rng(7)
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        times = []
+        for i in range(o.prefill_reps + 1):  # the first is a warm-up
+            prompt = random_prompts(rng, 1, o.prefill_len, vocab)[0]  # a fresh prompt: no cache hit
+            t0 = time.perf_counter()
+            r = run_engine(engine, {f"p{i}": (prompt, params)})
+            times.append(time.perf_counter() - t0)
+            assert len(r[f"p{i}"]["token_ids"]) == 1
+        s = statistics.median(times[1:])
+        tok_s = o.prefill_len / s
+        return {
+            "tokens": o.prefill_len,
+            "seconds_median": s,
+            "tok_s": tok_s,
+            "reps": o.prefill_reps,
+            **prefill_bounds(shape, tok_s, flops),
+        }
+
+    rec.cell(f"prefill_{o.prefill_len}", 60 if not o.quick else 300, prefill)
+
+
+# ---- HF transformers eager ---------------------------------------------------------------------
+def job_eager(rec: Recorder, o: Opts, preset: str) -> None:
+    import torch
+
+    holder: dict[str, Any] = {}
+    bw, flops = measured_ceilings()
+    dev = torch.device(o.device)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[o.dtype]
+
+    def load() -> dict:
+        torch_setup(o)
+        try:
+            import transformers
+            from transformers import LlamaConfig, LlamaForCausalLM
+        except ImportError as e:
+            raise Skip(f"transformers is not installed ({e})") from None
+        from reference_llama import hf_weights
+
+        from pdserve.tokenizer import Tokenizer
+
+        folder = model_dir(o, preset)
+        shape = Shape.of(folder)
+        t0 = time.perf_counter()
+        cfg = LlamaConfig.from_pretrained(folder)
+        cfg._attn_implementation = "sdpa"  # transformers' default: PyTorch's fused attention kernels
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(dev):
+                model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(old)
+        params = dict(model.named_parameters())
+        loaded = set()
+        with torch.no_grad():
+            for name, array in hf_weights(folder):
+                params[name].copy_(torch.from_numpy(np.ascontiguousarray(array)))
+                loaded.add(name)
+        missing = set(params) - loaded - ({"lm_head.weight"} if shape.tied else set())
+        if missing:
+            raise RuntimeError(f"weights missing from the folder: {sorted(missing)[:5]}")
+        model.eval()
+        holder.update(model=model, shape=shape, vocab=Tokenizer.from_dir(folder).vocab_size)
+        return {
+            "load_s": time.perf_counter() - t0,
+            "transformers": transformers.__version__,
+            "attn_implementation": "sdpa",
+        }
+
+    load_cell = rec.cell("load", 150 if not o.quick else 300, load)
+    if load_cell["status"] != "ok":
+        rec.not_run([f"decode_b{b}" for b in o.batch_sizes] + [f"prefill_{o.prefill_len}"], load_cell)
+        return
+    model, shape, vocab = holder["model"], holder["shape"], holder["vocab"]
+    itemsize = itemsize_of(o.dtype)
+
+    def generate(ids: Any, steps: int, skip: int) -> tuple[float, int]:
+        """Greedy: a prefill of ``ids`` then ``steps - 1`` decode steps with past_key_values; the
+        seconds of the decode steps after the first ``skip``."""
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            t0, timed = 0.0, 0
+            for i in range(steps - 1):
+                if i == skip:
+                    sync(o)
+                    t0 = time.perf_counter()
+                out = model(input_ids=tok, past_key_values=past, use_cache=True)
+                past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                timed += i >= skip
+            sync(o)
+            return time.perf_counter() - t0, timed
+
+    for b in o.batch_sizes:
+
+        def decode(b: int = b) -> dict:
+            rng = np.random.default_rng(b)
+            ids = torch.tensor(random_prompts(rng, b, o.prompt_len, vocab), device=dev)
+            generate(ids, o.skip_steps + 4, 0)  # warm-up
+            secs, steps = generate(ids, o.gen_len, o.skip_steps)
+            tok_s = b * steps / secs
+            ctx = o.prompt_len + 1 + o.skip_steps + steps / 2
+            return {
+                "batch": b,
+                "tok_s": tok_s,
+                "step_ms_mean": secs / steps * 1e3,
+                "steps": steps,
+                "mean_context": ctx,
+                **decode_bounds(shape, itemsize, b, ctx, tok_s, bw),
+            }
+
+        rec.cell(f"decode_b{b}", 90 if not o.quick else 300, decode)
+
+    def prefill() -> dict:
+        rng = np.random.default_rng(7)
+        times = []
+        with torch.inference_mode():
+            for _ in range(o.prefill_reps + 1):
+                ids = torch.tensor(random_prompts(rng, 1, o.prefill_len, vocab), device=dev)
+                sync(o)
+                t0 = time.perf_counter()
+                model(input_ids=ids, use_cache=True, logits_to_keep=1).logits.argmax(-1).tolist()
+                times.append(time.perf_counter() - t0)
+        s = statistics.median(times[1:])
+        tok_s = o.prefill_len / s
+        return {
+            "tokens": o.prefill_len,
+            "seconds_median": s,
+            "tok_s": tok_s,
+            **prefill_bounds(shape, tok_s, flops),
+        }
+
+    rec.cell(f"prefill_{o.prefill_len}", 60 if not o.quick else 300, prefill)
