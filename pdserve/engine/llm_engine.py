@@ -271,8 +271,12 @@ class LLMEngine:
         if not batch:
             return outputs
         step_input, out_seqs, prompt_rows = self.runner.prepare(batch)
+        # every row a plain argmax: the executor may take it where the logits are (a GPU's argmax
+        # saves copying [rows, vocab] floats to the host) and return the token ids instead
+        greedy = not prompt_rows and not self.config.keep_logits
+        greedy = greedy and all(self.sampler.is_plain_greedy(s) for s in out_seqs)
         try:
-            rows = self.executor.forward(step_input)
+            rows = self.executor.forward(step_input, self.sampler.vocab_limit if greedy else None)
         except Exception as e:  # a Paddle or torch failure must end these requests, not hang them
             log.exception("model step failed")
             return outputs + self._fail_batch(batch, f"model step failed: {e}")
@@ -288,7 +292,7 @@ class LLMEngine:
         for span in prompt_rows:  # before the samples: the first token hands them out
             self._score_prompt(span, rows[span.row : span.row + span.count])
         rows = rows[: len(out_seqs)]
-        samples = self.sampler(rows, out_seqs)
+        samples = [Sample(int(t)) for t in rows] if rows.ndim == 1 else self.sampler(rows, out_seqs)
         for i, (seq, sample) in enumerate(zip(out_seqs, samples)):
             out = self._append(self.requests[seq.request_id], sample)
             if self.config.keep_logits:

@@ -67,8 +67,10 @@ class Executor(abc.ABC):
     batch_invariant: bool  # a sequence's bits do not depend on its batch (prefix-cache hits are exact)
 
     @abc.abstractmethod
-    def forward(self, step: StepInput) -> np.ndarray | None:
-        """The step's logits rows (float32 [rows, vocab], rows as ``step.output_rows``), or None."""
+    def forward(self, step: StepInput, argmax_below: int | None = None) -> np.ndarray | None:
+        """The step's logits rows (float32 [rows, vocab], rows as ``step.output_rows``), or None.
+        ``argmax_below``: every row only needs its argmax among ids below it, which the executor may
+        return instead (int64 [rows]) where that is cheaper than handing over the logits."""
 
     def close(self) -> None:
         self.cache.close()

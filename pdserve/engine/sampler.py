@@ -64,11 +64,12 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, seqs: list[Sequence]) -> list[Sample]:
         logits = logits[:, : self.vocab_limit]
-        if all(self._is_plain_greedy(s) for s in seqs):
+        if all(self.is_plain_greedy(s) for s in seqs):
             return [Sample(int(t)) for t in logits.argmax(axis=1)]
         return [self._sample_row(row, seq) for row, seq in zip(logits, seqs)]
 
-    def _is_plain_greedy(self, seq: Sequence) -> bool:
+    def is_plain_greedy(self, seq: Sequence) -> bool:
+        """Its next token is the argmax of its logits row below the vocabulary limit, nothing else."""
         p = seq.params
         return (
             p.is_greedy

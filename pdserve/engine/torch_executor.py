@@ -135,12 +135,16 @@ class TorchExecutor(Executor):
         with torch.inference_mode():
             return self.model.forward(cache.tensor, self.model.to_device(step))
 
-    def forward(self, step: StepInput) -> np.ndarray | None:
+    def forward(self, step: StepInput, argmax_below: int | None = None) -> np.ndarray | None:
         with torch.inference_mode():
             logits = self._graph_step(step) if self.graphs is not None else None
             if logits is None:
                 logits = self.model.forward(self.cache.tensor, self.model.to_device(step))
-            return None if logits is None else logits.cpu().numpy()
+            if logits is None:
+                return None
+            if argmax_below is not None:  # the token ids alone cross to the host
+                return logits[:, :argmax_below].argmax(dim=1).cpu().numpy()
+            return logits.cpu().numpy()
 
     def _graph_step(self, step: StepInput) -> torch.Tensor | None:
         """The step through a captured graph when it is one decode group whose every row samples."""

@@ -220,9 +220,9 @@ def test_the_sampler_masks_a_constrained_row_and_keeps_the_fast_path_for_the_res
     logits = np.arange(16, dtype=np.float32)[None].repeat(2, axis=0)  # id 15 is best, 8.. are padding
     plain = Sequence("a", [1], SamplingParams(temperature=0))
     constrained = Sequence("b", [1], SamplingParams(temperature=0))
-    assert sampler._is_plain_greedy(plain)
+    assert sampler.is_plain_greedy(plain)
     constrained.grammar = FixedGrammar([2, 3], 8)
-    assert not sampler._is_plain_greedy(constrained)
+    assert not sampler.is_plain_greedy(constrained)
     assert [s.token_id for s in sampler(logits, [plain, constrained])] == [7, 3]
     seeded = Sequence("c", [1], SamplingParams(temperature=1.0, seed=3), grammar=FixedGrammar([2, 5], 8))
     seeded.rng = np.random.default_rng(3)

@@ -72,6 +72,20 @@ def test_float32_logits_match_the_float64_reference(generated, reference, index:
     assert tokens == [int(t) for t in want.argmax(axis=-1)]
 
 
+def test_greedy_steps_take_the_argmax_on_the_device(tiny_model_dir: Path, generated) -> None:
+    """Without logits kept, a step whose every row is a plain argmax gets token ids from the
+    executor (not [rows, vocab] logits): the tokens the host-side sampler picks."""
+    eng = LLMEngine(tiny_model_dir, EngineConfig(num_blocks=64, device="cpu"), platform=TorchPlatform("cpu"))
+    shapes = []
+    forward = eng.executor.forward
+    eng.executor.forward = lambda step, below=None: shapes.append(below) or forward(step, below)  # type: ignore[method-assign]
+    out = run(eng, PROMPTS)
+    assert {k: v[0] for k, v in out.items()} == {k: v[0] for k, v in generated.items()}
+    assert shapes and all(b == eng.sampler.vocab_limit for b in shapes)
+    sampled = run(eng, [PROMPTS[0]], SamplingParams(temperature=0.8, seed=1, max_tokens=3))
+    assert len(sampled["r0"][0]) == 3 and shapes[-1] is None  # a sampled row needs its logits
+
+
 def test_chunked_prefill_gives_an_unchunked_prompt_s_tokens(tiny_model_dir: Path, generated) -> None:
     """Chunks of 16 (later chunks read earlier ones' K/V through the block table) against one chunk."""
     chunked = run(engine(tiny_model_dir, prefill_chunk_size=16), PROMPTS)
