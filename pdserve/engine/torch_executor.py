@@ -69,7 +69,12 @@ class TorchExecutor(Executor):
         self.attention = select_paged_attention(device, "auto")
         log.info("paged attention: %s (%s)", self.attention.impl, self.attention.reason)
         self.model = TorchModel(
-            mc, iter_weights(model_dir, mc), max_model_len, device, TORCH_DTYPES[self.dtype], self.attention
+            mc,
+            iter_weights(model_dir, mc, transposed=False),
+            max_model_len,
+            device,
+            TORCH_DTYPES[self.dtype],
+            self.attention,
         )
         self.weight_bytes = self.model.weight_bytes
         self.max_num_batched_tokens = (

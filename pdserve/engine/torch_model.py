@@ -1,7 +1,7 @@
 """Llama-family decoder in PyTorch on a packed token axis, attending through the paged cache.
 
 The CPU engine's ``Model`` in torch, for a GPU (or torch's CPU device in tests): the same fused
-weights (``qkv``, ``gate_up``, stored ``[in, out]``), the same step input (ModelRunner with the
+weights (``qkv``, ``gate_up``; kept ``[out, in]`` as checkpoints store them, ``F.linear``), the same step input (ModelRunner with the
 paged-kernel layout: decode groups and prefill chunks carry block tables and lengths), the same
 rotate-half RoPE. Weights and cache are bfloat16 or float32; norms, RoPE, softmax and the logits
 are computed in float32. Each token's K/V is scattered into the block-major cache by its slot,
@@ -51,7 +51,8 @@ class DeviceStep:
 
 
 class TorchModel:
-    """Functional forward over fused weights on one device (names as weights.iter_weights yields)."""
+    """Functional forward over fused weights on one device (names as weights.iter_weights yields
+    them, untransposed: ``[out, in]``)."""
 
     def __init__(
         self,
@@ -71,7 +72,7 @@ class TorchModel:
             self.w[name] = host.to(device=device, dtype=kind, non_blocking=False)
             del host
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.w.values())
-        self.lm_head = self.w["lm_head"] if "lm_head" in self.w else self.w["embed"].t()
+        self.lm_head = self.w["lm_head"] if "lm_head" in self.w else self.w["embed"]  # [vocab, hidden]
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -123,9 +124,7 @@ class TorchModel:
         return (xf * self.w[name]).to(self.dtype)
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        y = x @ self.w[name]
-        bias = self.w.get(name + "_bias")
-        return y if bias is None else y + bias
+        return F.linear(x, self.w[name], self.w.get(name + "_bias"))
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,7 +161,7 @@ class TorchModel:
             if step.output_rows.numel() == 0:
                 return None
             x = x.index_select(0, step.output_rows)
-        return (self._norm(x, "norm") @ self.lm_head).float()
+        return F.linear(self._norm(x, "norm"), self.lm_head).float()
 
     def _attend(
         self,

@@ -193,7 +193,8 @@ def _copy_rows_t(dst: np.ndarray, src: np.ndarray, heads: int | None, head_dim: 
 
 
 def _copy_bias(dst: np.ndarray, src: np.ndarray, heads: int | None, head_dim: int) -> None:
-    """``dst[:] = src``, in rotate-half order per head as :func:`_copy_rows_t` with ``heads``."""
+    """``dst[:] = src`` along the first axis (a bias, or a weight's rows), in rotate-half order per
+    head as :func:`_copy_rows_t` with ``heads``."""
     if heads is None:
         dst[...] = src
         return
@@ -202,9 +203,13 @@ def _copy_bias(dst: np.ndarray, src: np.ndarray, heads: int | None, head_dim: in
         dst[rows][: head_dim // 2], dst[rows][head_dim // 2 :] = src[rows][0::2], src[rows][1::2]
 
 
-def iter_weights(model_dir: str | Path, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+def iter_weights(
+    model_dir: str | Path, cfg: ModelConfig, transposed: bool = True
+) -> Iterator[tuple[str, np.ndarray]]:
     """Yield the fused float32 weights one at a time (see :func:`load_weights` for the names),
-    ``embed`` first. Checks every tensor's presence and shape before yielding any."""
+    ``embed`` first. Checks every tensor's presence and shape before yielding any. ``transposed``
+    False: the linear weights (``lm_head`` too) stay in the checkpoint's ``[out, in]`` layout, fused
+    by rows (row copies, no transposing: the torch platform multiplies either layout as fast)."""
     model_dir = Path(model_dir)
     files = checkpoint_sources(model_dir)
 
@@ -252,12 +257,17 @@ def iter_weights(model_dir: str | Path, cfg: ModelConfig) -> Iterator[tuple[str,
         return out
 
     def fused_t(names: list[str], row_heads: list[int | None]) -> np.ndarray:
-        """The row-wise concatenation of ``names`` transposed, [in, sum(out)], into one buffer."""
+        """The row-wise concatenation of ``names`` transposed, [in, sum(out)], into one buffer (not
+        transposed: [sum(out), in])."""
         parts = [take(n) for n in names]
-        out = page_empty((parts[0].shape[1], sum(p.shape[0] for p in parts)))
+        rows = sum(p.shape[0] for p in parts)
+        out = page_empty((parts[0].shape[1], rows) if transposed else (rows, parts[0].shape[1]))
         at = 0
         for part, nh in zip(parts, row_heads):
-            _copy_rows_t(out[:, at : at + part.shape[0]], part, nh, D)
+            if transposed:
+                _copy_rows_t(out[:, at : at + part.shape[0]], part, nh, D)
+            else:
+                _copy_bias(out[at : at + part.shape[0]], part, nh, D)
             at += part.shape[0]
         return out
 

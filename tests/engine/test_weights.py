@@ -131,3 +131,20 @@ def test_truncated_checkpoint_is_refused(model_copy: Path) -> None:
     path.write_bytes(path.read_bytes()[:-4096])
     with pytest.raises(ConfigError, match="ends past the end of the file"):
         list(iter_weights(model_copy, ModelConfig.from_dir(model_copy)))
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Ernie4_5ForCausalLM"])
+def test_untransposed_weights_are_the_transposed_ones_rows(model_copy: Path, arch: str) -> None:
+    """The torch platform's layout (``transposed=False``: ``[out, in]``, fused by rows) holds the
+    very numbers of the CPU engine's ``[in, out]`` one, interleaved-RoPE rows permuted alike."""
+    config = json.loads((model_copy / "config.json").read_text())
+    config["architectures"] = [arch]
+    (model_copy / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_dir(model_copy)
+    assert cfg.rope_interleaved == (arch != "LlamaForCausalLM")
+    plain = dict(iter_weights(model_copy, cfg))
+    rows = dict(iter_weights(model_copy, cfg, transposed=False))
+    assert plain.keys() == rows.keys()
+    for name, array in plain.items():
+        linear = name.split(".")[-1] in ("qkv", "o", "gate_up", "down") or name == "lm_head"
+        assert np.array_equal(rows[name], array.T if linear else array), name
