@@ -190,6 +190,7 @@ class Stack:
         self._restart_at: dict[str, float] = {}
         self.segment_owners: set[str] = set()  # children with a KV cache in /dev/shm (decode workers)
         self.metrics_ports: dict[str, int] = {}  # worker name -> its --metrics-port (with --metrics)
+        self.device = "cpu (Paddle)"  # where the workers' models run, for the banner
 
     @property
     def urls(self) -> list[str]:
@@ -295,10 +296,12 @@ class Stack:
         on_card = [cards[i % len(cards)] for i in range(n_workers)]
         share = spec.engine.gpu_memory_utilization
         placement = [(card, share / on_card.count(card)) for card in on_card]
-        print(
-            "GPU: " + ", ".join(f"card {c}: {on_card.count(c)} worker(s)" for c in dict.fromkeys(on_card)),
-            flush=True,
+        cards = ", ".join(
+            f"GPU {c}: {on_card.count(c)} worker(s), {share / on_card.count(c):.0%} of it each"
+            for c in dict.fromkeys(on_card)
         )
+        self.device = f"cuda (PyTorch; {cards})"
+        print(f"device: {self.device}", flush=True)
         return placement
 
     def record(self) -> None:
@@ -427,6 +430,7 @@ pdserve is up in {elapsed:.1f} s: {len(stack.routers)} router(s), {stack.spec.pr
 {stack.spec.decode} decode, {stack.spec.mixed} mixed.
 
   OpenAI API:  {url}/v1{more}
+  device:      {stack.device if stack.spec.engine_kind == "model" else "none (--engine echo)"}
   Redis:       {redact_url(stack.redis_url)}  (cluster {stack.spec.cluster!r})
   status:      {command("pdserve")} status      (finds this stack's Redis by itself; --watch: live)
   metrics:     {url}/metrics{workers_metrics}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -540,3 +541,28 @@ def test_the_kernel_compile_says_it_takes_a_minute(monkeypatch, caplog) -> None:
     said = [r.getMessage() for r in caplog.records if r.name == attention.__name__]
     assert said[0].startswith("compiling the attention kernels for this CPU (first start: ~1 min"), said
     assert re.fullmatch(r"attention kernels ready in \d+\.\d s", said[-1]), said
+
+
+def test_up_on_gpus_places_workers_in_turn_and_splits_each_card(monkeypatch) -> None:
+    """``pdserve up --device cuda --gpus 0,1``: workers go to the cards in turn, each card's memory
+    share split between the workers on it (the host's GPU check answered "cuda" here: no GPU)."""
+    from pdserve.engine import platform
+    from pdserve.engine.config import EngineConfig
+    from pdserve.errors import ConfigError
+    from pdserve.stack import Stack, StackSpec
+
+    monkeypatch.setattr(platform, "resolve_device", lambda device: "cuda")
+    engine = EngineConfig(device="cuda", gpu_memory_utilization=0.9)
+    stack = Stack(StackSpec(model="tiny", prefill=2, decode=1, gpus="0,1", engine=engine))
+    assert stack._gpu_placement(3) == [(0, 0.45), (1, 0.9), (0, 0.45)]
+    assert (
+        stack.device
+        == "cuda (PyTorch; GPU 0: 2 worker(s), 45% of it each, GPU 1: 1 worker(s), 90% of it each)"
+    )
+    one = Stack(StackSpec(model="tiny", engine=dataclasses.replace(engine, gpu=3)))
+    assert one._gpu_placement(2) == [(3, 0.45), (3, 0.45)]
+    monkeypatch.setattr(platform, "resolve_device", lambda device: "cpu")
+    assert Stack(StackSpec(model="tiny", engine=engine))._gpu_placement(2) is None
+    for bad in ("0,x", "-1", ""):
+        with pytest.raises(ConfigError, match="--gpus must be GPU indices"):
+            StackSpec(model="tiny", gpus=bad)
