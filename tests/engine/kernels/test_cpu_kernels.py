@@ -103,7 +103,7 @@ def test_a_cpu_below_the_floor_gets_a_clear_error_from_the_cli(tiny_model_dir) -
 
 
 def test_engine_logs_the_path_it_chose(tiny_model_dir, caplog) -> None:
-    caplog.set_level("INFO", logger="pdserve.engine.llm_engine")
+    caplog.set_level("INFO", logger="pdserve.engine.paddle_executor")
     LLMEngine(tiny_model_dir, EngineConfig(num_blocks=16, kernels="composed"))
     line = next(r.getMessage() for r in caplog.records if "kernels" in r.getMessage())
     assert "rms_norm=composed, swiglu=composed" in line and HOST.describe() in line
@@ -113,7 +113,7 @@ def test_engine_logs_the_path_it_chose(tiny_model_dir, caplog) -> None:
 
 def test_kernels_from_the_environment(tiny_model_dir, monkeypatch) -> None:
     monkeypatch.setenv("PDSERVE_KERNELS", "composed")
-    assert LLMEngine(tiny_model_dir, EngineConfig(num_blocks=16)).kernels.swiglu == "composed"
+    assert LLMEngine(tiny_model_dir, EngineConfig(num_blocks=16)).executor.kernels.swiglu == "composed"
 
 
 def rows(rng: np.random.Generator, m: int, h: int) -> paddle.Tensor:
@@ -156,7 +156,7 @@ def test_model_logits_agree_between_kernel_paths(tiny_model_dir, batch: int) -> 
             tiny_model_dir,
             EngineConfig(num_blocks=128, keep_logits=True, kernels=mode, attention="reference"),
         )
-        paths.add(impl(engine.kernels))
+        paths.add(impl(engine.executor.kernels))
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, greedy)
         per = [[] for _ in prompts]
