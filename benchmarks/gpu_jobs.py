@@ -195,8 +195,6 @@ def preset_name(want: str) -> str:
 
 def model_dir(o: Opts, want: str) -> Path:
     """A seeded folder of preset ``want`` (``NAME-2l``: NAME with 2 layers), made once under --models."""
-    import inspect
-
     from pdserve.engine.model_init import init_model
 
     layers = None
@@ -205,11 +203,8 @@ def model_dir(o: Opts, want: str) -> Path:
     name = preset_name(want)
     path = Path(o.models) / (name + (f"-{layers}l" if layers else ""))
     if not (path / "config.json").is_file():
-        seeded = "seeded" in inspect.signature(init_model).parameters
-        init_model(path, preset=name, overwrite=True, **({"seeded": True} if seeded else {}))
+        init_model(path, preset=name, overwrite=True, seeded=True)
         if layers:
-            if not seeded:
-                raise Skip("a cut-down preset needs seeded weights (init_model(seeded=True))")
             cfg_path = path / "config.json"
             cfg = json.loads(cfg_path.read_text())
             cfg["num_hidden_layers"] = layers
@@ -533,8 +528,7 @@ def job_eager(rec: Recorder, o: Opts, preset: str) -> None:
             from transformers import LlamaConfig, LlamaForCausalLM
         except ImportError as e:
             raise Skip(f"transformers is not installed ({e})") from None
-        from reference_llama import hf_weights
-
+        from pdserve.engine.weights import hf_tensors
         from pdserve.tokenizer import Tokenizer
 
         folder = model_dir(o, preset)
@@ -552,7 +546,7 @@ def job_eager(rec: Recorder, o: Opts, preset: str) -> None:
         params = dict(model.named_parameters())
         loaded = set()
         with torch.no_grad():
-            for name, array in hf_weights(folder):
+            for name, array in hf_tensors(folder):
                 params[name].copy_(torch.from_numpy(np.ascontiguousarray(array)))
                 loaded.add(name)
         missing = set(params) - loaded - ({"lm_head.weight"} if shape.tied else set())

@@ -98,8 +98,6 @@ def free_port() -> int:
 
 
 def seeded_model(preset: str, models: Path) -> Path:
-    import inspect
-
     from pdserve.engine.model_init import PRESETS, init_model
 
     names = ALIASES if preset in ALIASES else (preset,)
@@ -108,8 +106,7 @@ def seeded_model(preset: str, models: Path) -> Path:
         raise SystemExit(f"no model preset {preset!r} (model_init.PRESETS has {', '.join(PRESETS)})")
     path = models / name
     if not (path / "config.json").is_file():
-        seeded = "seeded" in inspect.signature(init_model).parameters
-        init_model(path, preset=name, overwrite=True, **({"seeded": True} if seeded else {}))
+        init_model(path, preset=name, overwrite=True, seeded=True)
     return path
 
 

@@ -7,41 +7,20 @@ SwiGLU MLP + residual; final RMSNorm and lm_head), widened to every preset pdser
 ``lm_head``, q/k/v and MLP biases, and ERNIE-4.5's interleaved RoPE (each pair of adjacent
 dimensions rotated together, as transformers' Ernie4_5 does it; pdserve instead permutes q/k rows
 at load and rotates halves, so the two paths are independent). Weights come under their Hugging
-Face names from ``pdserve.engine.weights.hf_tensors`` (seeded presets included), or straight from
-the folder's safetensors files where that function is missing. No KV cache: one causal forward over
+Face names from ``pdserve.engine.weights.hf_tensors`` (seeded presets included). No KV cache: one causal forward over
 prompt + generated tokens gives the logits of every step at once.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from pdserve.engine.weights import hf_tensors
+
 INTERLEAVED_ROPE = {"Ernie4_5ForCausalLM"}
-
-
-def hf_weights(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """The checkpoint's tensors under their Hugging Face names, torch layout ([out, in])."""
-    try:
-        from pdserve.engine.weights import hf_tensors
-    except ImportError:
-        hf_tensors = None
-    if hf_tensors is not None:
-        if len(inspect.signature(hf_tensors).parameters) == 1:
-            yield from hf_tensors(folder)
-        else:  # the API's first draft also took the model's config
-            from pdserve.engine.model_config import ModelConfig
-
-            yield from hf_tensors(folder, ModelConfig.from_dir(folder))
-        return
-    from safetensors.numpy import load_file
-
-    for path in sorted(folder.glob("*.safetensors")):
-        yield from load_file(path).items()
 
 
 class ReferenceLlama:
@@ -59,7 +38,7 @@ class ReferenceLlama:
         scaling = cfg.get("rope_scaling")
         assert cfg.get("hidden_act", "silu") == "silu", "SwiGLU with SiLU only"
         assert not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default")
-        self.w = {k: np.asarray(v, dtype=np.float64) for k, v in hf_weights(folder)}
+        self.w = {k: np.asarray(v, dtype=np.float64) for k, v in hf_tensors(folder)}
         self.lm_head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
 
     def nbytes(self) -> int:

@@ -1,5 +1,6 @@
-"""pdserve on the real SmolLM2-135M-Instruct against a float64 numpy Llama forward written here from
-the Hugging Face architecture alone (not from pdserve's model code), over the imported safetensors.
+"""pdserve on the real SmolLM2-135M-Instruct against a float64 numpy Llama forward written from the
+Hugging Face architecture alone (not from pdserve's model code; benchmarks/reference_llama.py, which
+the torch platform's tests and the GPU check use too), over the imported safetensors.
 
 The reference: token embedding, per layer RMSNorm -> q/k/v projections -> rotary embedding in HF's
 rotate-half layout (theta from config.json) -> grouped-query attention under a causal mask -> o
@@ -13,76 +14,21 @@ must be the reference's argmax.
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 from pdserve.engine.llm import LLM
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from reference_llama import ReferenceLlama
+
 TOLERANCE = 1e-4
 DECODE_STEPS = 4  # greedy tokens per prompt; each one's logits row is compared
-
-
-class ReferenceLlama:
-    """A float64 Llama forward from a Hugging Face folder (config.json + model.safetensors)."""
-
-    def __init__(self, folder: Path) -> None:
-        cfg = json.loads((folder / "config.json").read_text())
-        self.layers = cfg["num_hidden_layers"]
-        self.heads, self.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.heads
-        self.eps, self.theta = cfg["rms_norm_eps"], cfg["rope_theta"]
-        assert cfg["tie_word_embeddings"] and cfg["hidden_act"] == "silu" and not cfg.get("rope_scaling")
-        self.w = {k: v.astype(np.float64) for k, v in load_file(folder / "model.safetensors").items()}
-        self.lm_head = self.w["model.embed_tokens.weight"]  # tied
-
-    def rms_norm(self, x: np.ndarray, weight: str) -> np.ndarray:
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.w[weight]
-
-    def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """x [T, heads, D]: HF's apply_rotary_pos_emb, x * cos + rotate_half(x) * sin."""
-        D = self.head_dim
-        inv_freq = 1.0 / self.theta ** (np.arange(0, D, 2, dtype=np.float64) / D)
-        angles = np.outer(positions, inv_freq)
-        cos = np.cos(np.concatenate([angles, angles], axis=-1))[:, None, :]
-        sin = np.sin(np.concatenate([angles, angles], axis=-1))[:, None, :]
-        rotated = np.concatenate([-x[..., D // 2 :], x[..., : D // 2]], axis=-1)
-        return x * cos + rotated * sin
-
-    def attention(self, h: np.ndarray, p: str) -> np.ndarray:
-        T, D = h.shape[0], self.head_dim
-        q = (h @ self.w[p + "q_proj.weight"].T).reshape(T, self.heads, D)
-        k = (h @ self.w[p + "k_proj.weight"].T).reshape(T, self.kv_heads, D)
-        v = (h @ self.w[p + "v_proj.weight"].T).reshape(T, self.kv_heads, D)
-        positions = np.arange(T, dtype=np.float64)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        group = self.heads // self.kv_heads  # query head i reads kv head i // group
-        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(D)
-        scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
-        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
-        out = np.einsum("hqk,khd->qhd", probs, v).reshape(T, self.heads * D)
-        return out @ self.w[p + "o_proj.weight"].T
-
-    def mlp(self, h: np.ndarray, p: str) -> np.ndarray:
-        gate, up = h @ self.w[p + "gate_proj.weight"].T, h @ self.w[p + "up_proj.weight"].T
-        return (gate / (1.0 + np.exp(-gate)) * up) @ self.w[p + "down_proj.weight"].T
-
-    def logits(self, token_ids: list[int], rows: slice) -> np.ndarray:
-        """The logits (float64 [len(rows), vocab]) predicting the token after each position ``rows``
-        of ``token_ids``."""
-        x = self.w["model.embed_tokens.weight"][np.asarray(token_ids)]
-        for i in range(self.layers):
-            p = f"model.layers.{i}."
-            x = x + self.attention(self.rms_norm(x, p + "input_layernorm.weight"), p + "self_attn.")
-            x = x + self.mlp(self.rms_norm(x, p + "post_attention_layernorm.weight"), p + "mlp.")
-        return self.rms_norm(x[rows], "model.norm.weight") @ self.lm_head.T
 
 
 @pytest.fixture(scope="module")
