@@ -296,11 +296,11 @@ class Stack:
         on_card = [cards[i % len(cards)] for i in range(n_workers)]
         share = spec.engine.gpu_memory_utilization
         placement = [(card, share / on_card.count(card)) for card in on_card]
-        cards = ", ".join(
+        shares = ", ".join(
             f"GPU {c}: {on_card.count(c)} worker(s), {share / on_card.count(c):.0%} of it each"
             for c in dict.fromkeys(on_card)
         )
-        self.device = f"cuda (PyTorch; {cards})"
+        self.device = f"cuda (PyTorch; {shares})"
         print(f"device: {self.device}", flush=True)
         return placement
 
