@@ -28,6 +28,7 @@ import json, logging, sys
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels.attention import select_attention
 from pdserve.engine.kernels.gemm import select_gemm
+from pdserve.engine.kernels.paddle_setup import paddle  # the runtime: loaded with the engine otherwise
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
 
