@@ -8,6 +8,10 @@ lock) looks at every active batch each ``reaper_interval_s``.
 - a batch still ``validating`` whose validation job is lost the same way is validated again;
 - a batch ``cancelling``, or past its ``completion_window``, is finalized (partial output) once no
   chunk is leased; a batch left ``finalizing`` by a crash is finalized again.
+
+Each batch is checked on its own: one that raises (its output cannot be written, say) is logged and
+the pass goes on to the others. A failed try at writing a batch's output files puts the next one off
+(``FINALIZE_RETRY_S``); the ``MAX_FINALIZE_TRIES``-th fails the batch (:meth:`BatchRunner.finish`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ class Reaper:
                 except NotFoundError:
                     with redis_errors("dropping an expired batch"):
                         await redis.srem(keys.active_batches, batch_id)
+                except PdserveError as e:  # one batch's trouble stops no other's recovery
+                    logger.warning("batch reaper: batch %s: %s", batch_id, e)
+                except Exception:
+                    logger.exception("batch reaper: batch %s failed; going on with the others", batch_id)
         finally:
             with redis_errors("releasing the batch reaper lock"):
                 if await redis.get(keys.batch_reaper_lock) == token.encode():
@@ -72,6 +80,11 @@ class Reaper:
 
     async def _check(self, batch: BatchObject) -> None:
         now = time.time()
+        finishing = batch.status in ("cancelling", "finalizing") or (
+            batch.status == "in_progress" and now >= batch.expires_at
+        )
+        if finishing and not await self.batches.finalize_due(batch.id):
+            return  # a failed try at writing its output files put the next one off
         if batch.status == "validating":
             await self._recover_validation(batch)
         elif batch.status == "cancelling":

@@ -41,6 +41,11 @@ CAPACITY_POLL_S = 0.05
 VALIDATION_CHUNK = -1
 """The chunk number under which a validation job holds its lease and records its job id."""
 STATUS_MAX_AGE_S = 0.5
+MAX_FINALIZE_TRIES = 3
+"""Tries at writing a batch's output files (the chunk job that wrote its last line, then the
+reaper) before the batch fails with ``finalize_failed`` rather than staying ``finalizing``."""
+FINALIZE_RETRY_S = 10.0
+"""How long the reaper waits after a failed try at writing a batch's output files."""
 
 
 class BatchMetrics:
@@ -340,7 +345,41 @@ class BatchRunner:
     async def finish(self, batch_id: str, expect: str, status: str, unfinished_error: str = "") -> None:
         """Write the output and error files from the recorded lines and move the batch from
         ``expect`` to ``status``; lines with no outcome get ``unfinished_error`` in the error file
-        (an expired batch's, as OpenAI writes them)."""
+        (an expired batch's, as OpenAI writes them).
+
+        A try that raises is counted (in Redis) and raised again, for the reaper to try once more
+        after ``FINALIZE_RETRY_S``; the ``MAX_FINALIZE_TRIES``-th fails the batch with the reason
+        instead, so that no batch stays ``finalizing`` (or ``cancelling``, or expiring) forever."""
+        try:
+            await self._write_outputs(batch_id, expect, status, unfinished_error)
+        except Exception as e:
+            tries = await self.batches.finalize_failed(batch_id, FINALIZE_RETRY_S)
+            if tries < MAX_FINALIZE_TRIES:
+                logger.warning(
+                    "batch %s: writing its output failed (try %d of %d); trying again in %.0f s",
+                    batch_id,
+                    tries,
+                    MAX_FINALIZE_TRIES,
+                    FINALIZE_RETRY_S,
+                )
+                raise
+            reason = f"{type(e).__name__}: {e}"
+            error = BatchError(
+                code="finalize_failed",
+                message=f"the batch's output files could not be written ({tries} tries): {reason}",
+            )
+            await self.batches.update(
+                batch_id,
+                (expect,),
+                status="failed",
+                failed_at=int(time.time()),
+                errors={"object": "list", "data": [error.model_dump()]},
+            )
+            logger.error("batch %s failed: %s", batch_id, error.message, exc_info=True)
+        finally:
+            self._lines.pop(batch_id, None)
+
+    async def _write_outputs(self, batch_id: str, expect: str, status: str, unfinished_error: str) -> None:
         batch = await self.batches.get(batch_id)
         if unfinished_error:
             done = await self.batches.done_lines(batch_id)
@@ -359,16 +398,21 @@ class BatchRunner:
                     await self.batches.record(batch_id, i, record, True)
         out, err = await self.batches.outcomes(batch_id)
         ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
-        for field, content, name in (("output_file_id", out, "output"), ("error_file_id", err, "error")):
-            if content:
-                info = await self.files.create(
-                    f"{batch_id}_{name}.jsonl", "batch_output", b"\n".join(content) + b"\n"
-                )
-                ids[field] = info.id
-        await self.batches.update(
-            batch_id, (expect,), status=status, **{f"{status}_at": int(time.time())}, **ids
-        )
-        self._lines.pop(batch_id, None)
+        try:
+            for field, content, name in (("output_file_id", out, "output"), ("error_file_id", err, "error")):
+                if content:
+                    info = await self.files.create(
+                        f"{batch_id}_{name}.jsonl", "batch_output", b"\n".join(content) + b"\n"
+                    )
+                    ids[field] = info.id
+            await self.batches.update(
+                batch_id, (expect,), status=status, **{f"{status}_at": int(time.time())}, **ids
+            )
+        except Exception:
+            for file_id in filter(None, ids.values()):  # the next try writes them again
+                with contextlib.suppress(PdserveError):
+                    await self.files.delete(file_id)
+            raise
 
 
 def _json_or_text(content: bytes) -> object:

@@ -10,6 +10,9 @@ loses nor doubles a line; ``request_counts`` are the two hashes' sizes.
     validating ──> in_progress ──> finalizing ──> completed
         │              │   └──────────────────────> expired     (completion_window passed)
         └─> failed     └──> cancelling ──> cancelled
+
+A batch whose output files cannot be written (:meth:`finalize_failed` counts the tries) goes from
+``finalizing``, ``cancelling`` or ``in_progress`` (expiring) to ``failed`` instead.
 """
 
 from __future__ import annotations
@@ -235,6 +238,7 @@ class BatchStore:
                     pipe.expire(key, self.ttl_s)
                 pipe.expire(self.keys.batch_errors(batch_id), self.ttl_s)
                 pipe.delete(self.keys.batch_chunks(batch_id))
+                pipe.delete(self.keys.batch_finalize(batch_id))
                 await pipe.execute()
         if raw is None:
             return None
@@ -268,6 +272,25 @@ class BatchStore:
             pipe.hgetall(self.keys.batch_errors(batch_id))
             out, err = await pipe.execute()
         return _in_order(out), _in_order(err)
+
+    # ---- finalizing: the failed tries at writing the output files --------------------------------
+    async def finalize_failed(self, batch_id: str, retry_in_s: float) -> int:
+        """Count a failed try at writing ``batch_id``'s output files and put the next one off by
+        ``retry_in_s``; how many tries have failed (kept in Redis: any worker may try next)."""
+        key = self.keys.batch_finalize(batch_id)
+        with redis_errors("counting a batch's finalize tries"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hincrby(key, "tries", 1)
+            pipe.hset(key, "retry_at", time.time() + retry_in_s)
+            pipe.expire(key, self.ttl_s)
+            tries, *_ = await pipe.execute()
+        return int(tries)
+
+    async def finalize_due(self, batch_id: str) -> bool:
+        """False while a failed try at writing the output files puts the next one off."""
+        with redis_errors("reading a batch's finalize tries"):
+            retry_at = await self.redis.hget(self.keys.batch_finalize(batch_id), "retry_at")
+        return retry_at is None or time.time() >= float(retry_at)
 
     # ---- chunks: which rq job owns each chunk, and who is running it ------------------------------
     async def set_chunk_jobs(self, batch_id: str, jobs: dict[int, str]) -> None:

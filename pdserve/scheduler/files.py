@@ -74,10 +74,13 @@ class FileStore:
         self.directory = Path(directory) if directory else None
 
     async def create(self, filename: str, purpose: str, content: bytes) -> FileObject:
-        """Store ``content`` as a new file; InvalidRequestError for a bad purpose or size."""
+        """Store ``content`` as a new file; InvalidRequestError for a bad purpose, or an upload
+        (``batch``) over ``max_bytes``. A batch's output and error files (``batch_output``, written
+        by pdserve) are not bound by the upload limit: a batch's output is often larger than its
+        input, and refusing it would leave the batch with no output at all."""
         if purpose not in PURPOSES:
             raise InvalidRequestError(f"purpose must be 'batch' (got {purpose!r})", "purpose")
-        if len(content) > self.max_bytes:
+        if purpose == "batch" and len(content) > self.max_bytes:
             raise InvalidRequestError(
                 f"the file has {len(content)} bytes, more than this server's limit of {self.max_bytes}",
                 "file",

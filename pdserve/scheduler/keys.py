@@ -141,6 +141,10 @@ class Keys:
         """Hash chunk number -> the id of the rq job that owns the chunk now."""
         return f"{self.batch(batch_id)}:chunks"
 
+    def batch_finalize(self, batch_id: str) -> str:
+        """Hash of a batch's failed tries at writing its output files (``tries``, ``retry_at``)."""
+        return f"{self.batch(batch_id)}:finalize"
+
     def batch_lease(self, batch_id: str, chunk: int) -> str:
         """Held (short TTL, renewed) by the batch worker running a chunk; its absence means nobody is."""
         return f"{self.batch(batch_id)}:lease:{int(chunk)}"

@@ -298,3 +298,25 @@ def test_a_job_lost_between_pop_and_start_is_run_again(echo_stack, redis_url) ->
         assert worker.wait(30) == 0
     assert batch.status == "completed" and batch.request_counts is not None
     assert batch.request_counts.completed == 10
+
+
+def test_an_output_larger_than_the_upload_limit_completes(echo_stack) -> None:
+    """``--max-file-bytes`` bounds uploads: a batch worker whose limit is a third of the batch's
+    output still writes it (it raised, and the batch stayed ``finalizing`` forever)."""
+    oc = client(echo_stack)
+    limit = 20_000
+    lines = batch_lines(model_name(echo_stack), 200, max_tokens=32)
+    for line in lines:
+        line["body"].pop("response_format", None)
+    batch_id = create(oc, lines)
+    worker = batch_worker(echo_stack, "big-output", "--max-file-bytes", str(limit))
+    try:
+        batch = wait_final(oc, batch_id, 90)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+    assert batch.status == "completed", batch
+    content = oc.files.content(batch.output_file_id).content  # type: ignore[arg-type]
+    assert len(content) > 3 * limit
+    out = [orjson.loads(line) for line in content.splitlines()]
+    assert [o["custom_id"] for o in out] == [line["custom_id"] for line in lines]

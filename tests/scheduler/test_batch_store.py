@@ -279,6 +279,8 @@ def test_a_file_over_the_limit_is_refused(redis_url: str, redis_client: redis.Re
         assert e.value.param == "file" and "10" in e.value.message
         assert redis_client.zcard(KEYS.files) == 0
         assert (await files.create("ok.jsonl", "batch", b"x" * 10)).bytes == 10
+        # the limit is for uploads: an output file pdserve writes is stored whatever its size
+        assert (await files.create("out.jsonl", "batch_output", b"x" * 30)).bytes == 30
 
     run(redis_url, main)
 

@@ -1,0 +1,176 @@
+"""Finalizing a batch (writing its output files) on a real Redis, with a real BatchRunner and
+Reaper in-process: an output larger than the upload limit is stored; a batch whose output cannot be
+written stops no other batch's recovery in the reaper's pass, and fails with the reason after
+``MAX_FINALIZE_TRIES`` tries instead of staying ``finalizing`` forever."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import orjson
+import pytest
+import redis
+
+from pdserve.batch import reaper as reaper_module
+from pdserve.batch import runner as runner_module
+from pdserve.batch.reaper import Reaper
+from pdserve.batch.runner import MAX_FINALIZE_TRIES, BatchMetrics, BatchRunner
+from pdserve.batch.settings import BatchWorkerSettings
+from pdserve.cli import build_parser
+from pdserve.scheduler.batch_queue import BatchQueue
+from pdserve.scheduler.batches import BatchObject
+from pdserve.scheduler.files import FileObject
+from pdserve.scheduler.keys import Keys
+
+T = TypeVar("T")
+CHAT = "/v1/chat/completions"
+MAX_FILE_BYTES = 2000
+
+
+def with_runner(redis_url: str, fn: Callable[[BatchRunner, Reaper], Awaitable[T]], *flags: str) -> T:
+    """Run ``fn`` with a started runner (and its reaper) on a cluster of its own."""
+    argv = ["batch-worker", "--redis-url", redis_url, "--cluster", f"t{uuid.uuid4().hex[:8]}", *flags]
+    settings = BatchWorkerSettings.from_args(build_parser().parse_args(argv))
+    connection = redis.Redis.from_url(redis_url)
+    queue = BatchQueue(connection, Keys(settings.router.cluster))
+
+    async def main() -> T:
+        runner = BatchRunner(settings, queue, BatchMetrics())
+        await runner.start()
+        try:
+            return await fn(runner, Reaper(runner))
+        finally:
+            await runner.stop()
+
+    try:
+        return asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        connection.close()
+
+
+async def batch_with_lines(runner: BatchRunner, n: int, done: int, text: str = "ok") -> BatchObject:
+    """A batch ``in_progress`` with ``n`` lines, the first ``done`` of them answered with ``text``."""
+    lines = [
+        {"custom_id": f"req-{i}", "method": "POST", "url": CHAT, "body": {"model": "m", "messages": []}}
+        for i in range(n)
+    ]
+    file = await runner.files.create("in.jsonl", "batch", b"\n".join(map(orjson.dumps, lines)) + b"\n")
+    store = runner.batches
+    batch = await store.create(file.id, CHAT, "24h", None)
+    moved = await store.update(batch.id, ("validating",), status="in_progress", total=n, chunks=0)
+    assert moved is not None
+    for i in range(done):
+        body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+        record = {
+            "id": f"batch_req_{i}",
+            "custom_id": f"req-{i}",
+            "response": {"status_code": 200, "request_id": f"r{i}", "body": body},
+            "error": None,
+        }
+        assert await store.record(batch.id, i, record, False)
+    return await store.get(batch.id)
+
+
+@pytest.mark.parametrize("in_folder", [False, True])
+def test_an_output_three_times_the_upload_limit_is_stored(
+    redis_url: str, tmp_path: Path, in_folder: bool
+) -> None:
+    """``--max-file-bytes`` bounds uploads, not the output files a batch worker writes."""
+    flags = ["--max-file-bytes", str(MAX_FILE_BYTES)] + (["--files-dir", str(tmp_path)] if in_folder else [])
+
+    async def main(runner: BatchRunner, reaper: Reaper) -> tuple[BatchObject, bytes, FileObject]:
+        batch = await batch_with_lines(runner, 10, 10, text="x" * 700)  # its input: 1 kB
+        await runner.maybe_finalize(batch.id)
+        batch = await runner.batches.get(batch.id)
+        assert batch.output_file_id is not None, batch
+        info = await runner.files.get(batch.output_file_id)
+        return batch, await runner.files.content(info.id), info
+
+    batch, content, info = with_runner(redis_url, main, *flags)
+    assert batch.status == "completed"
+    assert info.bytes == len(content) > 3 * MAX_FILE_BYTES and info.purpose == "batch_output"
+    assert [orjson.loads(line)["custom_id"] for line in content.splitlines()] == [
+        f"req-{i}" for i in range(10)
+    ]
+    assert (tmp_path / f"{info.id}.jsonl").exists() == in_folder
+
+
+def failing_output(runner: BatchRunner, batch_id: str) -> list[float]:
+    """Make writing ``batch_id``'s output files raise (every other batch's works); the times of the tries."""
+    tries: list[float] = []
+    create = runner.files.create
+
+    async def create_or_fail(filename: str, purpose: str, content: bytes) -> FileObject:
+        if filename.startswith(batch_id):
+            tries.append(time.monotonic())
+            raise OSError(28, "No space left on device")
+        return await create(filename, purpose, content)
+
+    runner.files.create = create_or_fail  # type: ignore[method-assign]
+    return tries
+
+
+def test_a_batch_that_cannot_finalize_stops_no_other_in_the_reapers_pass(redis_url: str) -> None:
+    """The batch whose output cannot be written is the first the pass meets (the pass goes through
+    the active batches in id order); a cancelled one and an expired one after it still end."""
+
+    async def main(runner: BatchRunner, reaper: Reaper) -> list[BatchObject]:
+        store = runner.batches
+        made = sorted([await batch_with_lines(runner, 3, 1) for _ in range(3)], key=lambda b: b.id)
+        stuck, cancelled, expired = made
+        failing_output(runner, stuck.id)
+        assert await store.update(stuck.id, ("in_progress",), status="finalizing", finalizing_at=1)
+        assert await store.update(cancelled.id, ("in_progress",), status="cancelling", cancelling_at=1)
+        assert await store.update(expired.id, ("in_progress",), expires_at=int(time.time()) - 1)
+        assert await store.active() == [b.id for b in made]
+        await reaper.one_pass()
+        return [await store.get(b.id) for b in made]
+
+    stuck, cancelled, expired = with_runner(redis_url, main)
+    assert stuck.status == "finalizing"  # tried once: MAX_FINALIZE_TRIES - 1 tries left
+    assert cancelled.status == "cancelled" and cancelled.output_file_id is not None
+    assert expired.status == "expired" and expired.error_file_id is not None
+
+
+def test_a_batch_that_keeps_failing_to_finalize_fails_with_the_reason(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunk job's try, then the reaper's: each after FINALIZING_GRACE_S (a crash's), then
+    FINALIZE_RETRY_S; the last one fails the batch (shortened here to keep the test quick)."""
+    monkeypatch.setattr(reaper_module, "FINALIZING_GRACE_S", 0.2)
+    monkeypatch.setattr(runner_module, "FINALIZE_RETRY_S", 0.3)
+
+    async def main(runner: BatchRunner, reaper: Reaper) -> tuple[BatchObject, list[float], list[str]]:
+        store = runner.batches
+        batch = await batch_with_lines(runner, 2, 2)
+        tries = failing_output(runner, batch.id)
+        with pytest.raises(OSError):
+            await runner.maybe_finalize(batch.id)  # the chunk job that wrote the last line
+        assert (await store.get(batch.id)).status == "finalizing"
+        deadline = time.monotonic() + 20
+        while (await store.get(batch.id)).status == "finalizing":
+            assert time.monotonic() < deadline, f"still finalizing after {len(tries)} tries"
+            await reaper.one_pass()
+            await asyncio.sleep(0.05)
+        for _ in range(3):  # a failed batch is left alone
+            await reaper.one_pass()
+        files, _ = await runner.files.list_files(purpose="batch_output")
+        return await store.get(batch.id), tries, [f.id for f in files]
+
+    batch, tries, outputs = with_runner(redis_url, main)
+    assert batch.status == "failed" and batch.failed_at is not None, batch
+    assert len(tries) == MAX_FINALIZE_TRIES
+    # the reaper's tries wait FINALIZE_RETRY_S after a failure (its first one waits out
+    # FINALIZING_GRACE_S from finalizing_at, whole seconds: no bound on that gap here)
+    assert all(b - a >= 0.25 for a, b in itertools.pairwise(tries[1:])), tries
+    assert batch.errors is not None and len(batch.errors.data) == 1
+    error = batch.errors.data[0]
+    assert error.code == "finalize_failed" and "No space left on device" in error.message, error
+    assert f"{MAX_FINALIZE_TRIES} tries" in error.message
+    assert batch.output_file_id is None and batch.error_file_id is None and outputs == []
