@@ -4,7 +4,8 @@
     ├── ConfigError              configuration_error   bad model folder, flag or configuration value
     ├── InvalidRequestError      invalid_request       a request field is wrong (``param`` names it)
     │   ├── RequestTooLongError  context_length_exceeded   prompt + max_tokens can never fit
-    │   └── NotFoundError        not_found             a file or batch id that does not exist
+    │   ├── NotFoundError        not_found             a file or batch id that does not exist
+    │   └── ConflictError        conflict              the state forbids it (deleting a batch's input)
     ├── EngineError              engine_error          the engine failed while running a request
     ├── TransferError            kv_transfer_failed    KV cache bytes could not be moved
     ├── ControlPlaneError        control_plane_unavailable   Redis unreachable, too old, or refusing
@@ -60,6 +61,12 @@ class NotFoundError(InvalidRequestError):
     """A file or batch id names nothing (deleted, expired, or never created)."""
 
     kind = "not_found"
+
+
+class ConflictError(InvalidRequestError):
+    """The request conflicts with the current state (deleting a file an active batch reads)."""
+
+    kind = "conflict"
 
 
 class EngineError(PdserveError, RuntimeError):

@@ -5,7 +5,8 @@ lock) looks at every active batch each ``reaper_interval_s``.
   worker was SIGKILLed while running it, or between rq popping it and registering it as started,
   or it stopped early) is enqueued again as a new job once that has lasted a lease TTL; the old
   job, should it ever run, sees it no longer owns the chunk and does nothing;
-- a batch still ``validating`` whose validation job is lost the same way is validated again;
+- a batch still ``validating`` whose validation job is lost the same way is validated again; one
+  still ``validating`` at its window's end (no live instance came) is ``expired``;
 - a batch ``cancelling``, or past its ``completion_window``, is finalized (partial output) once no
   chunk is leased; a batch left ``finalizing`` by a crash is finalized again.
 
@@ -86,7 +87,10 @@ class Reaper:
         if finishing and not await self.batches.finalize_due(batch.id):
             return  # a failed try at writing its output files put the next one off
         if batch.status == "validating":
-            await self._recover_validation(batch)
+            if now >= batch.expires_at:  # no instance came to validate it against, say
+                await self.runner.expire_unvalidated(batch.id)
+            else:
+                await self._recover_validation(batch)
         elif batch.status == "cancelling":
             if not await self.batches.leased_chunks(batch):
                 await self._cancel_queued(batch)

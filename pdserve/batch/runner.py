@@ -15,6 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import orjson
@@ -41,11 +42,15 @@ CAPACITY_POLL_S = 0.05
 VALIDATION_CHUNK = -1
 """The chunk number under which a validation job holds its lease and records its job id."""
 STATUS_MAX_AGE_S = 0.5
+VALIDATION_POLL_S = 1.0
+"""How often a validation with no live instance to check its lines against looks again."""
 MAX_FINALIZE_TRIES = 3
 """Tries at writing a batch's output files (the chunk job that wrote its last line, then the
 reaper) before the batch fails with ``finalize_failed`` rather than staying ``finalizing``."""
 FINALIZE_RETRY_S = 10.0
 """How long the reaper waits after a failed try at writing a batch's output files."""
+INPUT_MISSING = BatchError(code="input_file_missing", message="the input file is gone")
+INPUT_MISSING_ERRORS = {"object": "list", "data": [INPUT_MISSING.model_dump()]}
 
 
 class BatchMetrics:
@@ -160,21 +165,25 @@ class BatchRunner:
         async with self._owned(batch, "validating", VALIDATION_CHUNK, job_id) as renew:
             if renew is None:
                 return "skipped: the batch is not validating or another job validates it"
-            await self._validate(batch)
-        return "validated"
+            return await self._validate(batch, renew)
 
-    async def _validate(self, batch: BatchObject) -> None:
+    async def _validate(self, batch: BatchObject, renew: asyncio.Task) -> str:
         batch_id = batch.id
         try:
             content = await self.files.content(batch.input_file_id)
         except NotFoundError:
-            await self._fail(batch, [BatchError(code="input_file_missing", message="the input file is gone")])
-            return
-        live = await self.state.dispatcher.live.get()
-        lines, model, errors = check_lines(content, live, self.limits, self.settings.max_lines)
+            await self._fail(batch, [INPUT_MISSING])
+            return "failed: the input file is gone"
+        live = await self._live_instances(batch, renew)
+        if live is None:
+            return "stopped waiting for a live instance"
+        # off the event loop: a large file takes seconds, and the lease must be renewed meanwhile
+        lines, model, errors = await asyncio.to_thread(
+            check_lines, content, live, self.limits, self.settings.max_lines
+        )
         if errors:
             await self._fail(batch, errors)
-            return
+            return "failed validation"
         chunk_lines = self.settings.chunk_lines
         chunks = -(-len(lines) // chunk_lines)
         now = int(time.time())
@@ -188,14 +197,51 @@ class BatchRunner:
             chunk_lines=chunk_lines,
             model=model or None,
         )
-        if started is None:  # cancelled meanwhile
-            return
+        if started is None:  # cancelled or expired meanwhile
+            return "skipped: the batch was cancelled or expired meanwhile"
         self._lines[batch_id] = lines
         jobs = {k: await asyncio.to_thread(self.queue.enqueue_chunk, batch_id, k) for k in range(chunks)}
         await self.batches.set_chunk_jobs(batch_id, jobs)
         logger.info(
             "batch %s: %d lines valid, %d jobs of %d lines", batch_id, len(lines), chunks, chunk_lines
         )
+        return "validated"
+
+    async def _live_instances(self, batch: BatchObject, renew: asyncio.Task) -> list[InstanceInfo] | None:
+        """The live set once some instance is live (the lines' models are checked against it): with
+        none (a restart, a deployment scaled to zero) validation waits, within the batch's window,
+        instead of failing every line with ``model_not_found``. None when it stops waiting: the
+        window ended (the batch is then ``expired``), the batch was cancelled, the worker stops or
+        another job owns the validation."""
+        waited = False
+        while True:
+            live = await self.state.dispatcher.live.get()
+            if any(not info.draining for info in live):
+                return live
+            batch = await self.batches.get(batch.id)
+            if batch.status != "validating" or self.stopping or renew.done():
+                return None
+            if time.time() >= batch.expires_at:
+                await self.expire_unvalidated(batch.id)
+                return None
+            if not waited:
+                logger.warning("batch %s: no live instance to validate its lines against; waiting", batch.id)
+                waited = True
+            await asyncio.sleep(VALIDATION_POLL_S)
+
+    async def expire_unvalidated(self, batch_id: str) -> None:
+        """End a batch still ``validating`` at its window's end as ``expired`` (no line ran)."""
+        error = BatchError(
+            code="batch_expired", message="the completion window ended before the batch was validated"
+        )
+        if await self.batches.update(
+            batch_id,
+            ("validating",),
+            status="expired",
+            expired_at=int(time.time()),
+            errors={"object": "list", "data": [error.model_dump()]},
+        ):
+            logger.warning("batch %s expired before it was validated", batch_id)
 
     async def _fail(self, batch: BatchObject, errors: list[BatchError]) -> None:
         data = [e.model_dump() for e in errors]
@@ -217,7 +263,11 @@ class BatchRunner:
                 return "skipped: the batch is not running or another job owns this chunk"
             done = await self.batches.done_lines(batch_id)
             todo = [i for i in batch.chunk_range(chunk) if i not in done]
-            lines = await self._batch_lines(batch)
+            try:
+                lines = await self._batch_lines(batch)
+            except NotFoundError:  # deleted or expired despite FileStore.hold (by hand, say)
+                await self.finish(batch_id, "in_progress", "failed", errors=INPUT_MISSING_ERRORS)
+                return "failed the batch: its input file is gone"
             outcomes = await asyncio.gather(*(self._run_line(batch, i, lines[i], renew) for i in todo))
         ran = sum(1 for o in outcomes if o)
         await self.maybe_finalize(batch_id)
@@ -342,16 +392,20 @@ class BatchRunner:
         ):
             await self.finish(batch_id, "finalizing", "completed")
 
-    async def finish(self, batch_id: str, expect: str, status: str, unfinished_error: str = "") -> None:
+    async def finish(
+        self, batch_id: str, expect: str, status: str, unfinished_error: str = "", **changes: Any
+    ) -> None:
         """Write the output and error files from the recorded lines and move the batch from
         ``expect`` to ``status``; lines with no outcome get ``unfinished_error`` in the error file
-        (an expired batch's, as OpenAI writes them).
+        (an expired batch's, as OpenAI writes them); ``changes`` go into the record too. A batch
+        whose input file is gone when its unfinished lines need it (their ``custom_id``) is
+        ``failed`` (``input_file_missing``) instead, with the outcomes recorded.
 
         A try that raises is counted (in Redis) and raised again, for the reaper to try once more
         after ``FINALIZE_RETRY_S``; the ``MAX_FINALIZE_TRIES``-th fails the batch with the reason
         instead, so that no batch stays ``finalizing`` (or ``cancelling``, or expiring) forever."""
         try:
-            await self._write_outputs(batch_id, expect, status, unfinished_error)
+            await self._write_outputs(batch_id, expect, status, unfinished_error, changes)
         except Exception as e:
             tries = await self.batches.finalize_failed(batch_id, FINALIZE_RETRY_S)
             if tries < MAX_FINALIZE_TRIES:
@@ -379,11 +433,19 @@ class BatchRunner:
         finally:
             self._lines.pop(batch_id, None)
 
-    async def _write_outputs(self, batch_id: str, expect: str, status: str, unfinished_error: str) -> None:
+    async def _write_outputs(
+        self, batch_id: str, expect: str, status: str, unfinished_error: str, changes: dict[str, Any]
+    ) -> None:
         batch = await self.batches.get(batch_id)
         if unfinished_error:
             done = await self.batches.done_lines(batch_id)
-            lines = await self._batch_lines(batch)
+            try:
+                lines = await self._batch_lines(batch)
+            except NotFoundError:
+                logger.error("batch %s: its input file is gone; failing it", batch_id)
+                status, unfinished_error, lines = "failed", "", []
+                changes = {**changes, "errors": INPUT_MISSING_ERRORS}
+        if unfinished_error:
             for i in range(batch.request_counts.total):
                 if i not in done:
                     record = {
@@ -406,7 +468,7 @@ class BatchRunner:
                     )
                     ids[field] = info.id
             await self.batches.update(
-                batch_id, (expect,), status=status, **{f"{status}_at": int(time.time())}, **ids
+                batch_id, (expect,), status=status, **{f"{status}_at": int(time.time())}, **ids, **changes
             )
         except Exception:
             for file_id in filter(None, ids.values()):  # the next try writes them again

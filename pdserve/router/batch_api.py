@@ -28,7 +28,7 @@ from pdserve.router.state import RouterState
 from pdserve.router.strict import StrictModel
 from pdserve.scheduler.batches import ENDPOINTS, BatchObject, BatchStore, window_seconds
 from pdserve.scheduler.connection import redis_errors
-from pdserve.scheduler.files import PURPOSES, FileObject, FileStore
+from pdserve.scheduler.files import HOLD_GRACE_S, PURPOSES, FileObject, FileStore, new_id
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,11 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
     @app.delete("/v1/files/{file_id}")
     @_answers
     async def delete_file(request: Request, file_id: str) -> Response:
-        await stores()[0].delete(file_id)
+        files, batches = stores()
+        for batch_id in await files.readers(file_id):  # left by a batch that ended, or was never made
+            if not await batches.is_active(batch_id):
+                await files.release(file_id, batch_id)
+        await files.delete(file_id)  # 409 while an active batch reads it
         return JsonResponse({"id": file_id, "object": "file", "deleted": True}, _rid(request))
 
     @app.post("/v1/batches", openapi_extra=_body("application/json", CreateBatchRequest.model_json_schema()))
@@ -133,7 +137,16 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
         if info.purpose != "batch":
             raise InvalidRequestError(f"file {info.id} is {info.purpose!r}, not 'batch'", "input_file_id")
         queue = state.batch_queue()  # a ConfigError (Redis Cluster) answers before anything exists
-        batch = await batches.create(req.input_file_id, req.endpoint, req.completion_window, req.metadata)
+        # the file cannot be deleted while the batch is active, and lasts past its window
+        batch_id = new_id("batch_")
+        until = time.time() + window_seconds(req.completion_window) + HOLD_GRACE_S
+        try:
+            await files.hold(req.input_file_id, batch_id, until)
+        except NotFoundError as e:
+            raise NotFoundError(e.message, "input_file_id") from None
+        batch = await batches.create(
+            req.input_file_id, req.endpoint, req.completion_window, req.metadata, batch_id
+        )
         try:
             with redis_errors("queueing the batch's validation"):
                 await asyncio.to_thread(queue.enqueue_validate, batch.id)

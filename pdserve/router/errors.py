@@ -25,6 +25,7 @@ import orjson
 from pdserve.errors import (
     ClientDisconnectedError,
     ConfigError,
+    ConflictError,
     ControlPlaneError,
     ControlPlaneRestartedError,
     EngineError,
@@ -122,6 +123,7 @@ ERROR_MAP: dict[type[BaseException], ErrorKind] = {
     RequestTooLongError: ErrorKind(400, "invalid_request_error", "context_length_exceeded"),
     ModelNotFoundError: ErrorKind(404, "invalid_request_error", "model_not_found"),
     NotFoundError: ErrorKind(404, "invalid_request_error", "not_found"),
+    ConflictError: ErrorKind(409, "invalid_request_error", "conflict"),
     BodyTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
     AuthenticationError: ErrorKind(401, "invalid_request_error", "invalid_api_key"),
     OverloadedError: ErrorKind(429, "requests", "rate_limit_exceeded", retry_after=True),

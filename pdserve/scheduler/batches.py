@@ -9,10 +9,12 @@ loses nor doubles a line; ``request_counts`` are the two hashes' sizes.
 
     validating ──> in_progress ──> finalizing ──> completed
         │              │   └──────────────────────> expired     (completion_window passed)
-        └─> failed     └──> cancelling ──> cancelled
+        ├─> failed     └──> cancelling ──> cancelled
+        └─> expired    (no live instance to validate against before the window ended)
 
 A batch whose output files cannot be written (:meth:`finalize_failed` counts the tries) goes from
-``finalizing``, ``cancelling`` or ``in_progress`` (expiring) to ``failed`` instead.
+``finalizing``, ``cancelling`` or ``in_progress`` (expiring) to ``failed`` instead, and so does one
+whose input file is gone when a chunk or its expiry needs it (``input_file_missing``).
 """
 
 from __future__ import annotations
@@ -156,11 +158,16 @@ class BatchStore:
         self._record = redis.register_script(_RECORD)
 
     async def create(
-        self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict[str, str] | None
+        self,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+        batch_id: str | None = None,
     ) -> BatchObject:
         now = int(time.time())
         batch = BatchObject(
-            id=new_id("batch_"),
+            id=batch_id or new_id("batch_"),
             endpoint=endpoint,
             input_file_id=input_file_id,
             completion_window=completion_window,
@@ -216,6 +223,13 @@ class BatchStore:
                     await self.redis.zrem(self.keys.batches, batch_id)
         return found[:limit], len(found) > limit
 
+    async def is_active(self, batch_id: str) -> bool:
+        """The batch exists and is not final."""
+        try:
+            return not (await self.get(batch_id)).final
+        except NotFoundError:
+            return False
+
     async def active(self) -> list[str]:
         """Ids of the batches not in a final state."""
         with redis_errors("listing active batches"):
@@ -234,6 +248,8 @@ class BatchStore:
             )
             if raw is not None and final:
                 pipe = self.redis.pipeline(transaction=False)
+                # its input file may be deleted now (FileStore.hold recorded the batch as reading it)
+                pipe.srem(self.keys.file_batches(_load(raw).input_file_id), batch_id)
                 for key in (self.keys.batch(batch_id), self.keys.batch_results(batch_id)):
                     pipe.expire(key, self.ttl_s)
                 pipe.expire(self.keys.batch_errors(batch_id), self.ttl_s)

@@ -21,7 +21,7 @@ from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict
 
-from pdserve.errors import InvalidRequestError, NotFoundError
+from pdserve.errors import ConflictError, InvalidRequestError, NotFoundError
 from pdserve.scheduler.connection import RedisClient, redis_errors
 from pdserve.scheduler.keys import Keys
 
@@ -34,6 +34,38 @@ PURPOSES: tuple[str, ...] = ("batch", "batch_output")
 DEFAULT_MAX_FILE_BYTES = 100 * 1024 * 1024
 DEFAULT_FILE_TTL_S = 30 * 24 * 3600
 """Thirty days, as OpenAI keeps a batch's output files."""
+HOLD_GRACE_S = 3600
+"""How long past its batch's expiry an input file is kept at least (an expiring batch's error file
+names the lines that did not run by their ``custom_id``, read from the input file)."""
+
+# KEYS[1] metadata, KEYS[2] content (absent with --files-dir), KEYS[3] the set of batches reading it;
+# ARGV[1] batch id, ARGV[2] keep for at least this many ms, ARGV[3] the expiry that makes (unix s).
+# Returns the metadata, or nil when there is no file.
+_HOLD = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return nil end
+redis.call('SADD', KEYS[3], ARGV[1])
+local want = tonumber(ARGV[2])
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl >= 0 and ttl < want then
+  local info = cjson.decode(raw)
+  info.expires_at = tonumber(ARGV[3])
+  raw = cjson.encode(info)
+  redis.call('SET', KEYS[1], raw, 'PX', want)
+  if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('PEXPIRE', KEYS[2], want) end
+  ttl = want
+end
+if ttl >= 0 then redis.call('PEXPIRE', KEYS[3], ttl) end
+return raw
+"""
+
+# KEYS as _HOLD's. Deletes the file unless some batch reads it: -1 then, else 1 (0: no file).
+_DELETE = """
+if redis.call('SCARD', KEYS[3]) > 0 then return -1 end
+local existed = redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2])
+return existed
+"""
 
 
 class FileObject(BaseModel):
@@ -72,6 +104,8 @@ class FileStore:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.directory = Path(directory) if directory else None
+        self._hold = redis.register_script(_HOLD)
+        self._delete = redis.register_script(_DELETE)
 
     async def create(self, filename: str, purpose: str, content: bytes) -> FileObject:
         """Store ``content`` as a new file; InvalidRequestError for a bad purpose, or an upload
@@ -164,15 +198,48 @@ class FileStore:
                             self._path(file_id).unlink()
         return found[:limit], len(found) > limit
 
+    async def hold(self, file_id: str, batch_id: str, until: float) -> FileObject:
+        """Record that batch ``batch_id`` reads the file (:meth:`delete` refuses it until
+        :meth:`release`) and keep the file at least until ``until`` (unix s) if it would expire
+        sooner; NotFoundError when there is no file."""
+        key = self._key(file_id)
+        keep_ms = max(1, int((until - time.time()) * 1000))
+        with redis_errors("holding a file"):
+            raw = await self._hold(
+                keys=[key, self.keys.file_content(file_id), self.keys.file_batches(file_id)],
+                args=[batch_id, keep_ms, int(until)],
+            )
+        if raw is None:
+            raise NotFoundError(f"No such file: {file_id}", "file_id")
+        return FileObject.model_validate_json(raw)
+
+    async def release(self, file_id: str, batch_id: str) -> None:
+        """Batch ``batch_id`` no longer reads the file (it is final, or gone)."""
+        with redis_errors("releasing a file"):
+            await self.redis.srem(self._readers_key(file_id), batch_id)
+
+    async def readers(self, file_id: str) -> list[str]:
+        """The ids of the batches recorded as reading the file (:meth:`hold`), some maybe final."""
+        with redis_errors("reading a file's batches"):
+            ids = cast(set[bytes], await self.redis.smembers(self._readers_key(file_id)))
+        return sorted(i.decode() for i in ids)
+
     async def delete(self, file_id: str) -> None:
-        """Delete a file; NotFoundError when there is none."""
+        """Delete a file; NotFoundError when there is none, ConflictError while a batch reads it
+        (the caller first releases the batches that are final: :meth:`release`)."""
         key = self._key(file_id)
         with redis_errors("deleting a file"):
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.delete(key)
-            pipe.delete(self.keys.file_content(file_id))
-            pipe.zrem(self.keys.files, file_id)
-            deleted = (await pipe.execute())[0]
+            deleted = await self._delete(
+                keys=[key, self.keys.file_content(file_id), self.keys.file_batches(file_id)], args=[]
+            )
+            if deleted == -1:
+                readers = await self.readers(file_id)
+                raise ConflictError(
+                    f"File {file_id} is the input file of batch {', '.join(readers)}, which has not "
+                    "ended: cancel the batch, or wait until it ends, before deleting its input file",
+                    "file_id",
+                )
+            await self.redis.zrem(self.keys.files, file_id)
         if self.directory is not None:
             with contextlib.suppress(FileNotFoundError):
                 self._path(file_id).unlink()
@@ -185,6 +252,10 @@ class FileStore:
             return self.keys.file(file_id)
         except ValueError:
             raise NotFoundError(f"No such file: {file_id!r}", "file_id") from None
+
+    def _readers_key(self, file_id: str) -> str:
+        self._key(file_id)  # NotFoundError for a malformed id
+        return self.keys.file_batches(file_id)
 
     def _path(self, file_id: str) -> Path:
         assert self.directory is not None

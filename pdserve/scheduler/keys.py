@@ -120,6 +120,10 @@ class Keys:
         """A file's bytes when files are kept in Redis (the default)."""
         return f"{self.file(file_id)}:content"
 
+    def file_batches(self, file_id: str) -> str:
+        """Set of the ids of the batches that read a file (it cannot be deleted while one is active)."""
+        return f"{self.file(file_id)}:batches"
+
     @property
     def files(self) -> str:
         """Sorted set of file ids, scored by creation time (ms)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,43 @@ def test_batch_create_queues_validation_and_lists(redis_url: str, redis_client: 
     run(main())
 
 
+def test_a_file_an_active_batch_reads_cannot_be_deleted_and_outlives_its_window(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """409 in OpenAI's shape naming the batch while it is not final; a file TTL (here 60 s) shorter
+    than the window is extended past the batch's expiry; once the batch is final the file goes."""
+
+    async def main() -> None:
+        async with router(redis_url, file_ttl_s=60) as client:
+            file_id = await uploaded(client)
+            body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "2h"}
+            resp = await client.post("/v1/batches", json=body)
+            assert resp.status_code == 200, resp.text
+            batch = resp.json()
+            error = assert_error(await client.delete(f"/v1/files/{file_id}"), 409, "file_id", "conflict")
+            assert batch["id"] in error["message"] and error["type"] == "invalid_request_error"
+            assert (await client.get(f"/v1/files/{file_id}")).status_code == 200
+            info = (await client.get(f"/v1/files/{file_id}")).json()
+            assert info["expires_at"] >= batch["expires_at"]
+            for key in (KEYS.file(file_id), KEYS.file_content(file_id)):
+                assert redis_client.pttl(key) > 2 * 3600 * 1000, key
+
+            batches = state_of(client).batches
+            assert batches is not None
+            assert await batches.update(batch["id"], ("validating",), status="cancelled", cancelled_at=1)
+            resp = await client.delete(f"/v1/files/{file_id}")
+            assert resp.status_code == 200 and resp.json()["deleted"] is True, resp.text
+
+            # a batch recorded as reading a file but never made (its router crashed) blocks nothing
+            other = await uploaded(client)
+            files = state_of(client).files
+            assert files is not None
+            await files.hold(other, "batch_never_made", time.time() + 3600)
+            assert (await client.delete(f"/v1/files/{other}")).status_code == 200
+
+    run(main())
+
+
 def test_a_batch_whose_validation_cannot_be_queued_fails(redis_url: str, redis_client: redis.Redis) -> None:
     """rq's Redis refusing: 503, and the batch is failed at once instead of waiting for nothing."""
 
@@ -373,8 +411,16 @@ def test_the_openai_client_reads_every_answer(
         assert cancelled.status == "cancelling" and cancelled.cancelling_at is not None
         for obj in (created, batch, cancelled):
             type(obj).model_validate(obj.to_dict())  # the shape, not only what the SDK tolerates
-        deleted = sdk.files.delete(created.id)
-        assert deleted.deleted and deleted.id == created.id
+        try:  # cancelling is not final yet: the batch still reads its input file
+            sdk.files.delete(created.id)
+        except openai.ConflictError as e:
+            assert e.status_code == 409 and e.code == "conflict" and batch.id in e.message
+        else:
+            raise AssertionError("an active batch's input file was deleted")
+        with path.open("rb") as f:
+            unused = sdk.files.create(file=f, purpose="batch")
+        deleted = sdk.files.delete(unused.id)
+        assert deleted.deleted and deleted.id == unused.id
         try:
             sdk.batches.retrieve("batch_nope")
         except openai.NotFoundError as e:
