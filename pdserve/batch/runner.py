@@ -437,6 +437,11 @@ class BatchRunner:
         self, batch_id: str, expect: str, status: str, unfinished_error: str, changes: dict[str, Any]
     ) -> None:
         batch = await self.batches.get(batch_id)
+        if batch.status != expect:  # another worker finalized it meanwhile (or it was cancelled)
+            logger.info(
+                "batch %s is %s, not %s: not writing its output again", batch_id, batch.status, expect
+            )
+            return
         if unfinished_error:
             done = await self.batches.done_lines(batch_id)
             try:
@@ -467,7 +472,7 @@ class BatchRunner:
                         f"{batch_id}_{name}.jsonl", "batch_output", b"\n".join(content) + b"\n"
                     )
                     ids[field] = info.id
-            await self.batches.update(
+            moved = await self.batches.update(
                 batch_id, (expect,), status=status, **{f"{status}_at": int(time.time())}, **ids, **changes
             )
         except Exception:
@@ -475,6 +480,13 @@ class BatchRunner:
                 with contextlib.suppress(PdserveError):
                     await self.files.delete(file_id)
             raise
+        if moved is None:  # a finish racing this one moved the batch first: its files are the batch's
+            logger.info(
+                "batch %s was finalized by another worker meanwhile; dropping this try's files", batch_id
+            )
+            for file_id in filter(None, ids.values()):
+                with contextlib.suppress(PdserveError):
+                    await self.files.delete(file_id)
 
 
 def _json_or_text(content: bytes) -> object:

@@ -38,6 +38,7 @@ BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
 FINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+_FINAL_JSON = orjson.dumps(sorted(FINAL_STATUSES))
 ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
 """What a batch may run (each line's ``url`` must be the batch's endpoint)."""
 
@@ -137,8 +138,14 @@ if ARGV[3] == '1' then redis.call('SREM', KEYS[2], batch.id) end
 return out
 """
 
-# KEYS[1] results, KEYS[2] errors; ARGV[1] line, ARGV[2] '1' for an error, ARGV[3] the line's JSON.
+# KEYS[1] results, KEYS[2] errors, KEYS[3] record; ARGV[1] line, ARGV[2] '1' for an error, ARGV[3]
+# the line's JSON, ARGV[4] JSON list of the final statuses. Returns 1 if written, 0 if the line has
+# an outcome already, -1 if the batch is final or gone (its counts and output files are settled).
 _RECORD = """
+local raw = redis.call('GET', KEYS[3])
+if not raw then return -1 end
+local status = cjson.decode(raw).status
+for _, s in ipairs(cjson.decode(ARGV[4])) do if status == s then return -1 end end
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   return 0
 end
@@ -263,13 +270,21 @@ class BatchStore:
         return batch
 
     async def record(self, batch_id: str, line: int, output: dict, error: bool) -> bool:
-        """Write line ``line``'s outcome unless it has one; True if this call wrote it."""
+        """Write line ``line``'s outcome unless it has one, or the batch is final (its counts and
+        output files are settled: a line answered after that is dropped) or gone; True if this
+        call wrote it."""
         with redis_errors("recording a batch line"):
             written = await self._record(
-                keys=[self.keys.batch_results(batch_id), self.keys.batch_errors(batch_id)],
-                args=[line, "1" if error else "0", orjson.dumps(output)],
+                keys=[
+                    self.keys.batch_results(batch_id),
+                    self.keys.batch_errors(batch_id),
+                    self.keys.batch(batch_id),
+                ],
+                args=[line, "1" if error else "0", orjson.dumps(output), _FINAL_JSON],
             )
-        return bool(written)
+        if written == -1:
+            logger.info("batch %s is final or gone: line %d's outcome is not recorded", batch_id, line)
+        return written == 1
 
     async def done_lines(self, batch_id: str) -> set[int]:
         """Line numbers that have an outcome."""

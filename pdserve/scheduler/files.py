@@ -180,7 +180,13 @@ class FileStore:
             gone: list[str] = []
             for start in range(0, len(ids), 256):
                 part = ids[start : start + 256]
-                values = await self.redis.mget([self.keys.file(i) for i in part]) if part else []
+                # one GET per file in a plain pipeline, not an MGET: each file's keys have its own
+                # hash tag, so on a Redis Cluster they sit on different slots (the client splits the
+                # pipeline per shard; an MGET across slots is refused)
+                pipe = self.redis.pipeline(transaction=False)
+                for i in part:
+                    pipe.get(self.keys.file(i))
+                values = await pipe.execute() if part else []
                 for file_id, raw in zip(part, values):
                     if raw is None:
                         gone.append(file_id)

@@ -174,3 +174,26 @@ def test_a_batch_that_keeps_failing_to_finalize_fails_with_the_reason(
     assert error.code == "finalize_failed" and "No space left on device" in error.message, error
     assert f"{MAX_FINALIZE_TRIES} tries" in error.message
     assert batch.output_file_id is None and batch.error_file_id is None and outputs == []
+
+
+@pytest.mark.parametrize("concurrently", [True, False])
+def test_a_batch_finalized_twice_keeps_one_set_of_files(redis_url: str, concurrently: bool) -> None:
+    """Two finalizations of one batch (the chunk job that wrote its last line and the reaper finding
+    it left ``finalizing``, say), at once or one after the other: one writes the output file, the
+    other leaves none behind."""
+
+    async def main(runner: BatchRunner, reaper: Reaper) -> tuple[BatchObject, list[str]]:
+        store = runner.batches
+        batch = await batch_with_lines(runner, 3, 3)
+        assert await store.update(batch.id, ("in_progress",), status="finalizing", finalizing_at=1)
+        if concurrently:
+            await asyncio.gather(*(runner.finish(batch.id, "finalizing", "completed") for _ in range(2)))
+        else:
+            await runner.finish(batch.id, "finalizing", "completed")
+            await runner.finish(batch.id, "finalizing", "completed")
+        files, _ = await runner.files.list_files(purpose="batch_output")
+        return await store.get(batch.id), [f.id for f in files]
+
+    batch, outputs = with_runner(redis_url, main)
+    assert batch.status == "completed" and batch.error_file_id is None
+    assert outputs == [batch.output_file_id], (outputs, batch.output_file_id)

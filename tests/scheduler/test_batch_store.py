@@ -116,6 +116,30 @@ def test_each_line_is_recorded_once(redis_url: str, redis_client: redis.Redis) -
     run(redis_url, main)
 
 
+@pytest.mark.parametrize("final", ["completed", "expired", "cancelled", "failed"])
+def test_a_final_batch_records_no_more_lines(redis_url: str, redis_client: redis.Redis, final: str) -> None:
+    """A line answered after its batch is final (its output files written) is dropped: recorded, it
+    would count in ``request_counts`` but be in no output file. Nor is a line of a batch with no
+    record (expired, or never made) written: its hashes would be left without a TTL."""
+
+    async def main(r: aioredis.Redis) -> None:
+        store = BatchStore(r, KEYS)
+        batch = await started(store, total=3)
+        assert await store.record(batch.id, 0, {"ok": 0}, error=False)
+        assert await store.update(batch.id, ("in_progress",), status="cancelling")
+        assert await store.record(batch.id, 1, {"late but not final": 1}, error=True)  # still counts
+        assert await store.update(batch.id, ("cancelling",), status=final)
+        assert not await store.record(batch.id, 2, {"too late": 2}, error=False)
+        assert not await store.record(batch.id, 2, {"too late": 2}, error=True)
+        counts = (await store.get(batch.id)).request_counts
+        assert (counts.total, counts.completed, counts.failed) == (3, 1, 1)
+        assert await store.done_lines(batch.id) == {0, 1}
+        assert not await store.record("batch_none", 0, {"ok": 0}, error=False)
+        assert not redis_client.exists(KEYS.batch_results("batch_none"))
+
+    run(redis_url, main)
+
+
 def test_outcomes_come_in_numeric_line_order(redis_url: str, redis_client: redis.Redis) -> None:
     async def main(r: aioredis.Redis) -> None:
         store = BatchStore(r, KEYS)

@@ -25,6 +25,7 @@ from pdserve.scheduler import (
 )
 from pdserve.scheduler.connection import server_info
 from pdserve.scheduler.embedded_ha import EmbeddedCluster
+from pdserve.scheduler.files import FileStore
 
 pytestmark = pytest.mark.timeout(120)
 KEYS = Keys("cl-test")
@@ -91,6 +92,32 @@ def test_the_control_plane_works_across_shards(cluster) -> None:
                 assert (await server_info(r, KEYS.outbox(i)))["run_id"] == own["run_id"]
             await registry.deregister("i0")
             assert "i0" not in {x.id for x in await registry.live()}
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_files_are_listed_across_shards(cluster) -> None:
+    """``GET /v1/files`` reads every listed file's metadata: each file has its own hash tag, so on a
+    cluster they sit on different shards (a cross-slot MGET was refused: a 500)."""
+
+    async def main() -> None:
+        r = RedisSettings.from_url(cluster.url).connect()
+        try:
+            keys = Keys("cl-files")
+            files = FileStore(r, keys)
+            made = []
+            for n in range(12):
+                made.append(await files.create(f"f{n}.jsonl", "batch", b"{}\n"))
+                await asyncio.sleep(0.002)  # distinct creation ms: a definite order
+            assert len({r.get_node_from_key(keys.file(f.id)).name for f in made}) > 1
+            await r.delete(keys.file(made[0].id))  # expired: dropped from the index
+            listed, more = await files.list_files()
+            assert [f.id for f in listed] == [f.id for f in reversed(made[1:])] and not more
+            page, more = await files.list_files(limit=3, newest_first=False)
+            assert [f.id for f in page] == [f.id for f in made[1:4]] and more
+            assert made[0].id.encode() not in await r.zrange(keys.files, 0, -1)
         finally:
             await r.aclose()
 
