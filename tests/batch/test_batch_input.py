@@ -6,52 +6,20 @@ checks the lines off the event loop so that its lease keeps being renewed."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 import pytest
 import redis
+from batch_support import CHAT, batch_with_lines, with_runner
+from router_support import instance
 
 from pdserve.batch import runner as runner_module
 from pdserve.batch.reaper import Reaper
-from pdserve.batch.runner import VALIDATION_CHUNK, BatchMetrics, BatchRunner
-from pdserve.batch.settings import BatchWorkerSettings
-from pdserve.cli import build_parser
-from pdserve.scheduler.batch_queue import BatchQueue
+from pdserve.batch.runner import VALIDATION_CHUNK, BatchRunner
 from pdserve.scheduler.batches import BatchObject
-from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.registry import InstanceRegistry
-from tests.batch.test_finalize import batch_with_lines
-from tests.router_support import instance
-
-T = TypeVar("T")
-CHAT = "/v1/chat/completions"
-
-
-def with_runner(redis_url: str, fn: Callable[[BatchRunner, Reaper], Awaitable[T]], **knobs: Any) -> T:
-    """Run ``fn`` with a started runner (and its reaper) on a cluster of its own."""
-    argv = ["batch-worker", "--redis-url", redis_url, "--cluster", f"t{uuid.uuid4().hex[:8]}"]
-    settings = BatchWorkerSettings.from_args(build_parser().parse_args(argv))
-    settings = dataclasses.replace(settings, **knobs)
-    connection = redis.Redis.from_url(redis_url)
-    queue = BatchQueue(connection, Keys(settings.router.cluster))
-
-    async def main() -> T:
-        runner = BatchRunner(settings, queue, BatchMetrics())
-        await runner.start()
-        try:
-            return await fn(runner, Reaper(runner))
-        finally:
-            await runner.stop()
-
-    try:
-        return asyncio.run(asyncio.wait_for(main(), 30))
-    finally:
-        connection.close()
 
 
 async def validating(runner: BatchRunner, n: int = 2, window: str = "1h") -> BatchObject:
@@ -86,7 +54,7 @@ def test_a_chunk_whose_input_file_is_gone_fails_the_batch(redis_url: str) -> Non
         outcome = await runner.run_chunk(batch.id, 0, "job-0")
         return outcome, await runner.batches.get(batch.id), await runner.batches.active()
 
-    outcome, batch, active = with_runner(redis_url, main)
+    outcome, batch, active = with_runner(redis_url, main, timeout_s=30)
     assert "input file is gone" in outcome
     assert batch.status == "failed" and batch.failed_at is not None, batch
     assert error_codes(batch) == ["input_file_missing"] and active == []
@@ -103,7 +71,7 @@ def test_an_expiring_batch_whose_input_file_is_gone_fails_with_the_reason(redis_
         await reaper.one_pass()
         return await runner.batches.get(batch.id), await runner.batches.active()
 
-    batch, active = with_runner(redis_url, main)
+    batch, active = with_runner(redis_url, main, timeout_s=30)
     assert batch.status == "failed" and error_codes(batch) == ["input_file_missing"], batch
     assert active == [] and batch.output_file_id is not None
 
@@ -122,7 +90,7 @@ def test_validation_waits_for_a_live_instance(redis_url: str, monkeypatch: pytes
         outcome = await asyncio.wait_for(job, 10)
         return waiting, outcome, await runner.batches.get(batch.id)
 
-    waiting, outcome, batch = with_runner(redis_url, main)
+    waiting, outcome, batch = with_runner(redis_url, main, timeout_s=30)
     assert waiting == "validating" and outcome == "validated"
     assert batch.status == "in_progress" and batch.request_counts.total == 2, batch
 
@@ -137,7 +105,7 @@ def test_a_validation_waiting_past_the_window_expires_the_batch(
         outcome = await asyncio.wait_for(runner.validate(batch.id, f"{batch.id}-validate"), 5)
         return outcome, await runner.batches.get(batch.id), await runner.batches.active()
 
-    outcome, batch, active = with_runner(redis_url, main)
+    outcome, batch, active = with_runner(redis_url, main, timeout_s=30)
     assert outcome == "stopped waiting for a live instance"
     assert batch.status == "expired" and batch.expired_at is not None, batch
     assert error_codes(batch) == ["batch_expired"] and active == []
@@ -150,7 +118,7 @@ def test_the_reaper_expires_a_batch_still_validating_at_its_windows_end(redis_ur
         await reaper.one_pass()
         return await runner.batches.get(batch.id), await runner.batches.active()
 
-    batch, active = with_runner(redis_url, main)
+    batch, active = with_runner(redis_url, main, timeout_s=30)
     assert batch.status == "expired" and error_codes(batch) == ["batch_expired"], batch
     assert active == []
 
@@ -180,7 +148,7 @@ def test_checking_the_lines_leaves_the_event_loop_free_to_renew_the_lease(
         return outcome, await runner.batches.get(batch.id)
 
     try:
-        outcome, batch = with_runner(redis_url, main, lease_ttl_ms=400)
+        outcome, batch = with_runner(redis_url, main, timeout_s=30, lease_ttl_ms=400)
     finally:
         sync.close()
     assert outcome == "validated" and batch.status == "in_progress", batch

@@ -8,73 +8,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 import orjson
 import pytest
-import redis
+from batch_support import batch_with_lines, with_runner
 
 from pdserve.batch import reaper as reaper_module
 from pdserve.batch import runner as runner_module
 from pdserve.batch.reaper import Reaper
-from pdserve.batch.runner import MAX_FINALIZE_TRIES, BatchMetrics, BatchRunner
-from pdserve.batch.settings import BatchWorkerSettings
-from pdserve.cli import build_parser
-from pdserve.scheduler.batch_queue import BatchQueue
+from pdserve.batch.runner import MAX_FINALIZE_TRIES, BatchRunner
 from pdserve.scheduler.batches import BatchObject
 from pdserve.scheduler.files import FileObject
-from pdserve.scheduler.keys import Keys
 
-T = TypeVar("T")
-CHAT = "/v1/chat/completions"
 MAX_FILE_BYTES = 2000
-
-
-def with_runner(redis_url: str, fn: Callable[[BatchRunner, Reaper], Awaitable[T]], *flags: str) -> T:
-    """Run ``fn`` with a started runner (and its reaper) on a cluster of its own."""
-    argv = ["batch-worker", "--redis-url", redis_url, "--cluster", f"t{uuid.uuid4().hex[:8]}", *flags]
-    settings = BatchWorkerSettings.from_args(build_parser().parse_args(argv))
-    connection = redis.Redis.from_url(redis_url)
-    queue = BatchQueue(connection, Keys(settings.router.cluster))
-
-    async def main() -> T:
-        runner = BatchRunner(settings, queue, BatchMetrics())
-        await runner.start()
-        try:
-            return await fn(runner, Reaper(runner))
-        finally:
-            await runner.stop()
-
-    try:
-        return asyncio.run(asyncio.wait_for(main(), 60))
-    finally:
-        connection.close()
-
-
-async def batch_with_lines(runner: BatchRunner, n: int, done: int, text: str = "ok") -> BatchObject:
-    """A batch ``in_progress`` with ``n`` lines, the first ``done`` of them answered with ``text``."""
-    lines = [
-        {"custom_id": f"req-{i}", "method": "POST", "url": CHAT, "body": {"model": "m", "messages": []}}
-        for i in range(n)
-    ]
-    file = await runner.files.create("in.jsonl", "batch", b"\n".join(map(orjson.dumps, lines)) + b"\n")
-    store = runner.batches
-    batch = await store.create(file.id, CHAT, "24h", None)
-    moved = await store.update(batch.id, ("validating",), status="in_progress", total=n, chunks=0)
-    assert moved is not None
-    for i in range(done):
-        body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
-        record = {
-            "id": f"batch_req_{i}",
-            "custom_id": f"req-{i}",
-            "response": {"status_code": 200, "request_id": f"r{i}", "body": body},
-            "error": None,
-        }
-        assert await store.record(batch.id, i, record, False)
-    return await store.get(batch.id)
 
 
 @pytest.mark.parametrize("in_folder", [False, True])
