@@ -129,6 +129,11 @@ class EngineConfig:
     # Same bits for a sequence alone or in any batch; None: on when MKL_CBWR asks for STRICT mode.
     batch_invariant: bool | None = None
 
+    @property
+    def step_tokens(self) -> int:
+        """The token budget of one step: ``max_num_batched_tokens``, else its default."""
+        return self.max_num_batched_tokens or self.prefill_chunk_size + self.max_num_seqs
+
     def __post_init__(self) -> None:
         for name, default in _CHOICE_DEFAULTS.items():
             if getattr(self, name) is None:

@@ -85,8 +85,7 @@ class LLMEngine:
             BatcherConfig(
                 block_size=config.block_size,
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens
-                or config.prefill_chunk_size + config.max_num_seqs,
+                max_num_batched_tokens=config.step_tokens,
                 prefill_chunk_size=config.prefill_chunk_size,
             ),
             self.blocks,

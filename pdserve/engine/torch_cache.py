@@ -42,8 +42,7 @@ class TorchKVCache:
         self.cfg, self.num_blocks, self.block_size, self.device = cfg, num_blocks, block_size, device
         self.dtype = dtype
         shape = (num_blocks, 2, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim)
-        itemsize = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
-        self.block_bytes = block_bytes(cfg, block_size, itemsize)
+        self.block_bytes = block_bytes(cfg, block_size, TORCH_DTYPES[dtype].itemsize)
         self.nbytes = num_blocks * self.block_bytes
         self.shm = None
         self.shm_name: str | None = None

@@ -77,9 +77,6 @@ class TorchExecutor(Executor):
             self.attention,
         )
         self.weight_bytes = self.model.weight_bytes
-        self.max_num_batched_tokens = (
-            config.max_num_batched_tokens or config.prefill_chunk_size + config.max_num_seqs
-        )
         per_block = block_bytes(mc, config.block_size, TORCH_DTYPES[self.dtype].itemsize)
         self.num_blocks = config.num_blocks or self._kv_blocks(config, mc, per_block, max_model_len)
         if self.num_blocks < 2:
@@ -106,7 +103,7 @@ class TorchExecutor(Executor):
         if self.torch_device.type != "cuda":
             return int(config.kv_cache_gb * 2**30 // per_block)
         dev = self.torch_device
-        tokens = min(self.max_num_batched_tokens, max_model_len)
+        tokens = min(config.step_tokens, max_model_len)
         scratch = TorchKVCache(
             mc, blocks_for(tokens, config.block_size) + 1, config.block_size, dev, self.dtype
         )
