@@ -3,7 +3,9 @@
 For each preset (tiny, small = ERNIE-4.5-0.3B shape, both random; smollm2 = SmolLM2-135M-Instruct,
 fetched once as `pdserve up` does) this measures, in a fresh process each:
   * the pdserve engine: prefill tok/s of a 512-token prompt (one engine step: batching, sampling,
-    detokenization included) and decode tok/s at batch 1, 8, 32 with 512 tokens of context;
+    detokenization included; a new random prompt each repetition, so never a prefix-cache hit: the
+    worker refuses to report one) and decode tok/s at batch 1, 8, 32 with 512 tokens of context (each
+    sequence a random history of its own: no blocks shared);
   * the bare model of benchmarks/dense_reference.py (the same forward over a dense per-sequence
     KV cache, no batcher) on the same shapes.
 Rounds alternate engine and bare runs, and alternate the environment variants given with --env
@@ -61,23 +63,28 @@ def engine_worker(model_dir: str, steps: int, prefill_reps: int) -> dict:
     engine = LLMEngine(model_dir, EngineConfig(num_blocks=blocks, max_num_seqs=maxb, prefill_chunk_size=CTX))
     vocab = engine.tokenizer.vocab_size
     rng = np.random.default_rng(0)
-    prompt = rng.integers(3, vocab, CTX).tolist()
     res: dict = {"threads": engine.threads}
     once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    times = []
+    times, cached = [], 0
     for i in range(prefill_reps + 1):  # the first one warms up
-        engine.add_request(f"p{i}", prompt_token_ids=prompt, params=once)
+        # a fresh prompt each time: the same one again would be a prefix-cache hit, not a prefill
+        engine.add_request(f"p{i}", prompt_token_ids=rng.integers(3, vocab, CTX).tolist(), params=once)
         t = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         times.append(time.perf_counter() - t)
+        cached += sum(o.num_cached_tokens for o in outputs)
+    if cached:
+        raise RuntimeError(f"the prefill figure would count {cached} prefix-cache tokens as computed")
     res["prefill_s"] = min(times[1:])
     res["prefill_tok_s"] = CTX / res["prefill_s"]
+    res["prefill_cached_tokens"] = cached
     forever = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     for b in BATCHES:
-        for i in range(b):  # fake a 512-token history through the KV hand-off API (bytes are irrelevant)
+        for i in range(b):  # a 512-token history of its own per sequence, through the KV hand-off API
             rid = f"d{b}-{i}"
             engine.reserve(rid, CTX)
-            engine.add_prefilled(rid, prompt, int(rng.integers(3, vocab)), forever)
+            history = rng.integers(3, vocab, CTX).tolist()
+            engine.add_prefilled(rid, history, int(rng.integers(3, vocab)), forever)
         engine.step(), engine.step()  # warm-up
         res |= decode_figures(b, median_step_ms(lambda _: engine.step(), steps))
         for i in range(b):

@@ -95,3 +95,17 @@ def test_against_a_server_without_timing_the_table_has_no_s_ttft(tmp_path) -> No
     finally:
         mock.terminate()
         mock.wait(10)
+
+
+def test_engine_bench_prefill_is_computed_not_found_in_the_prefix_cache(tiny_model_dir) -> None:
+    """engine_bench's prefill figure is of prompts the engine computes: a benchmark that sent the
+    same prompt again would time a prefix-cache hit (5-10x faster on SmolLM2) and call it prefill."""
+    benchmarks = str(ROOT / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        import engine_bench
+    finally:
+        sys.path.remove(benchmarks)
+    res = engine_bench.engine_worker(str(tiny_model_dir), steps=2, prefill_reps=2)
+    assert res["prefill_cached_tokens"] == 0
+    assert res["prefill_tok_s"] > 0 and res["decode_b32_tok_s"] > 0
