@@ -41,6 +41,9 @@ class Reaper:
         self.queue = runner.queue
         self.settings = runner.settings
         self._suspects: dict[tuple[str, int], float] = {}
+        self._queued: set[str] | None = None
+        """The ids of the jobs waiting in the rq queue, read at most once per pass (the whole list:
+        once per chunk it cost a pass chunks × queue length)."""
 
     async def run(self) -> None:
         """Forever: one pass per interval, logging what fails (Redis down: try again later)."""
@@ -61,6 +64,7 @@ class Reaper:
             if not await redis.set(keys.batch_reaper_lock, token, nx=True, px=ttl_ms):
                 return
         try:
+            self._queued = None
             active = await self.batches.active()
             self.runner.metrics.active.set(len(active))
             self.runner.metrics.queue_depth.set(await asyncio.to_thread(self.queue.depth))
@@ -134,8 +138,15 @@ class Reaper:
         since = self._suspects.setdefault(key, time.monotonic())
         return time.monotonic() - since >= self.settings.lease_ttl_ms / 1000
 
+    async def _waiting(self, job_id: str) -> bool:
+        """The job waits in the rq queue, as the pass's one read of the queue saw it. A job enqueued
+        since is missed, which a later pass corrects: a chunk is suspected for a lease TTL first."""
+        if self._queued is None:
+            self._queued = await asyncio.to_thread(self.queue.waiting_ids)
+        return job_id in self._queued
+
     async def _lost(self, batch: BatchObject, chunk: int, job_id: str | None) -> bool:
-        if job_id is not None and await asyncio.to_thread(self.queue.waiting, job_id):
+        if job_id is not None and await self._waiting(job_id):
             return self._suspect(batch.id, chunk, False)
         return self._suspect(batch.id, chunk, True)
 

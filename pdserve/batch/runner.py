@@ -10,6 +10,7 @@ is written once per line (:meth:`BatchStore.record`), so running a chunk again s
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
@@ -49,6 +50,11 @@ MAX_FINALIZE_TRIES = 3
 reaper) before the batch fails with ``finalize_failed`` rather than staying ``finalizing``."""
 FINALIZE_RETRY_S = 10.0
 """How long the reaper waits after a failed try at writing a batch's output files."""
+INPUT_CACHE_BYTES = 256 << 20
+"""What the parsed input lines a batch worker keeps may weigh (:class:`InputLines`): the two
+largest uploads (``--max-file-bytes``' default, 100 MiB) at once, or many small batches."""
+LINE_OVERHEAD_BYTES = 300
+"""A parsed line's Python objects beyond its bytes (the ``Line`` and its strings' headers)."""
 INPUT_MISSING = BatchError(code="input_file_missing", message="the input file is gone")
 INPUT_MISSING_ERRORS = {"object": "list", "data": [INPUT_MISSING.model_dump()]}
 
@@ -117,6 +123,41 @@ class SpareCapacity:
             yield False
 
 
+class InputLines:
+    """The parsed input lines of the batches this worker ran lately, least recently used dropped
+    first once they weigh more than ``max_bytes`` (the newest is kept whatever it weighs): two
+    batches running at once each read and parse their file once, not at every chunk."""
+
+    def __init__(self, max_bytes: int = INPUT_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: collections.OrderedDict[str, tuple[list[Line], int]] = collections.OrderedDict()
+
+    def get(self, batch_id: str) -> list[Line] | None:
+        entry = self._entries.get(batch_id)
+        if entry is None:
+            return None
+        self._entries.move_to_end(batch_id)
+        return entry[0]
+
+    def put(self, batch_id: str, lines: list[Line]) -> None:
+        self.pop(batch_id)
+        size = sum(len(line.body) + len(line.custom_id) + LINE_OVERHEAD_BYTES for line in lines)
+        self._entries[batch_id] = (lines, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes and len(self._entries) > 1:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.bytes -= dropped
+
+    def pop(self, batch_id: str) -> None:
+        entry = self._entries.pop(batch_id, None)
+        if entry is not None:
+            self.bytes -= entry[1]
+
+    def __contains__(self, batch_id: str) -> bool:
+        return batch_id in self._entries
+
+
 class BatchRunner:
     """The in-process router and the batch operations of one batch worker."""
 
@@ -130,7 +171,7 @@ class BatchRunner:
         self.stopping = False
         self._stack = contextlib.AsyncExitStack()
         self._client: httpx.AsyncClient | None = None
-        self._lines: dict[str, list[Line]] = {}
+        self._lines = InputLines()
         self._status: dict[str, tuple[float, BatchObject]] = {}
         self._refreshing = asyncio.Lock()
 
@@ -199,7 +240,7 @@ class BatchRunner:
         )
         if started is None:  # cancelled or expired meanwhile
             return "skipped: the batch was cancelled or expired meanwhile"
-        self._lines[batch_id] = lines
+        self._lines.put(batch_id, lines)
         jobs = {k: await asyncio.to_thread(self.queue.enqueue_chunk, batch_id, k) for k in range(chunks)}
         await self.batches.set_chunk_jobs(batch_id, jobs)
         logger.info(
@@ -372,12 +413,14 @@ class BatchRunner:
             return httpx.Response(503, content=b'{"error": {"message": "no answer"}}')
 
     async def _batch_lines(self, batch: BatchObject) -> list[Line]:
-        """The batch's checked lines (read once per worker and batch)."""
+        """The batch's checked lines (read once per worker and batch while it is among the last few
+        this worker ran: :class:`InputLines`)."""
         lines = self._lines.get(batch.id)
         if lines is None:
             content = await self.files.content(batch.input_file_id)
-            lines = read_lines(content, batch.model or "")
-            self._lines = {batch.id: lines}  # one batch at a time is plenty
+            # off the event loop: 100 MB take seconds, and the chunk's lease must be renewed meanwhile
+            lines = await asyncio.to_thread(read_lines, content, batch.model or "")
+            self._lines.put(batch.id, lines)
         return lines
 
     # ---- finalizing -----------------------------------------------------------------------------
@@ -431,7 +474,7 @@ class BatchRunner:
             )
             logger.error("batch %s failed: %s", batch_id, error.message, exc_info=True)
         finally:
-            self._lines.pop(batch_id, None)
+            self._lines.pop(batch_id)
 
     async def _write_outputs(
         self, batch_id: str, expect: str, status: str, unfinished_error: str, changes: dict[str, Any]

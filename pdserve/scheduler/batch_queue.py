@@ -79,6 +79,11 @@ class BatchQueue:
         """The job is in the queue's list, not yet taken by a worker."""
         return job_id in self.queue.get_job_ids()
 
+    def waiting_ids(self) -> set[str]:
+        """The ids of every job in the queue's list (one ``LRANGE``): the reaper reads it once per
+        pass, not once per chunk."""
+        return set(self.queue.get_job_ids())
+
     def cancel(self, job_id: str) -> None:
         """Take a queued job out of the queue (a started one ends itself when it sees its batch's status)."""
         try:

@@ -96,6 +96,10 @@ class LoadInfo(_Model):
     background: int = 0
     """Of ``running`` + ``waiting``, the batch lines (``GenerateRequest.background``): the rest is
     online work, which batch workers yield to."""
+    handing_off: int = 0
+    """Prefills done here whose KV is still on its way to their decode instance (splitwise prefill
+    only; not in ``running`` or ``waiting``): they hold KV blocks and the transfer, so the routers'
+    selection counts them as requests; batch workers do not (no sequence runs or waits for them)."""
 
 
 class TransferInfo(_Model):

@@ -81,7 +81,7 @@ class RequestHandler:
         return len(self.owners) + len(self.splitwise)
 
     def handing_off(self) -> int:
-        """Prefills waiting for their hand-off (counted as waiting in the load report)."""
+        """Prefills waiting for their hand-off (``load.handing_off`` in the load report)."""
         return len(self.splitwise.prefills)
 
     async def handle(self, msg: InboxMessage) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pdserve.cache_transfer import shm, transports
 from pdserve.cache_transfer.base import LocalCache
+from pdserve.engine.outputs import EngineLoad
 from pdserve.errors import ConfigError, ControlPlaneError, EngineError
 from pdserve.scheduler import (
     Heartbeat,
@@ -312,12 +313,7 @@ class WorkerService:
                 device_name=facts.device_name,
                 memory_bytes=facts.memory_bytes or None,
             ),
-            load=LoadInfo(
-                running=load.running,
-                waiting=load.waiting + self.handler.handing_off(),
-                waiting_prefill_tokens=load.waiting_prefill_tokens,
-                background=load.background,
-            ),
+            load=load_info(load, self.handler.handing_off()),
             transfer=TransferInfo(
                 protocols=self.protocols, endpoint=self._endpoint() or None, incarnation=self.incarnation
             ),
@@ -437,3 +433,17 @@ def run_worker(settings: WorkerSettings) -> int:
         log.error("%s", e)
         return 1
     return 1 if service.failed else 0
+
+
+def load_info(load: EngineLoad, handing_off: int) -> LoadInfo:
+    """The load a heartbeat publishes: the engine's sequences, and the prefills handing off their
+    KV apart (``handing_off``). Counted as ``waiting`` they looked like online work to the batch
+    workers (no ``background`` flag covers them), which then ran at ``--busy-concurrency`` on every
+    P/D stack, their own lines' hand-offs enough to keep it there."""
+    return LoadInfo(
+        running=load.running,
+        waiting=load.waiting,
+        waiting_prefill_tokens=load.waiting_prefill_tokens,
+        background=load.background,
+        handing_off=handing_off,
+    )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pdserve.batch.runner import SpareCapacity
 from pdserve.scheduler.messages import InstanceInfo
-from tests.router_support import instance
+from pdserve.worker.service import load_info
+from tests.router_support import instance, run
+from tests.splitwise_support import pair, settle
 
 
 def info(
@@ -37,3 +39,34 @@ def test_no_room_means_none() -> None:
     assert GATE.limit([info("m", "mixed", draining=True)], "tiny") == 0
     assert GATE.limit([info("m", "mixed", model="other")], "tiny") == 0
     assert GATE.limit([full, info("m2", "mixed")], "tiny") == 8
+
+
+def test_a_pd_stack_running_only_batch_lines_takes_the_full_concurrency(redis_url: str) -> None:
+    """A prefill instance's hand-offs in flight are no online work: the heartbeat's load of a P/D
+    pair whose only work is a batch line, its prefill done and its KV on the way to decode, lets the
+    gate send as many lines as a mixed instance running that line would (they counted as
+    ``waiting`` once, and every P/D stack ran its batches at ``busy_concurrency``)."""
+
+    def heartbeat(inst, role: str) -> InstanceInfo:
+        i = instance(inst.id, role)
+        i.load = load_info(inst.engine.load, inst.handler.handing_off())
+        i.max_num_seqs = 16
+        return i
+
+    async def main() -> None:
+        async with pair(redis_url) as (p, prefill, decode):
+            line = p.request(list(range(1, 11))).model_copy(update={"background": True})
+            await p.send(prefill, line)
+            await prefill.receive()
+            await prefill.step()  # prefilled: the hand-off is all that is left on P
+            assert prefill.handler.handing_off() == 1
+            loads = [heartbeat(prefill, "prefill"), heartbeat(decode, "decode")]
+            assert loads[0].load.handing_off == 1
+            assert GATE.limit(loads, "tiny") == GATE.limit(
+                [info("m", "mixed", running=1, background=1)], "tiny"
+            )
+            assert GATE.limit(loads, "tiny") == 8
+            await settle(prefill, decode)  # the line finishes; nothing is left behind
+            assert prefill.handler.handing_off() == 0
+
+    run(main())

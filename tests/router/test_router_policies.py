@@ -47,6 +47,21 @@ def test_least_load_uses_heartbeat_load_and_in_flight() -> None:
     assert policy.pick([busy, idle], {"d1": 4}, TINY).id in ("d0", "d1")  # 5 vs 5: a tie
 
 
+def test_a_prefill_instances_hand_offs_count_as_its_load() -> None:
+    """``load.handing_off`` (prefills whose KV is still on its way, no longer ``waiting``) holds
+    KV blocks and transfers: both policies still place a prompt on the prefill instance without."""
+    handing = instance("p0", "prefill")
+    handing.load.handing_off = 3
+    idle = instance("p1", "prefill")
+    least_load, prefix_cache = (
+        LeastLoad("prefill", random.Random(0)),
+        PrefixCache("prefill", rng=random.Random(0)),
+    )
+    request = PolicyRequest("tiny", num_tokens=100)
+    assert {least_load.pick([handing, idle], {}, TINY).id for _ in range(20)} == {"p1"}  # a tie would spread
+    assert {prefix_cache.pick([handing, idle], {}, request).id for _ in range(20)} == {"p1"}
+
+
 def test_least_load_tiebreaks() -> None:
     decode = LeastLoad("decode", random.Random(0))
     roomy = instance("d0", "decode", free_blocks=90)

@@ -10,11 +10,12 @@ from pdserve.scheduler.messages import InstanceInfo
 
 
 def requests_on(info: InstanceInfo, in_flight: Mapping[str, int]) -> int:
-    """An instance's requests: ``running + waiting`` from its last heartbeat plus this router's own
+    """An instance's requests: ``running + waiting + handing_off`` (a prefill instance's hand-offs
+    in flight hold its KV blocks and its transfers) from its last heartbeat plus this router's own
     in-flight requests on it (fresh between heartbeats; they overlap the heartbeat's counts once
     the instance has seen them, which errs on the side of spreading)."""
     load = info.load
-    return load.running + load.waiting + in_flight.get(info.id, 0)
+    return load.running + load.waiting + load.handing_off + in_flight.get(info.id, 0)
 
 
 class LeastLoad:
