@@ -511,8 +511,8 @@ class BatchRunner:
         try:
             for field, content, name in (("output_file_id", out, "output"), ("error_file_id", err, "error")):
                 if content:
-                    info = await self.files.create(
-                        f"{batch_id}_{name}.jsonl", "batch_output", b"\n".join(content) + b"\n"
+                    info = await self.files.create(  # the batch's owner's, as the batch
+                        f"{batch_id}_{name}.jsonl", "batch_output", b"\n".join(content) + b"\n", batch.owner
                     )
                     ids[field] = info.id
             moved = await self.batches.update(

@@ -46,6 +46,7 @@ from pdserve.router.protocol import (
 from pdserve.router.serving import GenerateEndpoint
 from pdserve.router.settings import RouterSettings
 from pdserve.router.state import RouterState
+from pdserve.router.tenants import ANONYMOUS, TENANT, key_digest
 from pdserve.router.tokenize import TokenizeEndpoint
 from pdserve.scheduler.messages import InstanceInfo
 
@@ -90,7 +91,7 @@ class RouterApp(FastAPI):
     def __init__(self, api_keys: frozenset[str] = frozenset(), **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fast_routes: dict[str, ASGIApp] = {}
-        self.api_keys = [k.encode() for k in api_keys]
+        self.api_keys = [(k.encode(), key_digest(k.encode())) for k in sorted(api_keys)]
 
     def add_raw_post(
         self, path: str, endpoint: ASGIApp, body: type[BaseModel], summary: str, name: str
@@ -100,23 +101,32 @@ class RouterApp(FastAPI):
         self.fast_routes[path] = endpoint
         self.router.routes.append(RawPostRoute(path, endpoint, body, summary, name))
 
-    def authorized(self, scope: Scope) -> bool:
-        """Open when no keys are set; else /v1/*, /tokenize and /detokenize need
-        ``Authorization: Bearer <one of the keys>``."""
+    def tenant(self, scope: Scope) -> str | None:
+        """The request's tenant (``tenants``): anonymous when no keys are set, or on a path that
+        needs none; else /v1/*, /tokenize and /detokenize need ``Authorization: Bearer <one of the
+        keys>`` and the tenant is that key's digest; None: not authorized."""
         path = scope["path"]
         if not self.api_keys or not (path.startswith("/v1/") or path in GUARDED_PATHS):
-            return True
+            return ANONYMOUS
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
+            return None
+        token = token.strip()
         # compare with every key (constant time each), so timing says nothing about which one is close
-        return sum(hmac.compare_digest(token.strip(), key) for key in self.api_keys) > 0
+        found = None
+        for key, digest in self.api_keys:
+            if hmac.compare_digest(token, key):
+                found = digest
+        return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self.authorized(scope):
-            await send_error(send, AuthenticationError(), uuid.uuid4().hex)
-            return
+        if scope["type"] == "http" and TENANT not in scope:  # else set by TrustedTenant (in-process)
+            tenant = self.tenant(scope)
+            if tenant is None:
+                await send_error(send, AuthenticationError(), uuid.uuid4().hex)
+                return
+            scope[TENANT] = tenant
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.fast_routes.get(scope["path"])
             if endpoint is not None:

@@ -1,7 +1,8 @@
 """OpenAI's Files and Batches endpoints (``/v1/files``, ``/v1/batches``) over the stores in Redis.
 
 The router only records: a batch is created ``validating`` with one rq job queued to check its input
-file, and batch workers do the rest. An upload is bounded while it arrives (by Content-Length, then
+file, and batch workers do the rest. Files and batches belong to the tenant (``router.tenants``: a
+digest of the API key) that made them: another tenant gets 404 for them and does not list them. An upload is bounded while it arrives (by Content-Length, then
 by counting what is received), so a huge or endless body costs at most the limit, never a full read.
 """
 
@@ -26,6 +27,7 @@ from pdserve.router.errors import BodyTooLargeError, NoCapacityError
 from pdserve.router.protocol import validate_body
 from pdserve.router.state import RouterState
 from pdserve.router.strict import StrictModel
+from pdserve.router.tenants import tenant_of
 from pdserve.scheduler.batches import ENDPOINTS, BatchObject, BatchStore, window_seconds
 from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.files import HOLD_GRACE_S, PURPOSES, FileObject, FileStore, new_id
@@ -84,7 +86,7 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
             if upload.size is not None and upload.size > files.max_bytes:
                 raise BodyTooLargeError(files.max_bytes, "the file", "file")
             content = await upload.read()
-        info = await files.create(upload.filename or "", "batch", content)
+        info = await files.create(upload.filename or "", "batch", content, _owner(request))
         return JsonResponse(info.model_dump(mode="json"), _rid(request))
 
     @app.get("/v1/files")
@@ -98,28 +100,33 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
         if order not in ("asc", "desc"):
             raise InvalidRequestError("order must be 'asc' or 'desc'", "order")
         limit = _query_int(query, "limit", 10000, 10000)
-        found, more = await stores()[0].list_files(purpose, query.get("after"), limit, order == "desc")
+        found, more = await stores()[0].list_files(
+            purpose, query.get("after"), limit, order == "desc", _owner(request)
+        )
         return JsonResponse(_page(found, more), _rid(request))
 
     @app.get("/v1/files/{file_id}")
     @_answers
     async def get_file(request: Request, file_id: str) -> Response:
-        return JsonResponse((await stores()[0].get(file_id)).model_dump(mode="json"), _rid(request))
+        info = await stores()[0].get(file_id, _owner(request))
+        return JsonResponse(info.model_dump(mode="json"), _rid(request))
 
     @app.get("/v1/files/{file_id}/content")
     @_answers
     async def file_content(request: Request, file_id: str) -> Response:
-        content = await stores()[0].content(file_id)
+        content = await stores()[0].content(file_id, _owner(request))
         return Response(content, media_type="application/jsonl", headers={"x-request-id": _rid(request)})
 
     @app.delete("/v1/files/{file_id}")
     @_answers
     async def delete_file(request: Request, file_id: str) -> Response:
         files, batches = stores()
+        owner = _owner(request)
+        await files.get(file_id, owner)  # 404 for another tenant's file, before anything changes
         for batch_id in await files.readers(file_id):  # left by a batch that ended, or was never made
             if not await batches.is_active(batch_id):
                 await files.release(file_id, batch_id)
-        await files.delete(file_id)  # 409 while an active batch reads it
+        await files.delete(file_id, owner)  # 409 while an active batch reads it
         return JsonResponse({"id": file_id, "object": "file", "deleted": True}, _rid(request))
 
     @app.post("/v1/batches", openapi_extra=_body("application/json", CreateBatchRequest.model_json_schema()))
@@ -130,8 +137,9 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
         body = await read_body(request.headers.raw, request.receive, state.settings.max_body_bytes)
         req = validate_body(CreateBatchRequest, body)
         _check_batch(req)
-        try:
-            info = await files.get(req.input_file_id)
+        owner = _owner(request)
+        try:  # a batch reads only its own tenant's files
+            info = await files.get(req.input_file_id, owner)
         except NotFoundError as e:
             raise NotFoundError(e.message, "input_file_id") from None
         if info.purpose != "batch":
@@ -145,7 +153,7 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
         except NotFoundError as e:
             raise NotFoundError(e.message, "input_file_id") from None
         batch = await batches.create(
-            req.input_file_id, req.endpoint, req.completion_window, req.metadata, batch_id
+            req.input_file_id, req.endpoint, req.completion_window, req.metadata, batch_id, owner
         )
         try:
             with redis_errors("queueing the batch's validation"):
@@ -164,13 +172,15 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
     async def list_batches(request: Request) -> Response:
         """Batches newest first."""
         query = request.query_params
-        found, more = await stores()[1].list_batches(query.get("after"), _query_int(query, "limit", 20, 100))
+        limit = _query_int(query, "limit", 20, 100)
+        found, more = await stores()[1].list_batches(query.get("after"), limit, _owner(request))
         return JsonResponse(_page(found, more), _rid(request))
 
     @app.get("/v1/batches/{batch_id}")
     @_answers
     async def get_batch(request: Request, batch_id: str) -> Response:
-        return JsonResponse((await stores()[1].get(batch_id)).model_dump(mode="json"), _rid(request))
+        batch = await stores()[1].get(batch_id, _owner(request))
+        return JsonResponse(batch.model_dump(mode="json"), _rid(request))
 
     @app.post("/v1/batches/{batch_id}/cancel")
     @_answers
@@ -178,7 +188,7 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
         """Mark the batch ``cancelling`` and take its still-queued chunks out of the queue (a running
         chunk ends itself on seeing the status); cancelling twice answers the batch as it is."""
         batches = stores()[1]
-        await batches.get(batch_id)  # 404 for an unknown id, before anything else
+        await batches.get(batch_id, _owner(request))  # 404 for an unknown id (or another's), first
         queue = state.batch_queue()
         now = int(time.time())
         if await batches.update(batch_id, CANCELLABLE, status="cancelling", cancelling_at=now) is None:
@@ -254,6 +264,11 @@ def _page(items: Sequence[FileObject | BatchObject], has_more: bool) -> dict[str
     data = [i.model_dump(mode="json") for i in items]
     first, last = (items[0].id, items[-1].id) if items else (None, None)
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
+
+
+def _owner(request: Request) -> str:
+    """The caller's tenant (``router.tenants``): what it creates is its, and it sees only that."""
+    return tenant_of(request.scope)
 
 
 def _rid(request: Request) -> str:

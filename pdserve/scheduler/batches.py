@@ -111,10 +111,17 @@ class BatchObject(BaseModel):
     chunks: int = Field(default=0, exclude=True)
     """How many rq jobs the lines were split into (pdserve's, not shown to clients)."""
     chunk_lines: int = Field(default=0, exclude=True)
+    owner: str = Field(default="", exclude=True)
+    """The tenant that made it (a digest of its API key, ``router.tenants``; ``""``: anonymous):
+    only it sees the batch, its output files are its, and its lines run with its prefix-cache salt."""
 
     @property
     def final(self) -> bool:
         return self.status in FINAL_STATUSES
+
+    def visible_to(self, owner: str | None) -> bool:
+        """``owner`` may see the batch (None: pdserve itself, which sees every batch)."""
+        return owner is None or self.owner == owner
 
     def chunk_range(self, chunk: int) -> range:
         """The 0-based line numbers of ``chunk``."""
@@ -171,6 +178,7 @@ class BatchStore:
         completion_window: str,
         metadata: dict[str, str] | None,
         batch_id: str | None = None,
+        owner: str = "",
     ) -> BatchObject:
         now = int(time.time())
         batch = BatchObject(
@@ -182,6 +190,7 @@ class BatchStore:
             created_at=now,
             expires_at=now + window_seconds(completion_window),
             metadata=metadata,
+            owner=owner,
         )
         with redis_errors("creating a batch"):
             pipe = self.redis.pipeline(transaction=False)
@@ -192,8 +201,9 @@ class BatchStore:
         logger.info("batch %s created: file %s, endpoint %s", batch.id, input_file_id, endpoint)
         return batch
 
-    async def get(self, batch_id: str) -> BatchObject:
-        """The batch with its current request counts; NotFoundError when there is none."""
+    async def get(self, batch_id: str, owner: str | None = None) -> BatchObject:
+        """The batch with its current request counts; NotFoundError when there is none, or
+        ``owner`` (a tenant; None: any) is not the one that made it (the same answer)."""
         try:
             key = self.keys.batch(batch_id)
         except ValueError:
@@ -204,14 +214,17 @@ class BatchStore:
             pipe.hlen(self.keys.batch_results(batch_id))
             pipe.hlen(self.keys.batch_errors(batch_id))
             raw, done, failed = await pipe.execute()
-        if raw is None:
+        batch = None if raw is None else _load(raw)
+        if batch is None or not batch.visible_to(owner):
             raise NotFoundError(f"No such batch: {batch_id}", "batch_id")
-        batch = _load(raw)
         batch.request_counts.completed, batch.request_counts.failed = done, failed
         return batch
 
-    async def list_batches(self, after: str | None = None, limit: int = 20) -> tuple[list[BatchObject], bool]:
-        """Batches newest first after the id ``after``; ``(batches, has_more)``."""
+    async def list_batches(
+        self, after: str | None = None, limit: int = 20, owner: str | None = None
+    ) -> tuple[list[BatchObject], bool]:
+        """Batches newest first after the id ``after``; ``(batches, has_more)``; only ``owner``'s (a
+        tenant; None: every batch)."""
         with redis_errors("listing batches"):
             ids = [
                 i.decode()
@@ -224,10 +237,13 @@ class BatchStore:
             if len(found) > limit:
                 break
             try:
-                found.append(await self.get(batch_id))
+                batch = await self.get(batch_id)
             except NotFoundError:  # expired
                 with redis_errors("listing batches"):
                     await self.redis.zrem(self.keys.batches, batch_id)
+                continue
+            if batch.visible_to(owner):
+                found.append(batch)
         return found[:limit], len(found) > limit
 
     async def is_active(self, batch_id: str) -> bool:
@@ -352,7 +368,12 @@ class BatchStore:
 
 def _dump(batch: BatchObject) -> bytes:
     data = batch.model_dump(exclude={"request_counts"})
-    data.update(chunks=batch.chunks, chunk_lines=batch.chunk_lines, total=batch.request_counts.total)
+    data.update(
+        chunks=batch.chunks,
+        chunk_lines=batch.chunk_lines,
+        total=batch.request_counts.total,
+        owner=batch.owner,
+    )
     return orjson.dumps(data)
 
 

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Literal, cast
 
-from pydantic import BaseModel, ConfigDict
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.errors import ConflictError, InvalidRequestError, NotFoundError
 from pdserve.scheduler.connection import RedisClient, redis_errors
@@ -81,6 +82,18 @@ class FileObject(BaseModel):
     filename: str
     purpose: Purpose
     status: Literal["processed"] = "processed"
+    owner: str = Field(default="", exclude=True)
+    """The tenant that made it (a digest of its API key, ``router.tenants``; ``""``: anonymous).
+    Stored with the metadata, never shown to clients."""
+
+    def visible_to(self, owner: str | None) -> bool:
+        """``owner`` may see the file (None: pdserve itself, which sees every file)."""
+        return owner is None or self.owner == owner
+
+
+def _stored(info: FileObject) -> bytes:
+    """A file's metadata as Redis keeps it: the client's view plus the owner."""
+    return orjson.dumps({**info.model_dump(mode="json"), "owner": info.owner})
 
 
 def new_id(prefix: str) -> str:
@@ -107,8 +120,9 @@ class FileStore:
         self._hold = redis.register_script(_HOLD)
         self._delete = redis.register_script(_DELETE)
 
-    async def create(self, filename: str, purpose: str, content: bytes) -> FileObject:
-        """Store ``content`` as a new file; InvalidRequestError for a bad purpose, or an upload
+    async def create(self, filename: str, purpose: str, content: bytes, owner: str = "") -> FileObject:
+        """Store ``content`` as a new file of ``owner`` (a tenant: only it sees the file through the
+        API); InvalidRequestError for a bad purpose, or an upload
         (``batch``) over ``max_bytes``. A batch's output and error files (``batch_output``, written
         by pdserve) are not bound by the upload limit: a batch's output is often larger than its
         input, and refusing it would leave the batch with no output at all."""
@@ -127,6 +141,7 @@ class FileStore:
             expires_at=now + self.ttl_s,
             filename=filename or "upload.jsonl",
             purpose=purpose,  # type: ignore[arg-type]  # checked above
+            owner=owner,
         )
         if self.directory is not None:
             await asyncio.to_thread(self._write, info.id, content)
@@ -134,21 +149,24 @@ class FileStore:
             pipe = self.redis.pipeline(transaction=False)
             if self.directory is None:
                 pipe.set(self.keys.file_content(info.id), content, ex=self.ttl_s)
-            pipe.set(self.keys.file(info.id), info.model_dump_json(), ex=self.ttl_s)
+            pipe.set(self.keys.file(info.id), _stored(info), ex=self.ttl_s)
             pipe.zadd(self.keys.files, {info.id: time.time() * 1000})
             await pipe.execute()
         logger.info("file %s stored: %s, %d bytes, purpose %s", info.id, info.filename, info.bytes, purpose)
         return info
 
-    async def get(self, file_id: str) -> FileObject:
+    async def get(self, file_id: str, owner: str | None = None) -> FileObject:
+        """The file's metadata; NotFoundError when there is none, or ``owner`` (a tenant; None: any)
+        is not the one that made it (the same answer: nothing says another tenant's id exists)."""
         with redis_errors("reading a file"):
             raw = await self.redis.get(self._key(file_id))
-        if raw is None:
+        info = None if raw is None else FileObject.model_validate_json(raw)
+        if info is None or not info.visible_to(owner):
             raise NotFoundError(f"No such file: {file_id}", "file_id")
-        return FileObject.model_validate_json(raw)
+        return info
 
-    async def content(self, file_id: str) -> bytes:
-        info = await self.get(file_id)
+    async def content(self, file_id: str, owner: str | None = None) -> bytes:
+        info = await self.get(file_id, owner)
         if self.directory is not None:
             try:
                 return await asyncio.to_thread(self._path(info.id).read_bytes)
@@ -166,9 +184,11 @@ class FileStore:
         after: str | None = None,
         limit: int = 10000,
         newest_first: bool = True,
+        owner: str | None = None,
     ) -> tuple[list[FileObject], bool]:
-        """Files in creation order (newest first by default) after the id ``after``; ``(files, has_more)``.
-        Ids whose file expired are dropped from the index as they are met."""
+        """Files in creation order (newest first by default) after the id ``after``; ``(files, has_more)``;
+        only ``owner``'s (a tenant; None: every file). Ids whose file expired are dropped from the
+        index as they are met."""
         with redis_errors("listing files"):
             ids = [
                 i.decode()
@@ -192,7 +212,7 @@ class FileStore:
                         gone.append(file_id)
                         continue
                     info = FileObject.model_validate_json(raw)
-                    if purpose is None or info.purpose == purpose:
+                    if (purpose is None or info.purpose == purpose) and info.visible_to(owner):
                         found.append(info)
                 if len(found) > limit:
                     break
@@ -230,10 +250,13 @@ class FileStore:
             ids = cast(set[bytes], await self.redis.smembers(self._readers_key(file_id)))
         return sorted(i.decode() for i in ids)
 
-    async def delete(self, file_id: str) -> None:
-        """Delete a file; NotFoundError when there is none, ConflictError while a batch reads it
-        (the caller first releases the batches that are final: :meth:`release`)."""
+    async def delete(self, file_id: str, owner: str | None = None) -> None:
+        """Delete a file; NotFoundError when there is none (or ``owner``, a tenant, did not make
+        it), ConflictError while a batch reads it (the caller first releases the batches that are
+        final: :meth:`release`)."""
         key = self._key(file_id)
+        if owner is not None:
+            await self.get(file_id, owner)
         with redis_errors("deleting a file"):
             deleted = await self._delete(
                 keys=[key, self.keys.file_content(file_id), self.keys.file_batches(file_id)], args=[]

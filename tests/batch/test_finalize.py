@@ -18,6 +18,7 @@ from pdserve.batch import reaper as reaper_module
 from pdserve.batch import runner as runner_module
 from pdserve.batch.reaper import Reaper
 from pdserve.batch.runner import MAX_FINALIZE_TRIES, BatchRunner
+from pdserve.errors import NotFoundError
 from pdserve.scheduler.batches import BatchObject
 from pdserve.scheduler.files import FileObject
 
@@ -53,11 +54,11 @@ def failing_output(runner: BatchRunner, batch_id: str) -> list[float]:
     tries: list[float] = []
     create = runner.files.create
 
-    async def create_or_fail(filename: str, purpose: str, content: bytes) -> FileObject:
+    async def create_or_fail(filename: str, purpose: str, content: bytes, owner: str = "") -> FileObject:
         if filename.startswith(batch_id):
             tries.append(time.monotonic())
             raise OSError(28, "No space left on device")
-        return await create(filename, purpose, content)
+        return await create(filename, purpose, content, owner)
 
     runner.files.create = create_or_fail  # type: ignore[method-assign]
     return tries
@@ -144,3 +145,27 @@ def test_a_batch_finalized_twice_keeps_one_set_of_files(redis_url: str, concurre
     batch, outputs = with_runner(redis_url, main)
     assert batch.status == "completed" and batch.error_file_id is None
     assert outputs == [batch.output_file_id], (outputs, batch.output_file_id)
+
+
+def test_a_batchs_output_files_are_its_owners(redis_url: str) -> None:
+    """The output and error files a batch worker writes belong to the tenant that made the batch
+    (only that API key reads them), not to the anonymous owner of an unkeyed batch worker."""
+    owner = "0123456789abcdef0123456789abcdef"
+
+    async def main(runner: BatchRunner, reaper: Reaper) -> None:
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m"}}
+        file = await runner.files.create("in.jsonl", "batch", orjson.dumps(line) + b"\n", owner)
+        batch = await runner.batches.create(file.id, "/v1/completions", "24h", None, owner=owner)
+        assert await runner.batches.update(batch.id, ("validating",), status="in_progress", total=2, chunks=0)
+        for i, error in ((0, False), (1, True)):
+            assert await runner.batches.record(batch.id, i, {"custom_id": str(i)}, error)
+        await runner.maybe_finalize(batch.id)
+        batch = await runner.batches.get(batch.id, owner)
+        assert batch.status == "completed" and batch.output_file_id and batch.error_file_id, batch
+        for file_id in (batch.output_file_id, batch.error_file_id):
+            assert (await runner.files.get(file_id, owner)).owner == owner
+            with pytest.raises(NotFoundError):
+                await runner.files.get(file_id, "")
+        assert [f.id for f in (await runner.files.list_files("batch_output", owner=""))[0]] == []
+
+    with_runner(redis_url, main)

@@ -60,6 +60,19 @@ def assert_error(resp: httpx.Response, status: int, param: str | None, code: str
     return error
 
 
+def redis_value(client: redis.Redis, key: bytes) -> bytes:
+    """Everything a key holds, as bytes (a string's value; a hash's, set's, zset's, list's members)."""
+    kind = client.type(key)
+    parts: list = {
+        b"string": lambda: [client.get(key)],
+        b"hash": lambda: [x for kv in client.hgetall(key).items() for x in kv],
+        b"set": lambda: list(client.smembers(key)),
+        b"zset": lambda: client.zrange(key, 0, -1),
+        b"list": lambda: client.lrange(key, 0, -1),
+    }.get(kind, lambda: [repr(client.dump(key)).encode()])()
+    return b"\n".join(p for p in parts if p is not None)
+
+
 def rq_queue(redis_url: str) -> rq.Queue:
     return rq.Queue(KEYS.batch_queue, connection=redis.Redis.from_url(redis_url))
 
@@ -445,5 +458,100 @@ def test_the_bodies_read_by_hand_are_in_the_openapi_schema(redis_url: str, redis
             assert set(body["properties"]) == {"input_file_id", "endpoint", "completion_window", "metadata"}
             assert {"get", "delete"} <= set(paths["/v1/files/{file_id}"])
             assert "post" in paths["/v1/batches/{batch_id}/cancel"]
+
+    run(main())
+
+
+def test_files_and_batches_belong_to_the_key_that_made_them(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """With API keys, a file and a batch are their creator's: another key gets 404 for them (the
+    same answer as for no such id), lists none of them, cannot cancel or delete them, nor build a
+    batch on the file; a batch's output file is its owner's. Redis holds a digest, never the key."""
+    a_key, b_key = "key-a-" + "s3cret" * 4, "key-b-" + "s3cret" * 4
+    a, b = {"Authorization": f"Bearer {a_key}"}, {"Authorization": f"Bearer {b_key}"}
+
+    async def main() -> None:
+        async with router(redis_url, api_key=f"{a_key},{b_key}") as client:
+            resp = await client.post(
+                "/v1/files",
+                files={"file": ("in.jsonl", LINE, "application/jsonl")},
+                data={"purpose": "batch"},
+            )
+            assert_error(resp, 401, None, "invalid_api_key")
+            files = {"file": ("in.jsonl", LINE, "application/jsonl")}
+            resp = await client.post("/v1/files", files=files, data={"purpose": "batch"}, headers=a)
+            assert resp.status_code == 200, resp.text
+            info = resp.json()
+            assert set(info) == FILE_FIELDS  # the owner is not shown
+            file_id = info["id"]
+            resp = await client.post("/v1/files", files=files, data={"purpose": "batch"}, headers=b)
+            b_file = resp.json()["id"]
+
+            assert (await client.get(f"/v1/files/{file_id}", headers=a)).json() == info
+            assert (await client.get(f"/v1/files/{file_id}/content", headers=a)).content == LINE
+            for resp in (
+                await client.get(f"/v1/files/{file_id}", headers=b),
+                await client.get(f"/v1/files/{file_id}/content", headers=b),
+                await client.delete(f"/v1/files/{file_id}", headers=b),
+            ):
+                error = assert_error(resp, 404, "file_id", "not_found")
+                assert error["message"] == f"No such file: {file_id}"
+            assert [f["id"] for f in (await client.get("/v1/files", headers=a)).json()["data"]] == [file_id]
+            assert [f["id"] for f in (await client.get("/v1/files", headers=b)).json()["data"]] == [b_file]
+
+            body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+            error = assert_error(await client.post("/v1/batches", json=body, headers=b), 404, "input_file_id")
+            assert error["code"] == "not_found"
+            assert rq_queue(redis_url).job_ids == []  # nothing was made
+            resp = await client.post("/v1/batches", json=body, headers=a)
+            assert resp.status_code == 200, resp.text
+            batch = resp.json()
+            assert "owner" not in batch
+            for resp in (
+                await client.get(f"/v1/batches/{batch['id']}", headers=b),
+                await client.post(f"/v1/batches/{batch['id']}/cancel", headers=b),
+            ):
+                assert_error(resp, 404, "batch_id", "not_found")
+            assert (await client.get("/v1/batches", headers=b)).json()["data"] == []
+            assert [x["id"] for x in (await client.get("/v1/batches", headers=a)).json()["data"]] == [
+                batch["id"]
+            ]
+            assert (await client.get(f"/v1/batches/{batch['id']}", headers=a)).json()[
+                "status"
+            ] == "validating"
+
+            # what a batch worker writes for the batch is its owner's
+            store, file_store = state_of(client).batches, state_of(client).files
+            assert store is not None and file_store is not None
+            owner = (await store.get(batch["id"])).owner
+            out = await file_store.create("out.jsonl", "batch_output", b"{}\n", owner)
+            assert (await client.get(f"/v1/files/{out.id}/content", headers=a)).content == b"{}\n"
+            assert_error(await client.get(f"/v1/files/{out.id}/content", headers=b), 404, "file_id")
+
+            resp = await client.post(f"/v1/batches/{batch['id']}/cancel", headers=a)
+            assert resp.status_code == 200 and resp.json()["status"] == "cancelling", resp.text
+            assert (await client.delete(f"/v1/files/{b_file}", headers=b)).status_code == 200
+
+        for key in redis_client.scan_iter("*"):  # the keys are secrets: only their digests are stored
+            assert b"s3cret" not in redis_value(redis_client, key), key
+        assert owner and owner not in (a_key, b_key) and len(owner) == 32
+
+    run(main())
+
+
+def test_without_api_keys_every_file_and_batch_is_the_anonymous_owners(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    async def main() -> None:
+        async with router(redis_url) as client:
+            file_id = await uploaded(client)
+            body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+            batch = (await client.post("/v1/batches", json=body)).json()
+            store = state_of(client).batches
+            assert store is not None and (await store.get(batch["id"])).owner == ""
+            assert (
+                await client.get(f"/v1/files/{file_id}", headers={"Authorization": "Bearer x"})
+            ).status_code == 200
 
     run(main())
