@@ -95,6 +95,7 @@ class Result:
     s_ttft: float | None = None
     e2e: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
+    text: str = ""  # what the stream carried (a conversation sends it back as the next turn's history)
 
     @property
     def tpot(self) -> float | None:
@@ -199,6 +200,7 @@ async def one_request(
                 for c in chunk.get("choices", []):
                     piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
                     if piece:
+                        result.text += piece
                         now = time.perf_counter()
                         if last is None:
                             result.ttft = now - t0
