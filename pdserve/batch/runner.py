@@ -28,6 +28,7 @@ from pdserve.errors import NotFoundError, PdserveError
 from pdserve.router.app import RouterApp, create_app
 from pdserve.router.protocol import InputLimits
 from pdserve.router.state import RouterState
+from pdserve.router.tenants import TENANT_HEADER, TrustedTenant
 from pdserve.scheduler.batch_queue import BatchQueue
 from pdserve.scheduler.batches import BatchError, BatchObject, BatchStore
 from pdserve.scheduler.files import FileStore
@@ -187,7 +188,7 @@ class BatchRunner:
 
     async def start(self) -> None:
         await self._stack.enter_async_context(self.app.router.lifespan_context(self.app))
-        transport = httpx.ASGITransport(app=self.app)
+        transport = httpx.ASGITransport(app=TrustedTenant(self.app))  # _post names each line's tenant
         timeout = httpx.Timeout(self.settings.router.request_timeout_s + 30)
         self._client = await self._stack.enter_async_context(
             httpx.AsyncClient(transport=transport, base_url="http://batch-worker", timeout=timeout)
@@ -377,7 +378,7 @@ class BatchRunner:
                     return False
                 self.metrics.in_flight.inc()
                 try:
-                    response = await self._post(line.url, line.body)
+                    response = await self._post(line.url, line.body, batch.owner)
                 finally:
                     self.metrics.in_flight.dec()
             if response.status_code not in RETRY_STATUSES:
@@ -403,9 +404,10 @@ class BatchRunner:
             self.metrics.lines.labels("failed" if failed else "completed").inc()
         return True
 
-    async def _post(self, endpoint: str, body: bytes) -> httpx.Response:
+    async def _post(self, endpoint: str, body: bytes, tenant: str = "") -> httpx.Response:
+        """POST a line to the in-process app as ``tenant`` (the batch's owner: its prefix-cache salt)."""
         assert self._client is not None, "start() first"
-        headers = {"content-type": "application/json"}
+        headers = {"content-type": "application/json", TENANT_HEADER.decode(): tenant}
         try:
             return await self._client.post(endpoint, content=body, headers=headers)
         except httpx.HTTPError as e:  # the in-process app failed to answer: try again later

@@ -35,6 +35,7 @@ from pdserve.router.responses import DONE, Choice, ResponseBuilder
 from pdserve.router.responses import timing as timing_fields
 from pdserve.router.selection import model_len, resolve_model, vocab_size
 from pdserve.router.state import RouterState
+from pdserve.router.tenants import tenant_of, tenant_salt
 from pdserve.scheduler.messages import ErrorInfo, RequestDelta, Timing
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,17 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+
+
+def salt_by_tenant(parsed: ParsedRequest, tenant: str) -> None:
+    """Give each choice the prefix-cache salt of ``tenant`` (``tenants.tenant_salt``): a keyed
+    tenant's cached blocks are found only by its own requests, by the instances' prefix caches and
+    by prefix routing alike (both hash with ``sampling.cache_salt``). The anonymous tenant keeps
+    the client's own salt."""
+    if not tenant:
+        return
+    for sampling in {id(s): s for s in parsed.samplings}.values():
+        sampling.cache_salt = tenant_salt(tenant, sampling.cache_salt)
 
 
 class GenerateEndpoint:
@@ -69,6 +81,8 @@ class GenerateEndpoint:
             parsed = self.parse(
                 await read_body(headers, receive, self.state.settings.max_body_bytes), self.limits
             )
+            if not self.state.settings.shared_prefix_cache:
+                salt_by_tenant(parsed, tenant_of(scope))
             dispatcher = self.state.dispatcher
             live = await dispatcher.live.get()
             model = resolve_model(live, parsed.model)

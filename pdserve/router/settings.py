@@ -188,6 +188,12 @@ class RouterSettings:
         repr=False,
     )
     api_key_file: str = setting("", "a file of API keys, one per line (added to --api-key)")
+    shared_prefix_cache: bool = setting(
+        False,
+        "with API keys, let requests of different keys share cached prompt blocks (default off: each "
+        "key's requests reuse only their own, so usage.prompt_tokens_details.cached_tokens tells no "
+        "client what another's prompts were)",
+    )
     api_keys: frozenset[str] = dataclasses.field(default=frozenset(), init=False, repr=False)
 
     @property
