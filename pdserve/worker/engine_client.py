@@ -252,12 +252,17 @@ class EngineClient:
         background: bool = False,
     ) -> None:
         """Continue a prefilled request; its grammar is compiled (and cached) off the engine thread first."""
-        if params.guided is not None:
-            self._check_grammar(params)
-            await self._off(lambda: self._engine.validate(prompt_ids, params))
+        await self.check_prefilled(prompt_ids, params)
         await self._run(
             lambda: self._engine.add_prefilled(key, prompt_ids, first_token, params, num_cached, background)
         )
+
+    async def check_prefilled(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """A prefilled request's grammar checked, compiled and cached off the engine thread (the
+        worker does it before the hand-over, which then finds it compiled)."""
+        if params.guided is not None:
+            self._check_grammar(params)
+            await self._off(lambda: self._engine.validate(prompt_ids, params))
 
     async def step(self) -> list[RequestOutput]:
         metrics = self.metrics

@@ -15,9 +15,11 @@ instance's lifecycle (Redis, heartbeat, loops, drain) is service.py's job.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import (
@@ -40,6 +42,7 @@ from pdserve.scheduler import (
     Tokenize,
     Usage,
 )
+from pdserve.worker.engine_client import Prepared
 from pdserve.worker.messenger import Owner, engine_key, merge_deltas, to_delta
 from pdserve.worker.splitwise import Context, Splitwise
 
@@ -48,6 +51,9 @@ log = logging.getLogger(__name__)
 ROUTER_CHECK_S = 1.0  # how often the liveness of the routers we serve is checked
 FORGET_MISSING_ROUTER_S = 300.0  # a router missing this long with no work here is no longer tracked
 SEEN_GENERATES = 65536  # how many recent (request id, attempt) pairs a repeated generate is checked against
+MAX_DISPATCHED = 64
+"""Messages handled as tasks of their own (:meth:`RequestHandler.dispatch`) at most at once: beyond,
+the inbox loop reads no more (:meth:`RequestHandler.room`) until some are done."""
 
 
 class RequestHandler:
@@ -76,16 +82,99 @@ class RequestHandler:
         self._routers_missing_since: dict[str, float] = {}
         """router id -> monotonic time its key was first found missing, in checks Redis answered
         since the last failure: a router is gone once that is one TTL ago."""
+        self.idle = asyncio.Event()
+        """Set while no message is being acted on (preparation aside): the engine loop holds its next
+        step back until it is (:meth:`acting`), so that messages come before steps."""
+        self.idle.set()
+        self._acting = 0
+        self._chains: dict[str, asyncio.Task] = {}  # request id -> the last task handling its messages
+        self._dispatched: dict[asyncio.Task, InboxMessage] = {}  # those tasks, each with its message
+        self._room = asyncio.Event()  # set while fewer than MAX_DISPATCHED tasks are in flight
+        self._room.set()
 
     def in_flight(self) -> int:
-        return len(self.owners) + len(self.splitwise)
+        return len(self.owners) + len(self.splitwise) + len(self._dispatched)
 
     def handing_off(self) -> int:
         """Prefills waiting for their hand-off (``load.handing_off`` in the load report)."""
         return len(self.splitwise.prefills)
 
+    @contextlib.contextmanager
+    def acting(self) -> Iterator[None]:
+        """Messages are being acted on (not prepared) meanwhile: :attr:`idle` is clear."""
+        self._acting += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self._acting -= 1
+            if not self._acting:
+                self.idle.set()
+
+    async def room(self) -> None:
+        """Wait until fewer than :data:`MAX_DISPATCHED` messages are handled as tasks."""
+        await self._room.wait()
+
+    async def dispatch(self, msg: InboxMessage) -> None:
+        """Act on one inbox message as the inbox loop reads it, never waiting on a preparation.
+
+        A ``generate`` (chat template, tokenizing, grammar compilation: seconds for a large schema),
+        a ``tokenize`` and a ``prefilled`` hand-off (its grammar compiled before the engine takes it
+        over) run as tasks of their own, as does every later message of a request that still has
+        one: a request's messages keep their order (an abort never overtakes its generate), while
+        other requests' messages and the engine's steps go on. Preparations run several at once on
+        the engine client's preparation threads; only their hand-over to the engine counts as
+        acting (:meth:`acting`). Everything else is handled here and now."""
+        request_id = msg.request_id
+        prior = self._chains.get(request_id)
+        if prior is None and not isinstance(msg, (GenerateRequest, Tokenize, Prefilled)):
+            await self.handle(msg)
+            return
+        task = asyncio.get_running_loop().create_task(self._after(prior, msg))
+        self._chains[request_id] = task
+        self._dispatched[task] = msg
+        if len(self._dispatched) >= MAX_DISPATCHED:
+            self._room.clear()
+        task.add_done_callback(self._dispatch_done)
+
+    def _dispatch_done(self, task: asyncio.Task) -> None:
+        msg = self._dispatched.pop(task)
+        if self._chains.get(msg.request_id) is task:
+            del self._chains[msg.request_id]
+        if len(self._dispatched) < MAX_DISPATCHED:
+            self._room.set()
+
+    async def _after(self, prior: asyncio.Task | None, msg: InboxMessage) -> None:
+        """Handle ``msg`` once ``prior`` (the previous message of its request) is done: its
+        preparation first, off the engine's way, then the rest as :meth:`acting`."""
+        if prior is not None:
+            await asyncio.wait([prior])  # its outcome is its own: this one only comes after it
+        try:
+            if isinstance(msg, GenerateRequest):
+                ready = await self._prepare_generate(msg)
+                if ready is not None:
+                    with self.acting():
+                        await self._admit(msg, *ready)
+                return
+            if isinstance(msg, Prefilled):
+                lease = self.splitwise.leases.get(engine_key(msg.request_id, msg.attempt))
+                if lease is not None and msg.error is None:
+                    # its grammar compiled (and cached) first; an error is the hand-over's to report
+                    with contextlib.suppress(PdserveError):
+                        await self.ctx.engine.check_prefilled(list(msg.prompt_token_ids), lease.msg.sampling)
+            elif isinstance(msg, Tokenize):
+                await self._handle(msg)
+                return
+        except Exception as e:
+            log.exception("handling %s for %s failed", msg.type, msg.request_id)
+            await self._failed(msg, e)
+            return
+        with self.acting():
+            await self.handle(msg)
+
     async def handle(self, msg: InboxMessage) -> None:
-        """Act on one inbox message; whatever it raises ends its request with a final error event
+        """Act on one inbox message and wait for it, preparation included (:meth:`dispatch` does
+        not wait on preparations); whatever it raises ends its request with a final error event
         (and frees what it held), never the loop that called."""
         try:
             await self._handle(msg)
@@ -177,32 +266,44 @@ class RequestHandler:
         return False
 
     async def on_generate(self, msg: GenerateRequest) -> None:
+        ready = await self._prepare_generate(msg)
+        if ready is not None:
+            await self._admit(msg, *ready)
+
+    async def _prepare_generate(self, msg: GenerateRequest) -> tuple[Prepared, float] | None:
+        """A generate's checks and preparation (off the engine thread): what to admit and when it
+        arrived, or None when its request already got its final event (or is a repeat)."""
         received = self.ctx.clock.monotonic()
         owner = Owner(msg.router_id, msg.request_id, msg.attempt)
         messenger = self.ctx.messenger
         if self._repeated(engine_key(msg.request_id, msg.attempt)):
             log.info("ignoring a repeated generate for %s (attempt %d)", msg.request_id, msg.attempt)
-            return
+            return None
         if self.draining:
             error = UnavailableError(f"instance {self.ctx.instance_id} is draining")
             await messenger.fail(owner, error, retryable=True)
-            return
+            return None
         if self.ctx.clock.time() > msg.deadline:
             await messenger.fail(
                 owner, RequestTimeoutError("the request's deadline passed before it started")
             )
-            return
+            return None
         if not await self._router_alive(msg.router_id):
             log.info("dropping %s: router %s is gone", msg.request_id, msg.router_id)
             await messenger.fail(owner, self._router_gone_error(), retryable=True)
-            return
+            return None
         try:
             prepared = await self.ctx.engine.prepare(msg)
         except InvalidRequestError as e:
             if msg.messages is not None and e.param == "prompt":
                 e.param = "messages"  # the field the client sent
             await messenger.fail(owner, e)
-            return
+            return None
+        return prepared, received
+
+    async def _admit(self, msg: GenerateRequest, prepared: Prepared, received: float) -> None:
+        """Hand a prepared generate to the engine (or to its prefill hand-off)."""
+        owner = Owner(msg.router_id, msg.request_id, msg.attempt)
         info = msg.disaggregate_info
         if info is not None and self.role == "prefill" and info.decode.id != self.ctx.instance_id:
             await self.splitwise.start_prefill(msg, prepared)
@@ -218,7 +319,7 @@ class RequestHandler:
                 await self.ctx.engine.add(key, prepared)
             except InvalidRequestError as e:  # e.g. resumed tokens that do not follow its grammar
                 self._forget(key)
-                await messenger.fail(owner, e)
+                await self.ctx.messenger.fail(owner, e)
                 return
 
     async def on_abort(self, msg: Abort) -> None:
@@ -378,8 +479,20 @@ class RequestHandler:
         return router_id not in await self._routers_gone({router_id})
 
     async def fail_all(self, message: str) -> None:
-        """Every request still here gets a clear final event (retryable if no token went out yet)."""
+        """Every request still here gets a clear final event (retryable if no token went out yet);
+        messages still handled as tasks are stopped first."""
+        dispatched = dict(self._dispatched)
+        for task in dispatched:
+            task.cancel()
+        await asyncio.gather(*dispatched, return_exceptions=True)
         owners = [(owner, False) for owner in self.owners.values()]
+        handing_off = self.splitwise.keys()
+        for msg in dispatched.values():  # those not handed to the engine yet (no token went out)
+            if isinstance(msg, (GenerateRequest, Tokenize)):
+                attempt = msg.attempt if isinstance(msg, GenerateRequest) else 0
+                key = engine_key(msg.request_id, attempt)
+                if key not in self.owners and key not in handing_off:
+                    owners.append((Owner(msg.router_id, msg.request_id, attempt), True))
         owners += [(owner, True) for owner in self.splitwise.take_all()]
         self.owners.clear()
         self._started.clear()

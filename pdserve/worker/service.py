@@ -51,9 +51,10 @@ from pdserve.worker.splitwise import Context, Transports
 
 log = logging.getLogger(__name__)
 
-# Longest the engine loop holds its next step back while the inbox's current batch is handled (a
-# batch is normally done in milliseconds; this bounds a stall when Redis is slow to take replies).
-INBOX_FIRST_S = 1.0
+# Longest the engine loop holds its next step back while messages are acted on (the inbox's current
+# batch, a prepared request's hand-over: milliseconds, preparation never counts; this bounds a stall
+# when Redis is slow to take replies).
+INBOX_FIRST_S = 0.25
 PRUNE_WRITERS_S = 1.0  # how often the KV writers of peers that left (or restarted) are closed
 TOKENIZER_TTL_S = 7 * 24 * 3600
 """Expiry of the published tokenizer files (``Keys.tokenizer``): every instance using them renews it
@@ -82,8 +83,6 @@ class WorkerService:
         self._drain_deadline = float("inf")
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
-        self._inbox_idle = asyncio.Event()  # clear while a read batch of the inbox is being handled
-        self._inbox_idle.set()
         self._tasks: list[asyncio.Task] = []
         self.failed: str | None = None  # the loop that died, if one did (the process then exits 1)
         self.tokenizer_digest: str | None = None  # of the tokenizer files published for routers
@@ -341,6 +340,7 @@ class WorkerService:
         _, handler = self._running()
         failures = 0
         while True:
+            await handler.room()  # no more reading while many messages are still handled as tasks
             try:
                 entries = await self.inbox.read(count=64, block_ms=500)
                 failures = 0
@@ -352,15 +352,12 @@ class WorkerService:
                 log.warning("reading the inbox failed (%s); retry %d", e, failures)
                 await asyncio.sleep(min(0.1 * 2**failures, 2.0))
                 continue
-            self._inbox_idle.clear()
-            try:
+            with handler.acting():  # preparations go on as tasks (handler.dispatch)
                 for _entry_id, msg in entries:
                     try:
-                        await handler.handle(msg)
+                        await handler.dispatch(msg)
                     except Exception:
                         log.exception("handling %s for %s failed", msg.type, msg.request_id)
-            finally:
-                self._inbox_idle.set()
             if entries:
                 try:
                     await self.inbox.ack([entry_id for entry_id, _ in entries])
@@ -379,12 +376,13 @@ class WorkerService:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=0.5)
                 continue
-            if not self._inbox_idle.is_set():
-                # Messages first: each one that needs the engine (a generate's tokenizing, a reserve, a
+            if not handler.idle.is_set():
+                # Messages first: each one that needs the engine (a reserve, a prepared generate, a
                 # prefilled hand-off) would otherwise wait for a whole step, one step per message, and
-                # a busy prefill's 512-token steps made a batch of reserves miss their deadline.
+                # a busy prefill's 512-token steps made a batch of reserves miss their deadline. Never
+                # a preparation: a large schema compiles for seconds (handler.dispatch).
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._inbox_idle.wait(), timeout=INBOX_FIRST_S)
+                    await asyncio.wait_for(handler.idle.wait(), timeout=INBOX_FIRST_S)
             await handler.on_outputs(await engine.step())
             if self.prefix_publisher is not None:
                 self.prefix_publisher.wake.set()
