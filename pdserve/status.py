@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import sys
 import time
 from collections.abc import Sequence
@@ -60,6 +61,7 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
     for i in instances:
         pipe.xlen(keys.inbox(i.id))
         pipe.pttl(keys.instance(i.id))
+        pipe.xlen(keys.dead_letters(i.id))
     for r in routers:
         pipe.xlen(keys.outbox(r.id))
     replies = await pipe.execute()
@@ -79,6 +81,8 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "role": i.role,
                 "model": i.model,
                 "weights": i.kv.weights or "f32",
+                "weights_digest": i.kv.weights_digest,
+                "tokenizer": i.tokenizer,
                 "device": i.kv.device,
                 "device_name": i.kv.device_name,
                 "dtype": i.kv.dtype,
@@ -93,12 +97,13 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "prefix_index_blocks": indexed.get(i.id, 0) if i.kv.prefix_caching else None,
                 "draining": i.draining,
                 "age_s": round(now - i.started_at, 1),
-                "ttl_ms": replies[2 * n + 1],
-                "inbox_len": replies[2 * n],
+                "ttl_ms": replies[3 * n + 1],
+                "inbox_len": replies[3 * n],
                 "inbox_pending": pending[n],
+                "inbox_dead": replies[3 * n + 2],
             }
         )
-    base = 2 * len(instances)
+    base = 3 * len(instances)
     out_routers = [
         {
             "id": r.id,
@@ -211,7 +216,7 @@ def render(status: dict[str, Any]) -> str:
                 str(i["waiting"]),
                 f"{i['free_blocks']}/{i['num_blocks']}",
                 "off" if i["prefix_index_blocks"] is None else f"{i['prefix_index_blocks']} blocks",
-                f"{i['inbox_len']} ({i['inbox_pending']} pending)",
+                inbox(i),
                 _age(i["age_s"]),
                 "draining" if i["draining"] else "ready",
             )
@@ -306,9 +311,29 @@ WIDEST = 150  # ... and from this many on, each instance's DEVICE too
 
 
 def _model(instance: dict[str, Any]) -> str:
-    """The served model, and its weights' precision where it is not the default float32."""
+    """The served model, its identity (:func:`model_id`) and its weights' precision where it is not
+    the default float32: ``tiny 3f9c2a1b``, ``tiny (int8) 3f9c2a1b``."""
     weights = instance.get("weights", "f32")
-    return instance["model"] if weights == "f32" else f"{instance['model']} ({weights})"
+    name = instance["model"] if weights == "f32" else f"{instance['model']} ({weights})"
+    ident = model_id(instance)
+    return f"{name} {ident}" if ident else name
+
+
+def model_id(instance: dict[str, Any]) -> str:
+    """8 hex of a digest of the weights' and the tokenizer's digests: two instances of one served
+    name with different ids are two models, which the router never pairs ("" for a worker that
+    does not say: an older one)."""
+    weights = instance.get("weights_digest")
+    if not weights:
+        return ""
+    both = f"{weights}/{instance.get('tokenizer') or ''}".encode()
+    return hashlib.blake2b(both, digest_size=4).hexdigest()
+
+
+def inbox(instance: dict[str, Any]) -> str:
+    """Its inbox's length, the entries delivered and not yet acked, and its dead letters."""
+    dead = instance.get("inbox_dead") or 0
+    return f"{instance['inbox_len']} ({instance['inbox_pending']} pending, {dead} dead)"
 
 
 DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -369,7 +394,7 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
                 *counts,
                 str(i["waiting_prefill_tokens"]),
                 f"{bar} {share:4.0%} ({used}/{i['num_blocks']})",
-                f"{i['inbox_len']} ({i['inbox_pending']} pending)",
+                inbox(i),
                 _age(i["age_s"]),
                 state,
             )
@@ -379,7 +404,7 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
                 i["role"],
                 *counts,
                 f"{share:.0%} {used}/{i['num_blocks']}",
-                f"{i['inbox_len']}/{i['inbox_pending']}",
+                f"{i['inbox_len']}/{i['inbox_pending']}",  # dead letters: wide only
                 _age(i["age_s"]),
                 state,
             )

@@ -44,6 +44,7 @@ CLUSTER = "router-test"
 KEYS = Keys(CLUSTER)
 ROUTER_ID = "r-test"
 MODEL = "tiny"
+WEIGHTS_DIGEST = "0123456789abcdef0123456789abcdef"  # one checkpoint: every pair is allowed
 
 
 def instance(
@@ -81,6 +82,7 @@ def instance(
             num_kv_heads=2,
             head_dim=8,
             prefix_caching=prefix_caching,
+            weights_digest=WEIGHTS_DIGEST,
         ),
         load=LoadInfo(running=running, waiting=waiting, waiting_prefill_tokens=waiting_prefill_tokens),
         transfer=TransferInfo(protocols=list(protocols)),

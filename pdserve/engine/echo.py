@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_BYTES = 64
 ECHO_LAYOUT = "echo"  # a block is BLOCK_BYTES stand-in bytes, not a model's K/V rows
+ECHO_WEIGHTS = "echo"  # its weights digest: no weights, its stand-in bytes depend on the prompt only
 DEFAULT_NUM_BLOCKS = 16384
 DEFAULT_MAX_MODEL_LEN = 32768
 
@@ -105,6 +106,7 @@ class EchoEngine:
             layout=ECHO_LAYOUT,
             shm_name=self.segment.name if self.segment else None,
             vocab_size=self.tokenizer.vocab_size if self.tokenizer is not None else None,
+            weights_digest=ECHO_WEIGHTS,
             calls_inline=True,
         )
 

@@ -32,6 +32,7 @@ from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, Token
 from pdserve.engine.platform import Platform, resolve_device
 from pdserve.engine.sampler import Sample, Sampler, logprobs_of, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.weights import weights_digest
 from pdserve.errors import EngineError, InvalidRequestError, RequestTooLongError
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
@@ -71,6 +72,7 @@ class LLMEngine:
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.weights_digest = weights_digest(self.model_dir)  # which checkpoint: pairs only with its own
         mc = self.model_config
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
@@ -129,6 +131,7 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size,
             prefix_caching=self.blocks.prefix_caching,
             weights=self.executor.weights,
+            weights_digest=self.weights_digest,
             dtype=self.executor.dtype,
             device=self.executor.device,
             device_name=self.executor.device_name,

@@ -74,6 +74,7 @@ class EngineFacts:
     vocab_size: int | None = None  # valid token ids are below it (the router refuses others)
     prefix_caching: bool = False  # full blocks are kept for reuse (and published to the prefix index)
     weights: str = "f32"  # precision of the linear weights: a prefill and a decode pair only when equal
+    weights_digest: str | None = None  # which weights (weights.weights_digest): pairs only when equal
     device: str = "cpu"  # where the KV cache lives: "cpu" or "cuda" (a pair's caches must be of one kind)
     device_name: str | None = None  # e.g. "NVIDIA H200 (cuda:0)": shown by `pdserve status`
     memory_bytes: int = 0  # device memory held by the weights and the KV cache

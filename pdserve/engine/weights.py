@@ -19,11 +19,14 @@ they replace a model folder by a rename, which leaves the mapped file intact).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import math
 import mmap
 import os
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -310,3 +313,74 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarra
     """Return fused float32 weights: ``embed``, ``l{i}.{in_norm,qkv,qkv_bias,o,o_bias,post_norm,
     gate_up,gate_up_bias,down,down_bias}``, ``norm`` and ``lm_head`` ([hidden, vocab], untied only)."""
     return dict(iter_weights(model_dir, cfg))
+
+
+DIGEST_CACHE = ".pdserve-weights-digest.json"
+"""Beside the weights in a model folder: each weight file's content digest, keyed by the file's
+name, size, mtime and inode, so that a later start reads no weight bytes to identify them."""
+_DIGEST_CHUNK = 8 << 20
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """The identity of the numbers a model computes: blake2b-128 (hex) of its ``config.json`` and
+    its weights' content (each weight file's bytes, by name; a seeded folder: its seed record, from
+    which every load generates the same weights). Two folders with the same digest compute the same
+    K/V for the same tokens; one changed tensor changes it.
+
+    Hashing a file's bytes costs about a second per GB, once: the file digests are cached in
+    :data:`DIGEST_CACHE` beside the weights, each under the file's (size, mtime, inode), so a later
+    start stats the files instead of reading them; a replaced or rewritten file is hashed again. A
+    folder that cannot be written (read-only mount) is hashed at every start."""
+    from pdserve.engine.model_init import SEEDED_WEIGHTS
+
+    model_dir = Path(model_dir)
+    h = hashlib.blake2b(digest_size=16)
+    config = model_dir / "config.json"
+    h.update(b"config.json\0" + (config.read_bytes() if config.is_file() else b""))
+    if (model_dir / SEEDED_WEIGHTS).is_file():
+        h.update(b"\0" + SEEDED_WEIGHTS.encode() + b"\0" + (model_dir / SEEDED_WEIGHTS).read_bytes())
+        return h.hexdigest()
+    cache_path = model_dir / DIGEST_CACHE
+    try:
+        cached = orjson.loads(cache_path.read_bytes())
+        if not isinstance(cached, dict):
+            cached = {}
+    except (OSError, orjson.JSONDecodeError):
+        cached = {}
+    fresh: dict[str, dict[str, object]] = {}
+    for path in sorted(checkpoint_files(model_dir), key=lambda p: p.name):
+        st = path.stat()
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+        entry = cached.get(path.name)
+        if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and "digest" in entry:
+            digest = str(entry["digest"])
+        else:
+            t0 = time.perf_counter()
+            digest = _file_digest(path)
+            log.info("hashed %s (%.2f GB) in %.1f s", path, st.st_size / 1e9, time.perf_counter() - t0)
+        fresh[path.name] = {**stamp, "digest": digest}
+        h.update(b"\0" + path.name.encode() + b"\0" + digest.encode())
+    if fresh != cached:
+        _write_digest_cache(cache_path, fresh)
+    return h.hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        while chunk := f.read(_DIGEST_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_digest_cache(path: Path, entries: dict[str, dict[str, object]]) -> None:
+    """Replace the digest cache by a rename (concurrent starts each write a whole one); a folder
+    that cannot be written keeps none, which costs only the hashing."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(orjson.dumps(entries))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.info("not caching the weights' digest in %s: %s", path.parent, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink()

@@ -3,7 +3,7 @@
 Rules, in order:
 
 1. Only live, non-draining instances of the requested model are candidates.
-2. Splitwise when a prefill and a decode instance have the same KV geometry (:func:`kv_mismatch`)
+2. Splitwise when a prefill and a decode instance have the same KV geometry and model (:func:`kv_mismatch`)
    and share a KV transfer protocol: on one host ``shm`` or ``cuda_ipc`` when both offer it, else
    the first protocol of prefill's list that decode offers (those two never cross hosts). A prefill without any usable decode partner is skipped.
 3. Otherwise one instance serves the whole request: a mixed one, else a decode one (decode-only
@@ -103,7 +103,9 @@ def kv_mismatch(prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
     blocks: such a pair is never made. Nor is a cache in host memory paired with one on a GPU
     (``device``): no transport moves bytes between the two kinds. A geometry one side does not register (a worker older than
     the field) is not assumed equal. Nor are two weight precisions paired (``--weights``): the
-    decode side would continue on other numbers than the prefill side computed.
+    decode side would continue on other numbers than the prefill side computed. Nor two models
+    (:func:`model_mismatch`): one served name over two checkpoints (a rolling upgrade) would have
+    the decode side continue, and cache under its own hashes, K/V another model computed.
     """
     diffs = [
         f"{name} {getattr(prefill.kv, name)} vs {getattr(decode.kv, name)}"
@@ -115,7 +117,28 @@ def kv_mismatch(prefill: InstanceInfo, decode: InstanceInfo) -> str | None:
     weights = (prefill.kv.weights or "f32", decode.kv.weights or "f32")  # None: a worker before int8
     if weights[0] != weights[1]:
         diffs.append(f"weights {weights[0]} vs {weights[1]}")
-    return f"{prefill.id} with {decode.id}: different KV caches ({', '.join(diffs)})" if diffs else None
+    parts = [f"different KV caches ({', '.join(diffs)})"] if diffs else []
+    models = model_mismatch(prefill, decode)
+    if models:
+        parts.append(f"different models ({', '.join(models)})")
+    return f"{prefill.id} with {decode.id}: {'; '.join(parts)}" if parts else None
+
+
+def model_mismatch(prefill: InstanceInfo, decode: InstanceInfo) -> list[str]:
+    """How the two instances' models differ: their weights' digests (``kv.weights_digest``; one
+    side without one, an older worker, is not assumed equal) and their tokenizers' (the published
+    ``tokenizer`` digest: the decode side turns prefill's token ids into text)."""
+    out = []
+    w = (prefill.kv.weights_digest, decode.kv.weights_digest)
+    if w[0] is None or w[1] is None or w[0] != w[1]:
+        out.append(f"weights {_short(w[0])} vs {_short(w[1])}")
+    if prefill.tokenizer != decode.tokenizer:
+        out.append(f"tokenizer {_short(prefill.tokenizer)} vs {_short(decode.tokenizer)}")
+    return out
+
+
+def _short(digest: str | None) -> str:
+    return "unknown" if digest is None else digest[:12]
 
 
 def resolve_model(live: Sequence[InstanceInfo], model: str | None) -> str:
@@ -284,7 +307,7 @@ class Selector:
             now = time.monotonic()
             if now - self._mismatch_warned.get(reason, -_WARN_EVERY_S) >= _WARN_EVERY_S:
                 self._mismatch_warned[reason] = now
-                logger.warning("not pairing %s; its KV bytes would land in the wrong places", reason)
+                logger.warning("not pairing %s: its KV would be wrong on the decode side", reason)
         return reason is None
 
     def _warn_aggregated(self, prefills_live: bool) -> None:

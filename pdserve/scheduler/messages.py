@@ -80,6 +80,10 @@ class KVInfo(_Model):
     weights: str | None = None
     """Precision of the weights that compute the K/V and the tokens (``f32``, ``int8``; None: an
     older worker, i.e. f32): a pair of two precisions would continue a sequence on other numbers."""
+    weights_digest: str | None = None
+    """Which weights compute the K/V (``engine.weights.weights_digest``: blake2b of config.json and
+    the weight files' bytes; ``echo`` for the echo engine; None: an older worker, never paired): two
+    checkpoints served under one name (a rolling upgrade) fill blocks with different numbers."""
     device: str = "cpu"
     """Where the cache lives: ``cpu`` (host memory) or ``cuda`` (a GPU; an older worker: cpu). A
     pair's caches must be of one kind: their bytes move by different transports."""

@@ -308,6 +308,7 @@ class WorkerService:
                 head_dim=facts.head_dim,
                 prefix_caching=facts.prefix_caching,
                 weights=facts.weights,
+                weights_digest=facts.weights_digest,
                 device=facts.device,
                 device_name=facts.device_name,
                 memory_bytes=facts.memory_bytes or None,

@@ -463,3 +463,34 @@ def test_the_default_policy_checks_a_pair_again_when_a_registration_changes() ->
     elsewhere.host, elsewhere.transfer.protocols = "b", ["shm"]  # another host, shm only
     assert sel.route([p0, elsewhere], TINY).prefill is None
     assert sel.route([p0, d0.model_copy(deep=True)], TINY).prefill.id == "p0"
+
+
+@pytest.mark.parametrize(
+    "field, value, said",
+    [
+        ("weights_digest", "fedcba9876543210fedcba9876543210", "weights 0123456789ab vs fedcba987654"),
+        ("weights_digest", None, "weights 0123456789ab vs unknown"),  # an older worker: not assumed equal
+        ("tokenizer", "abcdef", "tokenizer unknown vs abcdef"),
+    ],
+)
+def test_instances_of_two_models_under_one_name_are_never_paired(
+    field: str, value, said: str, caplog
+) -> None:
+    """Same geometry and precision, another checkpoint or tokenizer (a rolling upgrade under one
+    served name): the decode side would continue on, and cache, K/V another model computed."""
+    sel = Selector("round_robin", "round_robin")
+    p0, same, other = (
+        instance(i, r, host="a") for i, r in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    )
+    if field == "tokenizer":
+        other.tokenizer = value
+    else:
+        setattr(other.kv, field, value)
+    assert kv_mismatch(p0, other) == f"p0 with d1: different models ({said})"
+    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+        route = sel.route([p0, other], TINY)
+    assert route.prefill is None and route.decode.id == "d1"
+    assert f"not pairing p0 with d1: different models ({said})" in caplog.text
+    for _ in range(4):
+        route = sel.route([p0, same, other], TINY)
+        assert (route.prefill.id, route.decode.id) == ("p0", "d0")
