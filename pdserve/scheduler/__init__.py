@@ -72,6 +72,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "DEAD_LETTER_TTL_S",
         "INBOX_MAXLEN",
         "INBOX_TTL_S",
+        "MAX_DELIVERIES",
         "OUTBOX_MAXLEN",
         "OUTBOX_TTL_S",
         "Entry",

@@ -87,7 +87,8 @@ class Keys:
         return f"{PREFIX}:{self.cluster}:inbox:{{{validate_id(instance_id, 'instance id')}}}"
 
     def dead_letters(self, instance_id: str) -> str:
-        """Stream of inbox entries that could not be decoded, kept for inspection (bounded, expiring)."""
+        """Stream of inbox entries that could not be decoded, or whose handling crashed the instance
+        ``--max-deliveries`` times, kept for inspection (bounded, expiring)."""
         return f"{self.inbox(instance_id)}:dead"
 
     def outbox(self, router_id: str) -> str:

@@ -75,6 +75,9 @@ OUTBOX_TTL_S = 600
 """An outbox nobody publishes to expires after this long (its router is gone)."""
 DEAD_LETTER_MAXLEN = 1_000
 DEAD_LETTER_TTL_S = 86_400
+MAX_DELIVERIES = 3
+"""Default of ``--max-deliveries``: how often an inbox entry is handed over to be handled before one
+whose handling never finished (the worker crashed or was killed each time) is dead-lettered."""
 
 Entry = tuple[bytes, InboxMessage]
 """A stream entry id and its decoded message; ack the id once the message is taken over."""
@@ -125,7 +128,10 @@ class Inbox:
     exactly those a crash would lose, and they are re-read by a restart under the same consumer
     name (``--instance-id``); the inbox of an id that never comes back expires with its TTL.
     Entries that cannot be decoded go to the dead-letter stream (and, when they name a request and a router, that router gets
-    an error event), so a bad message is never re-delivered forever.
+    an error event), so a bad message is never re-delivered forever. So does an entry already
+    delivered ``max_deliveries`` times (Redis counts each delivery): one whose handling crashed the
+    worker at every restart. A restart re-reads its pending entries one at a time, each acked before
+    the next is read, so only the entry that crashes it counts up, not the batch around it.
     """
 
     def __init__(
@@ -137,8 +143,12 @@ class Inbox:
         *,
         ttl_s: int = INBOX_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        max_deliveries: int = MAX_DELIVERIES,
     ) -> None:
         require_bytes_responses(redis)
+        if max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
+        self.max_deliveries = max_deliveries
         self.redis = redis
         self.keys = keys
         self.instance_id = instance_id
@@ -167,13 +177,11 @@ class Inbox:
         _check_block(self.redis, block_ms)
         await self._touch()
         if self._pending_cursor is not None:
-            entries = await self._xreadgroup(self._pending_cursor, count, None)
+            # one at a time (the caller acks it before reading on): see the class's docstring
+            entries = await self._xreadgroup(self._pending_cursor, 1, None)
             if entries:
                 self._pending_cursor = entries[-1][0]
-                logger.info(
-                    "%s: re-reading %d pending entries of consumer %s", self.key, len(entries), self.consumer
-                )
-                return await self._accept(entries)
+                return await self._accept(entries, await self._deliveries(entries[0][0]))
             self._pending_cursor = None
         return await self._accept(await self._xreadgroup(">", count, block_ms or None))
 
@@ -221,6 +229,23 @@ class Inbox:
         # redis-py's default (legacy, RESP2-shaped) replies: a list of [stream, entries] pairs
         return cast(list[Any], reply)[0][1] if reply else []
 
+    async def _deliveries(self, entry_id: bytes) -> int:
+        """How often Redis has delivered the pending entry ``entry_id`` (this read included)."""
+        with redis_errors(f"reading the delivery count of {self.key} {entry_id!r}"):
+            rows = await self.redis.xpending_range(
+                self.key, INBOX_GROUP, min=entry_id, max=entry_id, count=1, consumername=self.consumer
+            )
+        deliveries = int(rows[0]["times_delivered"]) if rows else 1
+        logger.info(
+            "%s: re-reading pending entry %s of consumer %s (delivery %d; at most %d)",
+            self.key,
+            entry_id.decode(),
+            self.consumer,
+            deliveries,
+            self.max_deliveries,
+        )
+        return deliveries
+
     async def _touch(self) -> None:
         """Refresh the inbox TTL every ttl/10 while this reader lives (an idle inbox must not expire)."""
         if self.clock() - self._touched_at < self.ttl_s / 10:
@@ -229,14 +254,18 @@ class Inbox:
             await self.redis.expire(self.key, self.ttl_s)
         self._touched_at = self.clock()
 
-    async def _accept(self, entries: list[tuple[Any, Any]]) -> list[Entry]:
+    async def _accept(self, entries: list[tuple[Any, Any]], deliveries: int = 1) -> list[Entry]:
+        """The decodable entries; the rest (and, after ``max_deliveries``, every one) dead-lettered."""
         good: list[Entry] = []
         discard: list[bytes] = []
-        bad: list[tuple[bytes, bytes, MessageError]] = []
+        bad: list[tuple[bytes, bytes, PdserveError]] = []
         for entry_id, fields in entries:
             data = fields.get(FIELD) if fields else None
             if data is None:  # deleted (trimmed) while pending: nothing left to do
                 discard.append(entry_id)
+                continue
+            if deliveries > self.max_deliveries:
+                bad.append((entry_id, data, self._undeliverable(deliveries)))
                 continue
             try:
                 msg = decode_message(data)
@@ -250,7 +279,14 @@ class Inbox:
             await self._dead_letter(discard, bad)
         return good
 
-    async def _dead_letter(self, discard: list[bytes], bad: list[tuple[bytes, bytes, MessageError]]) -> None:
+    def _undeliverable(self, deliveries: int) -> PdserveError:
+        return PdserveError(
+            f"instance {self.instance_id} never finished handling this request's message: delivered "
+            f"{deliveries - 1} times, the instance crashed or was killed each time (--max-deliveries "
+            f"{self.max_deliveries}); moved to {self.keys.dead_letters(self.instance_id)}"
+        )
+
+    async def _dead_letter(self, discard: list[bytes], bad: list[tuple[bytes, bytes, PdserveError]]) -> None:
         pipe = self.redis.pipeline(transaction=False)
         dead_key = self.keys.dead_letters(self.instance_id)
         for entry_id, data, error in bad:
@@ -263,7 +299,7 @@ class Inbox:
         with redis_errors(f"dead-lettering entries of {self.key}"):
             await pipe.execute()
 
-    def _stage_rejection(self, pipe: RedisPipeline, data: bytes, error: MessageError) -> None:
+    def _stage_rejection(self, pipe: RedisPipeline, data: bytes, error: PdserveError) -> None:
         """Tell the request's router, when the bad message names one, so its client is not left waiting."""
         try:
             raw = orjson.loads(data)

@@ -73,7 +73,7 @@ class WorkerService:
         self.incarnation = uuid.uuid4().hex[:12]  # this start's: peers reopen their writers to a new one
         self.redis = RedisSettings.from_url(settings.redis_url).connect()  # connects on first use
         self.registry = InstanceRegistry(self.redis, self.keys, ttl_s=settings.ttl_s)
-        self.inbox = Inbox(self.redis, self.keys, self.id)
+        self.inbox = Inbox(self.redis, self.keys, self.id, max_deliveries=settings.max_deliveries)
         self.heartbeat = Heartbeat(self.registry, self.info)
         self.transports = Transports()  # its backends: the KV transports this instance offers
         self.engine: EngineClient | None = None  # built by run(), on the engine thread
@@ -107,7 +107,9 @@ class WorkerService:
                 give_up_after_s=self.settings.ttl_s,
                 wait=self.settings.replica_wait,
             )
-            ctx = Context(self.id, self.engine, messenger, self.clock, self.transports, self.metrics)
+            ctx = Context(
+                self.id, self.engine, messenger, self.clock, self.transports, self.metrics, self.incarnation
+            )
             routers = RouterRegistry(self.redis, self.keys, ttl_s=self.settings.ttl_s)
             self.handler = RequestHandler(ctx, self.settings.role, routers, self.settings.stream_interval_s)
             await self.inbox.ensure_group()
@@ -201,6 +203,7 @@ class WorkerService:
             device=facts.device,
             block_bytes=facts.block_bytes,
             shared=s.role == "decode",  # peers write into a decode instance's cache only
+            incarnation=self.incarnation,  # written where peers write (shm: the segment's fence)
         )
         backends = await asyncio.to_thread(transports.open_backends, protocols, options, local)
         self.transports.backends.update(backends)

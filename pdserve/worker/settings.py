@@ -24,6 +24,7 @@ from pdserve.scheduler.connection import (
 )
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
+from pdserve.scheduler.streams import MAX_DELIVERIES
 
 ROLES = ("prefill", "decode", "mixed")
 ENGINES = ("model", "echo")
@@ -118,6 +119,12 @@ class WorkerSettings:
         "structured output (JSON schema, regex, choices, a tool call's schema) larger than this many bytes "
         "of JSON is refused with 400 before it is compiled (default %(default)s)",
     )
+    max_deliveries: int = setting(
+        MAX_DELIVERIES,
+        "an inbox message is handed over at most this many times: one whose handling the instance never "
+        "finished (it crashed or was killed each time, then restarted under its id) then goes to its "
+        "dead-letter stream and its request fails, instead of crashing every restart (default %(default)s)",
+    )
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 
     @property
@@ -134,6 +141,8 @@ class WorkerSettings:
             raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not self.ttl_s > 0:
             raise ConfigError(f"--ttl must be > 0, got {self.ttl_s}")
+        if self.max_deliveries < 1:
+            raise ConfigError(f"--max-deliveries must be >= 1, got {self.max_deliveries}")
         if self.max_prompt_chars_per_token < 1:
             raise ConfigError(
                 f"--max-prompt-chars-per-token must be >= 1, got {self.max_prompt_chars_per_token}"

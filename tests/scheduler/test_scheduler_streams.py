@@ -77,7 +77,8 @@ def test_pending_entries_are_re_read_after_restart_but_not_after_ack(
 
         restarted = Inbox(r, KEYS, "p0", consumer="p0-w")
         pending = await restarted.read(count=2, block_ms=100)
-        assert [m.request_id for _, m in pending] == ["q0", "q1"]
+        assert [m.request_id for _, m in pending] == ["q0"]  # the backlog one at a time
+        pending += await restarted.read(count=2, block_ms=100)
         pending += await restarted.read(count=2, block_ms=100)
         assert [m.request_id for _, m in pending] == ["q0", "q1", "q2"]
         new = await restarted.read(count=10, block_ms=100)
@@ -113,6 +114,47 @@ def test_undecodable_entries_are_dead_lettered_and_reported(
             (event,) = await drain(queue, 1)
         assert event.error is not None and event.error.kind == "invalid_message"
         assert "deadline" in event.error.message and event.finish_reason == "error"
+
+    run(redis_url, main)
+
+
+def test_a_message_that_crashes_every_restart_is_dead_lettered_and_its_request_failed(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """A worker that dies while handling ``poison`` (before its ack) re-reads it at every restart
+    under the same id: after ``max_deliveries`` deliveries it goes to the dead-letter stream with
+    the reason, and its router gets a final error. The entries read in the same batch were
+    re-read one at a time and acked, so they do not count up with it."""
+
+    async def main(r: aioredis.Redis) -> None:
+        inbox = Inbox(r, KEYS, "p1", consumer="p1", max_deliveries=3)
+        await inbox.ensure_group()
+        for request_id in ("before", "poison", "after"):
+            await send_to_inbox(r, KEYS, "p1", gen(request_id, router_id="r7"))
+        assert len(await inbox.read(count=10, block_ms=100)) == 3  # delivery 1, then the crash
+        for _ in (2, 3):  # deliveries 2 and 3: each restart: what was handled is acked, the poison crashes it
+            restarted = Inbox(r, KEYS, "p1", consumer="p1", max_deliveries=3)
+            while True:
+                got = await restarted.read(count=10, block_ms=50)
+                assert len(got) == 1
+                if got[0][1].request_id == "poison":
+                    break  # crashed while handling it
+                await restarted.ack([got[0][0]])
+        final = Inbox(r, KEYS, "p1", consumer="p1", max_deliveries=3)
+        got = await final.read(count=10, block_ms=50)
+        got += await final.read(count=10, block_ms=50)
+        assert [m.request_id for _, m in got] == ["after"]  # the poison is not handed over a 4th time
+        await final.ack([e for e, _ in got])
+        assert await final.pending() == 0 and await r.xlen(KEYS.inbox("p1")) == 0
+        (dead,) = await r.xrange(KEYS.dead_letters("p1"))
+        assert b'"request_id":"poison"' in dead[1][b"m"] and b"delivered 3 times" in dead[1][b"error"]
+        reader = OutboxReader(r, KEYS, "r7")
+        queue = reader.subscribe("poison")
+        async with reader:
+            (event,) = await drain(queue, 1)
+        assert event.finish_reason == "error" and event.error is not None
+        assert event.error.kind == "internal_error" and not event.error.retryable
+        assert "crashed or was killed" in event.error.message
 
     run(redis_url, main)
 
