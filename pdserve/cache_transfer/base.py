@@ -37,6 +37,14 @@ class KVTransport(abc.ABC):
     def write_blocks(self, src: Any, src_regions: list[Region], dst_regions: list[Region]) -> int:
         return self.write(src, pair_regions(src_regions, dst_regions))
 
+    def fence(self) -> str | None:
+        """The incarnation of the peer whose cache this writer reaches now, read where the bytes
+        land (shm: the segment's fence, written by its owner at start), "" when that cache names
+        none; None where the protocol cannot read it there (the writer then reaches the incarnation
+        whose endpoint it was opened from). The prefill side checks it against the incarnation that
+        reserved the blocks before every chunk it writes, and after the last."""
+        return None
+
     def current(self) -> bool:
         """Whether the peer's endpoint still leads to the cache this writer opened (False: the
         peer restarted under the same endpoint, so the writer must be reopened). Cheap; True
@@ -63,6 +71,9 @@ class LocalCache:
     shared: bool = False
     """Peers write into this cache (a decode instance's): a backend that must export it to advertise
     an endpoint does so only then (a prefill's cache is never exported)."""
+    incarnation: str | None = None
+    """This start of the instance (``TransferInfo.incarnation``): a backend that can put it where
+    peers write (the shm segment's fence) does, so a writer can tell a restarted cache of one name."""
 
 
 class TransportBackend(abc.ABC):

@@ -4,6 +4,12 @@ The decode engine allocates its whole cache in a named segment; a prefill proces
 attaches to it and writes its blocks straight into the decode side's blocks. Segments are named
 ``pdserve-*``; the owner holds a lock on its segment until it exits, so a sweeper can tell (and
 remove) the segments of owners that died without cleaning up (SIGKILL, OOM kill).
+
+After the cache, a segment holds its fence (:data:`FENCE_BYTES`): the owner's incarnation, written
+when its transport opens (:func:`write_fence`). A writer reads it from its own mapping before every
+chunk it copies (``ShmWriter.fence``): a restart under the same id makes a new segment of the same
+name, and a writer that attached by name to it finds another incarnation there than the one that
+reserved the blocks it was about to write.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ SHM_DIR = "/dev/shm"
 PROTOCOL = "shm"
 PREFIX = "pdserve-"  # every segment pdserve creates; the sweeper looks at no other name
 _CREATE_TRIES = 5
+FENCE_BYTES = 64  # after the cache: magic, length, the owner's incarnation (ASCII)
+_FENCE_MAGIC = b"pdsvfnc1"
 
 
 class OwnedSegment:
@@ -45,8 +53,9 @@ class OwnedSegment:
 
     def __init__(self, name: str, fd: int, size: int) -> None:
         self.name, self.size, self._fd = name, size, fd
-        self._mmap = mmap.mmap(fd, size)  # MAP_SHARED; its dup of fd shares our lock
-        self.buf = memoryview(self._mmap)
+        self._mmap = mmap.mmap(fd, size + FENCE_BYTES)  # MAP_SHARED; its dup of fd shares our lock
+        self._whole = memoryview(self._mmap)
+        self.buf = self._whole[:size]  # the cache; the fence follows it
 
     @property
     def path(self) -> str:
@@ -59,6 +68,7 @@ class OwnedSegment:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self.buf.release()
+        self._whole.release()
         self._mmap.close()
         os.close(self._fd)  # the lock goes with the last descriptor
         self._fd = -1
@@ -75,6 +85,9 @@ def create_segment(name: str, nbytes: int, reclaim: bool = False) -> OwnedSegmen
 
     ``reclaim``: a segment of that name left by a dead previous run (same instance id) is removed
     first; one whose owner is still alive is refused.
+
+    The file is :data:`FENCE_BYTES` longer than ``nbytes``: the fence follows the cache (zero, so
+    naming no incarnation, until :func:`write_fence`).
     """
     path = os.path.join(SHM_DIR, name)
     for _ in range(_CREATE_TRIES):
@@ -101,7 +114,7 @@ def create_segment(name: str, nbytes: int, reclaim: bool = False) -> OwnedSegmen
     try:
         try:
             os.posix_fallocate(
-                fd, 0, nbytes
+                fd, 0, nbytes + FENCE_BYTES
             )  # tmpfs reserves the pages (and sets the size), or says ENOSPC now
         except OSError as e:
             raise ConfigError(_too_small(nbytes, e)) from None
@@ -193,6 +206,32 @@ def _too_small(nbytes: int, error: OSError) -> str:
     )
 
 
+def write_fence(name: str, incarnation: str) -> None:
+    """Write the owner's incarnation into the fence of its segment ``name`` (the owner's transport
+    does, at start, before its registration advertises the segment)."""
+    data = incarnation.encode("ascii")
+    if len(data) > FENCE_BYTES - len(_FENCE_MAGIC) - 1:
+        raise TransferError(f"incarnation {incarnation!r} does not fit a segment's fence")
+    fence = _FENCE_MAGIC + bytes([len(data)]) + data
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size < FENCE_BYTES:
+            raise TransferError(f"shared memory segment {name!r} has no room for a fence")
+        os.pwrite(fd, fence.ljust(FENCE_BYTES, b"\0"), size - FENCE_BYTES)
+    finally:
+        os.close(fd)
+
+
+def read_fence(fence: bytes | memoryview) -> str:
+    """The incarnation a segment's fence names; "" when it names none (not written yet)."""
+    raw = bytes(fence)
+    if not raw.startswith(_FENCE_MAGIC):
+        return ""
+    n = raw[len(_FENCE_MAGIC)]
+    return raw[len(_FENCE_MAGIC) + 1 : len(_FENCE_MAGIC) + 1 + n].decode("ascii", "replace")
+
+
 def attach_segment(name: str) -> shared_memory.SharedMemory:
     """Attach to a peer's segment without adopting it: Python < 3.13 would unlink it at our exit."""
     try:
@@ -218,7 +257,17 @@ class ShmWriter(KVTransport):
         self._shm = attach_segment(segment_name)
         fd = self._shm._fd  # type: ignore[attr-defined]  # POSIX SharedMemory keeps it open
         self._file = _identity(os.fstat(fd))  # the segment we mapped, not just its name
-        self._dst = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
+        size = self._shm.size - FENCE_BYTES
+        if size < 0:
+            self._shm.close()
+            raise TransferError(f"shared memory segment {segment_name!r} is too small to be a KV cache")
+        self._dst = np.ndarray((size,), dtype=np.uint8, buffer=self._shm.buf)
+        self._fence = np.ndarray((FENCE_BYTES,), dtype=np.uint8, buffer=self._shm.buf, offset=size)
+
+    def fence(self) -> str:
+        """The incarnation the mapped segment's owner wrote into its fence ("" before it did):
+        read from this writer's own mapping, so it is the cache the next copy reaches."""
+        return read_fence(self._fence.tobytes())
 
     def current(self) -> bool:
         """Whether the segment's name still leads to the segment we mapped: a decode instance
@@ -240,7 +289,7 @@ class ShmWriter(KVTransport):
         return total
 
     def close(self) -> None:
-        del self._dst
+        del self._dst, self._fence
         self._shm.close()
 
 
@@ -265,6 +314,8 @@ class ShmBackend(TransportBackend):
     def open(self, local: LocalCache) -> None:
         self.check_device(local)
         self.segment = local.shm_name  # None for a cache outside shared memory (a prefill's)
+        if self.segment is not None and local.shared and local.incarnation:
+            write_fence(self.segment, local.incarnation)  # before any peer can learn the name
 
     def endpoint(self) -> str | None:
         return self.segment

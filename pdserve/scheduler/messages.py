@@ -371,6 +371,12 @@ class ReserveReply(_Message):
     num_cached_blocks: int = 0
     """The first ``num_cached_blocks`` of ``block_ids`` already hold this prompt's K/V (decode's
     prefix cache shares them): prefill writes only the blocks after them."""
+    incarnation: str | None = None
+    """The decode instance's incarnation that reserved the blocks (its ``TransferInfo.incarnation``):
+    prefill writes them only into that incarnation's cache (a restart under the same id is another)."""
+    lease: str | None = None
+    """The reservation's id, new for every reservation: prefill names it in its ``Prefilled``, and
+    decode continues only a request whose lease it holds."""
 
 
 class Prefilled(_Message):
@@ -389,6 +395,10 @@ class Prefilled(_Message):
     protocol: str | None = None
     """The transport that wrote the KV (``DisaggregateInfo.protocol``): decode lets it land them
     (``TransportBackend.land``: a staged transport copies them from host memory to its GPU)."""
+    lease: str | None = None
+    """The reservation written into (``ReserveReply.lease``): decode refuses one it does not hold."""
+    router_id: str | None = None
+    """Whose request it is: decode tells that router when it refuses the hand-off."""
 
 
 class Abort(_Message):

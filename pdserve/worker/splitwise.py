@@ -13,7 +13,13 @@ KV straight into those blocks, publish the first token, tell decode "prefilled":
 Decode side (:class:`DecodeLease`): blocks reserved for a prefill that has not arrived yet::
 
     RESERVED ──prefilled──> DECODING (an ordinary request of this instance from then on)
-    RESERVED ──prefill failed / abort / deadline passed──> FAILED
+    RESERVED ──prefill failed / abort / deadline + grace passed──> FAILED
+
+A write is fenced: D names its incarnation and a lease id in every ``ReserveReply``; P writes only
+while the cache its writer reaches is that incarnation's (``KVTransport.fence``, checked before
+every chunk and after the last) and its deadline allows the next chunk, and names the lease in
+``Prefilled``; D continues a request only on the lease it holds, and frees an unused lease only
+:data:`LEASE_GRACE_S` after its deadline (clock skew, and a chunk in flight at the deadline).
 
 Each machine has one way to finish and one way to fail (``_fail``), which frees what it holds
 (engine request or blocks, the peer's reservation) and tells whom it concerns.
@@ -26,8 +32,10 @@ import contextlib
 import dataclasses
 import enum
 import logging
-from collections.abc import Collection, Iterator
-from typing import Any
+import threading
+import uuid
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, TypeVar
 
 from pdserve.cache_transfer.base import KVTransport, TransportBackend
 from pdserve.cache_transfer.transports import close_backends, open_writer
@@ -50,6 +58,12 @@ from pdserve.worker.metrics import WorkerMetrics
 log = logging.getLogger(__name__)
 
 RESERVE_RETRY_MS = 200  # a decode instance without free blocks asks to be asked again after this
+LEASE_GRACE_S = 5.0
+"""How long after ``deadlines.transfer`` (on its own clock) D still holds an unused lease: P starts
+no chunk past the deadline on its clock, so this covers the clocks' skew and one chunk's copy."""
+WRITE_CHUNK_BYTES = 64 << 20  # P writes in chunks of whole blocks, checking deadline and fence between
+WRITERS_IDLE_S = 10.0  # how long closing the backends waits for copies still running on their threads
+T = TypeVar("T")
 FIRST_SEQ = 0  # prefill publishes the attempt's first delta; decode numbers its own from FIRST_SEQ + 1
 
 
@@ -81,6 +95,7 @@ class Context:
     clock: Clock
     transports: Transports
     metrics: WorkerMetrics | None = None
+    incarnation: str | None = None  # this start's (TransferInfo.incarnation): named in every reserve reply
 
 
 class Transports:
@@ -92,12 +107,27 @@ class Transports:
     old mapping; nor is one whose endpoint no longer leads to the cache the writer opened
     (``KVTransport.current``), when a router's view of the registration is behind. Writers of peers
     that left the live set are closed (:meth:`prune`), so a dead peer's segment is not kept mapped.
-    A writer dropped while a write holds it (:meth:`writer`) is closed when that write is done.
+    A writer dropped while a write holds it (:meth:`write`, :meth:`writer`) is closed when that
+    write is done: by the copy's thread when it returns, even if the coroutine that awaited it was
+    cancelled (shutdown), and :meth:`close_backends` waits for running copies first.
     """
 
     def __init__(self, backends: dict[str, TransportBackend] | None = None) -> None:
         self._open: dict[str, _Writer] = {}
         self.backends: dict[str, TransportBackend] = backends if backends is not None else {}
+        self._idle = threading.Condition()  # guards users/dropped; notified when a copy ends
+        self._copies = 0  # copies running on their threads
+        self._rates: dict[str, float] = {}  # protocol -> bytes/s its recent writes moved at
+
+    def rate(self, protocol: str) -> float | None:
+        """Bytes per second writes over ``protocol`` moved lately (None before the first)."""
+        return self._rates.get(protocol)
+
+    def observe(self, protocol: str, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        seen, known = nbytes / seconds, self._rates.get(protocol)
+        self._rates[protocol] = seen if known is None else (known + seen) / 2
 
     def get(self, protocol: str, peer_id: str, transfer: dict[str, Any]) -> KVTransport:
         """``transfer`` is the peer's registered TransferInfo."""
@@ -113,21 +143,63 @@ class Transports:
     @contextlib.contextmanager
     def writer(self, protocol: str, peer_id: str, transfer: dict[str, Any]) -> Iterator[KVTransport]:
         """:meth:`get`, held open until the block ends even if it is dropped meanwhile."""
-        self.get(protocol, peer_id, transfer)
-        held = self._open[peer_id]
-        held.users += 1
+        held = self._hold(protocol, peer_id, transfer)
         try:
             yield held.transport
         finally:
+            self._release(held)
+
+    async def write(
+        self,
+        protocol: str,
+        peer_id: str,
+        transfer: dict[str, Any],
+        copy: Callable[[KVTransport, str | None], T],
+    ) -> T:
+        """``copy(writer, incarnation it was opened for)`` on a thread, the writer held until the
+        copy returns: a cancelled caller (shutdown) stops waiting, the copy does not, and the writer
+        closes only after it (:meth:`close_backends` waits for it too)."""
+        held = self._hold(protocol, peer_id, transfer)
+        with self._idle:
+            self._copies += 1
+
+        def run() -> T:
+            try:
+                return copy(held.transport, held.key[2])
+            finally:
+                self._release(held, copy_ended=True)
+
+        task = asyncio.ensure_future(asyncio.to_thread(run))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, not logged
+            raise
+
+    def _hold(self, protocol: str, peer_id: str, transfer: dict[str, Any]) -> _Writer:
+        self.get(protocol, peer_id, transfer)
+        held = self._open[peer_id]
+        with self._idle:
+            held.users += 1
+        return held
+
+    def _release(self, held: _Writer, copy_ended: bool = False) -> None:
+        with self._idle:
             held.users -= 1
-            if held.dropped and not held.users:
-                held.transport.close()
+            close = held.dropped and not held.users
+            if copy_ended:
+                self._copies -= 1
+            self._idle.notify_all()
+        if close:
+            held.transport.close()
 
     def drop(self, peer_id: str) -> None:
         cached = self._open.pop(peer_id, None)
         if cached is not None:
-            cached.dropped = True
-            if not cached.users:
+            with self._idle:
+                cached.dropped = True
+                close = not cached.users
+            if close:
                 cached.transport.close()
 
     @property
@@ -148,8 +220,12 @@ class Transports:
         for peer_id in list(self._open):
             self.drop(peer_id)
 
-    def close_backends(self) -> None:
-        """Close the backends' local sides, before the cache's memory goes."""
+    def close_backends(self, wait_s: float = WRITERS_IDLE_S) -> None:
+        """Close the backends' local sides, before the cache's memory goes: first wait (up to
+        ``wait_s``) for copies still running on their threads, which read this cache."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: not self._copies, timeout=wait_s):
+                log.warning("closing the KV transports while %d copies still run", self._copies)
         close_backends(self.backends)
         self.backends.clear()
 
@@ -176,6 +252,8 @@ class PrefillHandoff:
         self.state = PrefillState.RESERVING
         self.dst_blocks: list[int] | None = None
         self.num_cached_dst = 0  # leading dst blocks decode's prefix cache holds: not written
+        self.lease: str | None = None  # decode's id of the reservation (ReserveReply.lease)
+        self.dst_incarnation: str | None = None  # the decode incarnation that reserved dst_blocks
         self.first: RequestOutput | None = None
         self.retry_at: float | None = None  # monotonic time to ask for blocks again
         self.received_at = ctx.clock.monotonic()
@@ -213,10 +291,15 @@ class PrefillHandoff:
 
     # ---- events ------------------------------------------------------------------------------------
     async def on_reserve_reply(self, reply: ReserveReply) -> None:
+        if self.state is PrefillState.BLOCKS_READY and self._restarted(reply):
+            # D restarted under its id and re-read our ask: its new blocks, not the dead run's
+            log.info("%s: %s restarted; writing into its new reservation", self.key, self.decode_id)
+            self._take(reply)
+            return
         if self.state not in (PrefillState.RESERVING, PrefillState.FIRST_TOKEN_READY):
             return  # a repeated answer, or one that comes after the end
         if reply.ok:
-            self.dst_blocks, self.num_cached_dst = reply.block_ids, reply.num_cached_blocks
+            self._take(reply)
             if self.state is PrefillState.FIRST_TOKEN_READY:
                 await self._transfer()
             else:
@@ -225,6 +308,16 @@ class PrefillHandoff:
             self.retry_at = self.ctx.clock.monotonic() + reply.retry_after_ms / 1000
         else:
             await self._fail(UnavailableError(reply.error or "the decode instance refused"))
+
+    def _restarted(self, reply: ReserveReply) -> bool:
+        """An ok reply from another incarnation of D than the one whose blocks we hold."""
+        return bool(reply.ok and reply.incarnation and self.dst_incarnation) and (
+            reply.incarnation != self.dst_incarnation
+        )
+
+    def _take(self, reply: ReserveReply) -> None:
+        self.dst_blocks, self.num_cached_dst = reply.block_ids, reply.num_cached_blocks
+        self.lease, self.dst_incarnation = reply.lease, reply.incarnation
 
     async def on_output(self, out: RequestOutput) -> None:
         """The engine's output for this request: the first token (prefilled) or its end."""
@@ -302,7 +395,9 @@ class PrefillHandoff:
         await self.ctx.engine.release_prefilled(self.key)
 
     async def _write_kv(self, dst_blocks: list[int]) -> None:
-        if self.ctx.clock.time() > self.info.deadlines.transfer:
+        clock, deadline, protocol = self.ctx.clock, self.info.deadlines.transfer, self.info.protocol
+        transports = self.ctx.transports
+        if clock.time() > deadline:
             raise TransferError("the KV transfer deadline passed")
         engine = self.ctx.engine
         src = await engine.prefilled_blocks(self.key)
@@ -311,16 +406,36 @@ class PrefillHandoff:
         skip = self.num_cached_dst  # decode holds these already: only the missing blocks move
         if not 0 <= skip <= len(src):
             raise TransferError(f"decode says it holds {skip} of {len(src)} blocks")
-        cache, src_regions = engine.kv_view(), engine.regions(src[skip:])
-        dst_regions = engine.regions(dst_blocks[skip:])
-        t0 = self.ctx.clock.monotonic()
+        cache, src_ids, dst_ids = engine.kv_view(), src[skip:], dst_blocks[skip:]
+        block_bytes = engine.facts.block_bytes
+        per = max(1, WRITE_CHUNK_BYTES // max(1, block_bytes))
+        chunks = [
+            (
+                engine.regions(src_ids[i : i + per]),
+                engine.regions(dst_ids[i : i + per]),
+                len(src_ids[i : i + per]),
+            )
+            for i in range(0, len(src_ids), per)
+        ]
+        _in_time(clock.time(), len(src_ids) * block_bytes, transports.rate(protocol), deadline)
+        expected = self.dst_incarnation
+
+        def copy(w: KVTransport, opened_for: str | None) -> int:
+            """On the copy's thread: chunk by chunk, each only while in time and fenced."""
+            moved = 0
+            for src_regions, dst_regions, n in chunks:
+                _in_time(clock.time(), n * block_bytes, transports.rate(protocol), deadline)
+                _fenced(w, opened_for, expected)
+                moved += w.write_blocks(cache, src_regions, dst_regions)
+            _fenced(w, opened_for, expected)  # D restarted during the copy: it landed in a dead cache
+            return moved
+
+        t0 = clock.monotonic()
         moved = 0
-        if src_regions:
-            with self.ctx.transports.writer(
-                self.info.protocol, self.decode_id, self.info.decode.transfer
-            ) as w:
-                moved = await asyncio.to_thread(w.write_blocks, cache, src_regions, dst_regions)
-        seconds = self.ctx.clock.monotonic() - t0
+        if chunks:
+            moved = await transports.write(protocol, self.decode_id, self.info.decode.transfer, copy)
+        seconds = clock.monotonic() - t0
+        transports.observe(protocol, moved, seconds)
         if self.timing is not None:
             self.timing.kv_transfer_s = seconds
         if self.ctx.metrics is not None:
@@ -350,12 +465,41 @@ class PrefillHandoff:
             next_seq=FIRST_SEQ + 1,
             num_cached_tokens=first.num_cached_tokens if first else 0,
             protocol=self.info.protocol,
+            lease=self.lease,
+            router_id=self.msg.router_id,
         )
         await self.ctx.messenger.send(self.decode_id, msg)
 
     async def _tell_decode_abort(self, reason: str) -> None:
         abort = Abort(request_id=self.msg.request_id, reason=reason, attempt=self.msg.attempt)
         await self.ctx.messenger.send(self.decode_id, abort)
+
+
+def _in_time(now: float, nbytes: int, rate: float | None, deadline: float) -> None:
+    """A TransferError unless a copy of ``nbytes`` starting ``now`` ends by ``deadline`` (at the
+    ``rate`` recent writes moved at; unknown: only the deadline itself)."""
+    if now > deadline:
+        raise TransferError("the KV transfer deadline passed")
+    if rate and now + nbytes / rate > deadline:
+        raise TransferError(
+            f"the KV transfer cannot end before its deadline ({nbytes / 2**20:.1f} MiB at "
+            f"{rate / 2**20:.0f} MiB/s, {deadline - now:.2f} s left)"
+        )
+
+
+def _fenced(w: KVTransport, opened_for: str | None, expected: str | None) -> None:
+    """A TransferError unless the cache ``w`` reaches is the incarnation that reserved the blocks
+    (``expected``; None: a decode instance that names none, not checked)."""
+    if expected is None:
+        return
+    found = w.fence()
+    if found is None:  # the protocol cannot read it where it writes: the endpoint's incarnation
+        found = opened_for
+    if found != expected:
+        raise TransferError(
+            f"the decode instance restarted: its cache is incarnation {found or 'unknown'}, "
+            f"the blocks were reserved by {expected}"
+        )
 
 
 class DecodeLease:
@@ -365,7 +509,8 @@ class DecodeLease:
         self.key = engine_key(msg.request_id, msg.attempt)
         self.blocks = blocks
         self.num_cached = num_cached  # leading blocks from this instance's prefix cache: not written
-        self.expires_at = msg.deadlines.transfer
+        self.lease_id = uuid.uuid4().hex[:12]  # new for every reservation: Prefilled must name it
+        self.expires_at = msg.deadlines.transfer + LEASE_GRACE_S  # a write started in time may land
         self.state = DecodeState.RESERVED
 
     @property
@@ -478,6 +623,7 @@ class Splitwise:
         lease = self.leases.get(key)
         if lease is not None:  # a repeated ask: answer with what is reserved
             reply.ok, reply.block_ids, reply.num_cached_blocks = True, lease.blocks, lease.num_cached
+            reply.lease, reply.incarnation = lease.lease_id, self.ctx.incarnation
         elif not accepting:
             reply.error = f"decode instance {self.ctx.instance_id} is draining"
         else:
@@ -494,18 +640,34 @@ class Splitwise:
                 blocks, cached = reserved
                 reply.ok, reply.block_ids, reply.num_cached_blocks = True, blocks, cached
                 self.leases[key] = DecodeLease(self.ctx, msg, blocks, cached)
+                reply.lease, reply.incarnation = self.leases[key].lease_id, self.ctx.incarnation
         await self.ctx.messenger.send(msg.reply_to, reply)
 
     async def on_prefilled(self, msg: Prefilled) -> Owner | None:
-        lease = self.leases.get(engine_key(msg.request_id, msg.attempt))
+        """Continue the request on the lease the message names; refuse one this instance does not
+        hold (its blocks are not the ones written: a restart, or an expired lease) and tell the
+        request's router, so it retries rather than waits."""
+        key = engine_key(msg.request_id, msg.attempt)
+        lease = self.leases.get(key)
+        if lease is not None and (msg.error is not None or msg.lease in (None, lease.lease_id)):
+            owner = await lease.on_prefilled(msg)
+            self._settle(lease.key)
+            return owner
         if lease is None:
-            log.warning(
-                "prefilled %s/%d arrived without a reservation (expired?)", msg.request_id, msg.attempt
+            why = "holds no reservation for it (restarted, or the lease expired)"
+        else:
+            why = f"holds another reservation for it ({lease.lease_id}, not {msg.lease})"
+            await lease.abort("prefilled for another reservation")
+            self._settle(key)
+        if msg.error is not None:
+            return None  # the prefill failed and told its router
+        log.warning("refusing prefilled %s: this instance %s", key, why)
+        if msg.router_id is not None:
+            error = TransferError(f"decode instance {self.ctx.instance_id} {why}")
+            await self.ctx.messenger.fail(
+                Owner(msg.router_id, msg.request_id, msg.attempt), error, retryable=True
             )
-            return None
-        owner = await lease.on_prefilled(msg)
-        self._settle(lease.key)
-        return owner
+        return None
 
     # ---- both ------------------------------------------------------------------------------------
     async def fail(self, key: str, error: PdserveError) -> bool:

@@ -23,11 +23,13 @@ import uuid
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import redis
 from host_support import need_root_and
 
 from pdserve.cache_transfer import shm
+from pdserve.cache_transfer.base import LocalCache
 from pdserve.errors import TransferError
 from pdserve.scheduler import Keys
 from pdserve.scheduler.embedded import free_port
@@ -189,7 +191,7 @@ def test_reclaiming_a_name_refuses_a_live_owner_and_takes_a_dead_ones(prefix) ->
     finally:
         kill(first)
     second = shm.create_segment(name, 2 * MiB, reclaim=True)  # the restarted instance
-    assert second.buf[0] == 0 and os.stat(second.path).st_size == 2 * MiB
+    assert second.buf[0] == 0 and os.stat(second.path).st_size == 2 * MiB + shm.FENCE_BYTES
     assert shm.sweep_dead_segments(prefix) == []  # ours now, and we are alive
     second.close()
     assert not os.path.exists(second.path)
@@ -212,6 +214,29 @@ def test_a_writer_knows_when_its_segment_name_leads_to_a_new_segment(prefix) -> 
         fresh.close()
     finally:
         writer.close()
+        second.close()
+
+
+def test_a_writer_reads_the_incarnation_of_the_segment_it_maps(prefix) -> None:
+    """The fence after the cache names its owner's incarnation; a writer attached by name to a
+    restarted owner's segment reads the new one, and the cache it writes ends before the fence."""
+    name = prefix + "decode-2"
+    first = shm.create_segment(name, MiB)
+    writer = shm.ShmWriter(name)
+    assert writer.fence() == ""  # no incarnation written yet
+    shm.ShmBackend().open(LocalCache(first.buf, shm_name=name, shared=True, incarnation="one"))
+    assert writer.fence() == "one"
+    with pytest.raises(TransferError, match="exceeds"):
+        writer.write(np.zeros(8, np.uint8), [(0, MiB - 4, 8)])  # the fence is not cache
+    writer.close()
+    first.close()
+    second = shm.create_segment(name, MiB)
+    try:
+        shm.write_fence(name, "two")
+        fresh = shm.ShmWriter(name)
+        assert fresh.fence() == "two"
+        fresh.close()
+    finally:
         second.close()
 
 

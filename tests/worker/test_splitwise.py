@@ -22,7 +22,7 @@ from splitwise_support import (
 from pdserve.cache_transfer.shm import ShmWriter
 from pdserve.errors import EngineError, TransferError
 from pdserve.scheduler import Abort, ErrorInfo, Prefilled, ReserveBlocks, RouterInfo, RouterRegistry, Tokenize
-from pdserve.worker.splitwise import RESERVE_RETRY_MS, DecodeState, PrefillState
+from pdserve.worker.splitwise import LEASE_GRACE_S, RESERVE_RETRY_MS, DecodeState, PrefillState
 
 PROMPT = list(range(1, 11))  # 10 tokens: 3 blocks of 4
 
@@ -410,7 +410,7 @@ def test_a_repeated_ask_gets_the_same_blocks(redis_url) -> None:
     run(main())
 
 
-def test_a_lease_expires_at_the_transfer_deadline(redis_url) -> None:
+def test_a_lease_expires_a_grace_after_the_transfer_deadline(redis_url) -> None:
     async def main() -> None:
         async with pair(redis_url) as (p, _prefill, decode):
             await p.send(decode, reserve_msg(p, transfer_s=1.0))
@@ -418,6 +418,9 @@ def test_a_lease_expires_at_the_transfer_deadline(redis_url) -> None:
             await decode.handler.tick()
             assert decode.lease.state is DecodeState.RESERVED
             p.clock.advance(1.01)
+            await decode.handler.tick()
+            assert decode.lease.state is DecodeState.RESERVED  # a write P started in time may land
+            p.clock.advance(LEASE_GRACE_S)
             await decode.handler.tick()
             assert all_free(decode)
 
