@@ -91,7 +91,7 @@ def llama_server(name: str, port: int, binary: Path, gguf: Path) -> Server:
     argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     flags = ["-t", str(CORES), "-tb", str(CORES), "--parallel", "16", "-c", str(ctx), "--kv-unified"]
     found = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False)
-    version = next((line for line in (found.stdout + found.stderr).splitlines() if "version" in line), "?")
+    version = next((ln for ln in (found.stdout + found.stderr).splitlines() if "version" in ln.lower()), "?")
     return Server(name, argv + flags, {}, port, f"llama-server ({version.strip()}): {' '.join(flags)}")
 
 
@@ -245,12 +245,34 @@ async def converse(client: httpx.AsyncClient, url: str, model: str, conv: Conver
     return results
 
 
+def client_for_bench() -> httpx.AsyncClient:
+    """A new connection per request: llama-server (cpp-httplib) closes a kept-alive connection after
+    its fifth request, and a request sent on it just then fails before any answer; loopback connects
+    cost microseconds, the same for every server."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10), limits=limits)
+
+
+async def random_load(url: str, model: str, prompts: list[bench.Prompt]) -> tuple[list[bench.Result], float]:
+    """``prompts`` with at most ``RAND_CONCURRENCY`` in flight."""
+    sem = asyncio.Semaphore(RAND_CONCURRENCY)
+    async with client_for_bench() as client:
+
+        async def one(p: bench.Prompt) -> bench.Result:
+            async with sem:
+                return await bench.one_request(client, url + "/v1/completions", model, p, True)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        return list(results), time.perf_counter() - t0
+
+
 async def chat(
     url: str, model: str, users: int, sequential: int, seed: int
 ) -> tuple[list[bench.Result], float]:
     """``users`` conversations at once, each user holding ``sequential`` of them one after another."""
     convs = conversations(users * sequential, seed)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10)) as client:
+    async with client_for_bench() as client:
 
         async def user(k: int) -> list[bench.Result]:
             out = []
@@ -281,10 +303,7 @@ def run_workload(name: str, running: Running, model: str, tokenizer: Any, seed: 
     elif name == "chat1":
         results, duration = asyncio.run(chat(url, model, 1, 2, seed * 10 + 2))
     else:
-        prompts = random_prompts(tokenizer, seed)
-        results, duration = asyncio.run(
-            bench.run(url, "/v1/completions", model, prompts, RAND_CONCURRENCY, float("inf"), True, seed)
-        )
+        results, duration = asyncio.run(random_load(url, model, random_prompts(tokenizer, seed)))
     cpu = running.cpu_s() - cpu0
     s = bench.summarize(results, duration, PERCENTILES)
     m = s["metrics"]
