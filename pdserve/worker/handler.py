@@ -58,9 +58,17 @@ the inbox loop reads no more (:meth:`RequestHandler.room`) until some are done."
 
 class RequestHandler:
     def __init__(
-        self, ctx: Context, role: str, routers: RouterRegistry, stream_interval_s: float = 0.0
+        self,
+        ctx: Context,
+        role: str,
+        routers: RouterRegistry,
+        stream_interval_s: float = 0.0,
+        wake: asyncio.Event | None = None,
     ) -> None:
         self.ctx = ctx
+        self.wake = wake or asyncio.Event()
+        """Set whenever messages were acted on (:meth:`acting`): a prepared request handed to an idle
+        engine must wake the engine loop, which otherwise sleeps until its next poll."""
         self.role = role
         self.routers = routers
         self.stream_interval_s = stream_interval_s
@@ -110,6 +118,7 @@ class RequestHandler:
             self._acting -= 1
             if not self._acting:
                 self.idle.set()
+            self.wake.set()
 
     async def room(self) -> None:
         """Wait until fewer than :data:`MAX_DISPATCHED` messages are handled as tasks."""

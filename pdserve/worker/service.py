@@ -111,7 +111,9 @@ class WorkerService:
                 self.id, self.engine, messenger, self.clock, self.transports, self.metrics, self.incarnation
             )
             routers = RouterRegistry(self.redis, self.keys, ttl_s=self.settings.ttl_s)
-            self.handler = RequestHandler(ctx, self.settings.role, routers, self.settings.stream_interval_s)
+            self.handler = RequestHandler(
+                ctx, self.settings.role, routers, self.settings.stream_interval_s, wake=self._wake
+            )
             await self.inbox.ensure_group()
             if self.engine.facts.prefix_caching:
                 index = PrefixIndex(self.redis, self.keys, self.settings.ttl_s)

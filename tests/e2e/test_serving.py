@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -435,6 +436,18 @@ def test_the_echo_engine_goes_through_the_whole_hand_off(tiny_model_dir, redis_u
         assert r["timing"]["kv_transfer_ms"] is not None  # handed off from P to D
     finally:
         assert stack.stop(grace_s=15) == []
+
+
+def test_an_idle_instance_starts_a_request_at_once(stack) -> None:
+    """A request prepared while the engine is idle is stepped at once: its queue time is the
+    hand-over's, not the engine loop's idle poll (a prepared request used to wait up to 0.5 s for it)."""
+    body = {"model": model_name(stack), "prompt": PROMPTS[2], "max_tokens": 2, "temperature": 0}
+    queued = []
+    for _ in range(5):
+        r = httpx.post(stack.urls[0] + "/v1/completions", json=body, timeout=60).raise_for_status()
+        queued.append(r.json()["timing"]["queue_ms"])
+        time.sleep(0.6)  # the instance idles again (an idle engine loop polls every 0.5 s)
+    assert statistics.median(queued) < 200, queued
 
 
 def test_responses_carry_the_servers_time_to_first_token(stack) -> None:
