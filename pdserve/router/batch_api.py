@@ -3,7 +3,10 @@
 The router only records: a batch is created ``validating`` with one rq job queued to check its input
 file, and batch workers do the rest. Files and batches belong to the tenant (``router.tenants``: a
 digest of the API key) that made them: another tenant gets 404 for them and does not list them. An upload is bounded while it arrives (by Content-Length, then
-by counting what is received), so a huge or endless body costs at most the limit, never a full read.
+by counting what is received), so a huge or endless body costs at most the limit, never a full read;
+it takes one of the router's slots (``router.admission``) while it is received and stored, and it is
+stored piece by piece from the form's spooled file (``FileStore.store``), never held whole. A file's
+content is sent the same way, piece by piece as it is read (``FileStore.open``).
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 from starlette.datastructures import QueryParams, UploadFile
 from starlette.requests import ClientDisconnect
 
@@ -30,7 +34,7 @@ from pdserve.router.strict import StrictModel
 from pdserve.router.tenants import tenant_of
 from pdserve.scheduler.batches import ENDPOINTS, BatchObject, BatchStore, window_seconds
 from pdserve.scheduler.connection import redis_errors
-from pdserve.scheduler.files import HOLD_GRACE_S, PURPOSES, FileObject, FileStore, new_id
+from pdserve.scheduler.files import CHUNK_BYTES, HOLD_GRACE_S, PURPOSES, FileObject, FileStore, new_id
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +72,9 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
     @app.post("/v1/files", openapi_extra=_body("multipart/form-data", _UPLOAD))
     @_answers
     async def upload_file(request: Request) -> Response:
-        """Store a JSONL file (``purpose=batch``); 413 past --max-file-bytes."""
+        """Store a JSONL file (``purpose=batch``); 413 past --max-file-bytes. The upload holds one of
+        the router's slots (--max-in-flight) while it is received and stored: when they and the queue
+        (--max-queued) are full it is refused with 429, as a generation is."""
         files, _ = stores()
         limit = files.max_bytes + FORM_OVERHEAD
         what = f"the upload (a file of at most {files.max_bytes} bytes, the form {FORM_OVERHEAD} more)"
@@ -76,17 +82,23 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             raise too_large
-        bounded = Request(request.scope, _counting(request.receive, limit, too_large))
-        async with bounded.form(max_files=1, max_fields=16) as form:
-            upload, purpose = form.get("file"), form.get("purpose")
-            if not isinstance(upload, UploadFile):
-                raise InvalidRequestError("file is required: the upload, as a multipart file part", "file")
-            if purpose != "batch":
-                raise InvalidRequestError(f"purpose must be 'batch' (got {purpose!r})", "purpose")
-            if upload.size is not None and upload.size > files.max_bytes:
-                raise BodyTooLargeError(files.max_bytes, "the file", "file")
-            content = await upload.read()
-        info = await files.create(upload.filename or "", "batch", content, _owner(request))
+        await state.admission.enter(1, None)
+        try:
+            bounded = Request(request.scope, _counting(request.receive, limit, too_large))
+            # the file part is spooled (in memory up to 1 MiB, then on disk), then stored in pieces
+            async with bounded.form(max_files=1, max_fields=16) as form:
+                upload, purpose = form.get("file"), form.get("purpose")
+                if not isinstance(upload, UploadFile):
+                    raise InvalidRequestError(
+                        "file is required: the upload, as a multipart file part", "file"
+                    )
+                if purpose != "batch":
+                    raise InvalidRequestError(f"purpose must be 'batch' (got {purpose!r})", "purpose")
+                if upload.size is not None and upload.size > files.max_bytes:
+                    raise BodyTooLargeError(files.max_bytes, "the file", "file")
+                info = await files.store(upload.filename or "", "batch", _pieces(upload), _owner(request))
+        finally:
+            state.admission.leave(1)
         return JsonResponse(info.model_dump(mode="json"), _rid(request))
 
     @app.get("/v1/files")
@@ -114,8 +126,10 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
     @app.get("/v1/files/{file_id}/content")
     @_answers
     async def file_content(request: Request, file_id: str) -> Response:
-        content = await stores()[0].content(file_id, _owner(request))
-        return Response(content, media_type="application/jsonl", headers={"x-request-id": _rid(request)})
+        """The file's bytes, sent piece by piece as they are read (never held whole)."""
+        _, size, pieces = await stores()[0].open(file_id, _owner(request))
+        headers = {"content-length": str(size), "x-request-id": _rid(request)}
+        return StreamingResponse(pieces, media_type="application/jsonl", headers=headers)
 
     @app.delete("/v1/files/{file_id}")
     @_answers
@@ -235,6 +249,13 @@ def _counting(receive: Receive, limit: int, error: Exception) -> Receive:
         return message
 
     return counted
+
+
+async def _pieces(upload: UploadFile) -> AsyncIterator[bytes]:
+    """An uploaded file's bytes from its spooled copy, CHUNK_BYTES at a time."""
+    await upload.seek(0)
+    while piece := await upload.read(CHUNK_BYTES):
+        yield piece
 
 
 def _check_batch(req: CreateBatchRequest) -> None:

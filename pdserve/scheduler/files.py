@@ -6,6 +6,12 @@ by default (``Keys.file_content``): a docker-compose stack or a Kubernetes deplo
 shared volume, and a file is exactly as durable as the batches that use it. With a directory
 (``--files-dir``, a folder every router and batch worker mounts) the bytes go there instead and Redis
 holds only metadata: for files too large to keep in memory.
+
+A file is stored and read in pieces (:data:`CHUNK_BYTES`), never whole: :meth:`FileStore.store`
+appends each piece to a partial key (or a hidden temporary file) that expires unless the next piece
+comes, and makes it the file's content with its metadata in one script once the last piece is in; a
+file that goes over the limit, or whose upload fails, leaves nothing. :meth:`FileStore.open` reads a
+file piece by piece for a streamed answer.
 """
 
 from __future__ import annotations
@@ -16,13 +22,14 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import AsyncIterable, AsyncIterator
 from pathlib import Path
 from typing import Literal, cast
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.errors import ConflictError, InvalidRequestError, NotFoundError
+from pdserve.errors import ConflictError, ControlPlaneError, InvalidRequestError, NotFoundError
 from pdserve.scheduler.connection import RedisClient, redis_errors
 from pdserve.scheduler.keys import Keys
 
@@ -38,6 +45,13 @@ DEFAULT_FILE_TTL_S = 30 * 24 * 3600
 HOLD_GRACE_S = 3600
 """How long past its batch's expiry an input file is kept at least (an expiring batch's error file
 names the lines that did not run by their ``custom_id``, read from the input file)."""
+CHUNK_BYTES = 1024 * 1024
+"""The most of a file one Redis command (or one write or read in ``--files-dir``) carries: a file is
+stored and read in pieces of this size, so storing or sending one holds no more of it at once."""
+PARTIAL_TTL_S = 600
+"""How long a file being stored lasts past its latest piece (its partial key's TTL, renewed with
+each piece; in ``--files-dir``, the age at which a temporary file is swept): an upload that fails,
+or whose router dies, leaves nothing behind for longer."""
 
 # KEYS[1] metadata, KEYS[2] content (absent with --files-dir), KEYS[3] the set of batches reading it;
 # ARGV[1] batch id, ARGV[2] keep for at least this many ms, ARGV[3] the expiry that makes (unix s).
@@ -58,6 +72,26 @@ if ttl >= 0 and ttl < want then
 end
 if ttl >= 0 then redis.call('PEXPIRE', KEYS[3], ttl) end
 return raw
+"""
+
+# KEYS[1] the partial content, KEYS[2] the content, KEYS[3] the metadata; ARGV[1] the metadata,
+# ARGV[2] the TTL in ms, ARGV[3] the size the file has. The stored pieces become the file's content,
+# and its metadata appears, at once. Returns -1; or, when the partial content is not ARGV[3] bytes
+# (a piece was lost: the partial key expired or was deleted meanwhile), deletes it and returns its size.
+_PUBLISH = """
+local size = redis.call('STRLEN', KEYS[1])
+if size ~= tonumber(ARGV[3]) then
+  redis.call('DEL', KEYS[1])
+  return size
+end
+if size > 0 then
+  redis.call('RENAME', KEYS[1], KEYS[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+else
+  redis.call('SET', KEYS[2], '', 'PX', ARGV[2])
+end
+redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
+return -1
 """
 
 # KEYS as _HOLD's. Deletes the file unless some batch reads it: -1 then, else 1 (0: no file).
@@ -119,41 +153,97 @@ class FileStore:
         self.directory = Path(directory) if directory else None
         self._hold = redis.register_script(_HOLD)
         self._delete = redis.register_script(_DELETE)
+        self._publish = redis.register_script(_PUBLISH)
+        self._swept_at = 0.0
 
     async def create(self, filename: str, purpose: str, content: bytes, owner: str = "") -> FileObject:
         """Store ``content`` as a new file of ``owner`` (a tenant: only it sees the file through the
         API); InvalidRequestError for a bad purpose, or an upload
         (``batch``) over ``max_bytes``. A batch's output and error files (``batch_output``, written
         by pdserve) are not bound by the upload limit: a batch's output is often larger than its
-        input, and refusing it would leave the batch with no output at all."""
-        if purpose not in PURPOSES:
-            raise InvalidRequestError(f"purpose must be 'batch' (got {purpose!r})", "purpose")
+        input, and refusing it would leave the batch with no output at all. Written in pieces as
+        :meth:`store` writes them (no Redis command carries more than CHUNK_BYTES)."""
         if purpose == "batch" and len(content) > self.max_bytes:
             raise InvalidRequestError(
                 f"the file has {len(content)} bytes, more than this server's limit of {self.max_bytes}",
                 "file",
             )
+        return await self.store(filename, purpose, _one(content), owner)
+
+    async def store(
+        self, filename: str, purpose: str, pieces: AsyncIterable[bytes], owner: str = ""
+    ) -> FileObject:
+        """Store the bytes ``pieces`` yields, in order, as a new file of ``owner`` (as
+        :meth:`create`), piece by piece: each is cut to CHUNK_BYTES and appended to the file's
+        partial key (renewed to expire PARTIAL_TTL_S later) or, with ``directory``, written to a
+        hidden temporary file; the whole file is never held here. The file appears (content and
+        metadata at once) only when the last piece is stored. An upload (``batch``) that goes over
+        ``max_bytes`` raises InvalidRequestError as soon as it does; then, and when ``pieces`` or
+        Redis raises, or the caller is cancelled, what was stored is deleted (a router that dies
+        meanwhile leaves a partial key that expires, or a temporary file that a later upload sweeps)."""
+        if purpose not in PURPOSES:
+            raise InvalidRequestError(f"purpose must be 'batch' (got {purpose!r})", "purpose")
+        limit = self.max_bytes if purpose == "batch" else None
+        file_id = new_id("file-")
         now = int(time.time())
-        info = FileObject(
-            id=new_id("file-"),
-            bytes=len(content),
-            created_at=now,
-            expires_at=now + self.ttl_s,
-            filename=filename or "upload.jsonl",
-            purpose=purpose,  # type: ignore[arg-type]  # checked above
-            owner=owner,
-        )
-        if self.directory is not None:
-            await asyncio.to_thread(self._write, info.id, content)
-        with redis_errors("storing a file"):
-            pipe = self.redis.pipeline(transaction=False)
-            if self.directory is None:
-                pipe.set(self.keys.file_content(info.id), content, ex=self.ttl_s)
-            pipe.set(self.keys.file(info.id), _stored(info), ex=self.ttl_s)
-            pipe.zadd(self.keys.files, {info.id: time.time() * 1000})
-            await pipe.execute()
+        try:
+            if self.directory is not None:
+                size = await self._write_pieces(file_id, pieces, limit)
+            else:
+                size = await self._append_pieces(file_id, pieces, limit)
+            info = FileObject(
+                id=file_id,
+                bytes=size,
+                created_at=now,
+                expires_at=now + self.ttl_s,
+                filename=filename or "upload.jsonl",
+                purpose=purpose,  # type: ignore[arg-type]  # checked above
+                owner=owner,
+            )
+            with redis_errors("storing a file"):
+                if self.directory is None:
+                    keys = [self.keys.file_partial(file_id), self.keys.file_content(file_id)]
+                    lost = await self._publish(
+                        keys=[*keys, self.keys.file(file_id)], args=[_stored(info), self.ttl_s * 1000, size]
+                    )
+                    if lost != -1:
+                        raise ControlPlaneError(
+                            f"Redis lost part of file {file_id} while it was stored (it kept {lost} of "
+                            f"{size} bytes: its partial key expired or was deleted); upload it again"
+                        )
+                else:
+                    await self.redis.set(self.keys.file(file_id), _stored(info), ex=self.ttl_s)
+                await self.redis.zadd(self.keys.files, {file_id: time.time() * 1000})
+        except BaseException:
+            await self._discard(file_id)
+            raise
         logger.info("file %s stored: %s, %d bytes, purpose %s", info.id, info.filename, info.bytes, purpose)
         return info
+
+    async def open(
+        self, file_id: str, owner: str | None = None
+    ) -> tuple[FileObject, int, AsyncIterator[bytes]]:
+        """The file's metadata, its size in bytes, and its bytes in pieces of at most CHUNK_BYTES,
+        each read only when the one before has been taken (for a streamed answer: the whole file is
+        never held). NotFoundError up front as :meth:`get`, or when the content is gone; a file
+        deleted while it is read raises NotFoundError from the pieces."""
+        info = await self.get(file_id, owner)
+        if self.directory is not None:
+            path = self._path(info.id)
+            try:
+                size = (await asyncio.to_thread(path.stat)).st_size
+            except FileNotFoundError:
+                raise NotFoundError(f"The content of file {file_id} is gone", "file_id") from None
+            return info, size, self._read_file(info.id, path, size)
+        key = self.keys.file_content(info.id)
+        with redis_errors("reading a file"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.exists(key)
+            pipe.strlen(key)
+            exists, size = await pipe.execute()
+        if not exists:
+            raise NotFoundError(f"No such file: {file_id}", "file_id")
+        return info, int(size), self._read_key(info.id, key, int(size))
 
     async def get(self, file_id: str, owner: str | None = None) -> FileObject:
         """The file's metadata; NotFoundError when there is none, or ``owner`` (a tenant; None: any)
@@ -290,10 +380,122 @@ class FileStore:
         assert self.directory is not None
         return self.directory / f"{file_id}.jsonl"
 
-    def _write(self, file_id: str, content: bytes) -> None:
-        """Write to a temporary name and rename, so a reader never sees half a file."""
+    def _partial_path(self, file_id: str) -> Path:
+        assert self.directory is not None
+        return self.directory / f".{file_id}.tmp"
+
+    async def _append_pieces(self, file_id: str, pieces: AsyncIterable[bytes], limit: int | None) -> int:
+        """Append the pieces to the file's partial key (each renewing its TTL); the size stored."""
+        partial = self.keys.file_partial(file_id)
+        size = 0
+        async for piece in _cut(pieces):
+            size += len(piece)
+            _check_size(size, limit)
+            with redis_errors("storing a file"):
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.append(partial, piece)
+                pipe.pexpire(partial, PARTIAL_TTL_S * 1000)
+                stored, _ = await pipe.execute()
+            if stored != size:  # the key expired (or was deleted) between two pieces
+                raise ControlPlaneError(
+                    f"Redis lost part of file {file_id} while it was stored (it kept {stored} of "
+                    f"{size} bytes: its partial key expired or was deleted); upload it again"
+                )
+        return size
+
+    async def _write_pieces(self, file_id: str, pieces: AsyncIterable[bytes], limit: int | None) -> int:
+        """Write the pieces to a hidden temporary file in ``directory``, then rename it to the file's
+        path (a reader never sees half a file); the size written."""
+        assert self.directory is not None
+        await asyncio.to_thread(self._sweep)
+        tmp = self._partial_path(file_id)
+        handle = await asyncio.to_thread(tmp.open, "xb")
+        size = 0
+        try:
+            async for piece in _cut(pieces):
+                size += len(piece)
+                _check_size(size, limit)
+                await asyncio.to_thread(handle.write, piece)
+        finally:
+            handle.close()
+        await asyncio.to_thread(os.replace, tmp, self._path(file_id))
+        return size
+
+    def _sweep(self) -> None:
+        """Make the directory, and delete the temporary files of uploads whose router died (not
+        written to for PARTIAL_TTL_S), at most once per PARTIAL_TTL_S."""
         assert self.directory is not None
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.directory / f".{file_id}.tmp"
-        tmp.write_bytes(content)
-        os.replace(tmp, self._path(file_id))
+        now = time.time()
+        if now - self._swept_at < PARTIAL_TTL_S:
+            return
+        self._swept_at = now
+        for tmp in self.directory.glob(".file-*.tmp"):
+            with contextlib.suppress(OSError):
+                if now - tmp.stat().st_mtime > PARTIAL_TTL_S:
+                    tmp.unlink()
+                    logger.info("deleted %s, left by an upload that stopped", tmp)
+
+    async def _discard(self, file_id: str) -> None:
+        """Delete whatever storing the file left (an upload that failed or was cancelled)."""
+        if self.directory is not None:
+            for path in (self._partial_path(file_id), self._path(file_id)):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        keys = [self.keys.file_partial(file_id), self.keys.file_content(file_id), self.keys.file(file_id)]
+        try:
+            await self.redis.delete(*keys)  # one slot: the file's hash tag
+            await self.redis.zrem(self.keys.files, file_id)
+        except Exception as e:  # the partial key expires anyway; the rest was never written
+            logger.warning("file %s: could not delete what its failed upload stored: %r", file_id, e)
+
+    async def _read_key(self, file_id: str, key: str, size: int) -> AsyncIterator[bytes]:
+        """The bytes of a file in Redis, CHUNK_BYTES per GETRANGE."""
+        offset = 0
+        while offset < size:
+            with redis_errors("reading a file"):
+                piece = cast(
+                    bytes, await self.redis.getrange(key, offset, min(offset + CHUNK_BYTES, size) - 1)
+                )
+            if not piece:
+                raise NotFoundError(f"file {file_id} was deleted while it was read", "file_id")
+            offset += len(piece)
+            yield piece
+
+    async def _read_file(self, file_id: str, path: Path, size: int) -> AsyncIterator[bytes]:
+        """The bytes of a file in ``directory``, CHUNK_BYTES per read."""
+        try:
+            handle = await asyncio.to_thread(path.open, "rb")
+        except FileNotFoundError:
+            raise NotFoundError(f"file {file_id} was deleted while it was read", "file_id") from None
+        try:
+            offset = 0
+            while offset < size:
+                piece = await asyncio.to_thread(handle.read, min(CHUNK_BYTES, size - offset))
+                if not piece:
+                    raise NotFoundError(f"file {file_id} was cut short while it was read", "file_id")
+                offset += len(piece)
+                yield piece
+        finally:
+            handle.close()
+
+
+async def _one(content: bytes) -> AsyncIterator[bytes]:
+    yield content
+
+
+async def _cut(pieces: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """``pieces`` cut to CHUNK_BYTES at most (views: nothing is copied); empty ones dropped."""
+    async for piece in pieces:
+        if len(piece) <= CHUNK_BYTES:
+            if piece:
+                yield piece
+            continue
+        view = memoryview(piece)
+        for start in range(0, len(view), CHUNK_BYTES):
+            yield cast(bytes, view[start : start + CHUNK_BYTES])
+
+
+def _check_size(size: int, limit: int | None) -> None:
+    if limit is not None and size > limit:
+        raise InvalidRequestError(f"the file is larger than this server's limit of {limit} bytes", "file")

@@ -121,6 +121,11 @@ class Keys:
         """A file's bytes when files are kept in Redis (the default)."""
         return f"{self.file(file_id)}:content"
 
+    def file_partial(self, file_id: str) -> str:
+        """A file's bytes while they are being stored, piece by piece (expiring; renamed to
+        :meth:`file_content` when complete)."""
+        return f"{self.file(file_id)}:partial"
+
     def file_batches(self, file_id: str) -> str:
         """Set of the ids of the batches that read a file (it cannot be deleted while one is active)."""
         return f"{self.file(file_id)}:batches"

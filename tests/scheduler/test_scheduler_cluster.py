@@ -1,6 +1,7 @@
 """The scheduler on a real 3-primary Redis Cluster: registrations (Lua on the registry's slot), the
 live set, inbox sends to instances on different shards in one pipeline, acks, outbox publishes, a
-prefix index replaced by RENAME, and restart detection asking the shard that holds the outbox."""
+prefix index replaced by RENAME, restart detection asking the shard that holds the outbox, and files
+stored in pieces (APPEND to a partial key, RENAMEd by a script on the file's slot)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pdserve.scheduler import (
 )
 from pdserve.scheduler.connection import server_info
 from pdserve.scheduler.embedded_ha import EmbeddedCluster
-from pdserve.scheduler.files import FileStore
+from pdserve.scheduler.files import CHUNK_BYTES, FileStore
 
 pytestmark = pytest.mark.timeout(120)
 KEYS = Keys("cl-test")
@@ -118,6 +119,28 @@ def test_files_are_listed_across_shards(cluster) -> None:
             page, more = await files.list_files(limit=3, newest_first=False)
             assert [f.id for f in page] == [f.id for f in made[1:4]] and more
             assert made[0].id.encode() not in await r.zrange(keys.files, 0, -1)
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_file_is_stored_and_read_in_pieces_on_a_cluster(cluster) -> None:
+    """``FileStore.store`` appends pieces to a partial key and renames it to the content with the
+    metadata in one script, all on the file's slot; ``FileStore.open`` reads it back by GETRANGE."""
+
+    async def main() -> None:
+        r = RedisSettings.from_url(cluster.url).connect()
+        try:
+            keys = Keys("cl-files")
+            files = FileStore(r, keys)
+            content = bytes(range(256)) * (CHUNK_BYTES // 256) * 2 + b"tail\n"
+            made = [await files.create(f"f{n}.jsonl", "batch_output", content) for n in range(3)]
+            for info in made:
+                _, size, pieces = await files.open(info.id)
+                assert size == len(content) == info.bytes
+                assert b"".join([p async for p in pieces]) == content
+                assert not await r.exists(keys.file_partial(info.id))
         finally:
             await r.aclose()
 
