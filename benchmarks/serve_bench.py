@@ -6,6 +6,8 @@ Servers (each started, measured and stopped in turn; rounds alternate their orde
   * pdserve-mixed   `pdserve up --mixed 1 --prefill 0 --decode 0` (one engine, all the host's cores)
   * pdserve-pd      `pdserve up` as it starts by default (1 prefill + 1 decode; cores split)
   * pdserve-int8    pdserve-mixed with `--weights int8`
+  * pdserve-mixed-1t  pdserve-mixed with `--threads 1` (not by default: the other core left to the
+                    router, Redis and the client)
   * llama-f32, llama-q8   llama.cpp's `llama-server` (benchmarks/llama_server_env.sh) on the F32 and
                     Q8_0 GGUF, as its README recommends for serving several users: `-t`/`-tb` the host's
                     cores, `--parallel 16` slots over one unified KV cache, continuous batching and
@@ -22,8 +24,9 @@ Workloads:
   * rand8   16 random prompts of ~512 tokens, 128 tokens out, 8 in flight.
 Reported per server and workload: req/s, output tok/s, TTFT and TPOT p50/p99, and the CPU seconds
 the server's whole process tree used per request; medians over rounds. `served/offline` compares
-pdserve-mixed's decode on rand8 (8 sequences; 8 / the median inter-token gap) with the same engine
-stepped offline at batch 8 and 512 tokens of context (benchmarks/engine_bench.py's worker).
+pdserve-mixed's (and pdserve-mixed-1t's) decode on rand8 (8 sequences; 8 / the median inter-token
+gap) with the same engine at the same thread count stepped offline at batch 8 and 512 tokens of
+context (benchmarks/engine_bench.py's worker).
 
     python benchmarks/serve_bench.py [--rounds 2] [--servers pdserve-mixed,pdserve-pd,...]
         [--workloads chat16,chat1,rand8] [--llama-server .llamacpp/bin/llama-server]
@@ -126,6 +129,11 @@ def available_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]
     made: dict[str, Callable[[], Server]] = {
         "pdserve-mixed": lambda: pdserve_server(
             "pdserve-mixed", free_port(), ["--mixed", "1", "--prefill", "0", "--decode", "0"]
+        ),
+        "pdserve-mixed-1t": lambda: pdserve_server(
+            "pdserve-mixed-1t",
+            free_port(),
+            ["--mixed", "1", "--prefill", "0", "--decode", "0", "--threads", "1"],
         ),
         "pdserve-pd": lambda: pdserve_server("pdserve-pd", free_port(), []),
         "pdserve-int8": lambda: pdserve_server(
@@ -324,12 +332,16 @@ def run_workload(name: str, running: Running, model: str, tokenizer: Any, seed: 
     return row
 
 
-def offline_decode_b8(model_dir: Path) -> dict:
+# the mixed servers whose decode is compared with the engine stepped offline: name -> its threads
+OFFLINE_TWINS = {"pdserve-mixed": CORES, "pdserve-mixed-1t": 1}
+
+
+def offline_decode_b8(model_dir: Path, threads: int) -> dict:
     """engine_bench's worker (its own process): the engine stepped with no server around it."""
     sys.path.insert(0, str(HERE))
     import engine_bench
 
-    return engine_bench.run_engine(model_dir, 32, 2, {})
+    return engine_bench.run_engine(model_dir, 32, 2, {"PDSERVE_THREADS": str(threads)})
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -375,11 +387,10 @@ def print_table(report: dict) -> None:
                 f"{(fmt.format(row[key]) if row[key] is not None else '-'):>11}" for _, key, fmt in COLUMNS
             )
             print(f"  {server:<14}{cells}{row['failed']:>8}")
-    so = report.get("served_vs_offline")
-    if so:
+    for server, so in report.get("served_vs_offline", {}).items():
         print(
-            f"\nserved/offline (pdserve-mixed, batch 8, 512 context): served {so['served_tok_s']:.1f} tok/s, "
-            f"offline {so['offline_tok_s']:.1f} tok/s: {so['ratio']:.2f}"
+            f"\nserved/offline ({server}, {so['threads']} threads, batch 8, 512 context): served "
+            f"{so['served_tok_s']:.1f} tok/s, offline {so['offline_tok_s']:.1f} tok/s: {so['ratio']:.2f}"
         )
     print("\nTTFT and TPOT in ms; CPU s/req: the server's whole process tree. Servers:")
     for note in report["servers"].values():
@@ -469,17 +480,20 @@ def main() -> int:
         "rounds": rounds,
         "median": median_rows(rounds),
     }
-    mixed = [rnd.get("pdserve-mixed", {}).get("rand8") for rnd in rounds]
-    itl = [r["itl_p50_ms"] for r in mixed if r and r["itl_p50_ms"]]
-    if itl and not args.no_offline:
-        print("offline: engine_bench's worker on the same model ...", file=sys.stderr, flush=True)
-        offline = offline_decode_b8(model_dir)["decode_b8_tok_s"]
-        served = RAND_CONCURRENCY * 1000 / statistics.median(itl)
-        report["served_vs_offline"] = {
-            "served_tok_s": served,
-            "offline_tok_s": offline,
-            "ratio": served / offline,
-        }
+    report["served_vs_offline"] = {}
+    for server, threads in OFFLINE_TWINS.items():
+        served_rows = [rnd.get(server, {}).get("rand8") for rnd in rounds]
+        itl = [r["itl_p50_ms"] for r in served_rows if r and r["itl_p50_ms"]]
+        if itl and not args.no_offline:
+            print(f"offline: engine_bench's worker, {threads} threads ...", file=sys.stderr, flush=True)
+            offline = offline_decode_b8(model_dir, threads)["decode_b8_tok_s"]
+            served = RAND_CONCURRENCY * 1000 / statistics.median(itl)
+            report["served_vs_offline"][server] = {
+                "threads": threads,
+                "served_tok_s": served,
+                "offline_tok_s": offline,
+                "ratio": served / offline,
+            }
     print_table(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
