@@ -9,7 +9,8 @@
     ├── EngineError              engine_error          the engine failed while running a request
     ├── TransferError            kv_transfer_failed    KV cache bytes could not be moved
     ├── ControlPlaneError        control_plane_unavailable   Redis unreachable, too old, or refusing
-    │   └── ControlPlaneRestartedError  control_plane_restarted   Redis came back empty
+    │   ├── ControlPlaneRestartedError  control_plane_restarted   Redis came back empty
+    │   └── ControlPlaneFullError       control_plane_full        Redis is at its maxmemory
     ├── MessageError             invalid_message       a control-plane message cannot be understood
     ├── UnavailableError         unavailable           an instance cannot take or keep the request
     │   ├── InstanceLostError    instance_unavailable  it left the live set mid-request
@@ -91,6 +92,13 @@ class ControlPlaneRestartedError(ControlPlaneError):
     """Redis restarted (a new ``run_id``): events of requests in flight may be lost."""
 
     kind = "control_plane_restarted"
+
+
+class ControlPlaneFullError(ControlPlaneError):
+    """Redis refused a write because it holds its ``maxmemory`` and evicts nothing (``noeviction``):
+    retrying soon does not help until files or batches are deleted or expire (HTTP 507)."""
+
+    kind = "control_plane_full"
 
 
 class MessageError(PdserveError, ValueError):

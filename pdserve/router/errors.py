@@ -27,6 +27,7 @@ from pdserve.errors import (
     ConfigError,
     ConflictError,
     ControlPlaneError,
+    ControlPlaneFullError,
     ControlPlaneRestartedError,
     EngineError,
     InstanceLostError,
@@ -133,6 +134,7 @@ ERROR_MAP: dict[type[BaseException], ErrorKind] = {
     ControlPlaneRestartedError: ErrorKind(
         503, "service_unavailable", "control_plane_restarted", retry_after=True
     ),
+    ControlPlaneFullError: ErrorKind(507, "insufficient_storage", "control_plane_full"),
     MessageError: ErrorKind(502, "bad_gateway", "invalid_message"),
     UnavailableError: ErrorKind(503, "service_unavailable", "unavailable", retry_after=True),
     InstanceLostError: ErrorKind(503, "service_unavailable", "instance_unavailable", retry_after=True),

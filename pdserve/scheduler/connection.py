@@ -27,12 +27,12 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, ConnectionError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 from redis.sentinel import Sentinel as SyncSentinel
 
-from pdserve.errors import ConfigError, ControlPlaneError
+from pdserve.errors import ConfigError, ControlPlaneError, ControlPlaneFullError
 
 logger = logging.getLogger(__name__)
 
@@ -470,12 +470,23 @@ async def check_server_version(client: RedisClient, min_version: tuple[int, int]
     return version
 
 
+_OOM_REPLY = "OOM command not allowed"
+"""How Redis refuses a write at its ``maxmemory`` under ``noeviction``."""
+
+
 @contextlib.contextmanager
 def redis_errors(action: str) -> Iterator[None]:
     """Translate redis-py errors raised inside the block into ControlPlaneError naming ``action``."""
     try:
         yield
     except RedisError as e:
+        # Redis 6's scripts report a refused write as a script error that quotes the OOM reply;
+        # the reply's text is not passed on: a pipeline's quotes its command (a file's bytes)
+        if isinstance(e, OutOfMemoryError) or _OOM_REPLY in str(e):
+            raise ControlPlaneFullError(
+                f"Redis is full (at its maxmemory, and it evicts nothing): {action} was refused; "
+                "delete files or batches, or wait for them to expire, or raise Redis's maxmemory"
+            ) from e
         raise ControlPlaneError(f"Redis failed while {action}: {error_reason(e)}") from e
     except RuntimeError as e:
         if not _transport_closed(e):
