@@ -2,9 +2,10 @@
 schemas, strictly: an unknown field fails), every file is used by a kustomization, and the objects
 keep pdserve's contract: routers probed on /ready, prefill and decode as StatefulSets whose pod
 names are their instance ids and whose /dev/shm is memory large enough for the KV cache, a batch
-worker reaching nothing but Redis, the Redis URL only ever from a Secret, scrape annotations naming
-the port that serves metrics, and only PDSERVE_* variables pdserve reads, with values its settings
-accept.
+worker reaching nothing but Redis, the Redis URL only ever from a Secret, a Redis that keeps the
+Batch API's data (an append-only file on a claim of each pod's own, maxmemory with noeviction under
+its memory limit), scrape annotations naming the port that serves metrics, and only PDSERVE_*
+variables pdserve reads, with values its settings accept.
 
 The kustomizations are rendered here by a small renderer of the features they use (resources,
 patches of maps, images), so the checks run on what `kubectl apply -k` would send. Nothing reaches the network.
@@ -650,6 +651,58 @@ def test_sentinel_stack_points_pdserve_at_its_sentinels() -> None:
                     assert name in data, (
                         f"{obj['metadata']['name']}/{c['name']} runs {arg}, not in the ConfigMap"
                     )
+
+
+def redis_bytes(text: str) -> int:
+    """A Redis memory size (``1536mb``, ``2gb``, ``100m``, ``1048576``) in bytes, as Redis reads it."""
+    units = {"": 1, "k": 1000, "kb": 2**10, "m": 10**6, "mb": 2**20, "g": 10**9, "gb": 2**30}
+    m = re.fullmatch(r"(\d+)([a-z]*)", text.lower())
+    assert m and m[2] in units, f"not a Redis memory size: {text!r}"
+    return int(m[1]) * units[m[2]]
+
+
+def test_redis_keeps_batch_data_on_a_claim_of_its_own_within_its_memory_limit() -> None:
+    """The Batch API keeps files, batch records and line outcomes in Redis for 30 days, so each
+    Redis pod logs every write (AOF, fsynced every second) to /data on a PersistentVolumeClaim of its
+    own, and has a maxmemory with noeviction (a full Redis refuses writes rather than drop keys)
+    that holds at least one full-size batch (input, outcomes, output: 3 x the upload limit) and
+    stays under the container's memory limit with room for a fork's copies and an upload."""
+    from pdserve.scheduler.files import DEFAULT_MAX_FILE_BYTES
+
+    stack = stack_at(KUBE / "redis-sentinel")
+    redis = stack.workload("redis")
+    (config,) = stack.of_kind("ConfigMap")
+    conf: dict[str, str] = {}
+    for line in config["data"]["redis.conf"].splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, value = line.strip().partition(" ")
+            conf[name] = value.strip()
+    assert conf.get("appendonly") == "yes" and conf.get("appendfsync") == "everysec", conf
+    assert conf.get("maxmemory-policy") == "noeviction", conf
+    assert conf.get("dir") == "/data", conf
+    max_file = DEFAULT_MAX_FILE_BYTES
+    for obj in stack.pdserve_workloads():  # the largest upload a router or batch worker takes
+        pdserve = pdserve_container(obj)
+        assert pdserve is not None
+        value = environment(stack, obj, pdserve).get("PDSERVE_MAX_FILE_BYTES")
+        max_file = max(max_file, int(value)) if value else max_file
+    maxmemory = redis_bytes(conf.get("maxmemory", "0"))
+    assert maxmemory >= 3 * max_file, f"maxmemory {maxmemory} holds no full-size batch"
+    (container,) = [c for c in pod_spec(redis)["containers"] if c["name"] == "redis"]
+    limit = quantity(container["resources"]["limits"]["memory"])
+    assert 2 * maxmemory + max_file <= limit, (
+        f"maxmemory {maxmemory}: a fork's copies and an upload do not fit in the limit {limit}"
+    )
+    assert quantity(container["resources"]["requests"]["memory"]) >= maxmemory
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    claims = {c["metadata"]["name"]: c for c in redis["spec"].get("volumeClaimTemplates", [])}
+    assert mounts.get("/data") in claims, f"/data is {mounts.get('/data')}, not a claim of the pod's own"
+    assert mounts["/data"] not in {v["name"] for v in pod_spec(redis)["volumes"]}  # not an emptyDir
+    claim = claims[mounts["/data"]]["spec"]
+    assert claim["accessModes"] == ["ReadWriteOnce"]
+    # the AOF grows to twice the data between rewrites (auto-aof-rewrite-percentage 100), and a
+    # rewrite writes a new base beside it
+    assert quantity(claim["resources"]["requests"]["storage"]) >= 3 * maxmemory
 
 
 def test_pdserve_pods_are_scraped_on_the_port_serving_metrics() -> None:

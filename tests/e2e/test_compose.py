@@ -1,7 +1,8 @@
 """docker-compose.yml without Docker: the files are validated by `docker-compose config`, and the
 stack is run from what that command prints, each service's command and environment as local
 processes, with --scale router=3 --scale decode=2; with docker-compose.sentinel.yml too (one router),
-whose Redis primary is then killed for the Sentinels to fail over.
+whose Redis primary is then killed for the Sentinels to fail over; and with a batch running while
+Redis restarts from its volume.
 
 No Docker engine runs here, so each container is a process in a private mount and UTS namespace
 (its own hostname; /etc/hosts mapping service names to loopback addresses), all inside one network
@@ -154,6 +155,59 @@ def test_the_sentinel_overlay_sends_every_pdserve_service_through_the_sentinels(
         assert "sentinel monitor pdserve redis 6379 2" in script and "--sentinel" in script
 
 
+def redis_options(args: list[str]) -> dict[str, list[str]]:
+    """The ``--name value…`` options a data node's ``redis-server`` gets on its command line."""
+    args = args[args.index("redis-server") + 1 :]
+    options: dict[str, list[str]] = {}
+    for a in args:
+        if a.startswith("--"):
+            options[a[2:]] = []
+        else:
+            list(options.values())[-1].append(a)
+    return options
+
+
+def redis_bytes(text: str) -> int:
+    """A Redis memory size (``2gb``, ``1536mb``, ``100m``) in bytes, as Redis reads it."""
+    units = {"": 1, "k": 1000, "kb": 2**10, "m": 10**6, "mb": 2**20, "g": 10**9, "gb": 2**30}
+    m = re.fullmatch(r"(\d+)([a-z]*)", text.lower())
+    assert m and m[2] in units, f"not a Redis memory size: {text!r}"
+    return int(m[1]) * units[m[2]]
+
+
+@pytest.mark.parametrize(
+    "files", [["docker-compose.yml"], ["docker-compose.yml", SENTINEL]], ids=["plain", "sentinel"]
+)
+def test_redis_keeps_the_batch_data_on_a_volume_of_its_own(files) -> None:
+    """The Batch API's files, batch records and line outcomes live in Redis for 30 days: every data
+    node logs each write to an append-only file (fsynced every second) in /data, a named volume of
+    its own, and has a maxmemory with noeviction (a full Redis refuses writes instead of dropping
+    keys) that holds at least one full-size batch: its input, outcomes and output, 3 x the upload
+    limit."""
+    from pdserve.scheduler.files import DEFAULT_MAX_FILE_BYTES
+
+    need("docker-compose")
+    config = compose_config(files, PDSERVE_REDIS_PASSWORD="x")
+    services = config["services"]
+    nodes = [name for name in ("redis", "redis-replica") if name in services]
+    assert nodes == (["redis", "redis-replica"] if SENTINEL in files else ["redis"])
+    max_file = max(
+        int(services[s]["environment"].get("PDSERVE_MAX_FILE_BYTES", DEFAULT_MAX_FILE_BYTES))
+        for s in ("router", "batch-worker")
+    )
+    data = []
+    for name in nodes:
+        options = redis_options(argv(services[name]))
+        assert options["appendonly"] == ["yes"] and options["appendfsync"] == ["everysec"], name
+        assert options["maxmemory-policy"] == ["noeviction"], name
+        assert redis_bytes(options["maxmemory"][0]) >= 3 * max_file, name
+        assert options["dir"] == ["/data"], name
+        mounts = {target: source for source, target in (v.split(":")[:2] for v in services[name]["volumes"])}
+        assert mounts.get("/data") in config["volumes"], f"{name}: /data is not a named volume"
+        data.append(mounts["/data"])
+    assert len(set(data)) == len(nodes), data  # the replica's file is not the primary's
+
+
 def test_monitoring_profile() -> None:
     """prometheus and grafana only with --profile monitoring; Prometheus scrapes every router on
     its port and every worker on the metrics port the compose file gives them; Grafana gets the
@@ -256,6 +310,7 @@ class Containers:
     """The services' processes, each in its own mount/UTS namespace inside one network namespace."""
 
     def __init__(self, netns: str, work: Path, hosts: dict[str, list[str]], volumes: dict[str, Path]) -> None:
+        """``volumes``: each named volume's local folder."""
         self.netns, self.work, self.volumes = netns, work, volumes
         self.hosts_file = work / "hosts"
         lines = ["127.0.0.1 localhost"] + [f"{a} {name}" for name, addrs in hosts.items() for a in addrs]
@@ -290,11 +345,21 @@ class Containers:
 
     def env(self, spec: dict) -> dict[str, str]:
         env = {k: str(v) for k, v in (spec.get("environment") or {}).items()}
-        return {**self.base_env, **{k: self.local(v) for k, v in env.items()}}
+        return {**self.base_env, **{k: self.local(v, spec) for k, v in env.items()}}
 
-    def local(self, text: str) -> str:
-        """Container paths of named volumes, as their local folders."""
-        for target, folder in self.volumes.items():
+    def mounts(self, spec: dict) -> dict[str, Path]:
+        """Container path -> local folder, for each named volume the service mounts (two services
+        may mount different volumes at the same path: the Redis primary's and replica's /data)."""
+        out = {}
+        for v in spec.get("volumes", ()):
+            source, target = (v.split(":")[:2]) if isinstance(v, str) else (v["source"], v["target"])
+            if source in self.volumes:
+                out[target] = self.volumes[source]
+        return out
+
+    def local(self, text: str, spec: dict) -> str:
+        """Container paths of the service's named volumes, as their local folders."""
+        for target, folder in self.mounts(spec).items():
             text = text.replace(target, str(folder))
         return text
 
@@ -302,7 +367,7 @@ class Containers:
         self, name: str, spec: dict, args: list[str] | None = None, cwd: Path | None = None
     ) -> subprocess.Popen:
         """Start a service's process; ``cwd``: its working directory (the image's WORKDIR)."""
-        args = [self.local(a) for a in (args if args is not None else argv(spec))]
+        args = [self.local(a, spec) for a in (args if args is not None else argv(spec))]
         log = (self.work / f"{name}.log").open("w")
         proc = subprocess.Popen(
             self.wrap(name, args), env=self.env(spec), stdout=log, stderr=subprocess.STDOUT, cwd=cwd
@@ -396,17 +461,11 @@ def netns():
 
 
 def local_volumes(config: dict, work: Path) -> dict[str, Path]:
-    """Container path -> local folder, for each named volume."""
+    """A local folder for each named volume."""
     volumes: dict[str, Path] = {}
     for name in config.get("volumes", {}):
         (work / name).mkdir()
-        targets = {
-            v.split(":")[1]
-            for s in config["services"].values()
-            for v in s.get("volumes", [])
-            if v.startswith(name)
-        }
-        volumes |= {t: work / name for t in targets}
+        volumes[name] = work / name
     return volumes
 
 
@@ -642,8 +701,9 @@ def test_the_sentinel_stack_serves_again_after_the_primary_is_killed(netns, tmp_
         assert [code for code, _ in after["then"]] == [200] * 4, after
         assert all(text for _, text in after["then"])
 
-        # compose's restart policy brings the old primary back as it started (a primary, empty): the
-        # Sentinels turn it into a replica of the new primary, which it authenticates to
+        # compose's restart policy brings the old primary back as it started (a primary, with what its
+        # append-only file held): the Sentinels turn it into a replica of the new primary, which it
+        # authenticates to
         assert c.procs["redis"].wait(10) is not None
         (tmp_path / "redis.log").rename(tmp_path / "redis-killed.log")
         args = [*argv(services["redis"]), "--bind", *addresses["redis"]]
@@ -656,4 +716,141 @@ def test_the_sentinel_stack_serves_again_after_the_primary_is_killed(netns, tmp_
             time.sleep(0.5)
     finally:
         killed = c.stop()
+    assert killed == []
+
+
+HTTP = """
+import json, sys, httpx
+url, method, path = sys.argv[1:4]
+kwargs = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+if "upload" in kwargs:
+    kwargs = {"files": {"file": ("lines.jsonl", kwargs["upload"].encode())}, "data": {"purpose": "batch"}}
+try:
+    r = httpx.request(method, url + path, timeout=60, **kwargs)
+    print(json.dumps([r.status_code, r.text]))
+except httpx.HTTPError as e:
+    print(json.dumps([0, repr(e)]))
+"""
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.mark.timeout(420)
+def test_a_batch_completes_with_every_line_once_across_a_restart_of_redis(netns, tmp_path) -> None:
+    """docker-compose.yml's stack (one router, one prefill, one decode, the batch worker): a batch of
+    200 lines is created through the router; once some of its lines are done and before all are,
+    Redis is stopped as `docker compose restart redis` (or a reboot of the host) stops it, SIGTERM,
+    and started again from the same volume 2 s later. The batch completes: no line failed, its output file
+    has every line exactly once, and its counts say so. A service that exits meanwhile is started
+    again, as its `restart: unless-stopped` would (the test reports which)."""
+    lines = 200
+    config = compose_config(["docker-compose.yml"], PDSERVE_REDIS_PASSWORD="compose-pw")
+    services = config["services"]
+    addresses = {"redis": ["127.0.20.1"], "router": ["127.0.21.1"]}
+    c = Containers(netns, tmp_path, addresses, local_volumes(config, tmp_path))
+    redis_args = [*argv(services["redis"]), "--bind", "127.0.20.1", "127.0.0.1"]
+    router_args = [a.replace("0.0.0.0", addresses["router"][0]) for a in argv(services["router"])]
+    args_of = {"router-1": router_args}
+    restarted: list[str] = []
+
+    def http(method: str, path: str, body: dict | None = None) -> tuple[int, str]:
+        extra = [json.dumps(body)] if body is not None else []
+        client = [sys.executable, "-c", HTTP, "http://127.0.21.1:8000", method, path, *extra]
+        out = subprocess.run(
+            ["ip", "netns", "exec", netns, *client],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        status, text = json.loads(out.stdout)
+        return status, text
+
+    def keep_up() -> None:
+        """compose's restart policy, for the pdserve services started here."""
+        for name, proc in list(c.procs.items()):
+            if name in ("redis", "model") or proc.poll() is None:
+                continue
+            restarted.append(f"{name} (exit {proc.returncode})")
+            (tmp_path / f"{name}.log").rename(tmp_path / f"{name}-{len(restarted)}.log")
+            c.start(name, services[name.rsplit("-", 1)[0]], args_of.get(name))
+
+    def batch(batch_id: str) -> dict:
+        status, text = http("GET", f"/v1/batches/{batch_id}")
+        assert status != 404, f"the batch is gone: Redis came back without it ({text})"
+        return json.loads(text) if status == 200 else {"status": f"http {status}: {text[:200]}"}
+
+    try:
+        c.start("redis", services["redis"], redis_args)
+        c.healthy("redis", services["redis"])
+        model = c.start("model", services["model"])
+        assert model.wait(120) == 0, (tmp_path / "model.log").read_text()
+        c.start("router-1", services["router"], router_args)
+        for name in ("prefill-1", "decode-1", "batch-worker-1"):
+            c.start(name, services[name.rsplit("-", 1)[0]])
+        for name in ("prefill-1", "decode-1"):
+            c.healthy(name, services[name.split("-")[0]])
+        c.healthy(
+            "router-1",
+            {
+                **services["router"],
+                "healthcheck": {"test": ["CMD-SHELL", router_check(addresses, "router-1")]},
+            },
+        )
+        requests = [
+            {
+                "custom_id": f"line-{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "tiny", "prompt": f"batch line {i}", "max_tokens": 16, "temperature": 0},
+            }
+            for i in range(lines)
+        ]
+        status, text = http("POST", "/v1/files", {"upload": "\n".join(map(json.dumps, requests))})
+        assert status == 200, text
+        status, text = http(
+            "POST",
+            "/v1/batches",
+            {
+                "json": {
+                    "input_file_id": json.loads(text)["id"],
+                    "endpoint": "/v1/completions",
+                    "completion_window": "1h",
+                }
+            },
+        )
+        assert status == 200, text
+        batch_id = json.loads(text)["id"]
+
+        deadline = time.monotonic() + 120
+        while (done := (info := batch(batch_id)).get("request_counts", {}).get("completed", 0)) < 10:
+            assert info["status"] not in FINAL, info
+            assert time.monotonic() < deadline, info
+            keep_up()
+            time.sleep(0.2)
+        assert done < lines, f"the batch ran all {lines} lines before Redis could be restarted"
+
+        os.kill(c.pid_of("redis", "redis-server"), signal.SIGTERM)  # compose's stop: SIGTERM first
+        assert c.procs["redis"].wait(30) == 0, (tmp_path / "redis.log").read_text()
+        (tmp_path / "redis.log").rename(tmp_path / "redis-stopped.log")
+        print(f"Redis stopped with {done} of {lines} lines done")
+        time.sleep(2)  # down a while: the lines in flight and the workers' calls meet the outage
+        c.start("redis", services["redis"], redis_args)
+        c.healthy("redis", services["redis"])
+
+        deadline = time.monotonic() + 240
+        while (info := batch(batch_id))["status"] not in FINAL:
+            assert time.monotonic() < deadline, info
+            keep_up()
+            time.sleep(0.5)
+        assert info["status"] == "completed", info
+        assert info["request_counts"] == {"total": lines, "completed": lines, "failed": 0}, info
+        status, text = http("GET", f"/v1/files/{info['output_file_id']}/content")
+        assert status == 200, text
+        ids = [json.loads(line)["custom_id"] for line in text.splitlines() if line]
+        assert sorted(ids) == sorted(r["custom_id"] for r in requests), ids  # every line, once
+        assert info.get("error_file_id") is None, info
+    finally:
+        killed = c.stop()
+    print("restarted as compose would:", restarted or "none")
     assert killed == []
