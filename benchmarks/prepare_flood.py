@@ -1,4 +1,4 @@
-"""Does preparing other requests hold a running stream's decode steps? (issue 37 item 4)
+"""Does preparing other requests hold a running stream's decode steps?
 
 One mixed instance behind one router (``pdserve up`` as child processes). A steady client streams
 long completions one at a time (``ignore_eos``) and its inter-token latency (ITL) is measured twice:

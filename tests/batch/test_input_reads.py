@@ -1,4 +1,4 @@
-"""What a batch worker reads again and again (issue 38 item 4): the reaper reads the rq queue once
+"""What a batch worker reads again and again: the reaper reads the rq queue once
 per pass, and a worker running two batches at once reads and parses each input file once."""
 
 from __future__ import annotations

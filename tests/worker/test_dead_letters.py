@@ -1,4 +1,4 @@
-"""Dead letters (issue 37 item 6): an inbox message whose handling crashed the worker at every
+"""Dead letters: an inbox message whose handling crashed the worker at every
 restart is dead-lettered after ``--max-deliveries`` deliveries, its client gets an error, and
 ``pdserve status`` shows the instance's dead letters. The worker service in this process (echo
 engine, real Redis)."""

@@ -1,4 +1,4 @@
-"""A KV write is fenced (issue 37): a decode instance restarted under the same id, whose shared-memory
+"""A KV write is fenced: a decode instance restarted under the same id, whose shared-memory
 segment has the same name, is never written with the blocks its previous run reserved; a lease is
 held past its deadline for a grace, and a write that cannot finish in time is not started.
 

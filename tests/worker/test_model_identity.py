@@ -1,4 +1,4 @@
-"""Model identity in pairing (issue 37 item 3): two workers serving one name over two checkpoints
+"""Model identity in pairing: two workers serving one name over two checkpoints
 (a rolling upgrade) are never made a prefill/decode pair; two over the same checkpoint are. Real
 engines on the tiny model, registered in a real Redis; the router's pairing rule reads their
 registrations."""

@@ -1,4 +1,4 @@
-"""Preparation never holds a decode step (issue 37 item 4): a worker compiling a slow JSON schema
+"""Preparation never holds a decode step: a worker compiling a slow JSON schema
 keeps stepping the streams it runs (the tiny model, real Redis, the worker service in this process)."""
 
 from __future__ import annotations
