@@ -9,6 +9,15 @@ by pdserve.bench from this process. Reported: req/s, TTFT p50/p99, and the CPU t
 Redis processes spent per request (user+system from /proc). Prints a table and writes JSON.
 
     python benchmarks/redis_ha_bench.py [--requests 2000] [--concurrency 64] [--configs single,cluster]
+
+``--failover ROUNDS`` measures something else instead: streams failed per Sentinel failover. A
+primary, 2 replicas, 3 Sentinels, a router and a prefill/decode pair of the model (a real one: its
+streams last long enough), all with --redis-wait-replicas 1; each round streams --streams
+completions of --failover-tokens tokens, SIGKILLs the primary once every stream is decoding, and
+counts the streams that end with an error (and the attempts the router retried or migrated), then
+restarts the old primary as a replica. Writes results/redis_failover.json.
+
+    python benchmarks/redis_ha_bench.py --failover 3 [--streams 16] [--failover-tokens 300]
 """
 
 from __future__ import annotations
@@ -17,16 +26,21 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+import orjson
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from router_overhead import cpu_seconds  # noqa: E402  (a sibling script)
 
+import pdserve  # noqa: E402
 from pdserve import bench  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.scheduler.embedded import EmbeddedRedis, free_port  # noqa: E402
@@ -122,6 +136,107 @@ def run_config(config: str, args: argparse.Namespace, model: str) -> dict[str, A
     }
 
 
+def counter(metrics: str, name: str) -> float:
+    """The sum of a Prometheus counter's samples (every label set)."""
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
+
+
+async def one_stream(hc: httpx.AsyncClient, url: str, body: dict[str, Any], seen: list[int], i: int) -> str:
+    """'finished', or 'error: <code>' (a refusal, an error event, or a stream cut short)."""
+    async with hc.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            return f"error: HTTP {resp.status_code}"
+        last = None
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                last = orjson.loads(line[6:])
+                if "error" in last:
+                    return f"error: {last['error']['code']}"
+                seen[i] += 1
+    if last is None or last["choices"][0].get("finish_reason") is None:
+        return "error: cut short"
+    return "finished"
+
+
+def run_failover(args: argparse.Namespace) -> dict[str, Any]:
+    """``args.failover`` rounds of: streams in flight, the primary SIGKILLed, streams counted."""
+    sentinel = EmbeddedSentinel(replicas=2)  # WAIT 1 needs a replica left after the promotion
+    sentinel.start()
+    spec = StackSpec(
+        batch_workers=0,
+        model=args.model,
+        redis_url=sentinel.url,
+        prefill=1,
+        decode=1,
+        port=free_port(),
+        cluster=f"failover{os.getpid()}",
+        redis_wait_replicas=1,
+        redis_wait_timeout_ms=2000,
+        engine=EngineConfig(threads=1),
+        ready_timeout_s=180,
+    )
+    stack = Stack(spec)
+    rounds: list[dict[str, Any]] = []
+    try:
+        stack.start()
+        stack.wait_ready()
+        url = stack.urls[0] + "/v1/completions"
+        body = {
+            "model": stack.model.name,
+            "max_tokens": args.failover_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+        async def one_round(r: int) -> dict[str, Any]:
+            seen = [0] * args.streams
+            async with httpx.AsyncClient(timeout=600) as hc:
+                before = httpx.get(stack.urls[0] + "/metrics", timeout=10).text
+                tasks = [
+                    asyncio.create_task(
+                        one_stream(hc, url, {**body, "prompt": f"round {r} stream {i} " * 2}, seen, i)
+                    )
+                    for i in range(args.streams)
+                ]
+                while min(seen) < 3 and not any(t.done() for t in tasks):
+                    await asyncio.sleep(0.01)
+                killed_at = time.monotonic()
+                old = await asyncio.to_thread(sentinel.kill_primary)
+                in_flight = sum(not t.done() for t in tasks)
+                outcomes = await asyncio.gather(*tasks)
+                done_s = time.monotonic() - killed_at
+                after = httpx.get(stack.urls[0] + "/metrics", timeout=10).text
+            await asyncio.to_thread(sentinel.wait_for_failover, old.port, 60)
+            await asyncio.to_thread(sentinel.wait_replicas_in_sync, 60)
+            await asyncio.to_thread(sentinel.restart, old)
+            errors = sorted({o for o in outcomes if o != "finished"})
+            return {
+                "in_flight_at_kill": in_flight,
+                "failed": sum(o != "finished" for o in outcomes),
+                "errors": errors,
+                "retried": counter(after, "pdserve_retries_total") - counter(before, "pdserve_retries_total"),
+                "migrated": counter(after, "pdserve_migrations_total")
+                - counter(before, "pdserve_migrations_total"),
+                "all_done_after_kill_s": round(done_s, 1),
+            }
+
+        for r in range(args.failover):
+            print(f"failover round {r + 1}/{args.failover} ...", file=sys.stderr, flush=True)
+            rounds.append(asyncio.run(one_round(r)))
+            print(f"  {rounds[-1]}", file=sys.stderr, flush=True)
+    finally:
+        stack.stop(grace_s=15)
+        sentinel.close()
+    return {
+        "pdserve": str(Path(pdserve.__file__).parent),
+        "streams": args.streams,
+        "tokens": args.failover_tokens,
+        "rounds": rounds,
+        "failed_per_failover": sum(r["failed"] for r in rounds) / max(1, len(rounds)),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -146,8 +261,39 @@ def main() -> int:
     ap.add_argument(
         "--model", default="tiny", help="whose tokenizer the echo workers use (default %(default)s)"
     )
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "redis_ha.json")
+    ap.add_argument("--out", type=Path, default=None, help="JSON results (default results/redis_ha.json)")
+    ap.add_argument(
+        "--failover",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="measure streams failed per Sentinel failover instead, over this many failovers",
+    )
+    ap.add_argument(
+        "--streams", type=int, default=16, help="--failover: streams per round (default %(default)s)"
+    )
+    ap.add_argument(
+        "--failover-tokens", type=int, default=300, help="--failover: tokens per stream (default %(default)s)"
+    )
     args = ap.parse_args()
+    if args.failover:
+        result = run_failover(args)
+        print(f"\n{os.cpu_count()} cores; pdserve from {result['pdserve']}")
+        print(
+            f"{'round':>5} {'in flight':>9} {'failed':>6} {'retried':>7} {'migrated':>8} {'done after kill s':>17}"
+        )
+        for i, r in enumerate(result["rounds"]):
+            print(
+                f"{i + 1:>5} {r['in_flight_at_kill']:>9} {r['failed']:>6} {r['retried']:>7.0f} {r['migrated']:>8.0f} "
+                f"{r['all_done_after_kill_s']:>17.1f}  {', '.join(r['errors'])}"
+            )
+        print(f"streams failed per failover: {result['failed_per_failover']:.1f} of {args.streams}")
+        out = args.out or HERE / "results" / "redis_failover.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"cores": os.cpu_count(), **result}, indent=2))
+        print(f"\nwrote {out}")
+        return 0
+    args.out = args.out or HERE / "results" / "redis_ha.json"
     configs = args.configs.split(",")
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:

@@ -85,6 +85,9 @@ from pdserve.scheduler.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
+SEND_RETRY_FIRST_S = 0.05
+SEND_RETRY_MAX_S = 1.0
+
 
 class Dispatcher:
     """Routing state shared by all requests of one router process."""
@@ -213,7 +216,9 @@ class Dispatcher:
                 continue
             try:
                 alive = {info.id for info in await self.live.get()}
-                if time.monotonic() < trust_after:
+                # after an outage, or another Redis found answering (a failover): instances need one
+                # TTL to register again
+                if time.monotonic() < max(trust_after, self.reader.changed_at + self.settings.ttl_s):
                     continue
                 if self._missing(alive):
                     if not await self.reader.confirm_primary():  # not the Redis it knew: no evidence
@@ -495,7 +500,39 @@ class RoutedGeneration:
         self._first_token_timer = asyncio.get_running_loop().call_later(
             first_token_in, self._expire, f"no first token within {first_token_in:g} s", self.attempt
         )
-        await d.sender.send(route.entry.id, msg)
+        await self._send(route.entry.id, msg, now + first_token_in)
+
+    async def _send(self, instance_id: str, msg: GenerateRequest, give_up_at: float) -> None:
+        """Send the attempt's message. With ``--redis-wait-replicas`` a send that fails (Redis
+        unreachable during a failover, or not yet replicated: a new primary has no replica until the
+        Sentinels point one at it) is sent again with backoff until the attempt's first-token deadline
+        (``give_up_at``, by ``clock``) or an outage the reader reports; the instance drops a message
+        that comes twice (``(request_id, attempt)``). Without replica waits the first failure raises."""
+        d = self.dispatcher
+        delay = SEND_RETRY_FIRST_S
+        while True:
+            try:
+                await d.sender.send(instance_id, msg)
+                return
+            except ControlPlaneError as e:
+                if (
+                    not d.settings.redis_wait_replicas
+                    or d.stopping
+                    or self._cancelled
+                    or not d.reader.healthy
+                    or d.clock() + delay >= give_up_at
+                ):
+                    raise
+                if delay == SEND_RETRY_FIRST_S:
+                    logger.warning(
+                        "request %s: sending attempt %d to %s failed (%s); retrying",
+                        self.request_id,
+                        self.attempt,
+                        instance_id,
+                        e,
+                    )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, SEND_RETRY_MAX_S)
 
     def _message(self, route: Route, now: float) -> GenerateRequest:
         d = self.dispatcher

@@ -19,7 +19,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.settings import RouterSettings
 from pdserve.scheduler.batch_queue import BatchQueue
 from pdserve.scheduler.batches import BatchStore
-from pdserve.scheduler.connection import RedisClient, RedisSettings, wait_for_redis
+from pdserve.scheduler.connection import RedisClient, RedisSettings, outage_limit_s, wait_for_redis
 from pdserve.scheduler.files import FileStore
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import RouterInfo
@@ -71,7 +71,16 @@ class RouterState:
             live = LiveSetCache(
                 InstanceRegistry(self.redis, keys, s.ttl_s), s.live_set_max_age_s, observe=observe
             )
-            self.reader = OutboxReader(self.redis, keys, s.router_id, observe=observe)
+            # with replica waits, a failover to a replica of the primary loses nothing counted as sent
+            waits = s.redis_wait_replicas > 0
+            self.reader = OutboxReader(
+                self.redis,
+                keys,
+                s.router_id,
+                observe=observe,
+                fail_after_s=await outage_limit_s(self.redis, waits),
+                trust_failover=waits,
+            )
             await self.reader.start()
             self.heartbeat = Heartbeat(routers, self._router_info)
             await self.heartbeat.start()

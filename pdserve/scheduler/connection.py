@@ -349,6 +349,88 @@ async def server_info(client: RedisClient, key: str) -> dict[str, Any]:
     return await client.info("server")
 
 
+REDIS_OUTAGE_S = 5.0
+"""How long a router's outbox reader waits for an unreachable Redis before it fails every request
+waiting on it (:func:`outage_limit_s` adds a Sentinel's failover time with replica waits on); a
+worker retries a send at least as long, so nothing a router still waits for is given up."""
+
+
+async def outage_limit_s(client: RedisClient, failover: bool) -> float:
+    """How long Redis may stay unreachable before requests waiting on it fail: ``REDIS_OUTAGE_S``;
+    with ``failover`` (replica waits on: a failover loses nothing counted as sent) and a
+    Sentinel-managed primary, plus the Sentinels' ``down-after-milliseconds`` for it, since a
+    failover starts only once they agree the primary is down (the election and the promotion
+    take the rest). The first Sentinel that answers says; none answering: ``REDIS_OUTAGE_S``."""
+    if not failover or isinstance(client, aioredis.RedisCluster):
+        return REDIS_OUTAGE_S
+    pool = client.connection_pool
+    if not isinstance(pool, SentinelConnectionPool):
+        return REDIS_OUTAGE_S
+    for sentinel in pool.sentinel_manager.sentinels:
+        try:
+            state = await sentinel.sentinel_master(pool.service_name)
+            down_after_ms = int(state["down-after-milliseconds"])
+        except (RedisError, OSError, KeyError, TypeError, ValueError) as e:
+            logger.debug("a Sentinel did not say its down-after-milliseconds: %s", error_reason(e))
+            continue
+        return REDIS_OUTAGE_S + down_after_ms / 1000
+    return REDIS_OUTAGE_S
+
+
+NO_REPLID = "0" * 40
+"""``master_replid2`` of a server that has no previous replication history (never promoted)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerIdentity:
+    """Which server answers for a key, and which replication history its data continues: from
+    ``INFO server`` and ``INFO replication``. A replica promoted by a failover keeps its primary's
+    data under a new ``run_id``, takes a new ``master_replid`` and keeps the old one as
+    ``master_replid2``; a restarted server (empty, or loaded from its own older snapshot) has none."""
+
+    run_id: str
+    role: str
+    replid: str = ""
+    replid2: str = ""
+
+    def continues(self, before: ServerIdentity) -> bool:
+        """Whether this is another server whose data continues ``before``'s: a replica of it that a
+        failover promoted (its ``master_replid2`` is ``before``'s ``master_replid``). False for
+        ``before`` itself and for a restarted server."""
+        return (
+            self.run_id != before.run_id
+            and self.role == "master"
+            and before.replid not in ("", NO_REPLID)
+            and self.replid2 == before.replid
+        )
+
+
+async def server_identity(client: RedisClient, key: str) -> ServerIdentity:
+    """:class:`ServerIdentity` of the server holding ``key`` (on a cluster, the shard owning its slot)."""
+    target: dict[str, Any] = {}
+    if isinstance(client, aioredis.RedisCluster):
+        await client.initialize()
+        target["target_nodes"] = client.get_node_from_key(key)
+    server = await client.info("server", **target)
+    try:
+        replication = await client.info("replication", **target)
+    except ResponseError:  # forbidden (an ACL that allows INFO server): no history, a restart then
+        replication = {}
+
+    def text(info: dict[str, Any], name: str) -> str:
+        value = info.get(name, "")
+        if value == 0 and name == "master_replid2":  # redis-py's INFO parser made "000…0" a number
+            return NO_REPLID
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    return ServerIdentity(
+        text(server, "run_id"),
+        text(replication, "role") or "master",
+        text(replication, "master_replid"),
+        text(replication, "master_replid2"),
+    )
+
+
 async def server_role(client: RedisClient, key: str) -> str:
     """``ROLE`` of the server holding ``key`` (``master``, ``slave``): a primary that a failover
     demoted still answers reads, with its new primary's data."""

@@ -37,14 +37,16 @@ from pdserve.errors import (
 )
 from pdserve.scheduler.connection import (
     NO_WAIT,
+    REDIS_OUTAGE_S,
     RedisClient,
     RedisObserver,
     RedisPipeline,
     ReplicaWait,
+    ServerIdentity,
     connection_kwargs,
     redis_errors,
     require_bytes_responses,
-    server_info,
+    server_identity,
     server_role,
 )
 from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
@@ -421,6 +423,14 @@ class OutboxReader:
     request gets a final, retryable 503 error delta (and so do new ones until Redis is back); if
     Redis comes back with a new ``run_id`` (restarted: events may be lost), so does every request
     in flight. :meth:`stop` ends the remaining requests the same way.
+
+    ``trust_failover`` (``--redis-wait-replicas`` on: every event and message counted as sent is on
+    a replica): a new ``run_id`` whose server is a replica promoted from the primary this reader
+    knew (:meth:`ServerIdentity.continues`) fails nothing. That server holds every event counted as
+    sent, and an event whose publish was not counted is published again by its worker; the reader
+    reads the outbox again from its start (an event read from the old primary but not replicated
+    comes again, perhaps under a lower id when the hosts' clocks differ), so nothing is skipped, and
+    what comes twice is dropped by its request (``RequestDelta.seq``).
     """
 
     def __init__(
@@ -431,13 +441,15 @@ class OutboxReader:
         *,
         count: int = 512,
         block_ms: int = 1000,
-        fail_after_s: float = 5.0,
+        fail_after_s: float = REDIS_OUTAGE_S,
         max_backoff_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         observe: RedisObserver | None = None,
+        trust_failover: bool = False,
     ) -> None:
         require_bytes_responses(redis)
         _check_block(redis, block_ms)
+        self.trust_failover = trust_failover
         self.observe = observe  # op "outbox_read": errors only (reads block)
         self.redis = redis
         self.key = keys.outbox(router_id)
@@ -453,7 +465,17 @@ class OutboxReader:
         self._task: asyncio.Task[None] | None = None
         self._down_since: float | None = None
         self._outage_reported = False
-        self._run_id: bytes | str | None = None
+        self._identity: ServerIdentity | None = None
+        """The primary this reader reads (None: not known yet)."""
+        self._identity_forbidden = False  # INFO is forbidden here: no restart detection
+        self._reread = False
+        """A failover was carried through: read the outbox again from its start, trimming nothing."""
+        self.num_failovers = 0
+        """Failovers to a promoted replica carried through without failing requests (``trust_failover``)."""
+        self.changed_at = float("-inf")
+        """``clock()`` when another server was last found answering (restarted or failed over): the
+        instances' registrations may have expired meanwhile, so the live set is no evidence for one
+        TTL after it (the router's watcher)."""
         self._lean = lean_connection(redis, f"the outbox reader of {router_id}")
         self._xread = pack_head(b"XREAD", b"COUNT", count, b"BLOCK", block_ms, b"STREAMS", self.key)
         """XREAD without its last argument, the id to read after."""
@@ -542,8 +564,11 @@ class OutboxReader:
         failures = 0
         while True:
             try:
-                if failures or self._run_id is None:
+                if failures or (self._identity is None and not self._identity_forbidden):
                     await self._check_restart()
+                if self._reread:  # a failover: the new primary's ids need not follow the old one's
+                    self._reread = False
+                    last_id, read_up_to = b"0-0", None
                 entries = await self._read(last_id, read_up_to)
                 read_up_to = None
                 self._recovered(failures)
@@ -615,21 +640,40 @@ class OutboxReader:
             return False
 
     async def _check_restart(self) -> bool:
-        """Whether Redis's ``run_id`` changed since the last check (then every request in flight
-        fails with ``control_plane_restarted``)."""
-        if self._run_id == "":
-            return False  # INFO is forbidden here: no restart detection
+        """Whether the primary is another server than at the last check: restarted (a new
+        ``run_id``; every request in flight then fails with ``control_plane_restarted``), or, with
+        ``trust_failover``, a replica a failover promoted (nothing fails; the outbox is read again
+        from its start). A server answering as a replica is not taken for the primary."""
+        if self._identity_forbidden:
+            return False
         try:
-            run_id = (await server_info(self.redis, self.key)).get("run_id", "")
+            now = await server_identity(self.redis, self.key)
         except ResponseError as e:
             logger.warning("%s: cannot read Redis's run_id (%s); restarts will not be detected", self.key, e)
-            run_id = ""
-        restarted = self._run_id is not None and run_id != self._run_id
-        if restarted:
-            logger.error("Redis restarted (run_id changed); failing %d requests in flight", len(self._queues))
-            self._fail_all(ControlPlaneRestartedError("Redis restarted; results in flight may be lost"))
-        self._run_id = run_id
-        return restarted
+            self._identity_forbidden = True
+            return False
+        before = self._identity
+        if now.role != "master" and before is not None:
+            return False  # a demoted primary: its data is its new primary's, not trusted here
+        self._identity = now
+        if before is None or now.run_id == before.run_id:
+            return False
+        self.changed_at = self.clock()
+        if self.trust_failover and now.continues(before):
+            self.num_failovers += 1
+            self._reread = True
+            logger.warning(
+                "%s: Redis failed over to a replica of the primary read until now (run_id %s); "
+                "%d requests in flight continue, the outbox is read again from its start",
+                self.key,
+                now.run_id,
+                len(self._queues),
+            )
+            return True
+        why = "restarted" if not now.continues(before) else "failed over without --redis-wait-replicas"
+        logger.error("Redis %s (run_id changed); failing %d requests in flight", why, len(self._queues))
+        self._fail_all(ControlPlaneRestartedError(f"Redis {why}; results in flight may be lost"))
+        return True
 
     def _lost(self, error: BaseException, failures: int) -> None:
         now = self.clock()

@@ -199,9 +199,12 @@ class RequestHandler:
         elif isinstance(msg, ReserveReply):
             await self.splitwise.on_reserve_reply(msg)
         elif isinstance(msg, Prefilled):
+            key = engine_key(msg.request_id, msg.attempt)
+            if key in self.owners:  # a send prefill repeated (its replica wait failed): decoding already
+                log.info("ignoring a repeated prefilled for %s (attempt %d)", msg.request_id, msg.attempt)
+                return
             owner = await self.splitwise.on_prefilled(msg)
             if owner is not None:
-                key = engine_key(msg.request_id, msg.attempt)
                 self.owners[key] = owner
                 self._seqs[key] = msg.next_seq  # prefill published the deltas before
                 self._sent_at[key] = self.ctx.clock.monotonic()  # ... its first token just now

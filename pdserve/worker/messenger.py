@@ -9,10 +9,14 @@ event (:meth:`Messenger.publish`) joins the same buffer and waits until it is se
 in the order they were made, and a hand-off to a peer follows the tokens it comes after.
 
 A send that Redis fails is retried with backoff (50 ms doubling to 1 s) for up to one
-registration TTL, so a Redis blip or restart loses no token: the buffer is sent in order once Redis
-answers, and while it is failing the engine loop waits for it (no unbounded backlog). Past one TTL
-this instance's key has expired, so routers have moved or failed its requests; the send is then
-logged and reported as ``False``, never raised into the loops, and the instance keeps serving.
+registration TTL, and at least as long as routers wait for an unreachable Redis
+(``connection.outage_limit_s``: 5 s, plus a Sentinel's failover time with replica waits), so a
+Redis blip, restart or Sentinel failover loses no token: the buffer is sent in order once Redis
+answers, and while it is failing the engine loop waits for it (no unbounded backlog). Past that
+this instance's key has expired, or routers have failed its requests; the send is then logged and
+reported as ``False``, never raised into the loops, and the instance keeps serving. With
+``--redis-wait-replicas`` a message to a peer waits for the replicas too, as a publish does: a
+failover loses none that counted as sent.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
-from pdserve.scheduler.connection import NO_WAIT, RedisClient, ReplicaWait
+from pdserve.scheduler.connection import NO_WAIT, RedisClient, ReplicaWait, redis_errors
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +116,7 @@ class Messenger:
         self.keys = keys
         self.instance_id = instance_id
         self.give_up_after_s = give_up_after_s
+        self.wait = wait
         self.outbox = Outbox(redis, keys, wait=wait)
         self.num_send_retries = 0
         self.num_publishes = 0
@@ -236,8 +241,17 @@ class Messenger:
         return await self.publish(by_router)
 
     async def send(self, instance_id: str, msg: InboxMessage) -> bool:
-        """A protocol message to a peer instance's inbox."""
-        return await self._retrying(
-            f"send {msg.type} {msg.request_id} to {instance_id}",
-            lambda: send_to_inbox(self.redis, self.keys, instance_id, msg),
-        )
+        """A protocol message to a peer instance's inbox (then WAIT, with ``--redis-wait-replicas``:
+        one that was not replicated is sent again, and the peer drops what comes twice)."""
+        what = f"send {msg.type} {msg.request_id} to {instance_id}"
+
+        async def once() -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            await send_to_inbox(self.redis, self.keys, instance_id, msg, pipeline=pipe)
+            waits = self.wait.stage(pipe)
+            with redis_errors(what):
+                results = await pipe.execute()
+            if waits:
+                self.wait.check(results[-1], what)
+
+        return await self._retrying(what, once)

@@ -38,6 +38,7 @@ from pdserve.scheduler import (
     redis_errors,
     wait_for_redis,
 )
+from pdserve.scheduler.connection import outage_limit_s
 from pdserve.scheduler.tasks import cancel_and_wait
 from pdserve.tokenizer import pack_tokenizer_files, read_tokenizer_files
 from pdserve.worker.clock import Clock
@@ -104,7 +105,11 @@ class WorkerService:
                 self.redis,
                 self.keys,
                 self.id,
-                give_up_after_s=self.settings.ttl_s,
+                # at least as long as routers wait for Redis (a Sentinel failover, with replica waits)
+                give_up_after_s=max(
+                    self.settings.ttl_s,
+                    await outage_limit_s(self.redis, self.settings.redis_wait_replicas > 0),
+                ),
                 wait=self.settings.replica_wait,
             )
             ctx = Context(
