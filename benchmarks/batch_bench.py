@@ -46,7 +46,7 @@ from router_overhead import TICK, cpu_seconds  # noqa: E402  (a sibling script)
 from pdserve import bench  # noqa: E402
 from pdserve.batch.settings import BatchWorkerSettings  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.scheduler.embedded import free_port  # noqa: E402
+from pdserve.localredis.embedded import free_port  # noqa: E402
 from pdserve.stack import Stack, StackSpec  # noqa: E402
 
 ENDPOINT = "/v1/chat/completions"

@@ -210,7 +210,7 @@ def run_config(
 ) -> dict:
     from pdserve.bench import stats
     from pdserve.engine.config import EngineConfig
-    from pdserve.scheduler.embedded import free_port
+    from pdserve.localredis.embedded import free_port
     from pdserve.stack import Stack, StackSpec
     from pdserve.tokenizer import Tokenizer
 

@@ -168,7 +168,7 @@ def main() -> int:
 
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.model_store import resolve_model
-    from pdserve.scheduler.embedded import free_port
+    from pdserve.localredis.embedded import free_port
     from pdserve.stack import Stack, StackSpec
 
     resolved = resolve_model(args.model)

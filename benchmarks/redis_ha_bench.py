@@ -43,8 +43,8 @@ from router_overhead import cpu_seconds  # noqa: E402  (a sibling script)
 import pdserve  # noqa: E402
 from pdserve import bench  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.scheduler.embedded import EmbeddedRedis, free_port  # noqa: E402
-from pdserve.scheduler.embedded_ha import EmbeddedCluster, EmbeddedSentinel  # noqa: E402
+from pdserve.localredis.embedded import EmbeddedRedis, free_port  # noqa: E402
+from pdserve.localredis.embedded_ha import EmbeddedCluster, EmbeddedSentinel  # noqa: E402
 from pdserve.stack import Stack, StackSpec  # noqa: E402
 
 CONFIGS = ("single", "sentinel", "sentinel-wait1", "cluster")

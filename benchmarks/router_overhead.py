@@ -67,7 +67,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def free_port() -> int:
-    from pdserve.scheduler.embedded import free_port as fp
+    from pdserve.localredis.embedded import free_port as fp
 
     return fp()
 
@@ -152,7 +152,7 @@ def start_system(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if name in ("pdserve", "pdserve-nometrics"):
-        from pdserve.scheduler.embedded import EmbeddedRedis
+        from pdserve.localredis.embedded import EmbeddedRedis
 
         redis = EmbeddedRedis()
         redis.start()

@@ -124,7 +124,7 @@ def vllm_server(port: int, python: Path, model_dir: Path) -> Server:
 
 def available_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]:
     """The servers asked for that this machine has, in order; a line for each one left out."""
-    from pdserve.scheduler.embedded import free_port
+    from pdserve.localredis.embedded import free_port
 
     made: dict[str, Callable[[], Server]] = {
         "pdserve-mixed": lambda: pdserve_server(

@@ -263,8 +263,8 @@ def _is_loopback(address: str) -> bool:
 
 
 def cmd_redis(args: argparse.Namespace) -> int:
+    from pdserve.localredis.embedded import EmbeddedRedis
     from pdserve.scheduler.connection import RedisSettings
-    from pdserve.scheduler.embedded import EmbeddedRedis
 
     if args.sentinel or args.cluster is not None:
         return cmd_redis_ha(args)
@@ -292,8 +292,8 @@ def cmd_redis_ha(args: argparse.Namespace) -> int:
     Ctrl-C or SIGTERM, which stop them all."""
     import time
 
+    from pdserve.localredis.embedded_ha import EmbeddedCluster, EmbeddedSentinel
     from pdserve.scheduler.connection import redact_url
-    from pdserve.scheduler.embedded_ha import EmbeddedCluster, EmbeddedSentinel
 
     mode = "--sentinel" if args.sentinel else f"--cluster {args.cluster}"
     exposed = [a for a in args.bind or [] if not _is_loopback(a)]

@@ -33,6 +33,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, ResolvedModel, cache_dir, resolve_model
 from pdserve.errors import ConfigError
 from pdserve.flags import env, setting, to_argv
+from pdserve.localredis.embedded import EmbeddedRedis, dies_with_parent, free_port, port_is_free
 from pdserve.router.settings import RouterSettings
 from pdserve.scheduler.connection import (
     NO_WAIT,
@@ -41,7 +42,6 @@ from pdserve.scheduler.connection import (
     RedisSettings,
     redact_url,
 )
-from pdserve.scheduler.embedded import EmbeddedRedis, dies_with_parent, free_port, port_is_free
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.worker.settings import ENGINES, KV_TRANSFERS, WorkerSettings

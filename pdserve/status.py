@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from pdserve.batchstore.batch_queue import BatchQueue
+from pdserve.batchstore.batches import BatchObject, BatchStore
 from pdserve.errors import NotFoundError
 from pdserve.scheduler import (
     InstanceInfo,
@@ -21,8 +23,6 @@ from pdserve.scheduler import (
     RouterRegistry,
     wait_for_redis,
 )
-from pdserve.scheduler.batch_queue import BatchQueue
-from pdserve.scheduler.batches import BatchObject, BatchStore
 from pdserve.scheduler.connection import redact_url
 from pdserve.scheduler.keys import INBOX_GROUP
 

@@ -15,9 +15,9 @@ import redis
 from pdserve.batch.reaper import Reaper
 from pdserve.batch.runner import BatchMetrics, BatchRunner
 from pdserve.batch.settings import BatchWorkerSettings
+from pdserve.batchstore.batch_queue import BatchQueue
+from pdserve.batchstore.batches import BatchObject
 from pdserve.cli import build_parser
-from pdserve.scheduler.batch_queue import BatchQueue
-from pdserve.scheduler.batches import BatchObject
 from pdserve.scheduler.keys import Keys
 
 T = TypeVar("T")

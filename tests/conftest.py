@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from pdserve.scheduler.embedded import EmbeddedRedis
+    from pdserve.localredis.embedded import EmbeddedRedis
 
 # Bitwise batch invariance needs MKL's strict mode, set before Paddle (and MKL) load. `make test` sets it too.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
@@ -36,7 +36,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     if url:
         yield url
         return
-    from pdserve.scheduler.embedded import EmbeddedRedis
+    from pdserve.localredis.embedded import EmbeddedRedis
 
     server = EmbeddedRedis(workdir=tmp_path_factory.mktemp("redis"))
     server.start()
@@ -61,7 +61,7 @@ def private_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
     """A redis-server of the test's own, to stop, restart and reconfigure (outages, replicas)."""
     if os.environ.get("PDSERVE_TEST_REDIS_URL"):
         pytest.skip("needs a local redis-server binary to stop, restart and reconfigure")
-    from pdserve.scheduler.embedded import EmbeddedRedis
+    from pdserve.localredis.embedded import EmbeddedRedis
 
     server = EmbeddedRedis(workdir=tmp_path)
     server.start()

@@ -15,6 +15,7 @@ import httpx
 import redis.asyncio as aioredis
 import uvicorn
 
+from pdserve.localredis.embedded import free_port
 from pdserve.router import RouterSettings, create_app
 from pdserve.scheduler import (
     Abort,
@@ -38,7 +39,6 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
-from pdserve.scheduler.embedded import free_port
 
 CLUSTER = "router-test"
 KEYS = Keys(CLUSTER)

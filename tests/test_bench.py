@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench import Result, random_prompts, render, stats, summarize
-from pdserve.scheduler.embedded import free_port
+from pdserve.localredis.embedded import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

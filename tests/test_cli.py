@@ -109,7 +109,7 @@ def test_up_refuses_a_taken_router_port_before_starting_anything(tmp_path) -> No
     """The second router's port is taken: `up` says which port and which flag, and starts nothing."""
     import socket
 
-    from pdserve.scheduler.embedded import free_port
+    from pdserve.localredis.embedded import free_port
 
     base = free_port(count=2)
     with socket.socket() as s:
@@ -132,7 +132,7 @@ def test_redis_command_stops_its_server_on_sigterm_and_wants_a_password_beyond_l
     import socket
     import time
 
-    from pdserve.scheduler.embedded import free_port
+    from pdserve.localredis.embedded import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.cli", "redis", "--port", str(port), "--password", "pw"]
@@ -274,9 +274,9 @@ def make_batches(redis_url: str, cluster: str, finished: int = 0, later: int = 0
     the finished ones (oldest first)."""
     import asyncio
 
+    from pdserve.batchstore.batch_queue import BatchQueue
+    from pdserve.batchstore.batches import BatchStore
     from pdserve.scheduler import Keys, RedisSettings
-    from pdserve.scheduler.batch_queue import BatchQueue
-    from pdserve.scheduler.batches import BatchStore
 
     async def make() -> tuple[str, list[str]]:
         redis = RedisSettings.from_url(redis_url).connect()
@@ -389,7 +389,7 @@ def test_stack_keeps_the_redis_password_off_argv_the_banner_and_other_users(tmp_
     the banner and status show it as ***, and the record `pdserve status` reads is private (0600)."""
     import stat
 
-    from pdserve.scheduler.embedded import EmbeddedRedis, free_port
+    from pdserve.localredis.embedded import EmbeddedRedis, free_port
     from pdserve.stack import Stack, StackSpec, banner
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
@@ -431,7 +431,7 @@ def test_a_stack_with_an_api_key_becomes_ready_and_keeps_the_key_to_itself(
 
     import httpx
 
-    from pdserve.scheduler.embedded import free_port
+    from pdserve.localredis.embedded import free_port
     from pdserve.stack import Stack, StackSpec, banner
 
     key = f"key-sentinel-{secrets.token_hex(4)}"
@@ -476,7 +476,7 @@ def test_a_stack_with_an_api_key_becomes_ready_and_keeps_the_key_to_itself(
 def up_process(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
     """`pdserve up` on the echo engine (a mixed worker, a router, a batch worker, embedded Redis), as
     a user starts it, once it says it is up; its output goes to the file returned."""
-    from pdserve.scheduler.embedded import free_port
+    from pdserve.localredis.embedded import free_port
 
     out = tmp_path / "up.log"
     argv = ["up", "--engine", "echo", "--model", "tiny", "--prefill", "0", "--decode", "0", "--mixed", "1"]
@@ -601,7 +601,7 @@ def test_status_watch_shows_the_redis_url_without_its_password() -> None:
 
 def test_worker_metrics_listen_on_loopback_unless_told(tmp_path, monkeypatch) -> None:
     from pdserve.flags import from_args
-    from pdserve.scheduler.embedded import free_port
+    from pdserve.localredis.embedded import free_port
     from pdserve.worker.metrics import WorkerMetrics
     from pdserve.worker.settings import WorkerSettings
 
@@ -635,7 +635,7 @@ def test_up_from_a_folder_holding_pdserve_with_another_python_on_path(tiny_model
     import signal
     import time
 
-    from pdserve.scheduler.embedded import free_port
+    from pdserve.localredis.embedded import free_port
 
     work, fake_bin = tmp_path / "work", tmp_path / "bin"
     (work / "pdserve").mkdir(parents=True)
@@ -685,7 +685,7 @@ def test_up_from_a_folder_holding_pdserve_with_another_python_on_path(tiny_model
 
 def test_up_says_what_it_waits_for(tmp_path, capsys) -> None:
     """While the stack starts (a first start compiles kernels for a minute) `up` is not silent."""
-    from pdserve.scheduler.embedded import free_port
+    from pdserve.localredis.embedded import free_port
     from pdserve.stack import Stack, StackSpec
 
     stack = Stack(StackSpec(port=free_port(), mixed=1, decode=0, ready_timeout_s=1.5))

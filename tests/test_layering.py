@@ -1,6 +1,7 @@
 """The one-way dependency rule holds in the source and when Python imports the modules.
 
-router -> scheduler; worker -> engine, scheduler, cache_transfer; engine -> cache_transfer;
+router -> scheduler, batchstore; batch -> router, batchstore; batchstore -> scheduler; worker -> engine,
+scheduler, cache_transfer; engine -> cache_transfer; localredis (our own redis-server processes) -> none;
 scheduler, cache_transfer and engine import none of the upper layers; the router never imports
 engine or worker code (docs/design.md, "Layout"). ``errors``, ``flags``, ``sampling_params``,
 ``block_hash`` and ``tokenizer`` are leaves every layer may use; ``cli``, ``stack``, ``status``,
@@ -26,14 +27,18 @@ ALLOWED = {  # layer -> the pdserve layers its modules may import
     "block_hash": set(),  # the prefix cache's block ids: the engine's and the router's
     "tokenizer": {"errors"},  # the engine tokenizes what it runs; a router, for prefix routing
     "scheduler": {"scheduler", *LEAVES},
+    "batchstore": {"batchstore", "scheduler", *LEAVES},  # the Batch API's files, batches and queue
+    "localredis": {"localredis", *LEAVES},  # redis-server processes of our own (up, pdserve redis, tests)
     "cache_transfer": {"cache_transfer", "errors"},
     "engine": {"engine", "cache_transfer", *LEAVES},
-    "router": {"router", "scheduler", *LEAVES},
+    "router": {"router", "scheduler", "batchstore", *LEAVES},
     "worker": {"worker", "engine", "scheduler", "cache_transfer", *LEAVES},
-    "batch": {"batch", "router", "scheduler", *LEAVES},  # a router without a listener, on rq
+    "batch": {"batch", "router", "scheduler", "batchstore", *LEAVES},  # a router without a listener, on rq
 }
 NO_PADDLE = (
     "batch",
+    "batchstore",
+    "localredis",
     "scheduler",
     "cache_transfer",
     "router",

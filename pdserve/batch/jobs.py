@@ -1,4 +1,4 @@
-"""The rq job functions (named by path in :mod:`pdserve.scheduler.batch_queue`). rq calls them in
+"""The rq job functions (named by path in :mod:`pdserve.batchstore.batch_queue`). rq calls them in
 the batch worker's main thread; each hands its work to the worker's event loop, where the
 in-process router runs, and waits for it."""
 

@@ -23,9 +23,9 @@ import secrets
 import time
 
 from pdserve.batch.runner import VALIDATION_CHUNK, BatchRunner
+from pdserve.batchstore.batch_queue import job_attempt
+from pdserve.batchstore.batches import BatchObject
 from pdserve.errors import NotFoundError, PdserveError
-from pdserve.scheduler.batch_queue import job_attempt
-from pdserve.scheduler.batches import BatchObject
 from pdserve.scheduler.connection import redis_errors
 
 logger = logging.getLogger(__name__)

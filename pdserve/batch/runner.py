@@ -24,14 +24,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.batch.settings import BatchWorkerSettings
 from pdserve.batch.validation import Line, check_lines, read_lines
+from pdserve.batchstore.batch_queue import BatchQueue
+from pdserve.batchstore.batches import BatchError, BatchObject, BatchStore
+from pdserve.batchstore.files import FileStore
 from pdserve.errors import NotFoundError, PdserveError
 from pdserve.router.app import RouterApp, create_app
 from pdserve.router.protocol import InputLimits
 from pdserve.router.state import RouterState
 from pdserve.router.tenants import TENANT_HEADER, TrustedTenant
-from pdserve.scheduler.batch_queue import BatchQueue
-from pdserve.scheduler.batches import BatchError, BatchObject, BatchStore
-from pdserve.scheduler.files import FileStore
 from pdserve.scheduler.messages import InstanceInfo
 from pdserve.scheduler.tasks import cancel_and_wait
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import orjson
 
+from pdserve.batchstore.batches import ENDPOINTS, BatchError
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.router.protocol import InputLimits, parse_chat, parse_completion
 from pdserve.router.selection import model_len, resolve_model, vocab_size
-from pdserve.scheduler.batches import ENDPOINTS, BatchError
 from pdserve.scheduler.messages import InstanceInfo
 
 MAX_ERRORS = 100

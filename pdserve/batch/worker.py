@@ -20,7 +20,7 @@ from pdserve.batch import jobs
 from pdserve.batch.reaper import Reaper
 from pdserve.batch.runner import BatchMetrics, BatchRunner
 from pdserve.batch.settings import BatchWorkerSettings
-from pdserve.scheduler.batch_queue import BatchQueue
+from pdserve.batchstore.batch_queue import BatchQueue
 from pdserve.scheduler.connection import RedisSettings
 from pdserve.scheduler.keys import Keys
 

@@ -25,6 +25,8 @@ from fastapi.responses import StreamingResponse
 from starlette.datastructures import QueryParams, UploadFile
 from starlette.requests import ClientDisconnect
 
+from pdserve.batchstore.batches import ENDPOINTS, BatchObject, BatchStore, window_seconds
+from pdserve.batchstore.files import CHUNK_BYTES, HOLD_GRACE_S, PURPOSES, FileObject, FileStore, new_id
 from pdserve.errors import ControlPlaneError, InvalidRequestError, NotFoundError, PdserveError
 from pdserve.router.asgi import ClientGone, JsonResponse, Message, Receive, error_response, read_body
 from pdserve.router.errors import BodyTooLargeError, NoCapacityError
@@ -32,9 +34,7 @@ from pdserve.router.protocol import validate_body
 from pdserve.router.state import RouterState
 from pdserve.router.strict import StrictModel
 from pdserve.router.tenants import tenant_of
-from pdserve.scheduler.batches import ENDPOINTS, BatchObject, BatchStore, window_seconds
 from pdserve.scheduler.connection import redis_errors
-from pdserve.scheduler.files import CHUNK_BYTES, HOLD_GRACE_S, PURPOSES, FileObject, FileStore, new_id
 
 logger = logging.getLogger(__name__)
 

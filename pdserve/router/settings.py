@@ -12,6 +12,7 @@ import secrets
 import socket
 from pathlib import Path
 
+from pdserve.batchstore.files import DEFAULT_FILE_TTL_S, DEFAULT_MAX_FILE_BYTES
 from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting
 from pdserve.router.policies import POLICY_NAMES, PrefixWeights
@@ -23,7 +24,6 @@ from pdserve.scheduler.connection import (
     WAIT_TIMEOUT_HELP,
     ReplicaWait,
 )
-from pdserve.scheduler.files import DEFAULT_FILE_TTL_S, DEFAULT_MAX_FILE_BYTES
 from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 

@@ -11,16 +11,16 @@ import os
 import socket
 import time
 
+from pdserve.batchstore.batch_queue import BatchQueue
+from pdserve.batchstore.batches import BatchStore
+from pdserve.batchstore.files import FileStore
 from pdserve.errors import ConfigError
 from pdserve.router.admission import Admission
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import NoCapacityError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.settings import RouterSettings
-from pdserve.scheduler.batch_queue import BatchQueue
-from pdserve.scheduler.batches import BatchStore
 from pdserve.scheduler.connection import RedisClient, RedisSettings, outage_limit_s, wait_for_redis
-from pdserve.scheduler.files import FileStore
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import RouterInfo
 from pdserve.scheduler.registry import Heartbeat, InstanceRegistry, LiveSetCache, RouterRegistry

@@ -18,7 +18,7 @@ from router_support import instance
 from pdserve.batch import runner as runner_module
 from pdserve.batch.reaper import Reaper
 from pdserve.batch.runner import VALIDATION_CHUNK, BatchRunner
-from pdserve.scheduler.batches import BatchObject
+from pdserve.batchstore.batches import BatchObject
 from pdserve.scheduler.registry import InstanceRegistry
 
 

@@ -18,9 +18,9 @@ from pdserve.batch import reaper as reaper_module
 from pdserve.batch import runner as runner_module
 from pdserve.batch.reaper import Reaper
 from pdserve.batch.runner import MAX_FINALIZE_TRIES, BatchRunner
+from pdserve.batchstore.batches import BatchObject
+from pdserve.batchstore.files import FileObject
 from pdserve.errors import NotFoundError
-from pdserve.scheduler.batches import BatchObject
-from pdserve.scheduler.files import FileObject
 
 MAX_FILE_BYTES = 2000
 

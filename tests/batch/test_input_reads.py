@@ -10,7 +10,7 @@ import redis
 from pdserve.batch.reaper import Reaper
 from pdserve.batch.runner import LINE_OVERHEAD_BYTES, BatchRunner, InputLines
 from pdserve.batch.validation import Line
-from pdserve.scheduler.batches import BatchObject
+from pdserve.batchstore.batches import BatchObject
 from tests.batch_support import batch_with_lines, with_runner
 
 LEASE_TTL_MS = 200

@@ -31,8 +31,8 @@ from host_support import need_root_and
 from pdserve.cache_transfer import shm
 from pdserve.cache_transfer.base import LocalCache
 from pdserve.errors import TransferError
+from pdserve.localredis.embedded import free_port
 from pdserve.scheduler import Keys
-from pdserve.scheduler.embedded import free_port
 
 MiB = 1 << 20
 
@@ -394,7 +394,7 @@ def test_pdserve_up_sweeps_at_start_and_when_a_decode_child_dies(private_shm, re
     code = f"""
 import os, subprocess, sys, time
 from pdserve.cache_transfer import shm
-from pdserve.scheduler.embedded import free_port
+from pdserve.localredis.embedded import free_port
 from pdserve.stack import Stack, StackSpec
 
 def spec(**counts):

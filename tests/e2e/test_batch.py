@@ -20,8 +20,8 @@ import orjson
 import pytest
 import redis
 
-from pdserve.scheduler.batch_queue import BatchQueue
-from pdserve.scheduler.embedded import free_port
+from pdserve.batchstore.batch_queue import BatchQueue
+from pdserve.localredis.embedded import free_port
 from pdserve.scheduler.keys import Keys
 from pdserve.stack import Stack
 from tests.e2e.test_serving import client, model_name, start_stack

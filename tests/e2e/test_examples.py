@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.scheduler.embedded import EmbeddedRedis, free_port
+from pdserve.localredis.embedded import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)

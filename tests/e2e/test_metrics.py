@@ -11,10 +11,10 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.localredis.embedded import free_port
 from pdserve.router import metrics as router_metrics
 from pdserve.router.app import create_app
 from pdserve.router.settings import RouterSettings
-from pdserve.scheduler.embedded import free_port
 from pdserve.worker import metrics as worker_metrics
 from tests.e2e.test_serving import client, model_name, start_stack
 

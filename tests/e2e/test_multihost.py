@@ -23,8 +23,8 @@ import orjson
 import pytest
 from host_support import need_root_and
 
+from pdserve.localredis.embedded import EmbeddedRedis, free_port
 from pdserve.scheduler import Keys
-from pdserve.scheduler.embedded import EmbeddedRedis, free_port
 
 pytestmark = [pytest.mark.usefixtures("mooncake_ready"), pytest.mark.timeout(300)]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.scheduler.embedded import free_port
+from pdserve.localredis.embedded import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from pdserve.scheduler.embedded_ha import EmbeddedSentinel
+from pdserve.localredis.embedded_ha import EmbeddedSentinel
 from tests.e2e.test_serving import model_name, start_stack
 
 pytestmark = pytest.mark.timeout(420)

@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from pdserve.scheduler.embedded import EmbeddedRedis
+from pdserve.localredis.embedded import EmbeddedRedis
 from tests.e2e.test_serving import model_name, start_stack
 
 pytestmark = pytest.mark.timeout(400)

@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from pdserve.engine.config import EngineConfig
-from pdserve.scheduler.embedded import free_port
+from pdserve.localredis.embedded import free_port
 from pdserve.stack import Stack, StackSpec
 
 pytestmark = pytest.mark.timeout(240)

@@ -17,9 +17,9 @@ import rq
 from router_support import KEYS, redis_conn, router, run, served_router
 from rq.job import Job, JobStatus
 
+from pdserve.batchstore.batch_queue import VALIDATE_JOB, BatchQueue
+from pdserve.localredis.embedded import free_port
 from pdserve.router.state import RouterState
-from pdserve.scheduler.batch_queue import VALIDATE_JOB, BatchQueue
-from pdserve.scheduler.embedded import free_port
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}}\n'
 FILE_FIELDS = {"id", "object", "bytes", "created_at", "expires_at", "filename", "purpose", "status"}

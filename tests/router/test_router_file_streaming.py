@@ -17,9 +17,9 @@ import pytest
 import redis
 from router_support import KEYS, redis_conn, router, run, served_router
 
+from pdserve.batchstore.files import CHUNK_BYTES, FileStore
 from pdserve.errors import ControlPlaneError, InvalidRequestError
 from pdserve.router.state import RouterState
-from pdserve.scheduler.files import CHUNK_BYTES, FileStore
 
 BOUNDARY = "pdserve-test-boundary"
 

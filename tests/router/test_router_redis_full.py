@@ -8,7 +8,7 @@ import httpx
 import redis
 from router_support import router, run
 
-from pdserve.scheduler.embedded import EmbeddedRedis
+from pdserve.localredis.embedded import EmbeddedRedis
 
 SECRET = b"line-that-must-not-be-echoed"
 LINE = (

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from pdserve.errors import ControlPlaneError
+from pdserve.localredis.embedded_ha import EmbeddedSentinel
 from pdserve.router.sender import InboxSender
 from pdserve.scheduler import GenerateRequest, Keys, RedisSettings
 from pdserve.scheduler.connection import RedisClient, ReplicaWait
-from pdserve.scheduler.embedded_ha import EmbeddedSentinel
 
 pytestmark = pytest.mark.timeout(120)
 KEYS = Keys("wait-test")

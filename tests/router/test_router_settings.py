@@ -19,10 +19,10 @@ import uvicorn
 from router_support import CLUSTER
 
 from pdserve.errors import ConfigError
+from pdserve.localredis.embedded import free_port
 from pdserve.router import RouterSettings, add_router_arguments
 from pdserve.router.server import uvicorn_config
 from pdserve.router.settings import settings_from_args
-from pdserve.scheduler.embedded import free_port
 
 
 def test_defaults_and_router_id() -> None:

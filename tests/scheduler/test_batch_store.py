@@ -11,10 +11,10 @@ import redis
 import redis.asyncio as aioredis
 from redis_support import run
 
+from pdserve.batchstore.batches import BatchObject, BatchStore, window_seconds
+from pdserve.batchstore.files import FileStore
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.scheduler import Keys
-from pdserve.scheduler.batches import BatchObject, BatchStore, window_seconds
-from pdserve.scheduler.files import FileStore
 
 KEYS = Keys("batch-test")
 CHAT = "/v1/chat/completions"

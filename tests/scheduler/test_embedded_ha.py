@@ -1,4 +1,4 @@
-"""The local high-availability Redis (pdserve.scheduler.embedded_ha and `pdserve redis --sentinel /
+"""The local high-availability Redis (pdserve.localredis.embedded_ha and `pdserve redis --sentinel /
 --cluster`), checked with redis-py's own synchronous Sentinel and Cluster clients on real processes."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from pdserve.cli import main
-from pdserve.scheduler.embedded_ha import EmbeddedCluster, EmbeddedSentinel, cluster_info
+from pdserve.localredis.embedded_ha import EmbeddedCluster, EmbeddedSentinel, cluster_info
 
 pytestmark = pytest.mark.timeout(120)
 

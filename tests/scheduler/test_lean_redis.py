@@ -22,8 +22,8 @@ from redis.exceptions import (
     TimeoutError,
 )
 
+from pdserve.localredis.embedded import EmbeddedRedis, free_port
 from pdserve.scheduler.connection import RedisSettings
-from pdserve.scheduler.embedded import EmbeddedRedis, free_port
 from pdserve.scheduler.lean_redis import (
     Arg,
     LeanConnection,

@@ -14,10 +14,10 @@ import time
 
 import pytest
 
+from pdserve.localredis.embedded import EmbeddedRedis
+from pdserve.localredis.embedded_ha import EmbeddedSentinel
 from pdserve.scheduler import Keys, OutboxReader, RedisSettings, RequestDelta, StepOutput
 from pdserve.scheduler.connection import REDIS_OUTAGE_S, ReplicaWait, outage_limit_s, server_identity
-from pdserve.scheduler.embedded import EmbeddedRedis
-from pdserve.scheduler.embedded_ha import EmbeddedSentinel
 from pdserve.scheduler.messages import encode
 from pdserve.scheduler.streams import FIELD, DeltaQueue, Outbox
 

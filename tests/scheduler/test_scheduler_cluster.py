@@ -13,6 +13,8 @@ import redis.asyncio as aioredis
 from redis_support import outbox_deltas
 from router_support import instance
 
+from pdserve.batchstore.files import CHUNK_BYTES, FileStore
+from pdserve.localredis.embedded_ha import EmbeddedCluster
 from pdserve.router.sender import InboxSender
 from pdserve.scheduler import (
     GenerateRequest,
@@ -25,8 +27,6 @@ from pdserve.scheduler import (
     RequestDelta,
 )
 from pdserve.scheduler.connection import server_info
-from pdserve.scheduler.embedded_ha import EmbeddedCluster
-from pdserve.scheduler.files import CHUNK_BYTES, FileStore
 
 pytestmark = pytest.mark.timeout(120)
 KEYS = Keys("cl-test")

@@ -10,6 +10,7 @@ import redis
 import redis.asyncio as aioredis
 from redis_support import run
 
+from pdserve.localredis.embedded import EmbeddedRedis
 from pdserve.scheduler import (
     ANY_ATTEMPT,
     GenerateRequest,
@@ -23,7 +24,6 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
-from pdserve.scheduler.embedded import EmbeddedRedis
 from pdserve.scheduler.streams import DeltaQueue
 
 KEYS = Keys("streams-test")

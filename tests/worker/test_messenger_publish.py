@@ -13,8 +13,8 @@ import redis
 import redis.asyncio as aioredis
 from redis_support import run
 
+from pdserve.localredis.embedded import EmbeddedRedis
 from pdserve.scheduler import Keys, LogprobInfo, RedisSettings, RequestDelta, StepOutput, Usage
-from pdserve.scheduler.embedded import EmbeddedRedis
 from pdserve.scheduler.messages import decode_as
 from pdserve.scheduler.streams import FIELD
 from pdserve.worker.messenger import Messenger, merge_deltas

@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 import redis
 
-from pdserve.scheduler.embedded import (
+from pdserve.localredis.embedded import (
     EmbeddedRedis,
     _ephemeral_ports,
     config_string,

@@ -27,9 +27,9 @@ from typing import Any, Literal, cast
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.batchstore.files import new_id
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.scheduler.connection import RedisClient, redis_errors
-from pdserve.scheduler.files import new_id
 from pdserve.scheduler.keys import Keys
 
 logger = logging.getLogger(__name__)
