@@ -13,7 +13,11 @@ from pdserve.engine.model_init import PRESETS, init_model, weight_shapes
 from pdserve.errors import ConfigError
 
 
-def test_tiny_folder_contents(tiny_model_dir: Path) -> None:
+def test_tiny_folder_contents(tmp_path: Path) -> None:
+    """What the writer leaves (a folder of its own: the shared one gains the weights-digest cache
+    of the first worker that loads it)."""
+    tiny_model_dir = tmp_path / "tiny"
+    init_model(tiny_model_dir, preset="tiny")
     names = {p.name for p in tiny_model_dir.iterdir()}
     assert names == {
         "config.json",
