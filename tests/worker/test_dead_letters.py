@@ -9,8 +9,7 @@ import asyncio
 import time
 import uuid
 
-import pytest
-from redis_support import outbox_deltas, sync_client
+from redis_support import outbox_deltas
 
 from pdserve import status
 from pdserve.engine.config import EngineConfig
@@ -28,16 +27,6 @@ from pdserve.worker.service import WorkerService
 from pdserve.worker.settings import WorkerSettings
 
 ROUTER = "router-dl"
-
-
-@pytest.fixture
-def cluster(redis_url):
-    name = f"dl{uuid.uuid4().hex[:6]}"
-    client = sync_client(redis_url)
-    yield name
-    for key in client.scan_iter(f"pdserve:{name}:*"):
-        client.delete(key)
-    client.close()
 
 
 def generate(request_id: str) -> GenerateRequest:

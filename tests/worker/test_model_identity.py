@@ -12,8 +12,6 @@ import uuid
 from pathlib import Path
 
 import orjson
-import pytest
-from redis_support import sync_client
 
 from pdserve import status
 from pdserve.engine.config import EngineConfig
@@ -64,16 +62,6 @@ async def registration(model_dir: Path, role: str, redis_url: str, cluster: str)
     finally:
         service.begin_drain()
         await asyncio.wait_for(task, 30)
-
-
-@pytest.fixture
-def cluster(redis_url):
-    name = f"ident{uuid.uuid4().hex[:6]}"
-    client = sync_client(redis_url)
-    yield name
-    for key in client.scan_iter(f"pdserve:{name}:*"):
-        client.delete(key)
-    client.close()
 
 
 def test_two_checkpoints_under_one_name_are_never_paired(

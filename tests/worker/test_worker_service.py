@@ -8,7 +8,6 @@ import dataclasses
 import time
 import uuid
 
-import pytest
 from redis_support import outbox_deltas, sync_client
 
 from pdserve.engine.config import EngineConfig
@@ -78,16 +77,6 @@ async def router_registered(redis_url: str, cluster: str):
         RouterInfo(id=ROUTER, host="h", pid=1, port=1, started_at=0.0)
     )
     return redis, keys
-
-
-@pytest.fixture
-def cluster(redis_url):
-    name = f"svc{uuid.uuid4().hex[:6]}"
-    client = sync_client(redis_url)
-    yield name
-    for key in client.scan_iter(f"pdserve:{name}:*"):
-        client.delete(key)
-    client.close()
 
 
 def test_the_registration_says_the_vocabulary_size(redis_url, tmp_path, tiny_model_dir, cluster) -> None:
