@@ -318,7 +318,6 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarra
 DIGEST_CACHE = ".pdserve-weights-digest.json"
 """Beside the weights in a model folder: each weight file's content digest, keyed by the file's
 name, size, mtime and inode, so that a later start reads no weight bytes to identify them."""
-_DIGEST_CHUNK = 8 << 20
 
 
 def weights_digest(model_dir: str | Path) -> str:
@@ -366,11 +365,8 @@ def weights_digest(model_dir: str | Path) -> str:
 
 
 def _file_digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
     with path.open("rb") as f:
-        while chunk := f.read(_DIGEST_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
 
 def _write_digest_cache(path: Path, entries: dict[str, dict[str, object]]) -> None:
