@@ -40,7 +40,7 @@ BatchStatus = Literal[
 FINAL_STATUSES: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
 _FINAL_JSON = orjson.dumps(sorted(FINAL_STATUSES))
 ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
-"""What a batch may run (each line's ``url`` must be the batch's endpoint)."""
+"""What a batch may run (each line's ``url`` is one of them; a file may mix the two)."""
 
 _WINDOW_RE = re.compile(r"(\d+)([smhd])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -302,7 +302,8 @@ def test_a_job_lost_between_pop_and_start_is_run_again(echo_stack, redis_url) ->
 
 def test_an_output_larger_than_the_upload_limit_completes(echo_stack) -> None:
     """``--max-file-bytes`` bounds uploads: a batch worker whose limit is a third of the batch's
-    output still writes it (it raised, and the batch stayed ``finalizing`` forever)."""
+    output still writes it (it raised, and the batch stayed ``finalizing`` forever). A second batch,
+    created while the first runs, completes too, within a minute of its creation."""
     oc = client(echo_stack)
     limit = 20_000
     lines = batch_lines(model_name(echo_stack), 200, max_tokens=32)
@@ -311,6 +312,12 @@ def test_an_output_larger_than_the_upload_limit_completes(echo_stack) -> None:
     batch_id = create(oc, lines)
     worker = batch_worker(echo_stack, "big-output", "--max-file-bytes", str(limit))
     try:
+        wait_for(oc, batch_id, 1)
+        second_lines = lines[1:40:2]  # completions lines
+        second_id = create(oc, second_lines)
+        second_created = time.monotonic()
+        second = wait_final(oc, second_id, 60)
+        second_s = time.monotonic() - second_created
         batch = wait_final(oc, batch_id, 90)
     finally:
         worker.send_signal(signal.SIGTERM)
@@ -320,3 +327,7 @@ def test_an_output_larger_than_the_upload_limit_completes(echo_stack) -> None:
     assert len(content) > 3 * limit
     out = [orjson.loads(line) for line in content.splitlines()]
     assert [o["custom_id"] for o in out] == [line["custom_id"] for line in lines]
+    assert second.status == "completed" and second_s < 60, (second, second_s)
+    assert sorted(o["custom_id"] for o in download(oc, second.output_file_id)) == sorted(
+        line["custom_id"] for line in second_lines
+    )
