@@ -39,10 +39,9 @@ from pdserve.scheduler.connection import (
     NO_WAIT,
     WAIT_REPLICAS_HELP,
     WAIT_TIMEOUT_HELP,
-    RedisSettings,
-    redact_url,
 )
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
+from pdserve.scheduler.redis_settings import RedisSettings, redact_url
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.worker.settings import ENGINES, KV_TRANSFERS, WorkerSettings
 from pdserve.worker.settings import default as worker_default

@@ -23,8 +23,8 @@ from pdserve.scheduler import (
     RouterRegistry,
     wait_for_redis,
 )
-from pdserve.scheduler.connection import redact_url
 from pdserve.scheduler.keys import INBOX_GROUP
+from pdserve.scheduler.redis_settings import redact_url
 
 RECENT_BATCHES = 5
 """How many final batches the status shows (the newest), besides every active one."""

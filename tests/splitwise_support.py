@@ -43,8 +43,9 @@ from pdserve.scheduler.streams import FIELD
 from pdserve.worker.clock import Clock
 from pdserve.worker.engine_client import EngineClient
 from pdserve.worker.handler import RequestHandler
+from pdserve.worker.handoff_context import Context
+from pdserve.worker.kv_writers import Transports
 from pdserve.worker.messenger import Messenger
-from pdserve.worker.splitwise import Context, Transports
 
 BLOCK_SIZE = 4
 BLOCK_BYTES = 32

@@ -366,7 +366,7 @@ def test_status_without_batches_or_rq_says_so_quietly(redis_url, redis_client, c
 
 def test_generate_sampling_flags_come_from_sampling_params(capsys) -> None:
     """Each flagged SamplingParams field is a `generate` flag; a bad value names the flag."""
-    from pdserve.cli import sampling_params
+    from pdserve.cli_commands import sampling_params
     from pdserve.sampling_params import SamplingParams
 
     parser = build_parser()
@@ -589,7 +589,7 @@ def test_up_stops_everything_within_10_s_of_sigterm_with_a_batch_running(tmp_pat
 
 
 def test_status_watch_shows_the_redis_url_without_its_password() -> None:
-    from pdserve.scheduler.connection import redact_url
+    from pdserve.scheduler.redis_settings import redact_url
     from pdserve.status import unreachable
 
     shown = unreachable("redis://:pw-sentinel@h:1/0", ConnectionError("refused"))

@@ -30,9 +30,10 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from pdserve.cli import build_parser, engine_config
+from pdserve.cli import build_parser
+from pdserve.cli_commands import engine_config
 from pdserve.flags import from_args
-from pdserve.scheduler.connection import RedisSettings
+from pdserve.scheduler.redis_settings import RedisSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"

@@ -29,7 +29,7 @@ from pdserve.batchstore.batches import BatchError, BatchObject, BatchStore
 from pdserve.batchstore.files import FileStore
 from pdserve.errors import NotFoundError, PdserveError
 from pdserve.router.app import RouterApp, create_app
-from pdserve.router.protocol import InputLimits
+from pdserve.router.input_limits import InputLimits
 from pdserve.router.state import RouterState
 from pdserve.router.tenants import TENANT_HEADER, TrustedTenant
 from pdserve.scheduler.messages import InstanceInfo

@@ -9,7 +9,8 @@ import orjson
 
 from pdserve.batchstore.batches import ENDPOINTS, BatchError
 from pdserve.errors import InvalidRequestError, PdserveError
-from pdserve.router.protocol import InputLimits, parse_chat, parse_completion
+from pdserve.router.input_limits import InputLimits
+from pdserve.router.protocol import parse_chat, parse_completion
 from pdserve.router.selection import model_len, resolve_model, vocab_size
 from pdserve.scheduler.messages import InstanceInfo
 

@@ -21,8 +21,8 @@ from pdserve.batch.reaper import Reaper
 from pdserve.batch.runner import BatchMetrics, BatchRunner
 from pdserve.batch.settings import BatchWorkerSettings
 from pdserve.batchstore.batch_queue import BatchQueue
-from pdserve.scheduler.connection import RedisSettings
 from pdserve.scheduler.keys import Keys
+from pdserve.scheduler.redis_settings import RedisSettings
 
 logger = logging.getLogger(__name__)
 

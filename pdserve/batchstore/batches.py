@@ -29,8 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.batchstore.files import new_id
 from pdserve.errors import InvalidRequestError, NotFoundError
-from pdserve.scheduler.connection import RedisClient, redis_errors
+from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.keys import Keys
+from pdserve.scheduler.redis_settings import RedisClient
 
 logger = logging.getLogger(__name__)
 

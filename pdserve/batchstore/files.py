@@ -30,8 +30,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.errors import ConflictError, ControlPlaneError, InvalidRequestError, NotFoundError
-from pdserve.scheduler.connection import RedisClient, redis_errors
+from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.keys import Keys
+from pdserve.scheduler.redis_settings import RedisClient
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,13 @@ live set in Redis, sends one message to the pair's inbox and relays the tokens f
 Modules: ``settings`` (RouterSettings, flags), ``server`` (``pdserve router``: uvicorn), ``app``
 (FastAPI app, route registration, operator endpoints), ``state`` (RouterState: what the lifespan
 builds), ``asgi`` (request id, body, the one JSON/error path), ``protocol`` (OpenAI request bodies ->
-SamplingParams), ``tools`` (tool models and calls), ``responses`` (response/SSE bodies), ``errors``
-(exception tree -> OpenAI error bodies), ``policies`` (the policy registry: round_robin, random,
-least_load, prefix_affinity), ``selection`` (model check, pair rules), ``dispatch`` (attempts,
-retries, watcher), ``serving`` and ``tokenize`` (the raw ASGI endpoints).
+SamplingParams), ``request_models`` (the bodies' pydantic models), ``request_fields`` (each field
+honoured, advisory or rejected; bad fields named), ``input_limits`` (size bounds), ``tools`` (tool
+models and calls), ``responses`` (response/SSE bodies), ``errors`` (exception tree -> OpenAI error
+bodies), ``policies`` (the policy registry: round_robin, random, least_load, prefix_affinity),
+``selection`` (model check, pair rules), ``dispatch`` (shared routing state, the watcher),
+``generation`` (one choice's attempts, retries, migrations), ``serving`` and ``tokenize`` (the raw
+ASGI endpoints).
 
 Importing this package loads no FastAPI or uvicorn: ``create_app`` and ``run_router`` import them
 when called.

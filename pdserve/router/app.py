@@ -35,13 +35,12 @@ from pdserve.errors import PdserveError
 from pdserve.router.asgi import JsonResponse, error_response, send_error
 from pdserve.router.batch_api import add_batch_routes
 from pdserve.router.errors import AuthenticationError, ModelNotFoundError, NoCapacityError, error_body
-from pdserve.router.protocol import (
+from pdserve.router.protocol import parse_chat, parse_completion
+from pdserve.router.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    parse_chat,
-    parse_completion,
 )
 from pdserve.router.serving import GenerateEndpoint
 from pdserve.router.settings import RouterSettings

@@ -30,7 +30,7 @@ from pdserve.batchstore.files import CHUNK_BYTES, HOLD_GRACE_S, PURPOSES, FileOb
 from pdserve.errors import ControlPlaneError, InvalidRequestError, NotFoundError, PdserveError
 from pdserve.router.asgi import ClientGone, JsonResponse, Message, Receive, error_response, read_body
 from pdserve.router.errors import BodyTooLargeError, NoCapacityError
-from pdserve.router.protocol import validate_body
+from pdserve.router.request_fields import validate_body
 from pdserve.router.state import RouterState
 from pdserve.router.strict import StrictModel
 from pdserve.router.tenants import tenant_of

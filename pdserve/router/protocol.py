@@ -1,14 +1,9 @@
-"""OpenAI request bodies: parsing, type checks, and conversion into what a worker runs.
+"""OpenAI request bodies parsed into what a worker runs: its prompts and one SamplingParams per choice.
 
-pydantic checks only types (strict: ``"5"`` or ``true`` is not a number); value ranges are checked
-by :class:`~pdserve.sampling_params.SamplingParams` so they live in one place, except the
-sizes of ``stop`` and ``stop_token_ids``, which are router settings (:class:`InputLimits`), and token
-ids against the vocabulary, which only the live instances know (:meth:`ParsedRequest.check_vocab`).
-Every field is accounted for (:class:`FieldPolicy`: honoured, advisory, rejected); an unknown one is
-refused. Every problem raises :class:`InvalidRequestError` whose ``param`` names the field.
-
-The plain sampling fields of both bodies (:data:`SAMPLING_FIELDS`) are generated from
-SamplingParams's declarations (sampling_params.py) and map onto its fields of the same name.
+A body is checked against its model's types (request_models.py), its fields' policies
+(request_fields.py), the router's size bounds (:class:`InputLimits`) and SamplingParams's value
+ranges; its token ids against the vocabulary later, once the live instances tell its size
+(:meth:`ParsedRequest.check_vocab`). Every problem raises InvalidRequestError naming the field.
 
 Chat requests without ``max_tokens``/``max_completion_tokens`` (and completions with an explicit
 ``"max_tokens": null``) are sent with ``fill_max_tokens``: the worker then generates up to
@@ -19,420 +14,28 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import typing
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
-
-import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
-from pydantic.json_schema import SkipJsonSchema
+from typing import Any, Literal
 
 from pdserve.errors import InvalidRequestError, RequestTooLongError
+from pdserve.router.input_limits import InputLimits, check_prompt_chars
 from pdserve.router.jsonlimits import check_depth, load_json
-from pdserve.router.strict import StrictModel
-from pdserve.router.tools import (
-    NamedToolChoice,
-    Tool,
-    ToolCall,
-    ToolUse,
-    template_call,
-    template_tools,
-    tool_use_of,
+from pdserve.router.request_fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    MESSAGE_FIELDS,
+    FieldPolicy,
+    refuse,
+    unknown_field,
+    validate_body,
 )
-from pdserve.sampling_params import MAX_TOKEN_ID, SamplingField, SamplingParams, declared
-
-if TYPE_CHECKING:
-    from pdserve.router.settings import RouterSettings
+from pdserve.router.request_models import ChatCompletionRequest, ChatMessage, CommonRequest, CompletionRequest
+from pdserve.router.tools import ToolUse, template_call, template_tools, tool_use_of
+from pdserve.sampling_params import MAX_TOKEN_ID, SamplingParams
 
 MAX_N = 16
 """Most choices per prompt (``n``); each is an independent request to the cluster."""
 _UNBOUNDED = 2**31 - 1  # "no max_tokens" in SamplingParams: validated so, then replaced by the worker
 _SEED_SPAN = 2**64
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldPolicy:
-    """What one request object does with each of its fields: every field of OpenAI's request
-    models (and of pdserve's vLLM-style extras) is in exactly one class.
-
-    ``honoured``: accepted and acted on. ``advisory``: accepted, type-checked and ignored, only where
-    OpenAI documents the field as a hint or as bookkeeping on its side that changes no output
-    (``user``, ``metadata``, ``store``: pdserve stores nothing, ``service_tier``: there is one tier,
-    the prompt-cache hints). ``rejected``: a non-null value is a 400 naming the field, with the
-    reason given here (``None``/``null`` means "not given"). A field in none of them is a 400 too.
-    """
-
-    honoured: frozenset[str]
-    advisory: frozenset[str] = frozenset()
-    rejected: Mapping[str, str] = dataclasses.field(default_factory=dict)
-
-    @property
-    def fields(self) -> frozenset[str]:
-        return self.honoured | self.advisory | frozenset(self.rejected)
-
-
-SAMPLING_FIELDS: dict[str, SamplingField] = {f.name: how for f, how in declared() if how.request is not None}
-"""The plain sampling fields of both bodies: the SamplingParams fields of the same name."""
-EXTRAS = frozenset(
-    {
-        *(name for name, how in SAMPLING_FIELDS.items() if how.request == "extension"),
-        "return_token_ids",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "response_format",  # OpenAI's on chat; on completions as vLLM takes it
-    }
-)
-"""pdserve's vLLM-style extensions (honoured; OpenAI clients send them through ``extra_body``)."""
-_COMMON = frozenset(
-    {
-        "model",
-        "n",
-        "stream",
-        "stream_options",
-        "max_tokens",
-        *(name for name, how in SAMPLING_FIELDS.items() if how.request == "openai"),
-        "response_format",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-    }
-)
-_GUIDED = {"guided_grammar": "pdserve takes no grammars: use guided_regex, guided_choice or a JSON schema"}
-_FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
-
-COMPLETION_FIELDS = FieldPolicy(
-    honoured=_COMMON | EXTRAS | {"prompt", "echo", "logprobs", "best_of"},
-    advisory=frozenset({"user"}),
-    rejected={"suffix": "pdserve does not fill in text before a suffix", **_GUIDED},
-)
-_CHAT_ADVISORY = frozenset(
-    {
-        "user",
-        "metadata",
-        "store",
-        "service_tier",
-        "safety_identifier",
-        "prompt_cache_key",
-        "prompt_cache_retention",
-        "prompt_cache_options",
-    }
-)
-_CHAT_REJECTED = {
-    "functions": _FUNCTIONS,
-    "function_call": _FUNCTIONS,
-    "audio": "the model produces text only",
-    "modalities": 'the model produces text only (["text"] is accepted)',
-    "prediction": "pdserve does not use predicted outputs",
-    "web_search_options": "pdserve does not search the web",
-    "reasoning_effort": "the model does not reason",
-    "verbosity": "pdserve does not steer verbosity",
-    "moderation": "pdserve runs no moderation",
-    **_GUIDED,
-}
-CHAT_FIELDS = FieldPolicy(
-    honoured=_COMMON
-    | EXTRAS
-    | {
-        "messages",
-        "max_completion_tokens",
-        "logprobs",
-        "top_logprobs",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-    },
-    advisory=_CHAT_ADVISORY,
-    rejected=_CHAT_REJECTED,
-)
-MESSAGE_FIELDS = FieldPolicy(
-    honoured=frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}),
-    rejected={
-        "function_call": "deprecated by OpenAI: use tool_calls",
-        "audio": "the model takes text only",
-        "refusal": "the model takes text content only",
-    },
-)
-STREAM_OPTIONS_FIELDS = FieldPolicy(
-    honoured=frozenset({"include_usage"}), advisory=frozenset({"include_obfuscation"})
-)
-TEXT_PART_FIELDS = FieldPolicy(
-    honoured=frozenset({"type", "text"}), advisory=frozenset({"prompt_cache_breakpoint"})
-)
-_DEFAULTS: dict[str, Any] = {"modalities": ["text"]}
-"""Rejected fields whose value here means "the default" and is accepted."""
-
-_M = TypeVar("_M", bound=BaseModel)
-Rejected = SkipJsonSchema[Any]
-"""A field that is refused when given (kept out of /openapi.json: clients should not send it)."""
-
-
-class StreamOptions(StrictModel):
-    include_usage: bool | None = None
-    include_obfuscation: bool | None = None
-
-
-class JsonSchemaFormat(StrictModel):
-    """``response_format.json_schema``. ``strict`` is accepted and the schema is always enforced."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-    name: str
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(StrictModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-def _sampling_body() -> type[StrictModel]:
-    """A model of :data:`SAMPLING_FIELDS`, each optional (``None`` = SamplingParams's default), typed
-    as its SamplingParams field unless declared otherwise (``body_type``)."""
-    hints = typing.get_type_hints(SamplingParams)
-    fields: dict[str, Any] = {
-        name: ((how.body_type or hints[name]) | None, Field(None, description=how.help))
-        for name, how in SAMPLING_FIELDS.items()
-    }
-    return create_model("SamplingBody", __base__=StrictModel, **fields)
-
-
-if TYPE_CHECKING:  # the fields are made at runtime: read them with _Common.given_sampling()
-    _SamplingBody = StrictModel
-else:
-    _SamplingBody = _sampling_body()
-
-
-class _Common(_SamplingBody):
-    """Fields shared by both endpoints (OpenAI's plus vLLM-style extras). ``None`` = default."""
-
-    model: str | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    return_token_ids: bool | None = None
-    """Extension (as vLLM's): each choice also carries the generated ``token_ids``."""
-    response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    """Structured output (``response_format`` as OpenAI's, ``guided_*`` as vLLM's): :func:`_guided`."""
-    guided_grammar: Rejected = None
-
-    def given_sampling(self) -> dict[str, Any]:
-        """The plain sampling fields the body sets (not null), by SamplingParams field name (a new
-        dict each call)."""
-        return {
-            name: value
-            for name in self.model_fields_set
-            if name in SAMPLING_FIELDS and (value := getattr(self, name)) is not None
-        }
-
-
-class CompletionRequest(_Common):
-    """``POST /v1/completions``. ``prompt``: a string, a list of strings, token ids, or a list of
-    token-id lists; each prompt gets ``n`` choices."""
-
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool | None = None
-    """The completion's text starts with the prompt's; with ``logprobs``, its logprobs cover the
-    prompt's tokens first (the first one's null). ``max_tokens`` 0 is allowed then: only the prompt."""
-    best_of: int | None = None
-    """Accepted when it equals ``n`` (the default): choosing the best of more samples is not done."""
-    suffix: Rejected = None
-
-
-class ContentPart(BaseModel):
-    """One part of a message's content; only ``text`` parts are taken (other types: a 400)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)  # other part types have other fields
-    type: str
-    text: str | None = None
-    prompt_cache_breakpoint: Any = None
-
-
-class ChatMessage(StrictModel):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    """Which call a ``tool`` message answers."""
-    function_call: Rejected = None
-    audio: Rejected = None
-    refusal: Rejected = None
-
-
-class ChatCompletionRequest(_Common):
-    """``POST /v1/chat/completions``. The worker applies the model's chat template."""
-
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
-    prompt_cache_options: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    functions: Rejected = None
-    function_call: Rejected = None
-    audio: Rejected = None
-    modalities: Rejected = None
-    prediction: Rejected = None
-    web_search_options: Rejected = None
-    reasoning_effort: Rejected = None
-    verbosity: Rejected = None
-    moderation: Rejected = None
-
-
-class TokenizeRequest(StrictModel):
-    """vLLM's two forms in one: ``prompt`` (completions) or ``messages`` (chat, with ``tools``)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    tools: list[Tool] | None = None
-    add_special_tokens: bool | None = None
-    """Default: true for a prompt, false for chat (the template writes them)."""
-    add_generation_prompt: bool | None = None
-    """Chat only (default true): end with the assistant's turn opening, as generation does."""
-    return_token_strs: bool | None = None
-    """Only false is accepted: per-token strings are not returned."""
-
-
-class DetokenizeRequest(StrictModel):
-    model: str | None = None
-    tokens: list[int]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class InputLimits:
-    """Sizes of request fields that the router bounds (from ``--max-stop-strings`` and friends)."""
-
-    max_stop_strings: int
-    max_stop_string_len: int
-    max_stop_token_ids: int
-    max_logit_bias: int
-    max_prompts: int
-    """Most choices (prompts x n) one request fans out to."""
-    max_grammar_bytes: int = 64 * 1024
-    """Largest structured-output constraint or ``tools``, in bytes of JSON (a worker compiles it)."""
-    chars_per_token: int = 32
-    """``--max-prompt-chars-per-token``: see :func:`check_prompt_chars`."""
-
-    @classmethod
-    def of(cls, settings: RouterSettings) -> InputLimits:
-        return cls(
-            settings.max_stop_strings,
-            settings.max_stop_string_len,
-            settings.max_stop_token_ids,
-            settings.max_logit_bias,
-            settings.max_prompts_per_request,
-            settings.max_grammar_bytes,
-            settings.max_prompt_chars_per_token,
-        )
-
-    def check(self, req: _Common) -> None:
-        """Raise InvalidRequestError naming ``stop``, ``stop_token_ids``, ``logit_bias`` or a grammar
-        field when one is too large."""
-        self.check_grammars(req)
-        given = req.given_sampling()
-        stop, stop_token_ids, logit_bias = (
-            given.get("stop"),
-            given.get("stop_token_ids"),
-            given.get("logit_bias"),
-        )
-        stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > self.max_stop_strings:
-            raise InvalidRequestError(
-                f"at most {self.max_stop_strings} stop strings are allowed, got {len(stops)}", "stop"
-            )
-        longest = max(map(len, stops), default=0)
-        if longest > self.max_stop_string_len:
-            raise InvalidRequestError(
-                f"a stop string may be at most {self.max_stop_string_len} characters, got {longest}", "stop"
-            )
-        if stop_token_ids is not None and len(stop_token_ids) > self.max_stop_token_ids:
-            raise InvalidRequestError(
-                f"at most {self.max_stop_token_ids} stop_token_ids are allowed, got {len(stop_token_ids)}",
-                "stop_token_ids",
-            )
-        if logit_bias is not None and len(logit_bias) > self.max_logit_bias:
-            raise InvalidRequestError(
-                f"at most {self.max_logit_bias} logit_bias entries are allowed, got {len(logit_bias)}",
-                "logit_bias",
-            )
-
-    def check_grammars(self, req: _Common) -> None:
-        """Raise InvalidRequestError naming the structured-output field (or ``tools``) whose JSON is
-        larger than ``max_grammar_bytes``: a worker compiles it, and a huge schema stalls its engine."""
-        fmt = req.response_format
-        tools = getattr(req, "tools", None)  # chat only
-        for param, value in (
-            (
-                "response_format.json_schema.schema",
-                fmt.json_schema.schema_ if fmt and fmt.json_schema else None,
-            ),
-            ("guided_json", req.guided_json),
-            ("guided_regex", req.guided_regex),
-            ("guided_choice", req.guided_choice),
-            ("tools", [t.model_dump(exclude_none=True) for t in tools] if tools else None),
-        ):
-            if value is not None and (size := json_bytes(value)) > self.max_grammar_bytes:
-                raise InvalidRequestError(
-                    f"{param} is {size} bytes of JSON; at most {self.max_grammar_bytes} are allowed "
-                    "(--max-grammar-bytes)",
-                    param,
-                )
-
-    def check_choices(self, num_prompts: int, n: int) -> None:
-        """Raise InvalidRequestError naming ``prompt`` (or ``n``) when prompts x n is above the bound."""
-        if num_prompts * n > self.max_prompts:
-            what = f"{num_prompts} prompts x n = {n}" if num_prompts > 1 else f"n = {n}"
-            raise InvalidRequestError(
-                f"a request may ask for at most {self.max_prompts} choices (prompts x n), got {what}",
-                "prompt" if num_prompts > 1 else "n",
-            )
-
-
-def json_bytes(value: Any) -> int:
-    """The size of ``value`` as compact JSON (a string: its UTF-8 bytes)."""
-    if isinstance(value, str):
-        return len(value.encode())
-    try:
-        return len(orjson.dumps(value))
-    except (TypeError, orjson.JSONEncodeError):  # an integer past 64 bits, nesting past 255
-        return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
-
-
-def check_prompt_chars(chars: int, param: str, max_model_len: int | None, chars_per_token: int) -> None:
-    """Raise RequestTooLongError naming ``param`` when ``chars`` characters cannot fit into
-    ``max_model_len`` tokens (None: no instance said, nothing to check).
-
-    Judged without a tokenizer: the prompt would need tokens of more than ``chars_per_token``
-    characters *on average*; real text averages about 4 and no usual vocabulary has tokens near 32,
-    so a prompt that could fit is never refused. Refusing here keeps a worker from tokenizing
-    megabytes on its engine thread only to refuse them (it would stall, and be retried elsewhere).
-    """
-    if max_model_len is not None and chars > max_model_len * chars_per_token:
-        raise RequestTooLongError(
-            f"this model's maximum context length is {max_model_len} tokens; {param} holds {chars} "
-            f"characters, more than {max_model_len} tokens of up to {chars_per_token} characters "
-            "(--max-prompt-chars-per-token) can hold",
-            param,
-        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -591,81 +194,10 @@ def parse_chat(body: bytes, limits: InputLimits) -> ParsedRequest:
     return parsed
 
 
-def _validate(model: type[_Common], body: bytes, policy: FieldPolicy) -> Any:
+def _validate(model: type[CommonRequest], body: bytes, policy: FieldPolicy) -> Any:
     req = validate_body(model, body)
-    _refuse(req, policy)
+    refuse(req, policy)
     return req
-
-
-def validate_body(model: type[_M], body: bytes) -> _M:
-    """``body`` as ``model``; InvalidRequestError naming the first bad field."""
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise _invalid(e) from None
-
-
-def _unknown(param: str) -> str:
-    return f"unknown field {param} (pdserve refuses the fields it does not know rather than ignore them)"
-
-
-def _refuse(obj: BaseModel, policy: FieldPolicy, prefix: str = "") -> None:
-    """Raise InvalidRequestError naming the first rejected field that ``obj`` has a value for."""
-    given = obj.model_fields_set  # a field the body does not give holds its default
-    if given.isdisjoint(policy.rejected):
-        return
-    for name, why in policy.rejected.items():
-        if name not in given:
-            continue
-        value = getattr(obj, name)
-        if value is not None and (name not in _DEFAULTS or value != _DEFAULTS[name]):
-            raise InvalidRequestError(f"{prefix}{name} is not supported: {why}", prefix + name)
-
-
-def _invalid(e: ValidationError) -> InvalidRequestError:
-    err = e.errors(include_url=False)[0]
-    if err["type"] == "json_invalid":
-        return InvalidRequestError(f"request body is not valid JSON: {err['msg']}", None)
-    if not err["loc"]:
-        return InvalidRequestError("request body must be a JSON object", None)
-    param, in_union = _param(err["loc"])
-    if err["type"] == "missing":
-        return InvalidRequestError(f"{param} is required", param)
-    if err["type"] == "extra_forbidden":
-        return InvalidRequestError(_unknown(param), param)
-    field = param.rsplit(".", 1)[-1]
-    if in_union and field in _UNION_SHAPES:
-        return InvalidRequestError(f"invalid {param}: expected {_UNION_SHAPES[field]}", param)
-    return InvalidRequestError(f"invalid {param}: {err['msg']}", param)
-
-
-_UNION_SHAPES = {
-    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
-    "guided_json": "a JSON schema (an object, or a string holding one)",
-    "stop": "a string or a list of strings",
-    "content": "a string or a list of text content parts",
-    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
-}
-
-
-def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
-    """``('messages', 0, 'content', 'str')`` -> ``('messages[0].content', True)``: the field path, and
-    whether pydantic tagged the error with a union member (then its message describes one member only).
-    """
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-", "literal[")):
-            return out, True
-        elif part[:1].isupper():  # a model member of a union (NamedToolChoice): its fields follow
-            continue
-        else:
-            out += f".{part}" if out else part
-    return out, False
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
 def _prompts(prompt: str | list[Any]) -> list[ParsedPrompt]:
@@ -693,7 +225,7 @@ def _token_ids(ids: list[int]) -> list[int]:
 def message_dict(index: int, m: ChatMessage) -> dict[str, Any]:
     """Message ``index`` as the chat template takes it (text parts joined; refused fields: a 400)."""
     where = f"messages[{index}]"
-    _refuse(m, MESSAGE_FIELDS, where + ".")
+    refuse(m, MESSAGE_FIELDS, where + ".")
     content = m.content
     if isinstance(content, list):
         texts = []
@@ -707,7 +239,7 @@ def message_dict(index: int, m: ChatMessage) -> dict[str, Any]:
                 raise InvalidRequestError("a text content part needs its text", f"{where}.content[{j}].text")
             if part.model_extra:
                 name = f"{where}.content[{j}].{next(iter(part.model_extra))}"
-                raise InvalidRequestError(_unknown(name), name)
+                raise InvalidRequestError(unknown_field(name), name)
             texts.append(part.text)
         content = "".join(texts)
     out: dict[str, Any] = {"role": m.role, "content": content}
@@ -723,7 +255,7 @@ def message_dict(index: int, m: ChatMessage) -> dict[str, Any]:
 
 
 def _sampling(
-    req: _Common,
+    req: CommonRequest,
     max_tokens: int | None,
     max_name: str,
     logprobs: int | None,
@@ -748,7 +280,7 @@ def _sampling(
         raise InvalidRequestError(e.message.replace(e.param or "", renamed or "", 1), renamed) from None
 
 
-def _guided(req: _Common) -> dict[str, Any] | None:
+def _guided(req: CommonRequest) -> dict[str, Any] | None:
     """The structured-output constraint (``SamplingParams.guided``) of ``response_format`` or one
     ``guided_*`` field; at most one of them may constrain the output."""
     found: list[tuple[str, dict[str, Any]]] = []
@@ -792,7 +324,7 @@ def _guided(req: _Common) -> dict[str, Any] | None:
 
 def _parsed(
     kind: Literal["completion", "chat"],
-    req: _Common,
+    req: CommonRequest,
     params: SamplingParams,
     unbounded: bool,
     prompts: list[ParsedPrompt],

@@ -28,9 +28,10 @@ from pdserve.router.asgi import (
     send_error,
     send_json,
 )
-from pdserve.router.dispatch import RoutedGeneration
 from pdserve.router.errors import UpstreamError, error_event, error_status
-from pdserve.router.protocol import InputLimits, ParsedRequest
+from pdserve.router.generation import RoutedGeneration, open_generations
+from pdserve.router.input_limits import InputLimits
+from pdserve.router.protocol import ParsedRequest
 from pdserve.router.responses import DONE, Choice, ResponseBuilder
 from pdserve.router.responses import timing as timing_fields
 from pdserve.router.selection import model_len, resolve_model, vocab_size
@@ -127,7 +128,7 @@ class GenerateEndpoint:
     ) -> str:
         """Serve an admitted request; returns the kind of the error that ended it ('' for none)."""
         try:
-            gens = await self.state.dispatcher.open(parsed, rid, model, arrived)
+            gens = await open_generations(self.state.dispatcher, parsed, rid, model, arrived)
         except Exception as e:
             await send_error(send, e, client_rid)
             return error_kind(e)

@@ -18,13 +18,13 @@ from pdserve.flags import add_flags, from_args, setting
 from pdserve.router.policies import POLICY_NAMES, PrefixWeights
 from pdserve.router.prefix_lookup import INDEX_KINDS
 from pdserve.scheduler.connection import (
-    DEFAULT_URL,
     NO_WAIT,
     WAIT_REPLICAS_HELP,
     WAIT_TIMEOUT_HELP,
     ReplicaWait,
 )
 from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
+from pdserve.scheduler.redis_settings import DEFAULT_URL
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 
 MIB = 1024 * 1024

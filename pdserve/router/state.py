@@ -20,11 +20,12 @@ from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import NoCapacityError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.settings import RouterSettings
-from pdserve.scheduler.connection import RedisClient, RedisSettings, outage_limit_s, wait_for_redis
+from pdserve.scheduler.connection import outage_limit_s, wait_for_redis
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import RouterInfo
+from pdserve.scheduler.outbox_reader import OutboxReader
+from pdserve.scheduler.redis_settings import RedisClient, RedisSettings
 from pdserve.scheduler.registry import Heartbeat, InstanceRegistry, LiveSetCache, RouterRegistry
-from pdserve.scheduler.streams import OutboxReader
 
 logger = logging.getLogger(__name__)
 

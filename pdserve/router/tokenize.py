@@ -18,13 +18,9 @@ import orjson
 from pdserve.errors import InvalidRequestError, RequestTimeoutError
 from pdserve.router.asgi import ClientGone, Receive, Scope, Send, read_body, request_id, send_error, send_json
 from pdserve.router.errors import NoCapacityError, UpstreamError
-from pdserve.router.protocol import (
-    DetokenizeRequest,
-    ParsedPrompt,
-    TokenizeRequest,
-    message_dict,
-    validate_body,
-)
+from pdserve.router.protocol import ParsedPrompt, message_dict
+from pdserve.router.request_fields import validate_body
+from pdserve.router.request_models import DetokenizeRequest, TokenizeRequest
 from pdserve.router.selection import model_len, resolve_model
 from pdserve.router.state import RouterState
 from pdserve.router.tools import template_tools, tool_use_of

@@ -14,9 +14,7 @@ from typing import Any
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "connection": (
         "MIN_REDIS_VERSION",
-        "RedisSettings",
         "check_server_version",
-        "redis_address",
         "redis_errors",
         "wait_for_redis",
     ),
@@ -58,7 +56,12 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "decode_message",
         "encode",
     ),
+    "outbox_reader": ("OutboxReader",),
     "prefix_index": ("PrefixIndex",),
+    "redis_settings": (
+        "RedisSettings",
+        "redis_address",
+    ),
     "registry": (
         "DEFAULT_TTL_S",
         "Heartbeat",
@@ -78,7 +81,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Entry",
         "Inbox",
         "Outbox",
-        "OutboxReader",
         "send_to_inbox",
     ),
 }

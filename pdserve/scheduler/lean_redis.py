@@ -31,7 +31,8 @@ from redis._parsers.base import BaseParser
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
-from pdserve.scheduler.connection import RedisClient, connection_kwargs
+from pdserve.scheduler.connection import connection_kwargs
+from pdserve.scheduler.redis_settings import RedisClient
 
 logger = logging.getLogger(__name__)
 

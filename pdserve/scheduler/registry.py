@@ -15,13 +15,13 @@ from typing import Any, Generic, TypeVar, cast
 
 from pdserve.errors import ControlPlaneError, MessageError
 from pdserve.scheduler.connection import (
-    RedisClient,
     RedisObserver,
     redis_errors,
     require_bytes_responses,
 )
 from pdserve.scheduler.keys import Keys, Kind
 from pdserve.scheduler.messages import InstanceInfo, RouterInfo, decode_as, encode
+from pdserve.scheduler.redis_settings import RedisClient
 from pdserve.scheduler.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)

@@ -4,9 +4,9 @@ Roles:
 
 * ``mixed`` (and ``decode`` when asked to serve a whole request): generate, publish every step's
   tokens to the routers' outboxes (one XADD per router per step).
-* ``prefill``: the prefill side of the splitwise hand-off (splitwise.py).
-* ``decode``: the decode side: reserve blocks on request, take the prefilled sequence over and
-  decode it as an ordinary request of this instance.
+* ``prefill``: the prefill side of the splitwise hand-off (prefill_handoff.py).
+* ``decode``: the decode side (decode_lease.py): reserve blocks on request, take the prefilled
+  sequence over and decode it as an ordinary request of this instance.
 
 Every request ends with an event in its router's outbox, those of a router that is gone too (a
 retryable failure nobody may read: if Redis only lost the router's key, the router retries). The
@@ -43,8 +43,9 @@ from pdserve.scheduler import (
     Usage,
 )
 from pdserve.worker.engine_client import Prepared
+from pdserve.worker.handoff_context import Context
 from pdserve.worker.messenger import Owner, engine_key, merge_deltas, to_delta
-from pdserve.worker.splitwise import Context, Splitwise
+from pdserve.worker.splitwise import Splitwise
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,8 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
-from pdserve.scheduler.connection import NO_WAIT, RedisClient, ReplicaWait, redis_errors
+from pdserve.scheduler.connection import NO_WAIT, ReplicaWait, redis_errors
+from pdserve.scheduler.redis_settings import RedisClient
 
 log = logging.getLogger(__name__)
 

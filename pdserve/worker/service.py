@@ -44,11 +44,12 @@ from pdserve.tokenizer import pack_tokenizer_files, read_tokenizer_files
 from pdserve.worker.clock import Clock
 from pdserve.worker.engine_client import EngineClient, PrepareLimits
 from pdserve.worker.handler import RequestHandler
+from pdserve.worker.handoff_context import Context
+from pdserve.worker.kv_writers import Transports
 from pdserve.worker.messenger import Messenger
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.prefix_publisher import PrefixPublisher
 from pdserve.worker.settings import WorkerSettings
-from pdserve.worker.splitwise import Context, Transports
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from pdserve.engine.model_store import MODEL_HELP
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
 from pdserve.scheduler.connection import (
-    DEFAULT_URL,
     NO_WAIT,
     WAIT_REPLICAS_HELP,
     WAIT_TIMEOUT_HELP,
     ReplicaWait,
 )
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
+from pdserve.scheduler.redis_settings import DEFAULT_URL
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.scheduler.streams import MAX_DELIVERIES
 

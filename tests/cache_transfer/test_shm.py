@@ -199,7 +199,7 @@ def test_reclaiming_a_name_refuses_a_live_owner_and_takes_a_dead_ones(prefix) ->
 
 def test_a_writer_knows_when_its_segment_name_leads_to_a_new_segment(prefix) -> None:
     """A decode instance restarted under its id makes a new segment of the same name: a writer
-    mapped to the old one must be reopened (``worker/splitwise.Transports``), never written through."""
+    mapped to the old one must be reopened (``worker/kv_writers.Transports``), never written through."""
     name = prefix + "decode-1"
     first = shm.create_segment(name, MiB)
     writer = shm.ShmWriter(name)

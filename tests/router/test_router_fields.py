@@ -11,8 +11,8 @@ import pytest
 import redis
 from router_support import FakeWorker, instance, redis_conn, router, run
 
-from pdserve.router import protocol
-from pdserve.router.protocol import (
+from pdserve.router import request_models
+from pdserve.router.request_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     EXTRAS,
@@ -51,31 +51,31 @@ CASES = [
     (
         "completions",
         COMPLETION_FIELDS,
-        protocol.CompletionRequest,
+        request_models.CompletionRequest,
         openai_fields(openai.types.CompletionCreateParams),
     ),
     (
         "chat",
         CHAT_FIELDS,
-        protocol.ChatCompletionRequest,
+        request_models.ChatCompletionRequest,
         openai_fields(openai.types.chat.CompletionCreateParams),
     ),
     (
         "message",
         MESSAGE_FIELDS,
-        protocol.ChatMessage,
+        request_models.ChatMessage,
         openai_fields(openai.types.chat.ChatCompletionMessageParam),
     ),
     (
         "stream_options",
         STREAM_OPTIONS_FIELDS,
-        protocol.StreamOptions,
+        request_models.StreamOptions,
         openai_fields(openai.types.chat.ChatCompletionStreamOptionsParam),
     ),
     (
         "text part",
         TEXT_PART_FIELDS,
-        protocol.ContentPart,
+        request_models.ContentPart,
         openai_fields(openai.types.chat.ChatCompletionContentPartTextParam),
     ),
 ]
@@ -193,7 +193,8 @@ def test_non_finite_numbers_are_a_400_naming_the_field(field: str, value: str) -
     """JSON has no infinities, but 1e309 parses as one (and pydantic-core takes Infinity/NaN): the
     router refuses them rather than let a worker meet them."""
     from pdserve.errors import InvalidRequestError
-    from pdserve.router.protocol import InputLimits, parse_completion
+    from pdserve.router.input_limits import InputLimits
+    from pdserve.router.protocol import parse_completion
 
     body = f'{{"prompt": "hi", "{field}": {value}}}'.encode()
     with pytest.raises(InvalidRequestError) as info:

@@ -945,7 +945,9 @@ def test_a_slow_reader_is_not_taken_for_a_stalled_worker(redis_url: str, redis_c
     """The stall check measures the worker's progress (when the router receives its deltas), not
     the client's pace: a caller that pauses past stall_timeout_s while the worker keeps producing
     gets its whole text from the same attempt, with no migration."""
-    from pdserve.router.protocol import InputLimits, parse_completion
+    from pdserve.router.generation import open_generations
+    from pdserve.router.input_limits import InputLimits
+    from pdserve.router.protocol import parse_completion
 
     texts = [f" t{i}" for i in range(12)]
 
@@ -961,7 +963,7 @@ def test_a_slow_reader_is_not_taken_for_a_stalled_worker(redis_url: str, redis_c
             d = dispatcher(client)
             limits = InputLimits.of(client.app.state.router.settings)  # type: ignore[attr-defined]
             parsed = parse_completion(b'{"prompt": "x", "stream": true}', limits)
-            [gen] = await d.open(parsed, "slow-reader", "tiny")
+            [gen] = await open_generations(d, parsed, "slow-reader", "tiny")
             try:
                 got = [(await gen.next()).text]
                 await asyncio.sleep(0.9)  # the worker keeps producing meanwhile

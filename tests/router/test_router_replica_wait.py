@@ -16,7 +16,8 @@ from pdserve.errors import ControlPlaneError
 from pdserve.localredis.embedded_ha import EmbeddedSentinel
 from pdserve.router.sender import InboxSender
 from pdserve.scheduler import GenerateRequest, Keys, RedisSettings
-from pdserve.scheduler.connection import RedisClient, ReplicaWait
+from pdserve.scheduler.connection import ReplicaWait
+from pdserve.scheduler.redis_settings import RedisClient
 
 pytestmark = pytest.mark.timeout(120)
 KEYS = Keys("wait-test")

@@ -11,7 +11,8 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.errors import InvalidRequestError
-from pdserve.router.protocol import InputLimits, parse_chat
+from pdserve.router.input_limits import InputLimits
+from pdserve.router.protocol import parse_chat
 from pdserve.router.tools import ToolUse
 from pdserve.tokenizer import Tokenizer
 

@@ -23,7 +23,6 @@ from redis.exceptions import (
 )
 
 from pdserve.localredis.embedded import EmbeddedRedis, free_port
-from pdserve.scheduler.connection import RedisSettings
 from pdserve.scheduler.lean_redis import (
     Arg,
     LeanConnection,
@@ -33,6 +32,7 @@ from pdserve.scheduler.lean_redis import (
     pack,
     pack_head,
 )
+from pdserve.scheduler.redis_settings import RedisSettings
 
 T = TypeVar("T")
 NAME = "lean-redis-test"

@@ -19,7 +19,8 @@ from pdserve.localredis.embedded_ha import EmbeddedSentinel
 from pdserve.scheduler import Keys, OutboxReader, RedisSettings, RequestDelta, StepOutput
 from pdserve.scheduler.connection import REDIS_OUTAGE_S, ReplicaWait, outage_limit_s, server_identity
 from pdserve.scheduler.messages import encode
-from pdserve.scheduler.streams import FIELD, DeltaQueue, Outbox
+from pdserve.scheduler.outbox_reader import DeltaQueue
+from pdserve.scheduler.streams import FIELD, Outbox
 
 pytestmark = pytest.mark.timeout(120)
 KEYS = Keys("failover-test")

@@ -24,7 +24,7 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
-from pdserve.scheduler.streams import DeltaQueue
+from pdserve.scheduler.outbox_reader import DeltaQueue
 
 KEYS = Keys("streams-test")
 

@@ -24,10 +24,10 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import GenerateRequest
 from pdserve.scheduler.tasks import cancel_and_wait
-from pdserve.worker import splitwise
-from pdserve.worker.splitwise import DecodeState
+from pdserve.worker import decode_lease, prefill_handoff
+from pdserve.worker.decode_lease import DecodeState
 
-LEASE_GRACE_S = getattr(splitwise, "LEASE_GRACE_S", 0.0)
+LEASE_GRACE_S = getattr(decode_lease, "LEASE_GRACE_S", 0.0)
 
 BLOCK = 16
 LONG = [(7 * i + 3) % 200 + 5 for i in range(200)]  # 13 blocks
@@ -249,7 +249,7 @@ def test_no_chunk_of_a_write_starts_after_the_transfer_deadline(redis_url, monke
     """A copy slow enough to cross the deadline stops there, between blocks: nothing is copied past
     it (D may free the blocks after the grace), and the hand-off fails retryable. Before the fix
     the deadline was checked once, before the whole copy."""
-    monkeypatch.setattr(splitwise, "WRITE_CHUNK_BYTES", BLOCK_BYTES, raising=False)
+    monkeypatch.setattr(prefill_handoff, "WRITE_CHUNK_BYTES", BLOCK_BYTES, raising=False)
 
     async def main() -> None:
         async with pair(redis_url, decode_blocks=32) as (p, prefill, decode):

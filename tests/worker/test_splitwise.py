@@ -22,7 +22,9 @@ from splitwise_support import (
 from pdserve.cache_transfer.shm import ShmWriter
 from pdserve.errors import EngineError, TransferError
 from pdserve.scheduler import Abort, ErrorInfo, Prefilled, ReserveBlocks, RouterInfo, RouterRegistry, Tokenize
-from pdserve.worker.splitwise import LEASE_GRACE_S, RESERVE_RETRY_MS, DecodeState, PrefillState
+from pdserve.worker.decode_lease import LEASE_GRACE_S, DecodeState
+from pdserve.worker.prefill_handoff import PrefillState
+from pdserve.worker.splitwise import RESERVE_RETRY_MS
 
 PROMPT = list(range(1, 11))  # 10 tokens: 3 blocks of 4
 

@@ -16,9 +16,9 @@ from pdserve.cache_transfer.base import KVTransport, LocalCache, TransportBacken
 from pdserve.cache_transfer.transports import TRANSPORTS
 from pdserve.engine.config import EngineConfig
 from pdserve.errors import ConfigError
+from pdserve.worker.kv_writers import Transports
 from pdserve.worker.service import WorkerService
 from pdserve.worker.settings import WorkerSettings
-from pdserve.worker.splitwise import Transports
 
 
 class CountingWriter(KVTransport):
