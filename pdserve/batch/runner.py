@@ -32,6 +32,7 @@ from pdserve.router.app import RouterApp, create_app
 from pdserve.router.input_limits import InputLimits
 from pdserve.router.state import RouterState
 from pdserve.router.tenants import TENANT_HEADER, TrustedTenant
+from pdserve.scheduler.connection import MemoryRoom, memory_room
 from pdserve.scheduler.messages import InstanceInfo
 from pdserve.scheduler.tasks import cancel_and_wait
 
@@ -41,6 +42,8 @@ RETRY_STATUSES = frozenset({429, 502, 503, 504})
 """Answers that say "not now": the line is sent again (after a pause) instead of failing."""
 RETRY_PAUSE_S = (0.5, 5.0)
 CAPACITY_POLL_S = 0.05
+ROOM_CHECK_S = 1.0
+"""How long one reading of Redis's memory room (:class:`MemoryRoom`) holds for a batch's lines."""
 VALIDATION_CHUNK = -1
 """The chunk number under which a validation job holds its lease and records its job id."""
 STATUS_MAX_AGE_S = 0.5
@@ -92,6 +95,8 @@ class SpareCapacity:
         self.busy_concurrency = busy_concurrency
         self.in_flight = 0
         self._waiters = asyncio.Semaphore(concurrency)  # lines past it wait without polling anything
+        self._room: dict[str, tuple[float, MemoryRoom | None]] = {}
+        """The latest reading of Redis's memory room by the key it was read for, and when."""
 
     def limit(self, live: list[InstanceInfo], model: str) -> int:
         """How many lines may be in flight now (0: no instance has room)."""
@@ -108,12 +113,36 @@ class SpareCapacity:
             return 0
         return self.busy_concurrency if busy else self.concurrency
 
+    async def has_room(self, key: str) -> bool:
+        """Whether the Redis server holding ``key`` (a batch's outcomes) takes more batch data
+        without going into its serving reserve (:class:`MemoryRoom`); read at most every
+        ROOM_CHECK_S per key. Lines wait while it does not: their outcomes would crowd out serving."""
+        now = time.monotonic()
+        read_at, room = self._room.get(key, (-ROOM_CHECK_S, None))
+        if now - read_at >= ROOM_CHECK_S:
+            before = room
+            room = await memory_room(self.state.dispatcher.redis, key)
+            if len(self._room) >= 256:  # keys of batches long gone
+                self._room.clear()
+            self._room[key] = (now, room)
+            was_full, full = _full(before), _full(room)
+            if full and not was_full:
+                assert room is not None
+                logger.warning("batch lines wait: %s", room.refuse("sending more lines"))
+            elif was_full and not full:
+                logger.info("batch lines go on: Redis has room above its serving reserve again")
+        return not _full(room)
+
     @contextlib.asynccontextmanager
-    async def admit(self, model: str, stopped: Callable[[], Awaitable[bool]]) -> AsyncIterator[bool]:
-        """Wait for a slot within the limit; yields False when ``stopped()`` turned true meanwhile."""
+    async def admit(
+        self, model: str, stopped: Callable[[], Awaitable[bool]], room_key: str
+    ) -> AsyncIterator[bool]:
+        """Wait for a slot within the limit while Redis has room for the outcome (the server
+        holding ``room_key``); yields False when ``stopped()`` turned true meanwhile."""
         async with self._waiters:
             while not await stopped():
-                if self.in_flight < self.limit(await self.state.dispatcher.live.get(), model):
+                live = await self.state.dispatcher.live.get()
+                if self.in_flight < self.limit(live, model) and await self.has_room(room_key):
                     self.in_flight += 1
                     try:
                         yield True
@@ -122,6 +151,10 @@ class SpareCapacity:
                     return
                 await asyncio.sleep(CAPACITY_POLL_S)
             yield False
+
+
+def _full(room: MemoryRoom | None) -> bool:
+    return room is not None and room.room <= 0
 
 
 class InputLines:
@@ -372,8 +405,10 @@ class BatchRunner:
         async def stopped() -> bool:
             return renew.done() or await self._stopped(batch.id)
 
+        room_key = self.batches.keys.batch_results(batch.id)
+
         while True:
-            async with self.capacity.admit(line.model, stopped) as admitted:
+            async with self.capacity.admit(line.model, stopped, room_key) as admitted:
                 if not admitted:
                     return False
                 self.metrics.in_flight.inc()

@@ -30,7 +30,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.errors import ConflictError, ControlPlaneError, InvalidRequestError, NotFoundError
-from pdserve.scheduler.connection import redis_errors
+from pdserve.scheduler.connection import memory_room, redis_errors
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.redis_settings import RedisClient
 
@@ -386,12 +386,20 @@ class FileStore:
         return self.directory / f".{file_id}.tmp"
 
     async def _append_pieces(self, file_id: str, pieces: AsyncIterable[bytes], limit: int | None) -> int:
-        """Append the pieces to the file's partial key (each renewing its TTL); the size stored."""
+        """Append the pieces to the file's partial key (each renewing its TTL); the size stored. An
+        upload (``limit`` set) checks before each piece that it leaves Redis's serving reserve alone
+        (:class:`MemoryRoom`); a batch's output files, written for lines already run, do not."""
         partial = self.keys.file_partial(file_id)
         size = 0
+        check_room = limit is not None
         async for piece in _cut(pieces):
             size += len(piece)
             _check_size(size, limit)
+            if check_room:
+                room = await memory_room(self.redis, partial)
+                check_room = room is not None  # no maxmemory: nothing to check for this file
+                if room is not None and room.room < len(piece):
+                    raise room.refuse(f"storing file {file_id} ({size - len(piece)} bytes stored so far)")
             with redis_errors("storing a file"):
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.append(partial, piece)

@@ -92,13 +92,57 @@ def connection_kwargs(client: RedisClient) -> dict[str, Any]:
     return client.connection_pool.connection_kwargs
 
 
-async def server_info(client: RedisClient, key: str) -> dict[str, Any]:
-    """``INFO server`` of the server holding ``key``: on a cluster, the shard owning its slot (its
+async def server_info(client: RedisClient, key: str, section: str = "server") -> dict[str, Any]:
+    """``INFO <section>`` of the server holding ``key``: on a cluster, the shard owning its slot (its
     ``run_id`` tells whether the data behind that key was lost to a restart), else the one server."""
     if isinstance(client, aioredis.RedisCluster):
         await client.initialize()  # the slot map (a no-op once known)
-        return await client.info("server", target_nodes=client.get_node_from_key(key))
-    return await client.info("server")
+        return await client.info(section, target_nodes=client.get_node_from_key(key))
+    return await client.info(section)
+
+
+SERVING_RESERVE_MIN_BYTES = 32 << 20
+"""The least of Redis's ``maxmemory`` kept for serving (:class:`MemoryRoom`); a tenth when more."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRoom:
+    """How much batch data (uploaded files, batch lines' outcomes) may still add to the server
+    holding a key: its ``maxmemory`` less what it uses, less the serving reserve. Heartbeats,
+    registrations and the request streams are writes too; batch data never takes the reserve, so a
+    Redis filled by batches still serves (at ``maxmemory`` under ``noeviction`` it refuses them all)."""
+
+    used: int
+    maxmemory: int
+
+    @property
+    def reserve(self) -> int:
+        """The part of ``maxmemory`` kept for serving: a tenth, at least SERVING_RESERVE_MIN_BYTES."""
+        return min(self.maxmemory, max(self.maxmemory // 10, SERVING_RESERVE_MIN_BYTES))
+
+    @property
+    def room(self) -> int:
+        """Bytes batch data may still add (negative: it is already into the reserve)."""
+        return self.maxmemory - self.reserve - self.used
+
+    def refuse(self, action: str) -> ControlPlaneFullError:
+        """The 507 for ``action`` (what would have gone into the reserve)."""
+        if self.used >= self.maxmemory:
+            return ControlPlaneFullError(_full_message(action))
+        mib = 1 << 20
+        return ControlPlaneFullError(
+            f"Redis is nearly full: {self.used / mib:.1f} MiB used of its maxmemory of "
+            f"{self.maxmemory / mib:.1f} MiB, whose last {self.reserve / mib:.1f} MiB are kept for "
+            f"serving; {action} was refused; {_FREE_MEMORY}, or keep file bytes on disk (--files-dir)"
+        )
+
+
+async def memory_room(client: RedisClient, key: str) -> MemoryRoom | None:
+    """The :class:`MemoryRoom` of the server holding ``key``; None when it has no ``maxmemory``."""
+    with redis_errors("reading Redis's memory use"):
+        info = await server_info(client, key, "memory")
+    maxmemory = int(info.get("maxmemory", 0))
+    return MemoryRoom(int(info["used_memory"]), maxmemory) if maxmemory > 0 else None
 
 
 REDIS_OUTAGE_S = 5.0
@@ -291,6 +335,13 @@ _OOM_REPLY = "OOM command not allowed"
 """How Redis refuses a write at its ``maxmemory`` under ``noeviction``."""
 
 
+_FREE_MEMORY = "delete files or batches, or wait for them to expire, or raise Redis's maxmemory"
+
+
+def _full_message(action: str) -> str:
+    return f"Redis is full (at its maxmemory, and it evicts nothing): {action} was refused; {_FREE_MEMORY}"
+
+
 @contextlib.contextmanager
 def redis_errors(action: str) -> Iterator[None]:
     """Translate redis-py errors raised inside the block into ControlPlaneError naming ``action``."""
@@ -300,10 +351,7 @@ def redis_errors(action: str) -> Iterator[None]:
         # Redis 6's scripts report a refused write as a script error that quotes the OOM reply;
         # the reply's text is not passed on: a pipeline's quotes its command (a file's bytes)
         if isinstance(e, OutOfMemoryError) or _OOM_REPLY in str(e):
-            raise ControlPlaneFullError(
-                f"Redis is full (at its maxmemory, and it evicts nothing): {action} was refused; "
-                "delete files or batches, or wait for them to expire, or raise Redis's maxmemory"
-            ) from e
+            raise ControlPlaneFullError(_full_message(action)) from e
         raise ControlPlaneError(f"Redis failed while {action}: {error_reason(e)}") from e
     except RuntimeError as e:
         if not _transport_closed(e):

@@ -1,9 +1,22 @@
-"""The batch worker's spare-capacity gate: how many lines may be in flight for a live set."""
+"""The batch worker's spare-capacity gate: how many lines may be in flight for a live set, and
+whether Redis has room for their outcomes above the part of its memory kept for serving."""
 
 from __future__ import annotations
 
-from pdserve.batch.runner import SpareCapacity
+import asyncio
+import logging
+
+import pytest
+import redis
+from batch_support import with_runner
+
+from pdserve.batch import runner as runner_module
+from pdserve.batch.reaper import Reaper
+from pdserve.batch.runner import BatchRunner, SpareCapacity
+from pdserve.localredis.embedded import EmbeddedRedis
+from pdserve.scheduler.connection import SERVING_RESERVE_MIN_BYTES
 from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registry import InstanceRegistry
 from pdserve.worker.service import load_info
 from tests.router_support import instance, run
 from tests.splitwise_support import pair, settle
@@ -70,3 +83,47 @@ def test_a_pd_stack_running_only_batch_lines_takes_the_full_concurrency(redis_ur
             assert prefill.handler.handing_off() == 0
 
     run(main())
+
+
+def test_lines_wait_while_redis_is_into_its_serving_reserve(
+    private_redis: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idle mixed instance has room for a line; once Redis's use reaches into the part of its
+    maxmemory kept for serving, the line waits (its outcome would crowd out heartbeats and request
+    streams), and goes on when there is room again."""
+    monkeypatch.setattr(runner_module, "ROOM_CHECK_S", 0.0)
+    admin = redis.Redis.from_url(private_redis.url)
+
+    async def never_stopped() -> bool:
+        return False
+
+    async def admitted_within(gate: SpareCapacity, key: str, seconds: float) -> bool | None:
+        async def go() -> bool:
+            async with gate.admit("tiny", never_stopped, key) as admitted:
+                return admitted
+
+        try:
+            return await asyncio.wait_for(go(), seconds)
+        except TimeoutError:
+            return None
+
+    async def main(runner: BatchRunner, reaper: Reaper) -> None:
+        store = runner.batches
+        await InstanceRegistry(store.redis, store.keys, ttl_s=30).register(info("m", "mixed"))
+        key = store.keys.batch_results("batch_room")
+        assert await admitted_within(runner.capacity, key, 5) is True
+        used = int(admin.info("memory")["used_memory"])
+        admin.config_set("maxmemory", used + SERVING_RESERVE_MIN_BYTES - (1 << 20))  # 1 MiB into it
+        assert await admitted_within(runner.capacity, key, 1) is None
+        admin.config_set("maxmemory", 0)
+        assert await admitted_within(runner.capacity, key, 5) is True
+
+    try:
+        with caplog.at_level(logging.INFO, logger="pdserve.batch.runner"):
+            with_runner(private_redis.url, main)
+    finally:
+        admin.config_set("maxmemory", 0)
+        admin.close()
+    waits = [r.getMessage() for r in caplog.records if "batch lines wait" in r.getMessage()]
+    assert len(waits) == 1 and "kept for serving" in waits[0], waits
+    assert any("batch lines go on" in r.getMessage() for r in caplog.records)

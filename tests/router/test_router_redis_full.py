@@ -1,6 +1,7 @@
 """A Redis at its ``maxmemory`` under ``noeviction`` (what docker-compose.yml and the Kubernetes
 manifests run) refuses writes: the Files and Batches endpoints answer that in OpenAI's shape, 507
-``control_plane_full`` saying Redis is full, not as an outage to retry in a second."""
+``control_plane_full`` saying Redis is full, not as an outage to retry in a second; and an upload
+that would take the part of it kept for serving is refused before that."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import redis
 from router_support import router, run
 
 from pdserve.localredis.embedded import EmbeddedRedis
+from pdserve.scheduler.connection import SERVING_RESERVE_MIN_BYTES
 
 SECRET = b"line-that-must-not-be-echoed"
 LINE = (
@@ -57,4 +59,34 @@ def test_a_full_redis_answers_uploads_and_new_batches_with_507(private_redis: Em
     try:
         run(main())
     finally:
+        admin.close()
+
+
+def test_an_upload_that_would_go_into_the_serving_reserve_gets_507(private_redis: EmbeddedRedis) -> None:
+    """Redis keeps the last part of its maxmemory for serving (heartbeats, request streams): an
+    upload that would go into it is refused with 507 before Redis is full, leaves no partial file,
+    and the control plane's own writes still succeed; a small upload that fits is stored."""
+    admin = redis.Redis.from_url(private_redis.url)
+
+    async def main() -> None:
+        async with router(private_redis.url) as client:
+            used = int(admin.info("memory")["used_memory"])
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", used + SERVING_RESERVE_MIN_BYTES + (3 << 20))  # 3 MiB of room
+            stored = await upload(client, LINE)
+            assert stored.status_code == 200, stored.text
+            resp = await upload(client, LINE * ((6 << 20) // len(LINE)))  # 6 MiB
+            assert resp.status_code == 507, resp.text
+            error = resp.json()["error"]
+            assert error["code"] == "control_plane_full" and "kept for serving" in error["message"], error
+            assert SECRET.decode() not in error["message"]
+            assert admin.keys("*partial*") == []  # the pieces stored before the refusal are gone
+            assert admin.set("a-heartbeat-sized-write", b"x" * 4096)  # serving still writes
+            listed = (await client.get("/v1/files")).json()["data"]
+            assert [f["id"] for f in listed] == [stored.json()["id"]]
+
+    try:
+        run(main())
+    finally:
+        admin.config_set("maxmemory", 0)
         admin.close()
