@@ -91,6 +91,7 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "pid": i.pid,
                 "running": i.load.running,
                 "waiting": i.load.waiting,
+                "handing_off": i.load.handing_off,
                 "waiting_prefill_tokens": i.load.waiting_prefill_tokens,
                 "free_blocks": i.kv.free_blocks,
                 "num_blocks": i.kv.num_blocks,
@@ -213,7 +214,7 @@ def render(status: dict[str, Any]) -> str:
                 device(i),
                 i["host"],
                 str(i["running"]),
-                str(i["waiting"]),
+                _waiting(i),
                 f"{i['free_blocks']}/{i['num_blocks']}",
                 "off" if i["prefix_index_blocks"] is None else f"{i['prefix_index_blocks']} blocks",
                 inbox(i),
@@ -261,6 +262,12 @@ def _batch_row(b: dict[str, Any]) -> tuple[str, ...]:
 def _table(head: tuple[str, ...], rows: Sequence[tuple[object, ...]]) -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
     return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
+
+
+def _waiting(instance: dict[str, Any]) -> str:
+    """Requests waiting, and a prefill instance's KV hand-offs in flight after them (``+2 kv``)."""
+    handing_off = instance.get("handing_off", 0)
+    return f"{instance['waiting']} +{handing_off} kv" if handing_off else str(instance["waiting"])
 
 
 def _age(seconds: float) -> str:
@@ -384,7 +391,7 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
         share = used / i["num_blocks"] if i["num_blocks"] else 0.0
         bar = "#" * round(share * 10) + "." * (10 - round(share * 10))
         state = Text("draining", style="yellow") if i["draining"] else Text("ready", style="green")
-        counts = (str(i["running"]), str(i["waiting"]))
+        counts = (str(i["running"]), _waiting(i))
         if wide:
             instances.add_row(
                 i["id"],

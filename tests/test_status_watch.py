@@ -225,3 +225,26 @@ def test_status_shows_each_instances_device_dtype_and_memory(redis_url) -> None:
         shown = console.export_text()
         assert max(len(line) for line in shown.splitlines()) <= width and "…" not in shown, shown
         assert ("cuda bf16 71.5G" in shown) == (width == 160), shown
+
+
+def test_status_shows_a_prefill_instances_hand_offs_after_its_waiting_requests(redis_url) -> None:
+    """KV hand-offs in flight are their own field of the load report (no online work for the batch
+    gate, but a prefill instance's work all the same): status shows them beside WAIT, in both views."""
+    import asyncio
+
+    from rich.console import Console
+    from router_support import instance
+
+    from pdserve.status import collect, render, view
+
+    busy, idle = instance("prefill-0-aaaaaa", "prefill", waiting=1), instance("prefill-1-bbbbbb", "prefill")
+    busy.load.handing_off = 3
+    register(redis_url, "handoffs", busy, idle)
+    status = asyncio.run(collect(redis_url, "handoffs"))
+    assert {i["id"]: i["handing_off"] for i in status["instances"]} == {busy.id: 3, idle.id: 0}
+    lines = {line.split()[0]: line for line in render(status).splitlines() if line.startswith("prefill-")}
+    assert "1 +3 kv" in lines[busy.id] and "kv" not in lines[idle.id].replace("KV", "")
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(view(status, None, console.width))
+    text = console.export_text()
+    assert "1 +3 kv" in text and max(len(line) for line in text.splitlines()) <= 80, text
