@@ -266,7 +266,7 @@ def _table(head: tuple[str, ...], rows: Sequence[tuple[object, ...]]) -> list[st
 
 def _waiting(instance: dict[str, Any]) -> str:
     """Requests waiting, and a prefill instance's KV hand-offs in flight after them (``+2 kv``)."""
-    handing_off = instance.get("handing_off", 0)
+    handing_off = instance["handing_off"]
     return f"{instance['waiting']} +{handing_off} kv" if handing_off else str(instance["waiting"])
 
 

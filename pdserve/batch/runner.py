@@ -32,7 +32,7 @@ from pdserve.router.app import RouterApp, create_app
 from pdserve.router.input_limits import InputLimits
 from pdserve.router.state import RouterState
 from pdserve.router.tenants import TENANT_HEADER, TrustedTenant
-from pdserve.scheduler.connection import MemoryRoom, memory_room
+from pdserve.scheduler.connection import memory_room
 from pdserve.scheduler.messages import InstanceInfo
 from pdserve.scheduler.tasks import cancel_and_wait
 
@@ -95,8 +95,8 @@ class SpareCapacity:
         self.busy_concurrency = busy_concurrency
         self.in_flight = 0
         self._waiters = asyncio.Semaphore(concurrency)  # lines past it wait without polling anything
-        self._room: dict[str, tuple[float, MemoryRoom | None]] = {}
-        """The latest reading of Redis's memory room by the key it was read for, and when."""
+        self._room: dict[str, tuple[float, bool]] = {}
+        """By the key it was read for: when Redis's memory room was read, and whether it was full."""
 
     def limit(self, live: list[InstanceInfo], model: str) -> int:
         """How many lines may be in flight now (0: no instance has room)."""
@@ -118,20 +118,18 @@ class SpareCapacity:
         without going into its serving reserve (:class:`MemoryRoom`); read at most every
         ROOM_CHECK_S per key. Lines wait while it does not: their outcomes would crowd out serving."""
         now = time.monotonic()
-        read_at, room = self._room.get(key, (-ROOM_CHECK_S, None))
+        read_at, full = self._room.get(key, (-ROOM_CHECK_S, False))
         if now - read_at >= ROOM_CHECK_S:
-            before = room
             room = await memory_room(self.state.dispatcher.redis, key)
+            was_full, full = full, room is not None and room.room <= 0
             if len(self._room) >= 256:  # keys of batches long gone
                 self._room.clear()
-            self._room[key] = (now, room)
-            was_full, full = _full(before), _full(room)
-            if full and not was_full:
-                assert room is not None
+            self._room[key] = (now, full)
+            if room is not None and full and not was_full:
                 logger.warning("batch lines wait: %s", room.refuse("sending more lines"))
             elif was_full and not full:
                 logger.info("batch lines go on: Redis has room above its serving reserve again")
-        return not _full(room)
+        return not full
 
     @contextlib.asynccontextmanager
     async def admit(
@@ -151,10 +149,6 @@ class SpareCapacity:
                     return
                 await asyncio.sleep(CAPACITY_POLL_S)
             yield False
-
-
-def _full(room: MemoryRoom | None) -> bool:
-    return room is not None and room.room <= 0
 
 
 class InputLines:
