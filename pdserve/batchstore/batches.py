@@ -27,7 +27,7 @@ from typing import Any, Literal, cast
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.batchstore.files import new_id
+from pdserve.batchstore.files import ids_after, new_id
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.keys import Keys
@@ -227,12 +227,7 @@ class BatchStore:
         """Batches newest first after the id ``after``; ``(batches, has_more)``; only ``owner``'s (a
         tenant; None: every batch)."""
         with redis_errors("listing batches"):
-            ids = [
-                i.decode()
-                for i in cast(list[bytes], await self.redis.zrange(self.keys.batches, 0, -1, desc=True))
-            ]
-        if after is not None:
-            ids = ids[ids.index(after) + 1 :] if after in ids else []
+            ids = await ids_after(self.redis, self.keys.batches, after)
         found: list[BatchObject] = []
         for batch_id in ids:
             if len(found) > limit:

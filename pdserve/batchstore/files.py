@@ -136,6 +136,18 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
+async def ids_after(
+    redis: RedisClient, index: str, after: str | None, newest_first: bool = True
+) -> list[str]:
+    """The ids of the index zset ``index`` in creation order, from the one after ``after`` (a
+    listing's cursor; an unknown one: none); the caller maps Redis errors."""
+    raw = cast(list[bytes], await redis.zrange(index, 0, -1, desc=newest_first))
+    ids = [i.decode() for i in raw]
+    if after is None:
+        return ids
+    return ids[ids.index(after) + 1 :] if after in ids else []
+
+
 class FileStore:
     """Create, read, list and delete files (bytes in Redis, or in ``directory``)."""
 
@@ -281,12 +293,7 @@ class FileStore:
         only ``owner``'s (a tenant; None: every file). Ids whose file expired are dropped from the
         index as they are met."""
         with redis_errors("listing files"):
-            ids = [
-                i.decode()
-                for i in cast(list[bytes], await self.redis.zrange(self.keys.files, 0, -1, desc=newest_first))
-            ]
-            if after is not None:
-                ids = ids[ids.index(after) + 1 :] if after in ids else []
+            ids = await ids_after(self.redis, self.keys.files, after, newest_first)
             found: list[FileObject] = []
             gone: list[str] = []
             for start in range(0, len(ids), 256):
