@@ -8,6 +8,7 @@
     │   └── ConflictError        conflict              the state forbids it (deleting a batch's input)
     ├── EngineError              engine_error          the engine failed while running a request
     ├── TransferError            kv_transfer_failed    KV cache bytes could not be moved
+    │   └── KVChecksumError      kv_checksum_mismatch  KV bytes arrived other than they were read
     ├── ControlPlaneError        control_plane_unavailable   Redis unreachable, too old, or refusing
     │   ├── ControlPlaneRestartedError  control_plane_restarted   Redis came back empty
     │   └── ControlPlaneFullError       control_plane_full        Redis is at its maxmemory
@@ -80,6 +81,13 @@ class TransferError(PdserveError, RuntimeError):
     """KV cache bytes could not be moved between two instances."""
 
     kind = "kv_transfer_failed"
+
+
+class KVChecksumError(TransferError):
+    """The KV blocks a decode instance received differ from the digests their writer took as it
+    read them: nothing is decoded from them, and the request is retried elsewhere."""
+
+    kind = "kv_checksum_mismatch"
 
 
 class ControlPlaneError(PdserveError, RuntimeError):

@@ -8,6 +8,7 @@ streams and the message handling are the real ones. The clock is a ``ManualClock
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -125,22 +126,33 @@ class Instance:
     handler: RequestHandler
     inbox: Inbox
 
-    async def receive(self) -> int:
-        """Handle what is in the inbox now; the number of messages."""
+    async def receive(self, wait_writes: bool = True) -> int:
+        """Handle what is in the inbox now, and (``wait_writes``) wait for the KV writes running
+        here to end; the number of messages."""
         entries = await self.inbox.read(count=64, block_ms=0)
         for _entry_id, msg in entries:
             await self.handler.handle(msg)
         await self.inbox.ack([entry_id for entry_id, _ in entries])
+        if wait_writes:
+            await self.writes()
         return len(entries)
 
     async def step(self) -> int:
-        """One engine step, its outputs handed over and published; the number of outputs."""
+        """One engine step, its outputs handed over and published, and the KV writes it started
+        done; the number of outputs."""
         if not self.engine.unfinished:
             return 0
         outputs = await self.engine.step()
         await self.handler.on_outputs(outputs)
+        await self.writes()
         await self.handler.ctx.messenger.flush()  # the worker's engine loop steps on meanwhile
         return len(outputs)
+
+    async def writes(self) -> None:
+        """Until the KV writes running here (each a task of its own) have ended."""
+        handoffs = self.handler.splitwise.prefills.values
+        while running := [t for h in handoffs() if (t := getattr(h, "transfer", None)) is not None]:
+            await asyncio.gather(*running, return_exceptions=True)
 
     @property
     def prefill(self):
@@ -165,11 +177,13 @@ class Pair:
         self.protocol = "shm"  # how requests' KV moves
         self.backends: dict[str, Any] = {}  # instance id -> its open MooncakeBackend (mooncake pairs)
 
-    async def instance(self, instance_id: str, role: str, stub: StubEngine) -> Instance:
+    async def instance(
+        self, instance_id: str, role: str, stub: StubEngine, clock: Clock | None = None
+    ) -> Instance:
+        """``clock``: the instance's own (another host's), instead of the pair's."""
         engine = await EngineClient.start(lambda: stub)
-        ctx = Context(
-            instance_id, engine, Messenger(self.redis, self.keys, instance_id), self.clock, self.transports
-        )
+        messenger = Messenger(self.redis, self.keys, instance_id)
+        ctx = Context(instance_id, engine, messenger, clock or self.clock, self.transports)
         handler = RequestHandler(ctx, role, RouterRegistry(self.redis, self.keys))
         inbox = Inbox(self.redis, self.keys, instance_id)
         await inbox.ensure_group()

@@ -32,6 +32,7 @@ from pdserve.errors import (
     EngineError,
     InstanceLostError,
     InvalidRequestError,
+    KVChecksumError,
     MessageError,
     NotFoundError,
     PdserveError,
@@ -130,6 +131,7 @@ ERROR_MAP: dict[type[BaseException], ErrorKind] = {
     OverloadedError: ErrorKind(429, "requests", "rate_limit_exceeded", retry_after=True),
     EngineError: ErrorKind(500, "server_error", "engine_error"),
     TransferError: ErrorKind(503, "service_unavailable", "kv_transfer_failed", retry_after=True),
+    KVChecksumError: ErrorKind(503, "service_unavailable", "kv_checksum_mismatch", retry_after=True),
     ControlPlaneError: ErrorKind(503, "service_unavailable", "control_plane_unavailable", retry_after=True),
     ControlPlaneRestartedError: ErrorKind(
         503, "service_unavailable", "control_plane_restarted", retry_after=True

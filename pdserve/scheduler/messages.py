@@ -42,7 +42,10 @@ the registration's KV geometry (``KVInfo.block_bytes``, ``num_layers``, ``num_kv
 blocks too, with the same bytes), ``SamplingParams.cache_salt`` (refused by an older worker as
 any unknown sampling key) (a ``LogprobInfo`` without ``logprob`` occurs only as a prompt's first entry,
 inside the field an older reader skips; the sampling field that asks for it is refused by an older
-worker, as any unknown sampling key is).
+worker, as any unknown sampling key is), ``ReserveBlocks.transfer_budget_s`` (an older decode side
+frees by the deadline on its own wall clock), ``Abort.writer_done``, ``Prefilled.kv_digests`` with
+``kv_digest_algo`` (an older decode side does not check them), ``InstanceInfo.integrity`` and
+``RouterInfo.verify``.
 """
 
 ANY_ATTEMPT = -1
@@ -117,6 +120,15 @@ class TransferInfo(_Model):
     incarnation: str | None = None
 
 
+class IntegrityInfo(_Model):
+    """What a decode instance's checks of the KV it received found, since its start (shown by
+    ``pdserve status``): hand-offs whose written blocks it checked against the writer's digests,
+    and those that did not match (never decoded: their requests were retried)."""
+
+    kv_checked: int = 0
+    kv_mismatches: int = 0
+
+
 class InstanceInfo(_Model):
     """Registration value of one inference instance (``pdserve:{<cluster>}:instance:<id>``)."""
 
@@ -141,6 +153,18 @@ class InstanceInfo(_Model):
     tokenizer: str | None = None
     """Digest of the tokenizer files this instance published (``Keys.tokenizer(digest)``), with which
     routers compute its prompts' token ids (None: none published, e.g. the echo engine)."""
+    integrity: IntegrityInfo | None = None
+    """A decode instance's KV checks since it started (None: nothing checked yet, or another role)."""
+
+
+class VerifyInfo(_Model):
+    """A router's shadow verification since its start (``--verify-fraction``): disaggregated
+    requests replayed on the aggregated path and compared, how many differed, and the last
+    difference (``pdserve status`` shows it)."""
+
+    checked: int = 0
+    mismatches: int = 0
+    last_mismatch: str | None = None
 
 
 class RouterInfo(_Model):
@@ -152,6 +176,8 @@ class RouterInfo(_Model):
     pid: int
     port: int
     started_at: float
+    verify: VerifyInfo | None = None
+    """Its shadow verification's counts (None: ``--verify-fraction`` 0, or an older router)."""
 
 
 # -- parts of messages -----------------------------------------------------------------------------
@@ -356,6 +382,11 @@ class ReserveBlocks(_Message):
     attempt: int = 0
     background: bool | None = None
     """The request's ``GenerateRequest.background``: the decode side schedules it the same way."""
+    transfer_budget_s: float | None = None
+    """Seconds from this ask until the prefill side starts no more KV writes for it (its transfer
+    deadline, on its own clock). The decode side's backstop counts it from when it reads the ask,
+    on its own monotonic clock: no wall clocks are compared across hosts. None (an older prefill):
+    ``deadlines.transfer`` on the decode side's wall clock."""
 
 
 class ReserveReply(_Message):
@@ -399,15 +430,30 @@ class Prefilled(_Message):
     """The reservation written into (``ReserveReply.lease``): decode refuses one it does not hold."""
     router_id: str | None = None
     """Whose request it is: decode tells that router when it refuses the hand-off."""
+    kv_digests: str | None = None
+    """Base64 of one 8-byte digest per block written (block-table order, the blocks after
+    ``ReserveReply.num_cached_blocks``), of the bytes the prefill side read as it wrote them: the
+    decode side checks its blocks against them before it decodes or caches any (None: not
+    computed, by an older prefill or one with ``--no-kv-checksum``)."""
+    kv_digest_algo: str | None = None
+    """How ``kv_digests`` were computed (``cache_transfer.checksum``: ``xxh3_64`` for host caches)."""
 
 
 class Abort(_Message):
-    """Anyone -> instance inbox: stop a request and free its blocks (``attempt=None``: every attempt)."""
+    """Anyone -> instance inbox: stop a request and free its blocks (``attempt=None``: every attempt).
+
+    A decode instance frees a reserved lease's blocks only once its writer is done: an abort from a
+    router marks the lease aborted, and the blocks are freed when the prefill side's own message
+    (``writer_done``, or a ``Prefilled``) says no write of it can still land, or at the lease's
+    backstop."""
 
     type: Literal["abort"] = "abort"
     request_id: str
     reason: str
     attempt: int | None = None
+    writer_done: bool | None = None
+    """Sent by the request's prefill instance, the writer of its KV: none of its writes into the
+    decode instance's blocks is running or will start (None: a router's abort)."""
 
 
 class Tokenize(_Message):

@@ -343,7 +343,7 @@ class RequestHandler:
         for key in keys:
             if self._forget(key) is not None:
                 await self.ctx.engine.abort(key, msg.reason)
-            await self.splitwise.abort(key, msg.reason)
+            await self.splitwise.abort(key, msg.reason, writer_done=bool(msg.writer_done))
         if keys:
             log.info("aborted %s (%s)", msg.request_id, msg.reason)
 
@@ -506,7 +506,7 @@ class RequestHandler:
                 key = engine_key(msg.request_id, attempt)
                 if key not in self.owners and key not in handing_off:
                     owners.append((Owner(msg.router_id, msg.request_id, attempt), True))
-        owners += [(owner, True) for owner in self.splitwise.take_all()]
+        owners += [(owner, True) for owner in await self.splitwise.stop_all(message)]
         self.owners.clear()
         self._started.clear()
         self._echo.clear()

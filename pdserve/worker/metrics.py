@@ -47,6 +47,7 @@ NAMES = (
     "pdserve_worker_kv_received_bytes_total",
     "pdserve_worker_kv_blocks_not_sent_total",
     "pdserve_worker_kv_transfer_seconds",
+    "pdserve_worker_kv_checks_total",
     "pdserve_worker_generation_tokens_total",
     "pdserve_worker_prompt_tokens_total",
     "pdserve_worker_prefix_cache_hit_tokens_total",
@@ -126,6 +127,14 @@ class WorkerMetrics:
             "pdserve_worker_kv_received_bytes",
             "KV bytes prefill peers wrote into this cache (decode)",
         )
+        self._kv_checks = bound(
+            Counter,
+            "pdserve_worker_kv_checks",
+            "KV hand-offs received, by what their blocks' check against the writer's digests found: ok, "
+            "mismatch (never decoded: the request was retried), unchecked (no digests sent, or "
+            "--no-kv-checksum)",
+            ["outcome"],
+        )
         gauges = (
             ("pdserve_worker_running", "sequences in the running batch", lambda: self._load().running),
             (
@@ -197,6 +206,9 @@ class WorkerMetrics:
             self.prompt_tokens.inc(prompt)
         if cached:
             self.cached_prompt_tokens.inc(cached)
+
+    def on_kv_check(self, outcome: str) -> None:
+        self._kv_checks.labels(*self.ids, outcome).inc()
 
     def on_kv_sent(self, protocol: str, nbytes: int, seconds: float, blocks_not_sent: int = 0) -> None:
         children = self._kv_children.get(protocol)

@@ -10,15 +10,27 @@ into those blocks, publish the first token, tell decode "prefilled"::
     RESERVING, BLOCKS_READY ──finished on its first token (EOS, max_tokens=1)──> DONE
 
 The write is fenced: chunk by chunk, only while the cache the writer reaches is the incarnation
-that reserved the blocks and the deadline allows the next chunk.
+that reserved the blocks, the deadline allows the next chunk and the request was not aborted. It
+runs as a task of its own (at most ``handoff_context.MAX_TRANSFERS`` at once), never inside the
+engine loop or the inbox loop, so a long write holds up no other request's prefill. Each block is
+digested as its chunk goes out (``cache_transfer.checksum``); the digests travel in ``Prefilled``
+and the decode side checks its blocks against them. Whatever ends a hand-off, the decode side is
+told when no write of it can still land (``Prefilled``, or an ``Abort`` with ``writer_done``): only
+then does it free the blocks it reserved.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
+import threading
+from collections.abc import Callable
+from typing import Any
 
+from pdserve.cache_transfer import checksum
 from pdserve.cache_transfer.base import KVTransport
+from pdserve.cache_transfer.regions import Region
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import PdserveError, RequestTimeoutError, TransferError, UnavailableError
 from pdserve.scheduler import (
@@ -52,10 +64,22 @@ class PrefillState(enum.Enum):
 _FINAL = {PrefillState.DONE, PrefillState.FAILED}
 
 
+class _Stopped(Exception):
+    """The copy stopped before a chunk: its request was aborted (or the instance is stopping)."""
+
+
 class PrefillHandoff:
-    def __init__(self, ctx: Context, msg: GenerateRequest, prepared: Prepared) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        msg: GenerateRequest,
+        prepared: Prepared,
+        on_final: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_final(key)``: called when a write that ran as a task of its own has ended the hand-off."""
         assert msg.disaggregate_info is not None
         self.ctx = ctx
+        self.on_final = on_final
         self.msg = msg
         self.info = msg.disaggregate_info
         self.key = engine_key(msg.request_id, msg.attempt)
@@ -70,7 +94,15 @@ class PrefillHandoff:
         self.retry_at: float | None = None  # monotonic time to ask for blocks again
         self.received_at = ctx.clock.monotonic()
         self.timing: Timing | None = None  # set when the first token is sampled; completed by the write
-        self._abort_reason: str | None = None  # an abort that came while transferring
+        # The router's transfer deadline, on this instance's monotonic clock from here on: a wall
+        # clock that steps cannot move it, and the decode side gets it as a duration.
+        self.transfer_by = ctx.clock.monotonic() + (self.info.deadlines.transfer - ctx.clock.time())
+        self.transfer: asyncio.Task[None] | None = None  # the write, while it runs
+        self._stop = threading.Event()  # the write stops before its next chunk
+        self._interrupt: tuple[str, PdserveError | None] | None = None
+        """What ended the hand-off while its write ran (the reason, and an error for its router):
+        acted on once the write has stopped."""
+        self.digests = b""  # of the blocks written, in order
 
     @property
     def decode_id(self) -> str:
@@ -98,6 +130,7 @@ class PrefillHandoff:
             prompt_token_ids=self.prepared.prompt_ids,
             attempt=m.attempt,
             background=True if self.prepared.background else None,
+            transfer_budget_s=max(0.0, self.transfer_by - self.ctx.clock.monotonic()),
         )
         await self.ctx.messenger.send(self.decode_id, reserve)
 
@@ -113,7 +146,7 @@ class PrefillHandoff:
         if reply.ok:
             self._take(reply)
             if self.state is PrefillState.FIRST_TOKEN_READY:
-                await self._transfer()
+                self._transfer()
             else:
                 self.state = PrefillState.BLOCKS_READY
         elif reply.retry_after_ms is not None and self.ctx.clock.time() < self.info.deadlines.reserve:
@@ -139,7 +172,7 @@ class PrefillHandoff:
             self.first = out
             self.timing = Timing(s_ttft_s=self.ctx.clock.monotonic() - self.received_at, queue_s=out.queue_s)
             if self.state is PrefillState.BLOCKS_READY:
-                await self._transfer()
+                self._transfer()
             else:
                 self.state = PrefillState.FIRST_TOKEN_READY
         elif out.finished:  # finished on its first token (EOS, stop, max_tokens=1), or the engine failed it
@@ -168,24 +201,59 @@ class PrefillHandoff:
         elif self.retry_at is None and past_deadline:
             await self._fail(RequestTimeoutError("the decode instance did not answer in time"))
 
-    async def abort(self, reason: str, tell_decode: bool = False) -> None:
-        """The router aborted the request, or is gone (then decode hears it from us)."""
+    async def abort(self, reason: str) -> None:
+        """The router aborted the request, or is gone, or the instance is stopping: free what is
+        held and tell the decode side that no write will land (it frees its lease then). A write
+        that is running stops before its next chunk; that is done once it has."""
         if self.final:
             return
         if self.state is PrefillState.TRANSFERRING:
-            self._abort_reason = reason  # the transfer reads these blocks: free them when it returns
+            self.interrupt(reason)
             return
         self.state = PrefillState.FAILED
         await self.ctx.engine.abort(self.key, reason)
-        if tell_decode:
-            await self._tell_decode_abort(reason)
+        await self._tell_decode_abort(reason)
+
+    def interrupt(self, reason: str, error: PdserveError | None = None) -> None:
+        """Stop the running write before its next chunk; when it has stopped, the hand-off fails
+        (its router told ``error``, if one is given)."""
+        if self._interrupt is None:
+            self._interrupt = (reason, error)
+        self._stop.set()
+
+    async def fail(self, error: PdserveError) -> None:
+        """End the hand-off after an unexpected error (its router told, retryable)."""
+        if self.state is PrefillState.TRANSFERRING:
+            self.interrupt(error.message, error)
+        elif not self.final:
+            await self._fail(error)
 
     # ---- the transfer ------------------------------------------------------------------------------
-    async def _transfer(self) -> None:
+    def _transfer(self) -> None:
+        """Start the write as a task of its own: the engine loop and the inbox loop go on."""
         assert self.dst_blocks is not None and self.first is not None
         self.state = PrefillState.TRANSFERRING
+        self.transfer = asyncio.get_running_loop().create_task(self._run_transfer(), name=f"kv-{self.key}")
+
+    async def _run_transfer(self) -> None:
         try:
-            await self._write_kv(self.dst_blocks)
+            await self._transfer_and_end()
+        except Exception:  # the hand-off must end whatever happens: never left TRANSFERRING
+            log.exception("ending the KV hand-off of %s failed", self.key)
+            self.state = PrefillState.FAILED
+        finally:
+            self.transfer = None
+            if self.on_final is not None:
+                self.on_final(self.key)
+
+    async def _transfer_and_end(self) -> None:
+        assert self.dst_blocks is not None and self.first is not None
+        error: PdserveError | None = None
+        try:
+            async with self.ctx.transfer_slots:
+                await self._write_kv(self.dst_blocks)
+        except _Stopped:
+            pass
         except Exception as e:  # a foreign error too: the machine must not stay TRANSFERRING
             if isinstance(e, PdserveError):
                 log.warning("KV hand-off of %s to %s failed: %s", self.key, self.decode_id, e)
@@ -193,11 +261,18 @@ class PrefillHandoff:
                 log.exception("KV hand-off of %s to %s failed", self.key, self.decode_id)
                 e = TransferError(type(e).__name__)
             self.ctx.transports.drop(self.decode_id)
-            return await self._fail(TransferError(f"KV transfer to {self.decode_id} failed: {e}"))
-        if self._abort_reason is not None:
+            error = TransferError(f"KV transfer to {self.decode_id} failed: {e}")
+        # the copy has stopped: no byte of it can land any more
+        if self._interrupt is not None:
+            reason, told = self._interrupt
             self.state = PrefillState.FAILED
             await self.ctx.engine.release_prefilled(self.key)
-            return await self._tell_decode_abort(self._abort_reason)
+            await self._tell_decode_abort(reason)
+            if told is not None:
+                await self.ctx.messenger.fail(self.owner, told, retryable=True)
+            return
+        if error is not None:
+            return await self._fail(error)
         self.state = PrefillState.DONE
         first = to_delta(self.first, self.owner, FIRST_SEQ)
         first.timing = self.timing
@@ -207,11 +282,13 @@ class PrefillHandoff:
         await self.ctx.engine.release_prefilled(self.key)
 
     async def _write_kv(self, dst_blocks: list[int]) -> None:
-        clock, deadline, protocol = self.ctx.clock, self.info.deadlines.transfer, self.info.protocol
-        transports = self.ctx.transports
-        if clock.time() > deadline:
+        ctx, protocol = self.ctx, self.info.protocol
+        clock, transfer_by, transports = ctx.clock, self.transfer_by, ctx.transports
+        if self._stop.is_set():
+            raise _Stopped
+        if clock.monotonic() > transfer_by:
             raise TransferError("the KV transfer deadline passed")
-        engine = self.ctx.engine
+        engine = ctx.engine
         src = await engine.prefilled_blocks(self.key)
         if len(src) != len(dst_blocks):
             raise TransferError(f"decode reserved {len(dst_blocks)} blocks for {len(src)}")
@@ -222,23 +299,38 @@ class PrefillHandoff:
         block_bytes = engine.facts.block_bytes
         per = max(1, WRITE_CHUNK_BYTES // max(1, block_bytes))
         chunks = [
-            (
+            _Chunk(
+                src_ids[i : i + per],
                 engine.regions(src_ids[i : i + per]),
                 engine.regions(dst_ids[i : i + per]),
-                len(src_ids[i : i + per]),
             )
             for i in range(0, len(src_ids), per)
         ]
-        _in_time(clock.time(), len(src_ids) * block_bytes, transports.rate(protocol), deadline)
-        expected = self.dst_incarnation
+        _in_time(clock.monotonic(), len(src_ids) * block_bytes, transports.rate(protocol), transfer_by)
+        expected, stop, digest = self.dst_incarnation, self._stop, ctx.kv_checksum
+        flip = ctx.faults.fires(ctx.faults.kv_flip_in_transit) and chunks
+        flip_at = (ctx.faults.rng.randrange(len(chunks)), ctx.faults.rng.random()) if flip else None
+        digests: list[bytes] = []
 
         def copy(w: KVTransport, opened_for: str | None) -> int:
-            """On the copy's thread: chunk by chunk, each only while in time and fenced."""
+            """On the copy's thread: chunk by chunk, each only while not stopped, in time and fenced."""
             moved = 0
-            for src_regions, dst_regions, n in chunks:
-                _in_time(clock.time(), n * block_bytes, transports.rate(protocol), deadline)
+            for i, chunk in enumerate(chunks):
+                if stop.is_set():
+                    raise _Stopped
+                _in_time(
+                    clock.monotonic(),
+                    len(chunk.src_ids) * block_bytes,
+                    transports.rate(protocol),
+                    transfer_by,
+                )
                 _fenced(w, opened_for, expected)
-                moved += w.write_blocks(cache, src_regions, dst_regions)
+                if digest:
+                    digests.append(checksum.block_digests(cache, chunk.src_ids, block_bytes))
+                if flip_at is not None and flip_at[0] == i:
+                    moved += _write_flipped(w, cache, chunk, flip_at[1])
+                else:
+                    moved += w.write_blocks(cache, chunk.src, chunk.dst)
             _fenced(w, opened_for, expected)  # D restarted during the copy: it landed in a dead cache
             return moved
 
@@ -247,11 +339,12 @@ class PrefillHandoff:
         if chunks:
             moved = await transports.write(protocol, self.decode_id, self.info.decode.transfer, copy)
         seconds = clock.monotonic() - t0
+        self.digests = b"".join(digests)
         transports.observe(protocol, moved, seconds)
         if self.timing is not None:
             self.timing.kv_transfer_s = seconds
-        if self.ctx.metrics is not None:
-            self.ctx.metrics.on_kv_sent(self.info.protocol, moved, seconds, blocks_not_sent=skip)
+        if ctx.metrics is not None:
+            ctx.metrics.on_kv_sent(protocol, moved, seconds, blocks_not_sent=skip)
         log.debug("%s: %d KV bytes -> %s (%d blocks held there)", self.key, moved, self.decode_id, skip)
 
     # ---- the one way to fail -------------------------------------------------------------------------
@@ -280,11 +373,44 @@ class PrefillHandoff:
             lease=self.lease,
             router_id=self.msg.router_id,
         )
+        if error is None and self.ctx.kv_checksum:
+            msg.kv_digests = checksum.encode(self.digests)
+            msg.kv_digest_algo = checksum.algo_for(self.ctx.engine.kv_view())
         await self.ctx.messenger.send(self.decode_id, msg)
 
     async def _tell_decode_abort(self, reason: str) -> None:
-        abort = Abort(request_id=self.msg.request_id, reason=reason, attempt=self.msg.attempt)
+        """This instance, the writer, will write nothing more for the request: the decode side may
+        free its lease now (a router's abort only marks it aborted there)."""
+        abort = Abort(
+            request_id=self.msg.request_id, reason=reason, attempt=self.msg.attempt, writer_done=True
+        )
         await self.ctx.messenger.send(self.decode_id, abort)
+
+
+class _Chunk:
+    """One chunk of a write: its source blocks, and their byte regions here and at the peer."""
+
+    __slots__ = ("dst", "src", "src_ids")
+
+    def __init__(self, src_ids: list[int], src: list[Region], dst: list[Region]) -> None:
+        self.src_ids, self.src, self.dst = src_ids, src, dst
+
+
+def _write_flipped(w: KVTransport, cache: Any, chunk: _Chunk, where: float) -> int:
+    """The test hook ``kv_flip_in_transit``: write ``chunk`` with one of its bytes inverted (its
+    digests were taken before), then put the byte back here."""
+    size = sum(n for _, n in chunk.src)
+    at, offset = int(where * size), 0
+    for start, n in chunk.src:
+        if at < offset + n:
+            at = start + at - offset
+            break
+        offset += n
+    cache[at] ^= 0xFF
+    try:
+        return w.write_blocks(cache, chunk.src, chunk.dst)
+    finally:
+        cache[at] ^= 0xFF
 
 
 def _in_time(now: float, nbytes: int, rate: float | None, deadline: float) -> None:

@@ -28,6 +28,7 @@ from pdserve.scheduler import (
     Inbox,
     InstanceInfo,
     InstanceRegistry,
+    IntegrityInfo,
     Keys,
     KVInfo,
     LoadInfo,
@@ -43,6 +44,7 @@ from pdserve.scheduler.tasks import cancel_and_wait
 from pdserve.tokenizer import pack_tokenizer_files, read_tokenizer_files
 from pdserve.worker.clock import Clock
 from pdserve.worker.engine_client import EngineClient, PrepareLimits
+from pdserve.worker.fault_hooks import FaultHooks
 from pdserve.worker.handler import RequestHandler
 from pdserve.worker.handoff_context import Context
 from pdserve.worker.kv_writers import Transports
@@ -114,7 +116,15 @@ class WorkerService:
                 wait=self.settings.replica_wait,
             )
             ctx = Context(
-                self.id, self.engine, messenger, self.clock, self.transports, self.metrics, self.incarnation
+                self.id,
+                self.engine,
+                messenger,
+                self.clock,
+                self.transports,
+                self.metrics,
+                self.incarnation,
+                kv_checksum=self.settings.kv_checksum,
+                faults=FaultHooks.from_env(),
             )
             routers = RouterRegistry(self.redis, self.keys, ttl_s=self.settings.ttl_s)
             self.handler = RequestHandler(
@@ -333,7 +343,14 @@ class WorkerService:
             vocab_size=facts.vocab_size,
             max_num_seqs=self.settings.engine.max_num_seqs,
             tokenizer=self.tokenizer_digest,
+            integrity=self._integrity(),
         )
+
+    def _integrity(self) -> IntegrityInfo | None:
+        """A decode instance's KV checks so far (None before the first: nothing to show)."""
+        assert self.handler is not None
+        integrity = self.handler.ctx.integrity
+        return integrity.model_copy() if integrity.kv_checked or integrity.kv_mismatches else None
 
     def _endpoint(self) -> dict[str, Any]:
         """Where peers write into this instance's cache: only a decode instance is written into."""

@@ -5,9 +5,13 @@ one instance, which routes each message and engine output to its machine.
 
 A write is fenced: D names its incarnation and a lease id in every ``ReserveReply``; P writes only
 while the cache its writer reaches is that incarnation's (``KVTransport.fence``, checked before
-every chunk and after the last) and its deadline allows the next chunk, and names the lease in
-``Prefilled``; D continues a request only on the lease it holds, and frees an unused lease only
-``decode_lease.LEASE_GRACE_S`` after its deadline (clock skew, and a chunk in flight at the deadline).
+every chunk and after the last), its deadline allows the next chunk and the request was not
+aborted, and names the lease in ``Prefilled``; D continues a request only on the lease it holds.
+A lease ends when its writer is done: D frees its blocks when P says no write can still land (its
+``Prefilled``, or an ``Abort`` with ``writer_done``), or at a backstop on D's own monotonic clock
+(P's transfer budget plus ``decode_lease.LEASE_GRACE_S``), never by comparing wall clocks; a
+router's abort only marks the lease aborted. So a block is never handed to another request while a
+write into it can still land.
 
 Each machine has one way to finish and one way to fail (``_fail``), which frees what it holds
 (engine request or blocks, the peer's reservation) and tells whom it concerns.
@@ -15,6 +19,7 @@ Each machine has one way to finish and one way to fail (``_fail``), which frees 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from pdserve.engine.outputs import RequestOutput
@@ -62,7 +67,7 @@ class Splitwise:
 
     # ---- prefill side --------------------------------------------------------------------------------
     async def start_prefill(self, msg: GenerateRequest, prepared: Prepared) -> None:
-        handoff = PrefillHandoff(self.ctx, msg, prepared)
+        handoff = PrefillHandoff(self.ctx, msg, prepared, on_final=self._settle)
         self.prefills[handoff.key] = handoff
         await handoff.start()
 
@@ -86,7 +91,9 @@ class Splitwise:
         key = engine_key(msg.request_id, msg.attempt)
         reply = ReserveReply(request_id=msg.request_id, ok=False, attempt=msg.attempt)
         lease = self.leases.get(key)
-        if lease is not None:  # a repeated ask: answer with what is reserved
+        if lease is not None and lease.aborted:
+            reply.error = f"the request was aborted on decode instance {self.ctx.instance_id}"
+        elif lease is not None:  # a repeated ask: answer with what is reserved
             reply.ok, reply.block_ids, reply.num_cached_blocks = True, lease.blocks, lease.num_cached
             reply.lease, reply.incarnation = lease.lease_id, self.ctx.incarnation
         elif not accepting:
@@ -120,9 +127,9 @@ class Splitwise:
             return owner
         if lease is None:
             why = "holds no reservation for it (restarted, or the lease expired)"
-        else:
+        else:  # its writer wrote another reservation: nothing lands in this one
             why = f"holds another reservation for it ({lease.lease_id}, not {msg.lease})"
-            await lease.abort("prefilled for another reservation")
+            await lease.abort("prefilled for another reservation", writer_done=True)
             self._settle(key)
         if msg.error is not None:
             return None  # the prefill failed and told its router
@@ -136,23 +143,24 @@ class Splitwise:
 
     # ---- both ------------------------------------------------------------------------------------
     async def fail(self, key: str, error: PdserveError) -> bool:
-        """End ``key``'s hand-off after an unexpected error: True when a prefill hand-off told its
-        router (a decode reservation is only freed)."""
+        """End ``key``'s hand-off after an unexpected error: True when a prefill hand-off tells its
+        router (a decode reservation is only marked aborted: its writer may still be writing)."""
         told = False
         handoff = self.prefills.get(key)
         if handoff is not None and not handoff.final:
-            await handoff._fail(error)
+            await handoff.fail(error)
             told = True
         if key in self.leases:
             await self.leases[key].abort(error.message)
         self._settle(key)
         return told
 
-    async def abort(self, key: str, reason: str) -> None:
+    async def abort(self, key: str, reason: str, writer_done: bool = False) -> None:
+        """``writer_done``: the abort comes from the request's prefill instance (``Abort.writer_done``)."""
         if key in self.prefills:
             await self.prefills[key].abort(reason)
         if key in self.leases:
-            await self.leases[key].abort(reason)
+            await self.leases[key].abort(reason, writer_done=writer_done)
         self._settle(key)
 
     async def drop_routers(self, gone: set[str]) -> list[Owner]:
@@ -161,7 +169,7 @@ class Splitwise:
         dropped = []
         for handoff in list(self.prefills.values()):
             if handoff.owner.router_id in gone and not handoff.final:
-                await handoff.abort("router gone", tell_decode=True)
+                await handoff.abort("router gone")
                 dropped.append(handoff.owner)
         self._reap()
         return dropped
@@ -173,8 +181,13 @@ class Splitwise:
             await lease.tick()
         self._reap()
 
-    def take_all(self) -> list[Owner]:
-        """Empty the prefill table (shutdown): the owners whose requests were still handing off."""
-        owners = [h.owner for h in self.prefills.values() if not h.final]
+    async def stop_all(self, reason: str) -> list[Owner]:
+        """Shutdown: end every prefill hand-off (a running write stops before its next chunk, and
+        is waited for), each decode instance told that no write can still land; the owners of
+        those that were still handing off (the caller tells their routers)."""
+        live = [h for h in self.prefills.values() if not h.final]
+        await asyncio.gather(*(h.abort(reason) for h in live), return_exceptions=True)
+        writes = [h.transfer for h in live if h.transfer is not None]
+        await asyncio.gather(*writes, return_exceptions=True)
         self.prefills.clear()
-        return owners
+        return [h.owner for h in live]
