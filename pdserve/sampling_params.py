@@ -18,6 +18,8 @@ from pdserve.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; bigger ids would not fit the engine's int tensors
+MAX_TOKENS = 2**31 - 1  # no model is that long: max_tokens, min_tokens and top_k stay below it
+_TOKEN_ID_DIGITS = len(str(MAX_TOKEN_ID))
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
 MAX_CACHE_SALT = 256
 MIN_TEMPERATURE = 1e-5  # below it a temperature means greedy: logits / temperature would overflow
@@ -157,7 +159,7 @@ class SamplingParams:
         _number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        _integer("top_k", self.top_k, lo=-1)
+        _integer("top_k", self.top_k, lo=-1, hi=MAX_TOKENS)
         _number("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
             _integer("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
@@ -168,8 +170,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty"
             )
-        _integer("max_tokens", self.max_tokens, lo=1)
-        _integer("min_tokens", self.min_tokens, lo=0)
+        _integer("max_tokens", self.max_tokens, lo=1, hi=MAX_TOKENS)
+        _integer("min_tokens", self.min_tokens, lo=0, hi=MAX_TOKENS)
         self._check_min_tokens()
         for s in self.stop:
             if not isinstance(s, str) or not s:
@@ -229,7 +231,9 @@ class SamplingParams:
 
 
 def _token_map(value: Any) -> dict[Any, Any]:
-    """``{"17": 5}`` (JSON keys are strings) -> ``{17: 5}``; other keys are left for validate()."""
+    """``{"17": 5}`` (JSON keys are strings) -> ``{17: 5}``; other keys are left for validate(). A
+    key of more digits than any token id has is refused before ``int()`` sees it (past 4300 digits
+    ``int()`` raises a ValueError of its own)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -237,6 +241,11 @@ def _token_map(value: Any) -> dict[Any, Any]:
     out = {}
     for key, bias in value.items():
         if isinstance(key, str) and key.isascii() and key.isdigit():
+            if len(key.lstrip("0")) > _TOKEN_ID_DIGITS:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids in 0..{MAX_TOKEN_ID}, got one of {len(key)} digits",
+                    "logit_bias",
+                )
             key = int(key)
         elif isinstance(key, str):
             raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
@@ -275,13 +284,21 @@ def _guided(guided: Any) -> None:
 
 def _number(name: str, value: Any, lo: float | None = None, hi: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise InvalidRequestError(f"{name} must be a number, got {value!r}", name)
+        raise InvalidRequestError(f"{name} must be a number, got {shown(value)}", name)
     if isinstance(value, float) and not math.isfinite(value):  # e.g. 1e309 in JSON parses as inf
         raise InvalidRequestError(f"{name} must be a finite number, got {value}", name)
     if lo is not None and value < lo:
-        raise InvalidRequestError(f"{name} must be >= {lo}, got {value}", name)
+        raise InvalidRequestError(f"{name} must be >= {lo}, got {shown(value)}", name)
     if hi is not None and value > hi:
-        raise InvalidRequestError(f"{name} must be <= {hi}, got {value}", name)
+        raise InvalidRequestError(f"{name} must be <= {hi}, got {shown(value)}", name)
+
+
+def shown(value: Any) -> str:
+    """``value`` for an error message: an integer of thousands of digits (a body may hold up to
+    4300) as its length, not as itself."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**24:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return repr(value)
 
 
 def _integer(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:

@@ -43,7 +43,9 @@ _FINAL_JSON = orjson.dumps(sorted(FINAL_STATUSES))
 ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
 """What a batch may run (each line's ``url`` is one of them; a file may mix the two)."""
 
-_WINDOW_RE = re.compile(r"(\d+)([smhd])")
+_WINDOW_RE = re.compile(r"(\d{1,9})([smhd])")
+"""At most 9 digits (7 days are 604800 s): ``int()`` never sees a longer string (past 4300 digits it
+raises a ValueError of its own)."""
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_WINDOW_S = 7 * 86400
 DEFAULT_BATCH_TTL_S = 30 * 24 * 3600
@@ -55,9 +57,10 @@ def window_seconds(window: str) -> int:
     m = _WINDOW_RE.fullmatch(window.strip()) if isinstance(window, str) else None
     seconds = int(m.group(1)) * _UNIT_S[m.group(2)] if m else 0
     if not 0 < seconds <= MAX_WINDOW_S:
+        given = f"{window[:40]!r}…" if isinstance(window, str) and len(window) > 40 else repr(window)
         raise InvalidRequestError(
             f"completion_window must be a duration such as '24h' (or '<n>s', '<n>m', '<n>d'), "
-            f"between 1 s and 7 days; got {window!r}",
+            f"between 1 s and 7 days; got {given}",
             "completion_window",
         )
     return seconds

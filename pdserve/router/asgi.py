@@ -36,6 +36,9 @@ __all__ = [
 
 JSON = b"application/json"
 MAX_REQUEST_ID_LEN = 128
+MAX_LENGTH_DIGITS = 18
+"""A Content-Length of more digits is larger than any body limit (and ``int()`` is never asked to
+read thousands of them)."""
 
 
 class ClientGone(Exception):
@@ -66,7 +69,7 @@ async def read_body(headers: list[tuple[bytes, bytes]], receive: Receive, limit:
         if name == b"content-length":
             if not value.isdigit():
                 raise InvalidRequestError("invalid Content-Length header", None)
-            if int(value) > limit:
+            if len(value) > MAX_LENGTH_DIGITS or int(value) > limit:
                 raise BodyTooLargeError(limit)
     message = await receive()
     body = message.get("body", b"")

@@ -28,7 +28,15 @@ from starlette.requests import ClientDisconnect
 from pdserve.batchstore.batches import ENDPOINTS, BatchObject, BatchStore, window_seconds
 from pdserve.batchstore.files import CHUNK_BYTES, HOLD_GRACE_S, PURPOSES, FileObject, FileStore, new_id
 from pdserve.errors import ControlPlaneError, InvalidRequestError, NotFoundError, PdserveError
-from pdserve.router.asgi import ClientGone, JsonResponse, Message, Receive, error_response, read_body
+from pdserve.router.asgi import (
+    MAX_LENGTH_DIGITS,
+    ClientGone,
+    JsonResponse,
+    Message,
+    Receive,
+    error_response,
+    read_body,
+)
 from pdserve.router.errors import BodyTooLargeError, NoCapacityError
 from pdserve.router.request_fields import validate_body
 from pdserve.router.state import RouterState
@@ -80,7 +88,7 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
         what = f"the upload (a file of at most {files.max_bytes} bytes, the form {FORM_OVERHEAD} more)"
         too_large = BodyTooLargeError(limit, what, "file")
         length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
+        if length.isascii() and length.isdigit() and (len(length) > MAX_LENGTH_DIGITS or int(length) > limit):
             raise too_large
         await state.admission.enter(1, None)
         try:

@@ -30,11 +30,11 @@ from pdserve.router.request_fields import (
 )
 from pdserve.router.request_models import ChatCompletionRequest, ChatMessage, CommonRequest, CompletionRequest
 from pdserve.router.tools import ToolUse, template_call, template_tools, tool_use_of
-from pdserve.sampling_params import MAX_TOKEN_ID, SamplingParams
+from pdserve.sampling_params import MAX_TOKEN_ID, MAX_TOKENS, SamplingParams, shown
 
 MAX_N = 16
 """Most choices per prompt (``n``); each is an independent request to the cluster."""
-_UNBOUNDED = 2**31 - 1  # "no max_tokens" in SamplingParams: validated so, then replaced by the worker
+_UNBOUNDED = MAX_TOKENS  # "no max_tokens" in SamplingParams: validated so, then replaced by the worker
 _SEED_SPAN = 2**64
 
 
@@ -134,7 +134,7 @@ def parse_completion(body: bytes, limits: InputLimits) -> ParsedRequest:
     n = 1 if req.n is None else req.n
     if req.best_of is not None and req.best_of != n:
         raise InvalidRequestError(
-            f"best_of must equal n ({n}), got {req.best_of}: choosing the best of more samples is not supported",
+            f"best_of must equal n ({n}), got {shown(req.best_of)}: choosing the best of more samples is not supported",
             "best_of",
         )
     echo_only = bool(req.echo) and req.max_tokens == 0  # OpenAI's way to score a prompt
@@ -218,7 +218,9 @@ def _token_ids(ids: list[int]) -> list[int]:
         raise InvalidRequestError("a prompt of token ids must not be empty", "prompt")
     bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
     if bad is not None:
-        raise InvalidRequestError(f"prompt token ids must be in 0..{MAX_TOKEN_ID}, got {bad}", "prompt")
+        raise InvalidRequestError(
+            f"prompt token ids must be in 0..{MAX_TOKEN_ID}, got {shown(bad)}", "prompt"
+        )
     return ids
 
 
@@ -335,7 +337,7 @@ def _parsed(
 ) -> ParsedRequest:
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
-        raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {n}", "n")
+        raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {shown(n)}", "n")
     limits.check_choices(len(prompts), n)
     samplings = [params] + [_choice_sampling(params, i) for i in range(1, n)]
     stream = bool(req.stream)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from pdserve.errors import InvalidRequestError
+from pdserve.router.jsonlimits import MAX_NUMBER_DIGITS, long_number_field
 from pdserve.sampling_params import SamplingField, declared
 
 
@@ -140,7 +141,7 @@ def validate_body(model: type[_M], body: bytes) -> _M:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        raise _invalid(e) from None
+        raise _invalid(e, body) from None
 
 
 def unknown_field(param: str) -> str:
@@ -161,9 +162,13 @@ def refuse(obj: BaseModel, policy: FieldPolicy, prefix: str = "") -> None:
             raise InvalidRequestError(f"{prefix}{name} is not supported: {why}", prefix + name)
 
 
-def _invalid(e: ValidationError) -> InvalidRequestError:
+def _invalid(e: ValidationError, body: bytes) -> InvalidRequestError:
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
+        if _OUT_OF_RANGE in err["msg"] and (param := long_number_field(body)) is not None:
+            return InvalidRequestError(
+                f"invalid {param}: a number of more than {MAX_NUMBER_DIGITS} digits", param
+            )
         return InvalidRequestError(f"request body is not valid JSON: {err['msg']}", None)
     if not err["loc"]:
         return InvalidRequestError("request body must be a JSON object", None)
@@ -204,4 +209,6 @@ def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
     return out, False
 
 
+_OUT_OF_RANGE = "number out of range"
+"""How pydantic-core refuses a number of more than MAX_NUMBER_DIGITS digits (without its field)."""
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})

@@ -24,6 +24,7 @@ from pdserve.router.request_models import DetokenizeRequest, TokenizeRequest
 from pdserve.router.selection import model_len, resolve_model
 from pdserve.router.state import RouterState
 from pdserve.router.tools import template_tools, tool_use_of
+from pdserve.sampling_params import MAX_TOKEN_ID, shown
 from pdserve.scheduler.messages import InstanceInfo, RequestDelta, Tokenize
 
 TOKENIZE_TIMEOUT_S = 30.0
@@ -82,6 +83,9 @@ class TokenizeEndpoint:
             detok = validate_body(DetokenizeRequest, body)
             if not detok.tokens:
                 raise InvalidRequestError("tokens must not be empty", "tokens")
+            bad = next((t for t in detok.tokens if not 0 <= t <= MAX_TOKEN_ID), None)
+            if bad is not None:  # a worker's message parser refuses a number past 64 bits: a 502
+                raise InvalidRequestError(f"tokens must be in 0..{MAX_TOKEN_ID}, got {shown(bad)}", "tokens")
             msg = Tokenize(request_id=rid, router_id=router_id, deadline=deadline, token_ids=detok.tokens)
             return msg, detok.model
         req = validate_body(TokenizeRequest, body)
