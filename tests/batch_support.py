@@ -11,10 +11,13 @@ from typing import Any, TypeVar
 
 import orjson
 import redis
+from rq.timeouts import TimerDeathPenalty
 
+from pdserve.batch import jobs
 from pdserve.batch.reaper import Reaper
 from pdserve.batch.runner import BatchMetrics, BatchRunner
 from pdserve.batch.settings import BatchWorkerSettings
+from pdserve.batch.worker import PdserveBatchWorker
 from pdserve.batchstore.batch_queue import BatchQueue
 from pdserve.batchstore.batches import BatchObject
 from pdserve.cli import build_parser
@@ -73,3 +76,21 @@ async def batch_with_lines(runner: BatchRunner, n: int, done: int, text: str = "
         }
         assert await store.record(batch.id, i, record, False)
     return await store.get(batch.id)
+
+
+class ThreadWorker(PdserveBatchWorker):
+    """``pdserve batch-worker``'s rq worker, run in a thread of a test (signals stay the main thread's)."""
+
+    death_penalty_class = TimerDeathPenalty  # no SIGALRM outside the main thread (jobs have no timeout)
+
+    def _install_signal_handlers(self) -> None:
+        pass
+
+
+async def work_queue(runner: BatchRunner) -> None:
+    """Run the jobs waiting in the runner's rq queue, as a batch worker's main thread does (their
+    coroutines on this event loop), until the queue is empty."""
+    jobs.install(runner, asyncio.get_running_loop())
+    queue = runner.queue
+    worker = ThreadWorker([queue.queue], connection=queue.connection, name=f"test-{uuid.uuid4().hex[:8]}")
+    await asyncio.to_thread(worker.work, burst=True, with_scheduler=False)

@@ -10,29 +10,29 @@ is written once per line (:meth:`BatchStore.record`), so running a chunk again s
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdserve.batch.input_lines import InputLines
 from pdserve.batch.settings import BatchWorkerSettings
-from pdserve.batch.validation import Line, check_lines, read_lines
+from pdserve.batch.spare_capacity import SpareCapacity
+from pdserve.batch.validation import MAX_REASON_CHARS, Line, check_lines, read_lines
 from pdserve.batchstore.batch_queue import BatchQueue
 from pdserve.batchstore.batches import BatchError, BatchObject, BatchStore
 from pdserve.batchstore.files import FileStore
-from pdserve.errors import NotFoundError, PdserveError
+from pdserve.errors import ControlPlaneError, NotFoundError, PdserveError
 from pdserve.router.app import RouterApp, create_app
 from pdserve.router.input_limits import InputLimits
 from pdserve.router.state import RouterState
 from pdserve.router.tenants import TENANT_HEADER, TrustedTenant
-from pdserve.scheduler.connection import memory_room
 from pdserve.scheduler.messages import InstanceInfo
 from pdserve.scheduler.tasks import cancel_and_wait
 
@@ -41,24 +41,19 @@ logger = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 """Answers that say "not now": the line is sent again (after a pause) instead of failing."""
 RETRY_PAUSE_S = (0.5, 5.0)
-CAPACITY_POLL_S = 0.05
-ROOM_CHECK_S = 1.0
-"""How long one reading of Redis's memory room (:class:`MemoryRoom`) holds for a batch's lines."""
 VALIDATION_CHUNK = -1
 """The chunk number under which a validation job holds its lease and records its job id."""
 STATUS_MAX_AGE_S = 0.5
 VALIDATION_POLL_S = 1.0
 """How often a validation with no live instance to check its lines against looks again."""
+MAX_VALIDATION_FAILURES = 3
+"""Validation jobs of one batch that may raise before the batch fails with the reason (each is run
+again by the reaper a lease TTL after it failed; before, one kept failing until the window ended)."""
 MAX_FINALIZE_TRIES = 3
 """Tries at writing a batch's output files (the chunk job that wrote its last line, then the
 reaper) before the batch fails with ``finalize_failed`` rather than staying ``finalizing``."""
 FINALIZE_RETRY_S = 10.0
 """How long the reaper waits after a failed try at writing a batch's output files."""
-INPUT_CACHE_BYTES = 256 << 20
-"""What the parsed input lines a batch worker keeps may weigh (:class:`InputLines`): the two
-largest uploads (``--max-file-bytes``' default, 100 MiB) at once, or many small batches."""
-LINE_OVERHEAD_BYTES = 300
-"""A parsed line's Python objects beyond its bytes (the ``Line`` and its strings' headers)."""
 INPUT_MISSING = BatchError(code="input_file_missing", message="the input file is gone")
 INPUT_MISSING_ERRORS = {"object": "list", "data": [INPUT_MISSING.model_dump()]}
 
@@ -78,112 +73,6 @@ class BatchMetrics:
         self.in_flight = Gauge(
             "pdserve_batch_lines_in_flight", "Lines being sent now", registry=self.registry
         )
-
-
-class SpareCapacity:
-    """Admits a line only while some instance of its model has room: fewer sequences (running and
-    queued) than ``max_load`` × its ``max_num_seqs``, so online arrivals always find free slots; and
-    at most ``concurrency`` lines at once, ``busy_concurrency`` while some instance of the model
-    serves online requests (its load minus its batch lines). Online requests are never gated (they
-    go through the online routers), and the instances run the lines as background work: prefilled
-    only in steps no online prompt needs, preempted first."""
-
-    def __init__(self, state: RouterState, max_load: float, concurrency: int, busy_concurrency: int) -> None:
-        self.state = state
-        self.max_load = max_load
-        self.concurrency = concurrency
-        self.busy_concurrency = busy_concurrency
-        self.in_flight = 0
-        self._waiters = asyncio.Semaphore(concurrency)  # lines past it wait without polling anything
-        self._room: dict[str, tuple[float, bool]] = {}
-        """By the key it was read for: when Redis's memory room was read, and whether it was full."""
-
-    def limit(self, live: list[InstanceInfo], model: str) -> int:
-        """How many lines may be in flight now (0: no instance has room)."""
-        room = {"prefill": False, "decode": False, "mixed": False}
-        busy = False
-        for info in live:
-            if info.model != model or info.draining:
-                continue
-            held = info.load.running + info.load.waiting
-            busy = busy or held > info.load.background
-            if not info.max_num_seqs or held < max(1.0, self.max_load * info.max_num_seqs):
-                room[info.role] = True
-        if not (room["mixed"] or (room["prefill"] and room["decode"])):
-            return 0
-        return self.busy_concurrency if busy else self.concurrency
-
-    async def has_room(self, key: str) -> bool:
-        """Whether the Redis server holding ``key`` (a batch's outcomes) takes more batch data
-        without going into its serving reserve (:class:`MemoryRoom`); read at most every
-        ROOM_CHECK_S per key. Lines wait while it does not: their outcomes would crowd out serving."""
-        now = time.monotonic()
-        read_at, full = self._room.get(key, (-ROOM_CHECK_S, False))
-        if now - read_at >= ROOM_CHECK_S:
-            room = await memory_room(self.state.dispatcher.redis, key)
-            was_full, full = full, room is not None and room.room <= 0
-            if len(self._room) >= 256:  # keys of batches long gone
-                self._room.clear()
-            self._room[key] = (now, full)
-            if room is not None and full and not was_full:
-                logger.warning("batch lines wait: %s", room.refuse("sending more lines"))
-            elif was_full and not full:
-                logger.info("batch lines go on: Redis has room above its serving reserve again")
-        return not full
-
-    @contextlib.asynccontextmanager
-    async def admit(
-        self, model: str, stopped: Callable[[], Awaitable[bool]], room_key: str
-    ) -> AsyncIterator[bool]:
-        """Wait for a slot within the limit while Redis has room for the outcome (the server
-        holding ``room_key``); yields False when ``stopped()`` turned true meanwhile."""
-        async with self._waiters:
-            while not await stopped():
-                live = await self.state.dispatcher.live.get()
-                if self.in_flight < self.limit(live, model) and await self.has_room(room_key):
-                    self.in_flight += 1
-                    try:
-                        yield True
-                    finally:
-                        self.in_flight -= 1
-                    return
-                await asyncio.sleep(CAPACITY_POLL_S)
-            yield False
-
-
-class InputLines:
-    """The parsed input lines of the batches this worker ran lately, least recently used dropped
-    first once they weigh more than ``max_bytes`` (the newest is kept whatever it weighs): two
-    batches running at once each read and parse their file once, not at every chunk."""
-
-    def __init__(self, max_bytes: int = INPUT_CACHE_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._entries: collections.OrderedDict[str, tuple[list[Line], int]] = collections.OrderedDict()
-
-    def get(self, batch_id: str) -> list[Line] | None:
-        entry = self._entries.get(batch_id)
-        if entry is None:
-            return None
-        self._entries.move_to_end(batch_id)
-        return entry[0]
-
-    def put(self, batch_id: str, lines: list[Line]) -> None:
-        self.pop(batch_id)
-        size = sum(len(line.body) + len(line.custom_id) + LINE_OVERHEAD_BYTES for line in lines)
-        self._entries[batch_id] = (lines, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes and len(self._entries) > 1:
-            _, (_, dropped) = self._entries.popitem(last=False)
-            self.bytes -= dropped
-
-    def pop(self, batch_id: str) -> None:
-        entry = self._entries.pop(batch_id, None)
-        if entry is not None:
-            self.bytes -= entry[1]
-
-    def __contains__(self, batch_id: str) -> bool:
-        return batch_id in self._entries
 
 
 class BatchRunner:
@@ -229,12 +118,40 @@ class BatchRunner:
     # ---- validation -----------------------------------------------------------------------------
     async def validate(self, batch_id: str, job_id: str) -> str:
         """Check every line as the online endpoint would; then split the batch into chunk jobs, or
-        fail it with errors naming the lines."""
+        fail it with errors naming the lines. A validation that raises is counted on the batch and
+        raised again (rq fails the job; the reaper runs it again after a lease TTL); the
+        MAX_VALIDATION_FAILURES-th fails the batch with the reason instead. A Redis error is not
+        counted: the batch is not at fault, and the next job runs once Redis answers."""
         batch = await self.batches.get(batch_id)
         async with self._owned(batch, "validating", VALIDATION_CHUNK, job_id) as renew:
             if renew is None:
                 return "skipped: the batch is not validating or another job validates it"
-            return await self._validate(batch, renew)
+            try:
+                return await self._validate(batch, renew)
+            except ControlPlaneError:
+                raise
+            except Exception as e:
+                if await self._validation_failed(batch, e):
+                    return "failed: its validation kept failing"
+                raise
+
+    async def _validation_failed(self, batch: BatchObject, error: Exception) -> bool:
+        """Count a validation of ``batch`` that raised ``error``; True once that failed the batch."""
+        failures = batch.validation_failures + 1
+        reason = f"{type(error).__name__}: {error}"[:MAX_REASON_CHARS]
+        if failures < MAX_VALIDATION_FAILURES:
+            logger.exception(
+                "batch %s: validation failed (%d of %d tries); the reaper runs it again",
+                batch.id,
+                failures,
+                MAX_VALIDATION_FAILURES,
+            )
+            await self.batches.update(batch.id, ("validating",), validation_failures=failures)
+            return False
+        logger.exception("batch %s: validation failed %d times; failing the batch", batch.id, failures)
+        message = f"validating the batch failed {failures} times: {reason}"
+        await self._fail(batch, [BatchError(code="validation_failed", message=message)])
+        return True
 
     async def _validate(self, batch: BatchObject, renew: asyncio.Task) -> str:
         batch_id = batch.id

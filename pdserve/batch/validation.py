@@ -3,6 +3,7 @@ that starts can only fail line by line for reasons an online request would meet 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import orjson
@@ -14,8 +15,12 @@ from pdserve.router.protocol import parse_chat, parse_completion
 from pdserve.router.selection import model_len, resolve_model, vocab_size
 from pdserve.scheduler.messages import InstanceInfo
 
+logger = logging.getLogger(__name__)
+
 MAX_ERRORS = 100
 """Validation stops listing errors after this many (the batch fails either way)."""
+MAX_REASON_CHARS = 300
+"""How much of an unexpected exception's text a line's error quotes."""
 LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 
 
@@ -44,7 +49,10 @@ def check_lines(
     content: bytes, live: list[InstanceInfo], limits: InputLimits, max_lines: int
 ) -> tuple[list[Line], str, list[BatchError]]:
     """``(lines, model, errors)``: every line checked; ``model`` is the one model all lines use
-    ('' for several); ``errors`` name the lines (1-based) that fail, at most :data:`MAX_ERRORS`."""
+    ('' for several); ``errors`` name the lines (1-based) that fail, at most :data:`MAX_ERRORS`.
+    Whatever a line raises is that line's error: an exception from outside pdserve's tree (a bug
+    a line's content meets) is logged and reported as ``internal_error`` on its line, rather than
+    crashing the validation job (which rq would fail and the reaper run again, on the same line)."""
     raw_lines = split_lines(content)
     if not raw_lines:
         return [], "", [BatchError(code="empty_file", message="the input file has no lines")]
@@ -59,8 +67,13 @@ def check_lines(
             lines.append(check_line(raw, live, limits, seen))
         except InvalidRequestError as e:
             errors.append(BatchError(code=e.kind, message=e.message, param=e.param, line=number))
-            if len(errors) >= MAX_ERRORS:
-                break
+        except Exception as e:
+            logger.exception("batch line %d could not be checked", number)
+            reason = f"{type(e).__name__}: {e}"[:MAX_REASON_CHARS]
+            message = f"the line could not be checked ({reason})"
+            errors.append(BatchError(code=PdserveError.kind, message=message, line=number))
+        if len(errors) >= MAX_ERRORS:
+            break
     models = {line.model for line in lines}
     return lines, models.pop() if len(models) == 1 else "", errors
 

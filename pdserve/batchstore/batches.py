@@ -118,6 +118,8 @@ class BatchObject(BaseModel):
     owner: str = Field(default="", exclude=True)
     """The tenant that made it (a digest of its API key, ``router.tenants``; ``""``: anonymous):
     only it sees the batch, its output files are its, and its lines run with its prefix-cache salt."""
+    validation_failures: int = Field(default=0, exclude=True)
+    """Validation jobs of this batch that raised (the batch fails after a few)."""
 
     @property
     def final(self) -> bool:
@@ -372,6 +374,7 @@ def _dump(batch: BatchObject) -> bytes:
         chunk_lines=batch.chunk_lines,
         total=batch.request_counts.total,
         owner=batch.owner,
+        validation_failures=batch.validation_failures,
     )
     return orjson.dumps(data)
 

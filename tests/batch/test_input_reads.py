@@ -7,8 +7,9 @@ import asyncio
 
 import redis
 
+from pdserve.batch.input_lines import LINE_OVERHEAD_BYTES, InputLines
 from pdserve.batch.reaper import Reaper
-from pdserve.batch.runner import LINE_OVERHEAD_BYTES, BatchRunner, InputLines
+from pdserve.batch.runner import BatchRunner
 from pdserve.batch.validation import Line
 from pdserve.batchstore.batches import BatchObject
 from tests.batch_support import batch_with_lines, with_runner

@@ -10,9 +10,10 @@ import pytest
 import redis
 from batch_support import with_runner
 
-from pdserve.batch import runner as runner_module
+from pdserve.batch import spare_capacity
 from pdserve.batch.reaper import Reaper
-from pdserve.batch.runner import BatchRunner, SpareCapacity
+from pdserve.batch.runner import BatchRunner
+from pdserve.batch.spare_capacity import SpareCapacity
 from pdserve.localredis.embedded import EmbeddedRedis
 from pdserve.scheduler.connection import SERVING_RESERVE_MIN_BYTES
 from pdserve.scheduler.messages import InstanceInfo
@@ -91,7 +92,7 @@ def test_lines_wait_while_redis_is_into_its_serving_reserve(
     """An idle mixed instance has room for a line; once Redis's use reaches into the part of its
     maxmemory kept for serving, the line waits (its outcome would crowd out heartbeats and request
     streams), and goes on when there is room again."""
-    monkeypatch.setattr(runner_module, "ROOM_CHECK_S", 0.0)
+    monkeypatch.setattr(spare_capacity, "ROOM_CHECK_S", 0.0)
     admin = redis.Redis.from_url(private_redis.url)
 
     async def never_stopped() -> bool:
@@ -119,7 +120,7 @@ def test_lines_wait_while_redis_is_into_its_serving_reserve(
         assert await admitted_within(runner.capacity, key, 5) is True
 
     try:
-        with caplog.at_level(logging.INFO, logger="pdserve.batch.runner"):
+        with caplog.at_level(logging.INFO, logger="pdserve.batch.spare_capacity"):
             with_runner(private_redis.url, main)
     finally:
         admin.config_set("maxmemory", 0)
