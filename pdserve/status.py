@@ -102,6 +102,8 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "inbox_len": replies[3 * n],
                 "inbox_pending": pending[n],
                 "inbox_dead": replies[3 * n + 2],
+                "kv_checked": i.integrity.kv_checked if i.integrity else 0,
+                "kv_mismatches": i.integrity.kv_mismatches if i.integrity else 0,
             }
         )
     base = 3 * len(instances)
@@ -113,6 +115,7 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
             "pid": r.pid,
             "age_s": round(now - r.started_at, 1),
             "outbox_len": replies[base + n],
+            "verify": r.verify.model_dump() if r.verify else None,
         }
         for n, r in enumerate(routers)
     ]
@@ -230,8 +233,31 @@ def render(status: dict[str, Any]) -> str:
             (r["id"], address(r), str(r["outbox_len"]), _age(r["age_s"])) for r in status["routers"]
         ]
         lines += _table(("ROUTER", "ADDRESS", "OUTBOX", "AGE"), router_rows)
+    lines += integrity_lines(status)
     lines += _batch_lines(status.get("batches"))
     return "\n".join(lines)
+
+
+def integrity_lines(status: dict[str, Any]) -> list[str]:
+    """What the decode instances' KV checks and the routers' shadow verification found, when they
+    ran: a blank line and one line each (nothing when neither checked anything)."""
+    lines = []
+    checked = sum(i.get("kv_checked", 0) for i in status["instances"])
+    if checked:
+        bad = {i["id"]: i["kv_mismatches"] for i in status["instances"] if i.get("kv_mismatches")}
+        where = f" ({', '.join(f'{k}: {v}' for k, v in bad.items())})" if bad else ""
+        lines.append(f"KV hand-offs checked: {checked}; KV checksum mismatches: {sum(bad.values())}{where}")
+    verified = [r for r in status["routers"] if r.get("verify")]
+    if verified:
+        replayed = sum(r["verify"]["checked"] for r in verified)
+        mismatches = sum(r["verify"]["mismatches"] for r in verified)
+        lines.append(f"shadow verification: {replayed} replayed, {mismatches} mismatch(es)")
+        lines += [
+            f"  {r['id']}: last mismatch: {r['verify']['last_mismatch']}"
+            for r in verified
+            if r["verify"].get("last_mismatch")
+        ]
+    return ["", *lines] if lines else []
 
 
 BATCH_COLUMNS = ("BATCH", "STATUS", "ENDPOINT", "COMPLETED/FAILED/TOTAL", "CREATED")
@@ -418,7 +444,8 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
     routers = _watch_table(["ROUTER", "ADDRESS", "OUTBOX", "AGE"], wide)
     for r in status["routers"]:
         routers.add_row(r["id"], address(r), str(r["outbox_len"]), _age(r["age_s"]))
-    return Group(head, instances, routers, *_watch_batches(status.get("batches"), wide))
+    integrity = [Text(line) for line in integrity_lines(status)[1:]]
+    return Group(head, instances, routers, *integrity, *_watch_batches(status.get("batches"), wide))
 
 
 def _watch_batches(batches: dict[str, Any] | None, wide: bool) -> list[Any]:

@@ -107,6 +107,7 @@ class EchoEngine:
             shm_name=self.segment.name if self.segment else None,
             vocab_size=self.tokenizer.vocab_size if self.tokenizer is not None else None,
             weights_digest=ECHO_WEIGHTS,
+            batch_invariant=True,  # its tokens are a function of the prompt alone
             calls_inline=True,
         )
 

@@ -132,6 +132,7 @@ class LLMEngine:
             prefix_caching=self.blocks.prefix_caching,
             weights=self.executor.weights,
             weights_digest=self.weights_digest,
+            batch_invariant=self.executor.batch_invariant,
             dtype=self.executor.dtype,
             device=self.executor.device,
             device_name=self.executor.device_name,

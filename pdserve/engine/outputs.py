@@ -78,6 +78,9 @@ class EngineFacts:
     device: str = "cpu"  # where the KV cache lives: "cpu" or "cuda" (a pair's caches must be of one kind)
     device_name: str | None = None  # e.g. "NVIDIA H200 (cuda:0)": shown by `pdserve status`
     memory_bytes: int = 0  # device memory held by the weights and the KV cache
+    batch_invariant: bool = False
+    """A sequence's bits do not depend on what it is batched with (the CPU engine under
+    ``MKL_CBWR=...,STRICT``; the echo engine): routers' shadow verification compares bitwise."""
     calls_inline: bool = False
     """Every engine call takes microseconds (the echo engine, no model): the worker makes them on its
     event loop, where handing each to the engine thread would cost far more than the call (preparing

@@ -22,6 +22,7 @@ from pdserve.router.prompt_ids import PromptTokenizer
 from pdserve.router.selection import Route, Selector
 from pdserve.router.sender import InboxSender
 from pdserve.router.settings import RouterSettings
+from pdserve.router.shadow import ShadowVerifier
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import Abort, InstanceInfo, PeerInfo
 from pdserve.scheduler.outbox_reader import OutboxReader
@@ -98,6 +99,8 @@ class Dispatcher:
             redis, keys, observe=metrics.on_redis if metrics is not None else None, wait=settings.replica_wait
         )
         self._watcher: asyncio.Task[None] | None = None
+        self.shadow = ShadowVerifier(self, settings.verify_fraction) if settings.verify_fraction > 0 else None
+        """Shadow verification (``--verify-fraction``), None when off."""
 
     def route(
         self, live: Sequence[InstanceInfo], request: PolicyRequest, exclude: Collection[str] = ()
@@ -146,6 +149,8 @@ class Dispatcher:
         if self._watcher is not None:
             await cancel_and_wait(self._watcher)
             self._watcher = None
+        if self.shadow is not None:
+            await self.shadow.stop()
         await self.sender.drain()
         self.sender.close()
 

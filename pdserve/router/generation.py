@@ -55,12 +55,14 @@ from pdserve.router.policies import PolicyRequest
 from pdserve.router.prefix_lookup import PromptBlocks
 from pdserve.router.protocol import ParsedPrompt, ParsedRequest
 from pdserve.router.selection import Route
+from pdserve.router.shadow import Served
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import (
     ANY_ATTEMPT,
     DisaggregateInfo,
     ErrorInfo,
     GenerateRequest,
+    LogprobInfo,
     PhaseDeadlines,
     RequestDelta,
     Usage,
@@ -119,6 +121,11 @@ class RoutedGeneration:
         self.request_id = request_id
         self.parsed = parsed
         self.prompt = prompt
+        shadow = dispatcher.shadow
+        self.verify = shadow is not None and not parsed.echo_only and shadow.sampled()
+        """Replayed on the aggregated path once answered, if served disaggregated (``--verify-fraction``)."""
+        if self.verify and shadow is not None:
+            sampling = shadow.prepare(sampling)
         self.sampling = sampling
         self._echo = parsed.echo
         """Still to prefix the first text with the prompt's (``echo``); done once over all attempts."""
@@ -167,6 +174,7 @@ class RoutedGeneration:
         self._timers: list[asyncio.TimerHandle] = []
         self._first_token_timer: asyncio.TimerHandle | None = None
         self._blocks = PromptBlocks()  # the prompt's ids and block hashes, for prefix routing
+        self._logprobs: list[LogprobInfo] = []  # the attempt's, when it is to be verified
         self.queue = dispatcher.reader.subscribe(request_id)  # the router's own id: never in use
         dispatcher.generations[request_id] = self
 
@@ -247,6 +255,8 @@ class RoutedGeneration:
             if echo is None:
                 logger.warning("request %s: the worker sent no prompt text to echo", self.request_id)
             delta.text = (echo or "") + delta.text
+        if self.verify and delta.logprobs:
+            self._logprobs += delta.logprobs
         now = time.monotonic()
         metrics = self.dispatcher.metrics
         if metrics is not None:
@@ -319,6 +329,22 @@ class RoutedGeneration:
         d.reader.unsubscribe(self.request_id)
         if not self.succeeded and self.route is not None:
             d.abort_soon(self.route, self.request_id, self.attempt, reason or self._end_reason)
+        elif (
+            self.verify and self.route is not None and self.route.prefill is not None and not self.migrations
+        ):
+            assert d.shadow is not None  # self.verify says so
+            d.shadow.submit(
+                Served(
+                    self.request_id,
+                    self.model,
+                    self.prompt,
+                    self.sampling,
+                    self.parsed.fill_max_tokens,
+                    self.route,
+                    list(self.delivered),
+                    self._logprobs,
+                )
+            )
 
     # -- attempts ----------------------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ NAMES = (
     "pdserve_local_prefills_total",
     "pdserve_redis_round_trip_seconds",
     "pdserve_redis_errors_total",
+    "pdserve_verify_total",
 )
 """Every series family the router exports (as exposed: counters with ``_total``)."""
 
@@ -273,6 +274,14 @@ class RouterMetrics:
             r,
             ("op", "error"),
         )
+        self._verify = LoopCounter(
+            "pdserve_verify",
+            "disaggregated requests sampled for shadow verification (--verify-fraction), by outcome: "
+            "match, mismatch (its replay on the aggregated path differed), failed (the replay did not "
+            "finish), skipped (no instance to replay on, or too many replays running)",
+            r,
+            ("outcome",),
+        )
         self._live = _LiveInstances()
         r.register(self._live)
 
@@ -312,6 +321,9 @@ class RouterMetrics:
             self._redis_errors.inc(op, type(error).__name__)
         elif seconds is not None:
             self._redis_time.series(op).observe(seconds)
+
+    def on_verify(self, outcome: str) -> None:
+        self._verify.inc(outcome)
 
     def on_retry(self, kind: str) -> None:
         self._retries.inc(kind)

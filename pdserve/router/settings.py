@@ -158,6 +158,14 @@ class RouterSettings:
         "when no prefill/decode pair can serve, run whole requests on a decode instance, saying so in "
         "x-pdserve-mode: aggregated and the log (default on; --no-aggregated-fallback answers 503 instead)",
     )
+    verify_fraction: float = setting(
+        0.0,
+        "shadow verification: this share (0..1) of disaggregated requests is replayed, after its client "
+        "has its answer, on the aggregated path (a mixed instance, or the decode instance prefilling "
+        "alone) at low priority with the same tokens and seed; tokens and logprobs are compared "
+        "(bitwise where every instance runs batch-invariant), a difference is logged, counted and shown "
+        "by pdserve status (default 0: off)",
+    )
     live_set_max_age_s: float = 0.5
     watch_interval_s: float = 0.5
     """How often the watcher compares in-flight requests with the live set."""
@@ -268,6 +276,8 @@ class RouterSettings:
             raise ConfigError(f"retry_attempts must be >= 0, got {self.retry_attempts}")
         if self.max_migrations < 0:
             raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if not 0 <= self.verify_fraction <= 1:
+            raise ConfigError(f"--verify-fraction must be in 0..1, got {self.verify_fraction}")
         if not 0 <= self.port < 65536:  # 0: no listener (a batch worker's in-process router)
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
 

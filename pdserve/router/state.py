@@ -120,10 +120,12 @@ class RouterState:
 
     def _router_info(self) -> RouterInfo:
         s = self.settings
+        shadow = self._dispatcher.shadow if self._dispatcher is not None else None
         return RouterInfo(
             id=s.router_id,
             host=socket.gethostname(),
             pid=os.getpid(),
             port=s.port,
             started_at=self.started_at,
+            verify=shadow.info.model_copy() if shadow is not None else None,
         )

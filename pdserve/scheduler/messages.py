@@ -90,6 +90,9 @@ class KVInfo(_Model):
     device: str = "cpu"
     """Where the cache lives: ``cpu`` (host memory) or ``cuda`` (a GPU; an older worker: cpu). A
     pair's caches must be of one kind: their bytes move by different transports."""
+    batch_invariant: bool | None = None
+    """Its sequences' bits do not depend on their batch (None: an older worker, not said): a router's
+    shadow verification compares bitwise where every instance involved says so."""
     device_name: str | None = None  # e.g. "NVIDIA H200 (cuda:0)": shown by `pdserve status`
     memory_bytes: int | None = None  # device memory the weights and the KV cache hold (None: not said)
 

@@ -330,6 +330,7 @@ class WorkerService:
                 prefix_caching=facts.prefix_caching,
                 weights=facts.weights,
                 weights_digest=facts.weights_digest,
+                batch_invariant=facts.batch_invariant,
                 device=facts.device,
                 device_name=facts.device_name,
                 memory_bytes=facts.memory_bytes or None,
