@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import ssl
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -212,8 +212,14 @@ async def server_identity(client: RedisClient, key: str) -> ServerIdentity:
         replication = await client.info("replication", **target)
     except ResponseError:  # forbidden (an ACL that allows INFO server): no history, a restart then
         replication = {}
+    return identity_from_info(server, replication)
 
-    def text(info: dict[str, Any], name: str) -> str:
+
+def identity_from_info(server: Mapping[str, Any], replication: Mapping[str, Any]) -> ServerIdentity:
+    """:class:`ServerIdentity` from ``INFO server`` and ``INFO replication`` (empty: forbidden), as
+    redis-py parses them or as :func:`info_fields` reads a raw reply."""
+
+    def text(info: Mapping[str, Any], name: str) -> str:
         value = info.get(name, "")
         if value == 0 and name == "master_replid2":  # redis-py's INFO parser made "000…0" a number
             return NO_REPLID
@@ -225,6 +231,16 @@ async def server_identity(client: RedisClient, key: str) -> ServerIdentity:
         text(replication, "master_replid"),
         text(replication, "master_replid2"),
     )
+
+
+def info_fields(reply: bytes) -> dict[str, str]:
+    """The ``name:value`` lines of a raw ``INFO`` reply, as text (for :func:`identity_from_info`)."""
+    fields = {}
+    for line in reply.decode(errors="replace").splitlines():
+        name, colon, value = line.partition(":")
+        if colon and not name.startswith("#"):
+            fields[name] = value
+    return fields
 
 
 async def server_role(client: RedisClient, key: str) -> str:

@@ -8,7 +8,9 @@ redis-py opens the connection, so TLS, AUTH, HELLO, CLIENT SETNAME and SELECT ar
 then this takes the transport over. Errors are redis-py's classes, so callers keep their error
 handling: ``ConnectionError`` when the connection is lost (and for the replies redis-py counts as
 one: ``LOADING``, too many clients; and ``READONLY``, a primary turned replica), ``TimeoutError``
-past the client's socket timeout: the connection is then dropped and the next call opens another. An
+past the client's socket timeout: the connection is then dropped and the next call opens another
+(numbered: :attr:`LeanConnection.generation`; a caller that must know which server it talks to, the
+outbox reader, identifies each new one before using it, and pins its round trips to it). An
 error reply of one command (``ResponseError`` and its subclasses, mapped as redis-py maps them)
 leaves the connection as it is. Only a single server's client has a lean path (``redis://``,
 ``rediss://``, ``unix://``): :func:`lean_connection` returns None for a Redis Cluster (each key's
@@ -60,9 +62,14 @@ class _Replies(asyncio.Protocol):
     """Hands each round trip its replies, in order (several may be in flight on one connection)."""
 
     def __init__(
-        self, transport: asyncio.Transport, owner: object = None, timeout_s: float | None = None
+        self,
+        transport: asyncio.Transport,
+        owner: object = None,
+        timeout_s: float | None = None,
+        generation: int = 0,
     ) -> None:
         self.transport = transport
+        self.generation = generation  # which of its LeanConnection's connections this is
         self.owner = owner  # what opened the transport (asyncio's StreamWriter closes it when collected)
         self.timeout_s = timeout_s
         self.reader = hiredis.Reader(replyError=ResponseError)
@@ -118,7 +125,10 @@ class _Replies(asyncio.Protocol):
             self.connection_lost(ConnectionError("Redis sent a reply nobody asked for"))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = exc if isinstance(exc, ConnectionError) else ConnectionError(f"connection lost: {exc}")
+        if isinstance(exc, ConnectionError):
+            self.lost = exc
+        else:  # None: the server closed it (end of file)
+            self.lost = ConnectionError(f"connection lost: {exc or 'closed by the server'}")
         while self.waiting:
             done = self.waiting.popleft()[2]
             if not done.done():
@@ -137,6 +147,9 @@ class LeanConnection:
         self.name = name  # for logs: what this connection is for
         self.timeout_s = connection_kwargs(client).get("socket_timeout") or None
         self.retry = client.get_retry()
+        self.generation = 0
+        """How many connections this has opened: the number of the newest (0: none yet). Another
+        connection may reach another server (restarted, failed over) behind the same address."""
         self._replies: _Replies | None = None
         self._opening: asyncio.Lock = asyncio.Lock()
 
@@ -151,12 +164,30 @@ class LeanConnection:
     async def _dropped(self, error: Exception) -> None:
         self.close()
 
-    async def execute(self, packed: bytes, count: int, raise_on_error: bool = True) -> list[Any]:
+    @property
+    def connected(self) -> int:
+        """The :attr:`generation` of the open connection; 0 when there is none."""
+        replies = self._replies
+        return 0 if replies is None or replies.lost is not None else replies.generation
+
+    async def connect(self) -> int:
+        """The :attr:`generation` of the open connection, opening one (redis-py's handshake, with
+        the client's retries) when there is none."""
+        return self.connected or (await self._open()).generation
+
+    async def execute(
+        self, packed: bytes, count: int, raise_on_error: bool = True, generation: int | None = None
+    ) -> list[Any]:
         """Send ``packed`` (``count`` commands) and return their replies. An error reply is raised
         (the first one), or left in the list (``raise_on_error=False``); one that redis-py counts as
-        a connection error (READONLY, LOADING, ...) always drops the connection and is raised."""
+        a connection error (READONLY, LOADING, ...) always drops the connection and is raised.
+        ``generation`` (from :meth:`connect`): only on that connection; once it is lost,
+        ConnectionError with nothing sent, rather than a new connection to a server not seen yet."""
         replies = self._replies
-        if replies is None or replies.lost is not None:
+        if generation is not None:
+            if replies is None or replies.lost is not None or replies.generation != generation:
+                raise ConnectionError(f"the Redis connection of {self.name} was lost")
+        elif replies is None or replies.lost is not None:
             replies = await self._open()
         try:
             result = await replies.send(packed, count)
@@ -198,10 +229,11 @@ class LeanConnection:
                 await conn.disconnect()
                 raise ConnectionError("this redis-py's connections expose no transport")
             conn._reader = conn._writer = None  # taken over: redis-py must not close it when collected
-            replies = _Replies(transport, writer, self.timeout_s)
+            self.generation += 1
+            replies = _Replies(transport, writer, self.timeout_s, self.generation)
             transport.set_protocol(replies)
             self._replies = replies
-            logger.debug("lean Redis connection for %s open", self.name)
+            logger.debug("lean Redis connection %d for %s open", self.generation, self.name)
             return replies
 
 

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ConnectionError, ReadOnlyError, RedisError, ResponseError
 
 from pdserve.errors import (
     ControlPlaneError,
@@ -25,19 +25,40 @@ from pdserve.scheduler.connection import (
     REDIS_OUTAGE_S,
     RedisObserver,
     ServerIdentity,
+    identity_from_info,
+    info_fields,
     require_block_below_timeout,
     require_bytes_responses,
     server_identity,
     server_role,
 )
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.lean_redis import bulk, lean_connection, pack_head
+from pdserve.scheduler.lean_redis import bulk, lean_connection, pack, pack_head
 from pdserve.scheduler.messages import ANY_ATTEMPT, RequestDelta, StepOutput, decode_as
 from pdserve.scheduler.redis_settings import RedisClient
 from pdserve.scheduler.streams import FIELD
 from pdserve.scheduler.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
+
+_INFO = pack(b"INFO", b"server") + pack(b"INFO", b"replication")
+"""The first round trip on each new lean connection: which server it reached (ServerIdentity)."""
+
+_GATE = """local id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+if id == ARGV[1] and ARGV[2] ~= '' then
+  local trimmed = redis.pcall('XTRIM', KEYS[1], 'MINID', ARGV[2])
+  if type(trimmed) == 'table' and trimmed.err then
+    if string.find(trimmed.err, 'READONLY', 1, true) then
+      return redis.error_reply('READONLY the server is a replica now')
+    end
+    return trimmed
+  end
+end
+return id"""
+"""Each outbox read through redis-py's pipelines (Sentinel, Cluster), whose retries may reconnect to
+another server unseen: the server's ``run_id``, and the trim of what was read (``XTRIM MINID
+ARGV[2]``) only when it is ``ARGV[1]``, the server the reader identified. READONLY (a demoted
+primary) is passed on as such, for redis-py's Sentinel connections to go and find the new one."""
 
 
 class DeltaQueue:
@@ -85,12 +106,14 @@ class OutboxReader:
     until a final delta (``is_final``). Deltas of unknown requests are dropped (debug log). What
     has been read is trimmed in the same round trip as the next read, which takes everything there
     (up to ``count`` entries) on a dedicated lean connection (lean_redis.py; redis-py's pipeline on a
-    Redis Cluster).
+    Redis Cluster or through Sentinel).
 
     Subscribers never hang on Redis: after ``fail_after_s`` without reaching it, every waiting
     request gets a final, retryable 503 error delta (and so do new ones until Redis is back); if
     Redis comes back with a new ``run_id`` (restarted: events may be lost), so does every request
-    in flight. :meth:`stop` ends the remaining requests the same way.
+    in flight. :meth:`stop` ends the remaining requests the same way. However short the restart,
+    it is seen: the reader never reads or trims on a server it has not identified (:meth:`_identify`),
+    and after another server it reads the outbox again from its start, trimming nothing before.
 
     ``trust_failover`` (``--redis-wait-replicas`` on: every event and message counted as sent is on
     a replica): a new ``run_id`` whose server is a replica promoted from the primary this reader
@@ -136,8 +159,12 @@ class OutboxReader:
         self._identity: ServerIdentity | None = None
         """The primary this reader reads (None: not known yet)."""
         self._identity_forbidden = False  # INFO is forbidden here: no restart detection
+        self._identified_on: int | None = None
+        """The lean connection's generation whose server is ``_identity`` (reads go on it only)."""
+        self._gated = True
+        """Pipeline reads carry ``_GATE`` (False: EVAL refused here, a trim goes out unchecked)."""
         self._reread = False
-        """A failover was carried through: read the outbox again from its start, trimming nothing."""
+        """Another server answers now: read the outbox again from its start, trimming nothing."""
         self.num_failovers = 0
         """Failovers to a promoted replica carried through without failing requests (``trust_failover``)."""
         self.changed_at = float("-inf")
@@ -232,9 +259,10 @@ class OutboxReader:
         failures = 0
         while True:
             try:
-                if failures or (self._identity is None and not self._identity_forbidden):
-                    await self._check_restart()
-                if self._reread:  # a failover: the new primary's ids need not follow the old one's
+                lean = self._lean
+                if lean is None or lean.connected != self._identified_on:  # steady state: no call
+                    await self._identify(failed=failures > 0)
+                if self._reread:  # another server: its ids need not follow the old one's
                     self._reread = False
                     last_id, read_up_to = b"0-0", None
                 entries = await self._read(last_id, read_up_to)
@@ -261,22 +289,47 @@ class OutboxReader:
             if entries:
                 read_up_to = last_id
 
+    async def _identify(self, failed: bool) -> None:
+        """Know the server the next read reaches before anything is read or trimmed there: the
+        client's retries reconnect within seconds, to a restarted or failed-over server too. The
+        lean connection's reads go only on the connection identified, and each new one is asked
+        who it is first (one round trip per connection, none per read). redis-py's pipelines may
+        reconnect inside a read, so those carry ``_GATE`` (:meth:`_read_pipeline`) and the server
+        is read again after a failed read (the gate's mismatch included)."""
+        if self._identity_forbidden:
+            return
+        lean = self._lean
+        if lean is None:
+            if failed or self._identity is None:
+                await self._check_restart()
+            return
+        generation = await lean.connect()
+        if generation == self._identified_on:
+            return
+        server, replication = await lean.execute(_INFO, 2, raise_on_error=False, generation=generation)
+        if isinstance(server, ResponseError):
+            self._forbidden(server)
+            return
+        history = {} if isinstance(replication, ResponseError) else info_fields(replication)
+        now = identity_from_info(info_fields(server), history)
+        if now.role != "master" and self._identity is not None:
+            lean.close()  # a demoted primary serves its new primary's older data
+            raise ConnectionError(f"Redis answers as a {now.role} (a demoted primary?)")
+        await self._check_restart(now)
+        self._identified_on = generation
+
     async def _read(self, last_id: bytes, read_up_to: bytes | None) -> list[tuple[bytes, bytes | None]]:
         """Trim what was read (exact XTRIM MINID) and block for new entries, in one round trip:
         ``(entry id, its message)`` pairs."""
         if self._lean is None:
-            pipe = self.redis.pipeline(transaction=False)
-            if read_up_to is not None:
-                pipe.xtrim(self.key, minid=_next_id(read_up_to), approximate=False)
-            pipe.xread({self.key: last_id}, count=self.count, block=self.block_ms)
-            reply = (await pipe.execute())[-1]
-            return [(entry_id, fields.get(FIELD)) for entry_id, fields in reply[0][1]] if reply else []
+            return await self._read_pipeline(last_id, read_up_to)
         xread = self._xread + bulk(last_id)
+        on = self._identified_on
         if read_up_to is None:
-            (reply,) = await self._lean.call(xread, 1)
+            (reply,) = await self._lean.execute(xread, 1, generation=on)
         else:
             trim = self._xtrim + bulk(_next_id(read_up_to))
-            _, reply = await self._lean.call(trim + xread, 2)
+            _, reply = await self._lean.execute(trim + xread, 2, generation=on)
         if not reply:
             return []
         if isinstance(reply, dict):  # RESP3: {stream: entries}
@@ -284,6 +337,39 @@ class OutboxReader:
         else:
             entries = reply[0][1]
         return [(entry_id, _field(fields)) for entry_id, fields in entries]
+
+    async def _read_pipeline(
+        self, last_id: bytes, read_up_to: bytes | None
+    ) -> list[tuple[bytes, bytes | None]]:
+        """:meth:`_read` through redis-py (a Redis Cluster, Sentinel): the trim goes in ``_GATE``,
+        and a read that reached another server than the one identified raises ConnectionError
+        (nothing trimmed there; what it read is read again once the server is known)."""
+        pipe = self.redis.pipeline(transaction=False)
+        identity = self._identity if self._gated and not self._identity_forbidden else None
+        if identity is not None:
+            minid = _next_id(read_up_to) if read_up_to is not None else b""
+            pipe.execute_command("EVAL", _GATE, 1, self.key, identity.run_id, minid)
+        elif read_up_to is not None:
+            pipe.xtrim(self.key, minid=_next_id(read_up_to), approximate=False)
+        pipe.xread({self.key: last_id}, count=self.count, block=self.block_ms)
+        replies = await pipe.execute(raise_on_error=False)
+        if identity is not None:
+            answered = replies[0]
+            if isinstance(answered, ResponseError) and not isinstance(answered, ReadOnlyError):
+                self._gated = False
+                logger.warning(
+                    "%s: cannot check Redis's run_id with each read (%s); a restart hidden by the "
+                    "client's retries will not be detected",
+                    self.key,
+                    answered,
+                )
+            elif not isinstance(answered, Exception) and answered != identity.run_id.encode():
+                raise ConnectionError(f"another Redis server answers (run_id {answered!r})")
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        reply = replies[-1]
+        return [(entry_id, fields.get(FIELD)) for entry_id, fields in reply[0][1]] if reply else []
 
     async def confirm_primary(self) -> bool:
         """Whether Redis is still the primary this router has been reading: False when the server
@@ -307,19 +393,20 @@ class OutboxReader:
         except (RedisError, OSError):
             return False
 
-    async def _check_restart(self) -> bool:
-        """Whether the primary is another server than at the last check: restarted (a new
-        ``run_id``; every request in flight then fails with ``control_plane_restarted``), or, with
-        ``trust_failover``, a replica a failover promoted (nothing fails; the outbox is read again
-        from its start). A server answering as a replica is not taken for the primary."""
+    async def _check_restart(self, now: ServerIdentity | None = None) -> bool:
+        """Whether the primary (``now``, else read through the client) is another server than at
+        the last check: restarted (a new ``run_id``; every request in flight then fails with
+        ``control_plane_restarted``), or, with ``trust_failover``, a replica a failover promoted
+        (nothing fails). Either way the outbox is read again from its start (the new server's ids
+        need not follow the old one's). A server answering as a replica is not taken for the primary."""
         if self._identity_forbidden:
             return False
-        try:
-            now = await server_identity(self.redis, self.key)
-        except ResponseError as e:
-            logger.warning("%s: cannot read Redis's run_id (%s); restarts will not be detected", self.key, e)
-            self._identity_forbidden = True
-            return False
+        if now is None:
+            try:
+                now = await server_identity(self.redis, self.key)
+            except ResponseError as e:
+                self._forbidden(e)
+                return False
         before = self._identity
         if now.role != "master" and before is not None:
             return False  # a demoted primary: its data is its new primary's, not trusted here
@@ -327,9 +414,9 @@ class OutboxReader:
         if before is None or now.run_id == before.run_id:
             return False
         self.changed_at = self.clock()
+        self._reread = True
         if self.trust_failover and now.continues(before):
             self.num_failovers += 1
-            self._reread = True
             logger.warning(
                 "%s: Redis failed over to a replica of the primary read until now (run_id %s); "
                 "%d requests in flight continue, the outbox is read again from its start",
@@ -342,6 +429,10 @@ class OutboxReader:
         logger.error("Redis %s (run_id changed); failing %d requests in flight", why, len(self._queues))
         self._fail_all(ControlPlaneRestartedError(f"Redis {why}; results in flight may be lost"))
         return True
+
+    def _forbidden(self, error: ResponseError) -> None:
+        logger.warning("%s: cannot read Redis's run_id (%s); restarts will not be detected", self.key, error)
+        self._identity_forbidden = True
 
     def _lost(self, error: BaseException, failures: int) -> None:
         now = self.clock()

@@ -211,6 +211,33 @@ def test_a_restarted_server_fails_execute_and_the_next_call_reconnects(private_r
     assert with_lean(private_redis.url, main, retries=1, connect_timeout_s=0.2) == [None, b"PONG"]
 
 
+def test_a_round_trip_pinned_to_a_connection_is_never_sent_on_another(private_redis: EmbeddedRedis) -> None:
+    """Each connection opened is numbered; a round trip given a number goes out on that connection
+    only, and once it is lost fails with nothing sent (another connection may reach another server,
+    one its caller, the outbox reader, has not identified yet)."""
+
+    async def main(lean: LeanConnection, client: aioredis.Redis) -> tuple[Any, ...]:
+        first = await lean.connect()
+        assert await lean.connect() == first  # the open one
+        (killed,) = await lean.execute(pack(b"CLIENT", b"ID"), 1, generation=first)
+        await client.execute_command("CLIENT", "KILL", "ID", killed)
+        for _ in range(100):
+            if lean._replies is None or lean._replies.lost is not None:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(ConnectionError, match="lost"):
+            await lean.execute(pack(b"INCR", b"n"), 1, generation=first)
+        sent_anyway = await client.get(b"n")
+        second = await lean.connect()
+        incr = await lean.execute(pack(b"INCR", b"n"), 1, generation=second)
+        with pytest.raises(ConnectionError, match="lost"):  # an older number: not this connection
+            await lean.execute(pack(b"INCR", b"n"), 1, generation=first)
+        return first, second, sent_anyway, incr, await client.get(b"n")
+
+    first, second, sent_anyway, incr, n = with_lean(private_redis.url, main)
+    assert (second, sent_anyway, incr, n) == (first + 1, None, [1], b"1")
+
+
 def test_readonly_closes_the_connection_and_raises_connection_error(private_redis: EmbeddedRedis) -> None:
     async def main(lean: LeanConnection, client: aioredis.Redis) -> tuple[Any, ...]:
         assert await lean.execute(pack(b"SET", b"k", b"1"), 1) == [b"OK"]

@@ -31,12 +31,15 @@ def step(seq: int) -> StepOutput:
 
 
 async def seqs_until(queue: DeltaQueue, last: int, timeout_s: float) -> list[int | str]:
-    """The seqs of the deltas read until ``last`` arrives (an error's kind instead, and then stop);
-    TimeoutError if neither comes within ``timeout_s``."""
+    """The seqs of the deltas read until ``last`` arrives (an error's kind instead, and then stop;
+    ``"timeout"`` last if neither came within ``timeout_s``)."""
     got: list[int | str] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        delta = await asyncio.wait_for(queue.get(), max(0.01, deadline - time.monotonic()))
+        try:
+            delta = await asyncio.wait_for(queue.get(), max(0.01, deadline - time.monotonic()))
+        except TimeoutError:
+            return [*got, "timeout"]
         if delta.error is not None:
             return [*got, delta.error.kind]
         assert delta.seq is not None
@@ -157,3 +160,34 @@ def test_a_restarted_server_is_no_failover_even_with_replica_waits(private_redis
             await client.aclose()
 
     assert asyncio.run(main()) == ["control_plane_restarted"]
+
+
+def test_a_restart_within_the_clients_retries_is_seen_through_sentinel_too() -> None:
+    """Through Sentinel the reader reads with redis-py's pipelines, whose retries reconnect a lost
+    connection (a router's settings): the primary back empty 0.3 s after a SIGKILL, before the
+    Sentinels see it down, is reached within them. The read carries the run_id it expects, so the
+    request in flight still fails with control_plane_restarted (and nothing is trimmed there)."""
+    sentinel = EmbeddedSentinel(replicas=1)
+    sentinel.start()
+
+    async def main() -> list[int | str]:
+        client = RedisSettings.from_url(sentinel.url).connect()  # a router's settings and retries
+        reader = OutboxReader(client, KEYS, "r1", fail_after_s=60, trust_failover=True)
+        queue = reader.subscribe("a")
+        try:
+            async with reader:
+                await Outbox(client, KEYS).publish("r1", step(0))
+                assert await seqs_until(queue, 0, 10) == [0]
+                primary = sentinel.primary()
+                primary.stop(kill=True)
+                await asyncio.sleep(0.3)
+                await asyncio.to_thread(primary.start)
+                return await seqs_until(queue, 1, 8)
+        finally:
+            await client.aclose()
+
+    try:
+        seqs = asyncio.run(main())
+    finally:
+        sentinel.close()
+    assert seqs == ["control_plane_restarted"], seqs
