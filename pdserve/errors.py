@@ -17,6 +17,7 @@
     │   ├── InstanceLostError    instance_unavailable  it left the live set mid-request
     │   └── RouterStoppingError  router_stopping       the router is shutting down
     ├── RequestTimeoutError      timeout               a deadline passed
+    ├── QuotaExceededError       quota_exceeded        an API key holds what its quota allows
     └── ClientDisconnectedError  client_disconnected   the client went away
 
 Each class's ``kind`` is its name on the wire: a worker or the scheduler that fails a request
@@ -137,6 +138,13 @@ class RequestTimeoutError(PdserveError, TimeoutError):
     """The request missed a deadline (first token, reserve, or the whole request)."""
 
     kind = "timeout"
+
+
+class QuotaExceededError(PdserveError, RuntimeError):
+    """An API key holds as many files, bytes or batches in flight as its quota allows (HTTP 429,
+    no ``Retry-After``: waiting helps only once its files expire or its batches end)."""
+
+    kind = "quota_exceeded"
 
 
 class ClientDisconnectedError(PdserveError, ConnectionError):

@@ -13,6 +13,7 @@ import orjson
 
 from pdserve.batchstore.batch_queue import BatchQueue
 from pdserve.batchstore.batches import BatchObject, BatchStore
+from pdserve.batchstore.owners import owner_name
 from pdserve.errors import NotFoundError
 from pdserve.scheduler import (
     InstanceInfo,
@@ -128,8 +129,8 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
 
 
 async def read_batches(redis: Any, keys: Keys, queue: BatchQueue | None) -> dict[str, Any]:
-    """Every active batch and the newest final ones, newest first. Read only: unlike
-    ``list_batches`` it leaves the index's expired ids for the API's listing to prune."""
+    """Every active batch and the newest final ones, newest first, and what each owner (API key
+    digest) holds: files, their bytes, batches in flight."""
     store = BatchStore(redis, keys)
     active_ids = set(await store.active())
     active: list[BatchObject] = []
@@ -139,29 +140,29 @@ async def read_batches(redis: Any, keys: Keys, queue: BatchQueue | None) -> dict
             active.append(await store.get(batch_id))
         except NotFoundError:  # gone between the two reads
             continue
-    start, page = 0, 50
-    while len(recent) < RECENT_BATCHES:
-        ids = [i.decode() for i in await redis.zrange(keys.batches, start, start + page - 1, desc=True)]
-        for batch_id in ids:
-            if batch_id in active_ids:
-                continue
-            try:
-                batch = await store.get(batch_id)
-            except NotFoundError:  # expired
-                continue
-            if batch.final:
-                recent.append(batch)
-                if len(recent) == RECENT_BATCHES:
-                    break
-        if len(ids) < page:
-            break
-        start += page
+    usage = []
+    for owner in await store.owners.owners():  # each owner's newest final batches, then the newest of all
+        usage.append(await store.owners.usage(owner))
+        found, after = 0, None
+        while found < RECENT_BATCHES:
+            page, more = await store.list_batches(after, 50, owner)
+            finals = [b for b in page if b.final and b.id not in active_ids][: RECENT_BATCHES - found]
+            recent += finals
+            found += len(finals)
+            if not more:
+                break
+            after = page[-1].id
+    recent = sorted(recent, key=lambda b: b.created_at, reverse=True)[:RECENT_BATCHES]  # stable: index order
     active.sort(key=lambda b: b.created_at, reverse=True)
     depth = None if queue is None else await asyncio.to_thread(queue.depth)
     return {
         "queue_depth": depth,
         "active": [_batch(b) for b in active if not b.final],
         "recent": [_batch(b) for b in recent],
+        "usage": [
+            {"owner": owner_name(u.owner), "files": u.files, "bytes": u.bytes, "batches": u.batches}
+            for u in usage
+        ],
     }
 
 
@@ -265,10 +266,21 @@ BATCH_COLUMNS = ("BATCH", "STATUS", "ENDPOINT", "COMPLETED/FAILED/TOTAL", "CREAT
 
 def _batch_lines(batches: dict[str, Any] | None) -> list[str]:
     """The batches' section of the text status: nothing when there are none and no queued job."""
-    if not batches or not (batches["active"] or batches["recent"] or batches["queue_depth"]):
+    if not batches or not (
+        batches["active"] or batches["recent"] or batches["queue_depth"] or batches.get("usage")
+    ):
         return []
     rows = [_batch_row(b) for b in (*batches["active"], *batches["recent"])]
-    return ["", _batch_head(batches), *(_table(BATCH_COLUMNS, rows) if rows else [])]
+    return ["", _batch_head(batches), *(_table(BATCH_COLUMNS, rows) if rows else []), *_usage_lines(batches)]
+
+
+def _usage_lines(batches: dict[str, Any]) -> list[str]:
+    """What each owner (API key digest) holds, against the quotas: files, bytes, batches in flight."""
+    rows = [
+        (u["owner"], str(u["files"]), f"{u['bytes'] / (1 << 20):.1f} MiB", str(u["batches"]))
+        for u in batches.get("usage", [])
+    ]
+    return ["", *_table(("KEY DIGEST", "FILES", "BYTES", "BATCHES IN FLIGHT"), rows)] if rows else []
 
 
 def _batch_head(batches: dict[str, Any]) -> str:

@@ -310,7 +310,7 @@ def test_status_shows_active_and_recent_batches(redis_url, redis_client, capsys)
     from pdserve.scheduler import Keys
 
     running, done = make_batches(redis_url, "bstat", finished=7, later=1)
-    (late,) = redis_client.zrange(Keys("bstat").batches, -1, -1)
+    (late,) = redis_client.zrange(Keys("bstat").owner_batches(""), -1, -1)
     redis_client.srem(Keys("bstat").active_batches, late)  # as if created between the two reads
     base = ["status", "--redis-url", redis_url, "--cluster", "bstat"]
     assert main([*base, "--json"]) == 0

@@ -14,8 +14,20 @@ from pdserve.router.settings import RouterSettings
 
 NO_LISTENER = 0
 """The port a batch worker's in-process router registers: it listens on none."""
-ROUTER_FLAGS_NOT_USED = ("host", "port", "router_id", "access_log", "metrics", "api_key", "api_key_file")
-"""Router flags a batch worker has no use for: it listens on no port and answers no client."""
+ROUTER_FLAGS_NOT_USED = (
+    "host",
+    "port",
+    "router_id",
+    "access_log",
+    "metrics",
+    "api_key",
+    "api_key_file",
+    "quota_files",
+    "quota_bytes",
+    "quota_batches",
+)
+"""Router flags a batch worker has no use for: it listens on no port and answers no client (the
+quotas refuse uploads and new batches; a batch's output files are counted, never refused)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,8 @@ from typing import Any, Literal, cast
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.batchstore.files import ids_after, new_id
+from pdserve.batchstore.files import new_id
+from pdserve.batchstore.owners import OwnerIndex, Quotas, owner_name
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.keys import Keys
@@ -170,10 +171,13 @@ return 1
 class BatchStore:
     """Batch records, their status changes, and their lines' outcomes."""
 
-    def __init__(self, redis: RedisClient, keys: Keys, ttl_s: int = DEFAULT_BATCH_TTL_S) -> None:
+    def __init__(
+        self, redis: RedisClient, keys: Keys, ttl_s: int = DEFAULT_BATCH_TTL_S, quotas: Quotas | None = None
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.ttl_s = ttl_s
+        self.owners = OwnerIndex(redis, keys, quotas)
         self._update = redis.register_script(_UPDATE)
         self._record = redis.register_script(_RECORD)
 
@@ -199,13 +203,38 @@ class BatchStore:
             owner=owner,
         )
         with redis_errors("creating a batch"):
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = self.redis.pipeline(
+                transaction=False
+            )  # three slots: the batch's, its owner's, the registry's
             pipe.set(self.keys.batch(batch.id), _dump(batch))
-            pipe.zadd(self.keys.batches, {batch.id: time.time() * 1000})
+            pipe.zadd(self.keys.owner_batches(owner), {batch.id: time.time() * 1000})
+            pipe.sadd(self.keys.owner_active(owner), batch.id)
             pipe.sadd(self.keys.active_batches, batch.id)
+            pipe.sadd(self.keys.owners, owner_name(owner))
             await pipe.execute()
         logger.info("batch %s created: file %s, endpoint %s", batch.id, input_file_id, endpoint)
         return batch
+
+    async def admit(self, owner: str, batch_id: str) -> None:
+        """Count ``batch_id`` among ``owner``'s batches in flight before it is made (QuotaExceededError
+        when it has its quota of them: ``--quota-batches``); :meth:`create` records it, and a batch
+        never made is uncounted with :meth:`not_made`."""
+        await self.owners.admit_batch(owner, batch_id, self.still_active)
+
+    async def not_made(self, owner: str, batch_id: str) -> None:
+        """A batch :meth:`admit` counted was not made after all."""
+        await self.owners.batch_ended(owner, batch_id)
+
+    async def still_active(self, batch_ids: list[str]) -> set[str]:
+        """Those of ``batch_ids`` that exist and are not final (one round trip)."""
+        if not batch_ids:
+            return set()
+        with redis_errors("reading batches"):
+            pipe = self.redis.pipeline(transaction=False)
+            for batch_id in batch_ids:
+                pipe.get(self.keys.batch(batch_id))
+            raws = await pipe.execute()
+        return {i for i, raw in zip(batch_ids, raws) if raw is not None and not _load(raw).final}
 
     async def get(self, batch_id: str, owner: str | None = None) -> BatchObject:
         """The batch with its current request counts; NotFoundError when there is none, or
@@ -227,24 +256,39 @@ class BatchStore:
         return batch
 
     async def list_batches(
-        self, after: str | None = None, limit: int = 20, owner: str | None = None
+        self, after: str | None = None, limit: int = 20, owner: str = ""
     ) -> tuple[list[BatchObject], bool]:
-        """Batches newest first after the id ``after``; ``(batches, has_more)``; only ``owner``'s (a
-        tenant; None: every batch)."""
-        with redis_errors("listing batches"):
-            ids = await ids_after(self.redis, self.keys.batches, after)
+        """``owner``'s batches newest first after the id ``after``; ``(batches, has_more)``. Reads
+        that owner's index only (a page, then each batch's record and counts in one pipeline): what
+        other owners hold costs it nothing. Ids whose record expired are dropped as they are met."""
         found: list[BatchObject] = []
-        for batch_id in ids:
-            if len(found) > limit:
+        index, cursor, more = self.keys.owner_batches(owner), after, True
+        while more and len(found) <= limit:
+            wanted = limit + 1 - len(found)
+            ids = await self.owners.page(index, cursor, wanted)
+            more = len(ids) == wanted  # a short page is the index's end: no round trip to learn it
+            if not ids:
                 break
-            try:
-                batch = await self.get(batch_id)
-            except NotFoundError:  # expired
-                with redis_errors("listing batches"):
-                    await self.redis.zrem(self.keys.batches, batch_id)
-                continue
-            if batch.visible_to(owner):
+            cursor = ids[-1]
+            with redis_errors("listing batches"):
+                pipe = self.redis.pipeline(transaction=False)
+                for batch_id in ids:
+                    pipe.get(self.keys.batch(batch_id))
+                    pipe.hlen(self.keys.batch_results(batch_id))
+                    pipe.hlen(self.keys.batch_errors(batch_id))
+                replies = await pipe.execute()
+            gone = []
+            for n, batch_id in enumerate(ids):
+                raw, done, failed = replies[3 * n : 3 * n + 3]
+                if raw is None:
+                    gone.append(batch_id)
+                    continue
+                batch = _load(raw)
+                batch.request_counts.completed, batch.request_counts.failed = done, failed
                 found.append(batch)
+            if gone:
+                with redis_errors("listing batches"):
+                    await self.redis.zrem(index, *gone)
         return found[:limit], len(found) > limit
 
     async def is_active(self, batch_id: str) -> bool:
@@ -271,9 +315,11 @@ class BatchStore:
                 args=[orjson.dumps(list(expect)), orjson.dumps(changes), "1" if final else "0"],
             )
             if raw is not None and final:
+                ended = _load(raw)
                 pipe = self.redis.pipeline(transaction=False)
                 # its input file may be deleted now (FileStore.hold recorded the batch as reading it)
-                pipe.srem(self.keys.file_batches(_load(raw).input_file_id), batch_id)
+                pipe.srem(self.keys.file_batches(ended.input_file_id), batch_id)
+                pipe.srem(self.keys.owner_active(ended.owner), batch_id)  # no longer in flight
                 for key in (self.keys.batch(batch_id), self.keys.batch_results(batch_id)):
                     pipe.expire(key, self.ttl_s)
                 pipe.expire(self.keys.batch_errors(batch_id), self.ttl_s)

@@ -22,13 +22,14 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
 from typing import Literal, cast
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.batchstore.owners import PAGE, OwnerIndex, Quotas
 from pdserve.errors import ConflictError, ControlPlaneError, InvalidRequestError, NotFoundError
 from pdserve.scheduler.connection import memory_room, redis_errors
 from pdserve.scheduler.keys import Keys
@@ -136,18 +137,6 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-async def ids_after(
-    redis: RedisClient, index: str, after: str | None, newest_first: bool = True
-) -> list[str]:
-    """The ids of the index zset ``index`` in creation order, from the one after ``after`` (a
-    listing's cursor; an unknown one: none); the caller maps Redis errors."""
-    raw = cast(list[bytes], await redis.zrange(index, 0, -1, desc=newest_first))
-    ids = [i.decode() for i in raw]
-    if after is None:
-        return ids
-    return ids[ids.index(after) + 1 :] if after in ids else []
-
-
 class FileStore:
     """Create, read, list and delete files (bytes in Redis, or in ``directory``)."""
 
@@ -158,12 +147,14 @@ class FileStore:
         max_bytes: int = DEFAULT_MAX_FILE_BYTES,
         ttl_s: int = DEFAULT_FILE_TTL_S,
         directory: str | Path | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.directory = Path(directory) if directory else None
+        self.owners = OwnerIndex(redis, keys, quotas)
         self._hold = redis.register_script(_HOLD)
         self._delete = redis.register_script(_DELETE)
         self._publish = redis.register_script(_PUBLISH)
@@ -191,19 +182,22 @@ class FileStore:
         partial key (renewed to expire PARTIAL_TTL_S later) or, with ``directory``, written to a
         hidden temporary file; the whole file is never held here. The file appears (content and
         metadata at once) only when the last piece is stored. An upload (``batch``) that goes over
-        ``max_bytes`` raises InvalidRequestError as soon as it does; then, and when ``pieces`` or
+        ``max_bytes`` raises InvalidRequestError as soon as it does, and one ``owner``'s quotas
+        refuse (:meth:`OwnerIndex.check_upload`: files held, bytes held with this upload so far)
+        QuotaExceededError; a batch's output files are counted, never refused; then, and when ``pieces`` or
         Redis raises, or the caller is cancelled, what was stored is deleted (a router that dies
         meanwhile leaves a partial key that expires, or a temporary file that a later upload sweeps)."""
         if purpose not in PURPOSES:
             raise InvalidRequestError(f"purpose must be 'batch' (got {purpose!r})", "purpose")
-        limit = self.max_bytes if purpose == "batch" else None
+        upload = purpose == "batch"
         file_id = new_id("file-")
         now = int(time.time())
         try:
+            bound = await self._bound(file_id, owner) if upload else None
             if self.directory is not None:
-                size = await self._write_pieces(file_id, pieces, limit)
+                size = await self._write_pieces(file_id, pieces, bound)
             else:
-                size = await self._append_pieces(file_id, pieces, limit)
+                size = await self._append_pieces(file_id, pieces, bound)
             info = FileObject(
                 id=file_id,
                 bytes=size,
@@ -226,9 +220,9 @@ class FileStore:
                         )
                 else:
                     await self.redis.set(self.keys.file(file_id), _stored(info), ex=self.ttl_s)
-                await self.redis.zadd(self.keys.files, {file_id: time.time() * 1000})
+            await self.owners.add_file(owner, file_id, size, time.time() * 1000, now + self.ttl_s)
         except BaseException:
-            await self._discard(file_id)
+            await self._discard(file_id, owner)
             raise
         logger.info("file %s stored: %s, %d bytes, purpose %s", info.id, info.filename, info.bytes, purpose)
         return info
@@ -287,39 +281,36 @@ class FileStore:
         after: str | None = None,
         limit: int = 10000,
         newest_first: bool = True,
-        owner: str | None = None,
+        owner: str = "",
     ) -> tuple[list[FileObject], bool]:
-        """Files in creation order (newest first by default) after the id ``after``; ``(files, has_more)``;
-        only ``owner``'s (a tenant; None: every file). Ids whose file expired are dropped from the
-        index as they are met."""
-        with redis_errors("listing files"):
-            ids = await ids_after(self.redis, self.keys.files, after, newest_first)
-            found: list[FileObject] = []
-            gone: list[str] = []
-            for start in range(0, len(ids), 256):
-                part = ids[start : start + 256]
+        """``owner``'s files in creation order (newest first by default) after the id ``after``;
+        ``(files, has_more)``. Reads that owner's index only, a page at a time: what other owners
+        hold costs it nothing. Ids whose file expired are dropped from the index as they are met."""
+        found: list[FileObject] = []
+        index, cursor, more = self.keys.owner_files(owner), after, True
+        while more and len(found) <= limit:
+            wanted = limit + 1 - len(found) if purpose is None else PAGE  # some may be of another purpose
+            ids = await self.owners.page(index, cursor, wanted, newest_first)
+            more = len(ids) == wanted  # a short page is the index's end: no round trip to learn it
+            if not ids:
+                break
+            cursor = ids[-1]
+            with redis_errors("listing files"):
                 # one GET per file in a plain pipeline, not an MGET: each file's keys have its own
                 # hash tag, so on a Redis Cluster they sit on different slots (the client splits the
                 # pipeline per shard; an MGET across slots is refused)
                 pipe = self.redis.pipeline(transaction=False)
-                for i in part:
+                for i in ids:
                     pipe.get(self.keys.file(i))
-                values = await pipe.execute() if part else []
-                for file_id, raw in zip(part, values):
-                    if raw is None:
-                        gone.append(file_id)
-                        continue
+                values = await pipe.execute()
+            gone = [file_id for file_id, raw in zip(ids, values) if raw is None]
+            for raw in values:
+                if raw is not None:
                     info = FileObject.model_validate_json(raw)
-                    if (purpose is None or info.purpose == purpose) and info.visible_to(owner):
+                    if purpose is None or info.purpose == purpose:
                         found.append(info)
-                if len(found) > limit:
-                    break
             if gone:
-                await self.redis.zrem(self.keys.files, *gone)
-                if self.directory is not None:
-                    for file_id in gone:
-                        with contextlib.suppress(OSError):
-                            self._path(file_id).unlink()
+                await self._forget(owner, gone)
         return found[:limit], len(found) > limit
 
     async def hold(self, file_id: str, batch_id: str, until: float) -> FileObject:
@@ -335,7 +326,10 @@ class FileStore:
             )
         if raw is None:
             raise NotFoundError(f"No such file: {file_id}", "file_id")
-        return FileObject.model_validate_json(raw)
+        info = FileObject.model_validate_json(raw)
+        if info.expires_at is not None:  # counted in its owner's usage until then
+            await self.owners.file_expires(info.owner, info.id, info.expires_at)
+        return info
 
     async def release(self, file_id: str, batch_id: str) -> None:
         """Batch ``batch_id`` no longer reads the file (it is final, or gone)."""
@@ -353,8 +347,7 @@ class FileStore:
         it), ConflictError while a batch reads it (the caller first releases the batches that are
         final: :meth:`release`)."""
         key = self._key(file_id)
-        if owner is not None:
-            await self.get(file_id, owner)
+        info = await self.get(file_id, owner)
         with redis_errors("deleting a file"):
             deleted = await self._delete(
                 keys=[key, self.keys.file_content(file_id), self.keys.file_batches(file_id)], args=[]
@@ -366,7 +359,7 @@ class FileStore:
                     "ended: cancel the batch, or wait until it ends, before deleting its input file",
                     "file_id",
                 )
-            await self.redis.zrem(self.keys.files, file_id)
+        await self._forget(info.owner, [file_id])
         if self.directory is not None:
             with contextlib.suppress(FileNotFoundError):
                 self._path(file_id).unlink()
@@ -392,16 +385,38 @@ class FileStore:
         assert self.directory is not None
         return self.directory / f".{file_id}.tmp"
 
-    async def _append_pieces(self, file_id: str, pieces: AsyncIterable[bytes], limit: int | None) -> int:
+    async def _bound(self, file_id: str, owner: str) -> Callable[[int], None]:
+        """What an upload checks before each piece, given its size so far: ``max_bytes``, and its
+        owner's quotas (:meth:`OwnerIndex.check_upload`: refused at once when the owner already holds
+        its quota of files or bytes)."""
+        room = (
+            await memory_room(self.redis, self.keys.file_partial(file_id)) if self.directory is None else None
+        )
+        usage, quota_bytes = await self.owners.check_upload(owner, room)
+
+        def check(size: int) -> None:
+            if size > self.max_bytes:
+                raise InvalidRequestError(
+                    f"the file is larger than this server's limit of {self.max_bytes} bytes", "file"
+                )
+            self.owners.check_bytes(usage, quota_bytes, size)
+
+        return check
+
+    async def _append_pieces(
+        self, file_id: str, pieces: AsyncIterable[bytes], bound: Callable[[int], None] | None
+    ) -> int:
         """Append the pieces to the file's partial key (each renewing its TTL); the size stored. An
-        upload (``limit`` set) checks before each piece that it leaves Redis's serving reserve alone
-        (:class:`MemoryRoom`); a batch's output files, written for lines already run, do not."""
+        upload (``bound`` set: :meth:`_bound`) checks before each piece that it leaves Redis's
+        serving reserve alone (:class:`MemoryRoom`); a batch's output files, written for lines
+        already run, do not."""
         partial = self.keys.file_partial(file_id)
         size = 0
-        check_room = limit is not None
+        check_room = bound is not None
         async for piece in _cut(pieces):
             size += len(piece)
-            _check_size(size, limit)
+            if bound is not None:
+                bound(size)
             if check_room:
                 room = await memory_room(self.redis, partial)
                 check_room = room is not None  # no maxmemory: nothing to check for this file
@@ -419,7 +434,9 @@ class FileStore:
                 )
         return size
 
-    async def _write_pieces(self, file_id: str, pieces: AsyncIterable[bytes], limit: int | None) -> int:
+    async def _write_pieces(
+        self, file_id: str, pieces: AsyncIterable[bytes], bound: Callable[[int], None] | None
+    ) -> int:
         """Write the pieces to a hidden temporary file in ``directory``, then rename it to the file's
         path (a reader never sees half a file); the size written."""
         assert self.directory is not None
@@ -430,7 +447,8 @@ class FileStore:
         try:
             async for piece in _cut(pieces):
                 size += len(piece)
-                _check_size(size, limit)
+                if bound is not None:
+                    bound(size)
                 await asyncio.to_thread(handle.write, piece)
         finally:
             handle.close()
@@ -452,7 +470,15 @@ class FileStore:
                     tmp.unlink()
                     logger.info("deleted %s, left by an upload that stopped", tmp)
 
-    async def _discard(self, file_id: str) -> None:
+    async def _forget(self, owner: str, file_ids: list[str]) -> None:
+        """Files deleted or found gone: off their owner's listing and usage."""
+        await self.owners.forget_files(owner, file_ids)
+        if self.directory is not None:
+            for file_id in file_ids:
+                with contextlib.suppress(OSError):
+                    self._path(file_id).unlink()
+
+    async def _discard(self, file_id: str, owner: str) -> None:
         """Delete whatever storing the file left (an upload that failed or was cancelled)."""
         if self.directory is not None:
             for path in (self._partial_path(file_id), self._path(file_id)):
@@ -461,7 +487,7 @@ class FileStore:
         keys = [self.keys.file_partial(file_id), self.keys.file_content(file_id), self.keys.file(file_id)]
         try:
             await self.redis.delete(*keys)  # one slot: the file's hash tag
-            await self.redis.zrem(self.keys.files, file_id)
+            await self.owners.forget_files(owner, [file_id])
         except Exception as e:  # the partial key expires anyway; the rest was never written
             logger.warning("file %s: could not delete what its failed upload stored: %r", file_id, e)
 
@@ -510,8 +536,3 @@ async def _cut(pieces: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         view = memoryview(piece)
         for start in range(0, len(view), CHUNK_BYTES):
             yield cast(bytes, view[start : start + CHUNK_BYTES])
-
-
-def _check_size(size: int, limit: int | None) -> None:
-    if limit is not None and size > limit:
-        raise InvalidRequestError(f"the file is larger than this server's limit of {limit} bytes", "file")

@@ -169,14 +169,19 @@ def add_batch_routes(app: FastAPI, state: RouterState) -> None:
         queue = state.batch_queue()  # a ConfigError (Redis Cluster) answers before anything exists
         # the file cannot be deleted while the batch is active, and lasts past its window
         batch_id = new_id("batch_")
+        await batches.admit(owner, batch_id)  # 429 past the key's --quota-batches, before anything
         until = time.time() + window_seconds(req.completion_window) + HOLD_GRACE_S
         try:
             await files.hold(req.input_file_id, batch_id, until)
-        except NotFoundError as e:
-            raise NotFoundError(e.message, "input_file_id") from None
-        batch = await batches.create(
-            req.input_file_id, req.endpoint, req.completion_window, req.metadata, batch_id, owner
-        )
+            batch = await batches.create(
+                req.input_file_id, req.endpoint, req.completion_window, req.metadata, batch_id, owner
+            )
+        except BaseException as e:
+            with contextlib.suppress(PdserveError):
+                await batches.not_made(owner, batch_id)
+            if isinstance(e, NotFoundError):
+                raise NotFoundError(e.message, "input_file_id") from None
+            raise
         try:
             with redis_errors("queueing the batch's validation"):
                 await asyncio.to_thread(queue.enqueue_validate, batch.id)

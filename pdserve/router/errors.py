@@ -36,6 +36,7 @@ from pdserve.errors import (
     MessageError,
     NotFoundError,
     PdserveError,
+    QuotaExceededError,
     RequestTimeoutError,
     RequestTooLongError,
     RouterStoppingError,
@@ -137,6 +138,7 @@ ERROR_MAP: dict[type[BaseException], ErrorKind] = {
         503, "service_unavailable", "control_plane_restarted", retry_after=True
     ),
     ControlPlaneFullError: ErrorKind(507, "insufficient_storage", "control_plane_full"),
+    QuotaExceededError: ErrorKind(429, "insufficient_quota", "quota_exceeded"),
     MessageError: ErrorKind(502, "bad_gateway", "invalid_message"),
     UnavailableError: ErrorKind(503, "service_unavailable", "unavailable", retry_after=True),
     InstanceLostError: ErrorKind(503, "service_unavailable", "instance_unavailable", retry_after=True),

@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 
 from pdserve.batchstore.files import DEFAULT_FILE_TTL_S, DEFAULT_MAX_FILE_BYTES
+from pdserve.batchstore.owners import DEFAULT_QUOTA_BATCHES, DEFAULT_QUOTA_FILES, Quotas
 from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting
 from pdserve.router.policies import POLICY_NAMES, PrefixWeights
@@ -185,6 +186,23 @@ class RouterSettings:
         DEFAULT_FILE_TTL_S,
         "seconds a file (uploaded or a batch's output) is kept (default %(default)s: 30 days)",
     )
+    quota_files: int = setting(
+        DEFAULT_QUOTA_FILES,
+        "most files one API key (or, without keys, everyone) may hold, uploads and batch outputs; an "
+        "upload past it gets 429 quota_exceeded (default %(default)s; 0: no limit)",
+    )
+    quota_bytes: str = setting(
+        "auto",
+        "most bytes one API key's files may hold, uploads and batch outputs (a batch's output is "
+        "always written, then counted): an upload past it gets 429 quota_exceeded. auto: a quarter of "
+        "what Redis may hold for batch data (its maxmemory less the serving reserve) when file bytes "
+        "are kept in Redis and it has a maxmemory, else no limit (default %(default)s; 0: no limit)",
+    )
+    quota_batches: int = setting(
+        DEFAULT_QUOTA_BATCHES,
+        "most batches one API key may have in flight (not yet completed, failed, expired or "
+        "cancelled); POST /v1/batches past it gets 429 quota_exceeded (default %(default)s; 0: no limit)",
+    )
     access_log: bool = setting(False, "log every HTTP request (default off)")
     metrics: bool = setting(
         True, "Prometheus metrics at GET /metrics, open like /health (default on; --no-metrics: off, 404)"
@@ -203,6 +221,17 @@ class RouterSettings:
         "client what another's prompts were)",
     )
     api_keys: frozenset[str] = dataclasses.field(default=frozenset(), init=False, repr=False)
+
+    @property
+    def quotas(self) -> Quotas:
+        """What one API key may hold in the Batch API (``--quota-files``, ``--quota-bytes``,
+        ``--quota-batches``)."""
+        raw = self.quota_bytes.strip().lower()
+        if raw == "auto":
+            return Quotas(self.quota_files, None, self.quota_batches)
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 18):
+            raise ConfigError(f"--quota-bytes must be auto or a number of bytes (0: no limit), got {raw!r}")
+        return Quotas(self.quota_files, int(raw), self.quota_batches)
 
     @property
     def replica_wait(self) -> ReplicaWait:
@@ -228,6 +257,10 @@ class RouterSettings:
             validate_id(self.cluster, "cluster name")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        quotas = self.quotas  # ConfigError for a --quota-bytes neither auto nor a number
+        for flag, value in (("--quota-files", quotas.files), ("--quota-batches", quotas.batches)):
+            if value < 0:
+                raise ConfigError(f"{flag} must be at least 0 (0: no limit), got {value}")
         for flag, value in (("--max-file-bytes", self.max_file_bytes), ("--file-ttl", self.file_ttl_s)):
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1 (got {value})")

@@ -14,7 +14,8 @@ import time
 from pdserve.batchstore.batch_queue import BatchQueue
 from pdserve.batchstore.batches import BatchStore
 from pdserve.batchstore.files import FileStore
-from pdserve.errors import ConfigError
+from pdserve.batchstore.reindex import reindex
+from pdserve.errors import ConfigError, PdserveError
 from pdserve.router.admission import Admission
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import NoCapacityError
@@ -66,8 +67,16 @@ class RouterState:
                 raise ConfigError(
                     f"--router-id {s.router_id} is registered by a live router; pick another id"
                 )
-            self.files = FileStore(self.redis, keys, s.max_file_bytes, s.file_ttl_s, s.files_dir or None)
-            self.batches = BatchStore(self.redis, keys)
+            self.files = FileStore(
+                self.redis, keys, s.max_file_bytes, s.file_ttl_s, s.files_dir or None, s.quotas
+            )
+            self.batches = BatchStore(self.redis, keys, quotas=s.quotas)
+            try:  # what the old shared indexes listed goes to each owner's, once
+                await reindex(self.redis, keys)
+            except PdserveError as e:
+                logger.warning(
+                    "could not move the old file and batch indexes (tried again at the next start): %s", e
+                )
             observe = self.metrics.on_redis if self.metrics is not None else None
             live = LiveSetCache(
                 InstanceRegistry(self.redis, keys, s.ttl_s), s.live_set_max_age_s, observe=observe

@@ -13,6 +13,8 @@ from typing import Literal
 
 PREFIX = "pdserve"
 DEFAULT_CLUSTER = "default"
+ANONYMOUS_OWNER = "anonymous"
+"""Stands for the owner without an API key ("") in key names (a key digest is 32 hex digits)."""
 INBOX_GROUP = "engine"
 """Consumer group of every inbox stream."""
 
@@ -132,7 +134,8 @@ class Keys:
 
     @property
     def files(self) -> str:
-        """Sorted set of file ids, scored by creation time (ms)."""
+        """The index of every owner's files, before each owner had its own (``owner_files``): read
+        once, by ``batchstore.reindex``, and deleted."""
         return f"{self._reg}:files"
 
     def batch(self, batch_id: str) -> str:
@@ -161,8 +164,41 @@ class Keys:
 
     @property
     def batches(self) -> str:
-        """Sorted set of batch ids, scored by creation time (ms)."""
+        """The index of every owner's batches, before each owner had its own (``owner_batches``):
+        read once, by ``batchstore.reindex``, and deleted."""
         return f"{self._reg}:batches"
+
+    # an owner (a tenant: its API key's digest, or "" without keys) has its own indexes and usage,
+    # on one slot (hash tag = the owner), so a listing or a quota check reads nothing of the others
+
+    def owner(self, owner: str) -> str:
+        """The prefix of an owner's keys (``anonymous`` stands for the owner without an API key)."""
+        return f"{PREFIX}:{self.cluster}:owner:{{{validate_id(owner or ANONYMOUS_OWNER, 'owner')}}}"
+
+    def owner_files(self, owner: str) -> str:
+        """Sorted set of an owner's file ids, scored by creation time (ms): its listing."""
+        return f"{self.owner(owner)}:files"
+
+    def owner_file_expiry(self, owner: str) -> str:
+        """Sorted set of an owner's file ids, scored by expiry (unix s): when its usage forgets them."""
+        return f"{self.owner(owner)}:files:expiry"
+
+    def owner_file_sizes(self, owner: str) -> str:
+        """Hash file id -> bytes of an owner's files (its stored bytes are their sum)."""
+        return f"{self.owner(owner)}:files:bytes"
+
+    def owner_batches(self, owner: str) -> str:
+        """Sorted set of an owner's batch ids, scored by creation time (ms): its listing."""
+        return f"{self.owner(owner)}:batches"
+
+    def owner_active(self, owner: str) -> str:
+        """Set of an owner's batch ids not yet final (its batches in flight)."""
+        return f"{self.owner(owner)}:batches:active"
+
+    @property
+    def owners(self) -> str:
+        """Set of the owners that stored a file or made a batch (``pdserve status`` shows each)."""
+        return f"{self._reg}:owners"
 
     @property
     def active_batches(self) -> str:

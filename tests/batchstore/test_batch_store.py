@@ -13,6 +13,7 @@ from redis_support import run
 
 from pdserve.batchstore.batches import BatchObject, BatchStore, window_seconds
 from pdserve.batchstore.files import FileStore
+from pdserve.batchstore.reindex import reindex
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.scheduler import Keys
 
@@ -191,8 +192,8 @@ def test_list_is_newest_first_pages_and_drops_expired(redis_url: str, redis_clie
         await asyncio.sleep(1.3)  # its record's TTL (1 s) runs out
         page, more = await store.list_batches()
         assert [b.id for b in page] == [third, first] and not more
-        assert redis_client.zscore(KEYS.batches, second) is None  # dropped from the index
-        assert redis_client.zcard(KEYS.batches) == 2
+        assert redis_client.zscore(KEYS.owner_batches(""), second) is None  # dropped from the index
+        assert redis_client.zcard(KEYS.owner_batches("")) == 2
 
     run(redis_url, main)
 
@@ -253,7 +254,7 @@ def test_a_file_in_redis_expires_with_its_metadata(redis_url: str, redis_client:
         assert (await files.list_files()) == ([info], False)
         await files.delete(info.id)
         assert not redis_client.exists(KEYS.file(info.id), KEYS.file_content(info.id))
-        assert redis_client.zcard(KEYS.files) == 0
+        assert redis_client.zcard(KEYS.owner_files("")) == 0
 
     run(redis_url, main)
 
@@ -290,7 +291,7 @@ def test_listing_drops_expired_files_and_their_folder_copies(
         assert [f.id for f in found] == [kept.id] and not more
         assert not (tmp_path / f"{gone.id}.jsonl").exists()
         assert (tmp_path / f"{kept.id}.jsonl").exists()
-        assert redis_client.zscore(KEYS.files, gone.id) is None
+        assert redis_client.zscore(KEYS.owner_files(""), gone.id) is None
 
     run(redis_url, main)
 
@@ -301,7 +302,7 @@ def test_a_file_over_the_limit_is_refused(redis_url: str, redis_client: redis.Re
         with pytest.raises(InvalidRequestError) as e:
             await files.create("big.jsonl", "batch", b"x" * 11)
         assert e.value.param == "file" and "10" in e.value.message
-        assert redis_client.zcard(KEYS.files) == 0
+        assert redis_client.zcard(KEYS.owner_files("")) == 0
         assert (await files.create("ok.jsonl", "batch", b"x" * 10)).bytes == 10
         # the limit is for uploads: an output file pdserve writes is stored whatever its size
         assert (await files.create("out.jsonl", "batch_output", b"x" * 30)).bytes == 30
@@ -321,5 +322,34 @@ def test_unknown_or_malformed_file_ids_are_not_found(
             for call in (files.get, files.content, files.delete):
                 with pytest.raises(NotFoundError):
                     await call(file_id)
+
+    run(redis_url, main)
+
+
+def test_the_old_shared_indexes_move_into_each_owners_own(redis_url: str, redis_client: redis.Redis) -> None:
+    """Files and batches listed in the one index of everyone's (before each owner had its own) are
+    listed and counted under their owner once a router has started; the old indexes are gone."""
+    owner = "c" * 32
+
+    async def main(r: aioredis.Redis) -> None:
+        files, store = FileStore(r, KEYS), BatchStore(r, KEYS)
+        info = await files.create("in.jsonl", "batch", b"{}\n" * 10, owner)
+        batch = await store.create(info.id, CHAT, "24h", None, owner=owner)
+        done = await store.create(info.id, CHAT, "24h", None, owner=owner)
+        assert await store.update(done.id, ("validating",), status="failed", failed_at=1)
+        for key in (KEYS.owner(owner) + suffix for suffix in (":files", ":files:expiry", ":files:bytes")):
+            await r.delete(key)  # as a file made before: in the shared index only
+        await r.delete(KEYS.owner_batches(owner), KEYS.owner_active(owner), KEYS.owners)
+        await r.zadd(KEYS.files, {info.id: 1000.0})
+        await r.zadd(KEYS.batches, {batch.id: 1000.0, done.id: 1001.0})
+        assert await files.list_files(owner=owner) == ([], False)
+
+        assert await reindex(r, KEYS) == 3
+        assert await reindex(r, KEYS) == 0  # once
+        assert [f.id for f in (await files.list_files(owner=owner))[0]] == [info.id]
+        assert [b.id for b in (await store.list_batches(owner=owner))[0]] == [done.id, batch.id]
+        usage = await files.owners.usage(owner)
+        assert (usage.files, usage.bytes, usage.batches) == (1, 30, 1), usage
+        assert not await r.exists(KEYS.files, KEYS.batches)
 
     run(redis_url, main)

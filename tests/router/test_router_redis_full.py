@@ -69,7 +69,7 @@ def test_an_upload_that_would_go_into_the_serving_reserve_gets_507(private_redis
     admin = redis.Redis.from_url(private_redis.url)
 
     async def main() -> None:
-        async with router(private_redis.url) as client:
+        async with router(private_redis.url, quota_bytes="0") as client:  # the reserve alone refuses
             used = int(admin.info("memory")["used_memory"])
             admin.config_set("maxmemory-policy", "noeviction")
             admin.config_set("maxmemory", used + SERVING_RESERVE_MIN_BYTES + (3 << 20))  # 3 MiB of room

@@ -118,7 +118,7 @@ def test_files_are_listed_across_shards(cluster) -> None:
             assert [f.id for f in listed] == [f.id for f in reversed(made[1:])] and not more
             page, more = await files.list_files(limit=3, newest_first=False)
             assert [f.id for f in page] == [f.id for f in made[1:4]] and more
-            assert made[0].id.encode() not in await r.zrange(keys.files, 0, -1)
+            assert made[0].id.encode() not in await r.zrange(keys.owner_files(""), 0, -1)
         finally:
             await r.aclose()
 
