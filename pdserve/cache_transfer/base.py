@@ -23,6 +23,10 @@ from pdserve.errors import ConfigError
 B = TypeVar("B", bound="TransportBackend")
 
 
+class NoLandingRoom(Exception):
+    """A staged cache's landing pool has no room for a reservation now: the peer asks again."""
+
+
 class KVTransport(abc.ABC):
     """Writes local cache bytes into one peer's cache."""
 
@@ -129,10 +133,21 @@ class TransportBackend(abc.ABC):
     def writer(self, peer: Any) -> KVTransport:
         """A writer into the peer whose registration advertises ``peer`` as this protocol's endpoint."""
 
-    def land(self, regions: list[Region]) -> None:  # noqa: B027 - optional hook
+    def reserve_landing(self, nbytes: int) -> int | None:
+        """Where a peer should write ``nbytes`` of blocks into this cache through this transport
+        when not at the blocks' own offsets: an offset into the memory this backend registered (a
+        staged GPU cache's landing pool), reserved until :meth:`release_landing`; None (the
+        default): at the blocks' own offsets. :class:`NoLandingRoom` when none is free now."""
+        return None
+
+    def land(self, regions: list[Region], landing: int | None = None) -> None:  # noqa: B027 - optional hook
         """A peer's ``prefilled`` says its bytes for these regions of this cache were written through
-        this transport: make them the cache's (a staged transport copies them from host memory into
-        the device cache). Called before the request continues here; by default nothing to do."""
+        this transport (at ``landing`` when :meth:`reserve_landing` gave one): make them the cache's
+        (a staged transport copies them from host memory into the device cache). Called before the
+        request continues here; by default nothing to do."""
+
+    def release_landing(self, landing: int, nbytes: int) -> None:  # noqa: B027 - optional hook
+        """Give back what :meth:`reserve_landing` reserved, once no write into it can land."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Close the local side: afterwards no peer can write into this cache through it."""

@@ -42,6 +42,11 @@ PROTOCOL = "mooncake"
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 SYSTEM_LIBRARIES = ("libibverbs1", "libnuma1", "libcurl4")  # what the wheel's engine.so links against
 RETRY_DELAY_S = 0.05
+BOUNCE_BYTES = 64 << 20
+"""A prefill's host bounce buffer for a GPU cache: a write is sent in pieces of at most this."""
+DEFAULT_STAGING_MB = 1024
+"""A decode instance's landing pool for a GPU cache (``--mooncake-staging-mb``): the hand-offs in
+flight into it at once, not the cache, are what it must hold."""
 
 
 def load_engine_class() -> Any:
@@ -203,29 +208,53 @@ class MooncakeWriter(KVTransport):
 
     def write(self, src: Any, segments: list[Segment]) -> int:
         """From a host cache, straight; from a GPU cache (``src`` its device view), through this
-        instance's host mirror: device → mirror, then the write, then the mirror's pages go back."""
-        if self.staging is None:
+        instance's host bounce buffer: device → buffer, then the write from there, in pieces of at
+        most the buffer's size (one write at a time holds it)."""
+        staging = self.staging
+        if staging is None:
             return self.agent.write(self.peer, src, segments)
-        ranges = [(s, n) for s, _, n in segments]
-        self.staging.out(ranges)
-        try:
-            return self.agent.write(self.peer, self.staging.mirror, segments)
-        finally:
-            self.staging.release(ranges)
+        moved = 0
+        with staging.bounce:
+            for piece in _pieces(segments, staging.nbytes):
+                staging.out([(s, n) for s, _, n in piece])
+                at, local = 0, []
+                for _, d, n in piece:
+                    local.append((at, d, n))
+                    at += n
+                moved += self.agent.write(self.peer, staging.buffer, local)
+        return moved
+
+
+def _pieces(segments: list[Segment], most: int) -> list[list[Segment]]:
+    """``segments`` cut into runs of at most ``most`` bytes each (a segment split where needed)."""
+    out: list[list[Segment]] = [[]]
+    room = most
+    for s, d, n in segments:
+        while n:
+            take = min(n, room)
+            out[-1].append((s, d, take))
+            s, d, n, room = s + take, d + take, n - take, room - take
+            if not room:
+                out.append([])
+                room = most
+    return [piece for piece in out if piece]
 
 
 class MooncakeBackend(TransportBackend):
-    """One :class:`MooncakeAgent` over this instance's whole cache (a prefill's too: writes go from
-    registered memory). Options: ``transfer_address`` (default: :func:`default_address`) and
-    ``mooncake_protocol`` (the wire, ``tcp`` or ``rdma``): the worker's flags of those names."""
+    """One :class:`MooncakeAgent` over this instance's whole cache when it is in host memory (a
+    prefill's too: writes go from registered memory), or over a bounded host staging beside a GPU
+    cache (staging.py: a decode instance's landing pool, a prefill's bounce buffer). Options:
+    ``transfer_address`` (default: :func:`default_address`), ``mooncake_protocol`` (the wire,
+    ``tcp`` or ``rdma``) and ``mooncake_staging_mb``: the worker's flags of those names."""
 
     protocol = PROTOCOL
-    devices = (CPU, CUDA)  # a GPU cache through a host mirror (staging.py)
+    devices = (CPU, CUDA)  # a GPU cache through host staging (staging.py)
 
-    def __init__(self, address: str = "", wire: str = "tcp") -> None:
-        self.address, self.wire = address, wire
+    def __init__(self, address: str = "", wire: str = "tcp", staging_mb: int = DEFAULT_STAGING_MB) -> None:
+        self.address, self.wire, self.staging_mb = address, wire, staging_mb
         self.agent: MooncakeAgent | None = None
         self.staging: HostStaging | None = None
+        self._landing = False  # peers write into this cache: its staging is a landing pool
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -245,28 +274,45 @@ class MooncakeBackend(TransportBackend):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> MooncakeBackend:
-        return cls(options.get("transfer_address") or "", options.get("mooncake_protocol") or "tcp")
+        return cls(
+            options.get("transfer_address") or "",
+            options.get("mooncake_protocol") or "tcp",
+            options.get("mooncake_staging_mb") or DEFAULT_STAGING_MB,
+        )
 
     def open(self, local: LocalCache) -> None:
         self.check_device(local)
         agent = MooncakeAgent(self.address or default_address(), self.wire)
-        if local.device == CUDA:  # the engine registers host memory: a mirror of the device cache
-            self.staging = HostStaging(local.view)
+        if local.device == CUDA:  # the engine registers host memory: staging beside the device cache
+            self._landing = local.shared
+            nbytes = self.staging_mb << 20 if local.shared else min(BOUNCE_BYTES, self.staging_mb << 20)
+            self.staging = HostStaging(local.view, nbytes, unit=local.block_bytes or 1)
             log.info(
-                "mooncake stages the GPU's KV cache through host memory (%d MiB mapped)",
+                "mooncake stages the GPU's KV cache through %d MiB of host memory (%s)",
                 self.staging.nbytes >> 20,
+                "its landing pool" if local.shared else "its bounce buffer",
             )
         try:
-            agent.register(self.staging.mirror if self.staging is not None else local.view)
+            agent.register(self.staging.buffer if self.staging is not None else local.view)
         except BaseException:
             self.close()
             raise
         self.agent = agent
 
-    def land(self, regions: list[Region]) -> None:
-        """With a GPU cache: the bytes a peer wrote into these regions of the mirror, into the cache."""
+    def reserve_landing(self, nbytes: int) -> int | None:
+        """A decode instance's GPU cache: an extent of its landing pool (NoLandingRoom when full)."""
+        if self.staging is None or not self._landing:
+            return None
+        return self.staging.reserve(nbytes)
+
+    def land(self, regions: list[Region], landing: int | None = None) -> None:
+        """With a GPU cache: the bytes a peer wrote at ``landing``, into these regions of the cache."""
+        if self.staging is not None and landing is not None:
+            self.staging.into_device(landing, regions)
+
+    def release_landing(self, landing: int, nbytes: int) -> None:
         if self.staging is not None:
-            self.staging.into_device(regions)
+            self.staging.release(landing, nbytes)
 
     def endpoint(self) -> dict[str, Any] | None:
         return self.agent.endpoint if self.agent is not None else None

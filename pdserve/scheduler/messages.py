@@ -43,7 +43,8 @@ blocks too, with the same bytes), ``SamplingParams.cache_salt`` (refused by an o
 any unknown sampling key) (a ``LogprobInfo`` without ``logprob`` occurs only as a prompt's first entry,
 inside the field an older reader skips; the sampling field that asks for it is refused by an older
 worker, as any unknown sampling key is), ``ReserveBlocks.transfer_budget_s`` (an older decode side
-frees by the deadline on its own wall clock), ``Abort.writer_done``, ``Prefilled.kv_digests`` with
+frees by the deadline on its own wall clock), ``Abort.writer_done``, ``ReserveBlocks.protocol`` with ``ReserveReply.staging_offset`` (an older
+prefill writes at the blocks' offsets, which a staged endpoint refuses), ``Prefilled.kv_digests`` with
 ``kv_digest_algo`` (an older decode side does not check them), ``InstanceInfo.integrity`` and
 ``RouterInfo.verify``.
 """
@@ -385,6 +386,9 @@ class ReserveBlocks(_Message):
     attempt: int = 0
     background: bool | None = None
     """The request's ``GenerateRequest.background``: the decode side schedules it the same way."""
+    protocol: str | None = None
+    """The transport the KV will come by (``DisaggregateInfo.protocol``): a decode instance whose
+    cache that transport stages (Mooncake into a GPU) reserves room in its landing pool too."""
     transfer_budget_s: float | None = None
     """Seconds from this ask until the prefill side starts no more KV writes for it (its transfer
     deadline, on its own clock). The decode side's backstop counts it from when it reads the ask,
@@ -411,6 +415,10 @@ class ReserveReply(_Message):
     lease: str | None = None
     """The reservation's id, new for every reservation: prefill names it in its ``Prefilled``, and
     decode continues only a request whose lease it holds."""
+    staging_offset: int | None = None
+    """Where prefill writes the blocks after ``num_cached_blocks``: this byte offset of the memory
+    decode's endpoint registered, one block after another (a GPU cache staged in host memory, which
+    decode copies into the blocks when ``prefilled`` arrives); None: at the blocks' own offsets."""
 
 
 class Prefilled(_Message):

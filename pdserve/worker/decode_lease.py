@@ -15,11 +15,13 @@ reservation, plus the transfer budget the prefill side sent as a duration, plus
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import uuid
 
 from pdserve.cache_transfer import checksum
+from pdserve.cache_transfer.base import TransportBackend
 from pdserve.errors import EngineError, KVChecksumError, PdserveError, TransferError
 from pdserve.scheduler import Prefilled, ReserveBlocks
 from pdserve.worker.handoff_context import Context
@@ -33,6 +35,16 @@ is done: the prefill starts no chunk past its deadline, so this covers one chunk
 milliseconds over shared memory) and the message's delay. A dead prefill's lease is freed then."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Landing:
+    """Where a staged transport has the written blocks land first (``TransportBackend.reserve_landing``):
+    held with the lease, given back when the blocks have landed or the lease is freed."""
+
+    backend: TransportBackend
+    offset: int
+    nbytes: int
+
+
 class DecodeState(enum.Enum):
     RESERVED = "reserved"
     ABORTED = "aborted"  # the request is over, its writer may not be: the blocks wait for it
@@ -44,8 +56,16 @@ _FINAL = {DecodeState.DECODING, DecodeState.FAILED}
 
 
 class DecodeLease:
-    def __init__(self, ctx: Context, msg: ReserveBlocks, blocks: list[int], num_cached: int = 0) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        msg: ReserveBlocks,
+        blocks: list[int],
+        num_cached: int = 0,
+        landing: Landing | None = None,
+    ) -> None:
         self.ctx = ctx
+        self.landing = landing
         self.msg = msg
         self.key = engine_key(msg.request_id, msg.attempt)
         self.blocks = blocks
@@ -83,7 +103,9 @@ class DecodeLease:
         try:  # the engine rebuilds the request's state (a grammar's included) from the first token
             backend = self.ctx.transports.backends.get(msg.protocol or "")
             if backend is not None and written:
-                await asyncio.to_thread(backend.land, self.ctx.engine.regions(written))
+                at = self.landing.offset if self.landing is not None else None
+                await asyncio.to_thread(backend.land, self.ctx.engine.regions(written), at)
+            self._release_landing()  # landed (or never used): its writer is done
             if written:
                 await self._check(msg, written)
             params = self.msg.sampling
@@ -180,4 +202,10 @@ class DecodeLease:
     async def _free(self, reason: str) -> None:
         self.state = DecodeState.FAILED
         await self.ctx.engine.cancel_reservation(self.key)
+        self._release_landing()
         log.debug("reservation %s freed: %s", self.key, reason)
+
+    def _release_landing(self) -> None:
+        landing, self.landing = self.landing, None
+        if landing is not None:
+            landing.backend.release_landing(landing.offset, landing.nbytes)

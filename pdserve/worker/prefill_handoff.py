@@ -89,6 +89,7 @@ class PrefillHandoff:
         self.dst_blocks: list[int] | None = None
         self.num_cached_dst = 0  # leading dst blocks decode's prefix cache holds: not written
         self.lease: str | None = None  # decode's id of the reservation (ReserveReply.lease)
+        self.staging_offset: int | None = None  # where decode has the blocks land first (a staged cache)
         self.dst_incarnation: str | None = None  # the decode incarnation that reserved dst_blocks
         self.first: RequestOutput | None = None
         self.retry_at: float | None = None  # monotonic time to ask for blocks again
@@ -131,6 +132,7 @@ class PrefillHandoff:
             attempt=m.attempt,
             background=True if self.prepared.background else None,
             transfer_budget_s=max(0.0, self.transfer_by - self.ctx.clock.monotonic()),
+            protocol=self.info.protocol,
         )
         await self.ctx.messenger.send(self.decode_id, reserve)
 
@@ -163,6 +165,7 @@ class PrefillHandoff:
     def _take(self, reply: ReserveReply) -> None:
         self.dst_blocks, self.num_cached_dst = reply.block_ids, reply.num_cached_blocks
         self.lease, self.dst_incarnation = reply.lease, reply.incarnation
+        self.staging_offset = reply.staging_offset
 
     async def on_output(self, out: RequestOutput) -> None:
         """The engine's output for this request: the first token (prefilled) or its end."""
@@ -302,7 +305,7 @@ class PrefillHandoff:
             _Chunk(
                 src_ids[i : i + per],
                 engine.regions(src_ids[i : i + per]),
-                engine.regions(dst_ids[i : i + per]),
+                self._dst(dst_ids, i, per, block_bytes),
             )
             for i in range(0, len(src_ids), per)
         ]
@@ -346,6 +349,14 @@ class PrefillHandoff:
         if ctx.metrics is not None:
             ctx.metrics.on_kv_sent(protocol, moved, seconds, blocks_not_sent=skip)
         log.debug("%s: %d KV bytes -> %s (%d blocks held there)", self.key, moved, self.decode_id, skip)
+
+    def _dst(self, dst_ids: list[int], i: int, per: int, block_bytes: int) -> list[Region]:
+        """Where the blocks ``i:i + per`` of the write go: the decode instance's blocks, or,
+        where it stages them, one after another from its ``staging_offset``."""
+        if self.staging_offset is None:
+            return self.ctx.engine.regions(dst_ids[i : i + per])
+        n = len(dst_ids[i : i + per])
+        return [(self.staging_offset + i * block_bytes, n * block_bytes)]
 
     # ---- the one way to fail -------------------------------------------------------------------------
     async def _fail(self, error: PdserveError) -> None:

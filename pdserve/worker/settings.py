@@ -100,6 +100,12 @@ class WorkerSettings:
         "its blocks against the digests before it decodes or caches any (a mismatch is never decoded: the "
         "request is retried); costs well under 1%% of a 2048-token prompt's TTFT (default on)",
     )
+    mooncake_staging_mb: int = setting(
+        1024,
+        "a decode instance whose KV cache is on a GPU lands mooncake hand-offs in this many MiB of "
+        "pinned host memory, registered once (a prefill uses 64 MiB of it to send from): it bounds "
+        "the hand-offs in flight into the instance, not the cache (default %(default)s)",
+    )
     metrics_port: int = setting(
         0, "serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (default 0: off)"
     )
@@ -157,6 +163,8 @@ class WorkerSettings:
             raise ConfigError(f"--max-grammar-bytes must be >= 1, got {self.max_grammar_bytes}")
         if self.stream_interval_s < 0:
             raise ConfigError(f"--stream-interval must be >= 0, got {self.stream_interval_s}")
+        if self.mooncake_staging_mb < 1:
+            raise ConfigError(f"--mooncake-staging-mb must be >= 1, got {self.mooncake_staging_mb}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -22,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pdserve.cache_transfer.base import NoLandingRoom
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import PdserveError, TransferError
 from pdserve.scheduler import GenerateRequest, Prefilled, ReserveBlocks, ReserveReply
-from pdserve.worker.decode_lease import DecodeLease
+from pdserve.worker.decode_lease import DecodeLease, Landing
 from pdserve.worker.engine_client import Prepared
 from pdserve.worker.handoff_context import Context
 from pdserve.worker.messenger import Owner, engine_key
@@ -96,6 +97,7 @@ class Splitwise:
         elif lease is not None:  # a repeated ask: answer with what is reserved
             reply.ok, reply.block_ids, reply.num_cached_blocks = True, lease.blocks, lease.num_cached
             reply.lease, reply.incarnation = lease.lease_id, self.ctx.incarnation
+            reply.staging_offset = lease.landing.offset if lease.landing is not None else None
         elif not accepting:
             reply.error = f"decode instance {self.ctx.instance_id} is draining"
         else:
@@ -103,6 +105,13 @@ class Splitwise:
                 reserved = await self.ctx.engine.try_reserve(key, msg.prompt_token_ids, msg.sampling)
             except Exception as e:  # a foreign error too: prefill hears a refusal, not nothing
                 reserved, reply.error = None, str(e) or type(e).__name__
+            landing: Landing | None = None
+            if reserved is not None:
+                try:
+                    landing = self._landing(msg, len(reserved[0]) - reserved[1])
+                except NoLandingRoom as e:
+                    await self.ctx.engine.cancel_reservation(key)
+                    reserved, reply.error = None, f"decode instance {self.ctx.instance_id}: {e}"
             if reserved is None:
                 reply.error = reply.error or (
                     f"decode instance {self.ctx.instance_id} has no {msg.num_tokens}-token room in its KV cache now"
@@ -111,9 +120,20 @@ class Splitwise:
             else:
                 blocks, cached = reserved
                 reply.ok, reply.block_ids, reply.num_cached_blocks = True, blocks, cached
-                self.leases[key] = DecodeLease(self.ctx, msg, blocks, cached)
+                self.leases[key] = DecodeLease(self.ctx, msg, blocks, cached, landing)
                 reply.lease, reply.incarnation = self.leases[key].lease_id, self.ctx.incarnation
+                reply.staging_offset = landing.offset if landing is not None else None
         await self.ctx.messenger.send(msg.reply_to, reply)
+
+    def _landing(self, msg: ReserveBlocks, num_blocks: int) -> Landing | None:
+        """Room for ``num_blocks`` written blocks in the staging of the transport they come by,
+        where it stages them (a GPU cache over Mooncake); None where they land in place."""
+        backend = self.ctx.transports.backends.get(msg.protocol or "")
+        nbytes = num_blocks * self.ctx.engine.facts.block_bytes
+        if backend is None or not nbytes:
+            return None
+        offset = backend.reserve_landing(nbytes)
+        return None if offset is None else Landing(backend, offset, nbytes)
 
     async def on_prefilled(self, msg: Prefilled) -> Owner | None:
         """Continue the request on the lease the message names; refuse one this instance does not

@@ -149,35 +149,50 @@ def test_a_missing_wheel_names_what_to_install() -> None:
     assert "pip install 'pdserve[mooncake]'" in out.stdout, out
 
 
-def test_a_gpu_cache_is_staged_through_a_host_mirror_and_lands_on_prefilled() -> None:
-    """A cache in device memory goes through host mirrors (staging.py): P's blocks device -> mirror,
-    Mooncake mirror -> D's mirror, D's ``land`` mirror -> device. The staging's own code runs here on
-    torch's CPU device standing in for the GPU (the same tensor copies); the bytes cross real TCP.
-    Only the reserved blocks change on D, and the mirrors' pages of a whole block are handed back."""
+def test_a_gpu_cache_is_staged_through_bounded_host_memory_never_handed_back() -> None:
+    """A cache in device memory goes through host staging (staging.py): P's blocks device -> its
+    bounce buffer (in pieces of at most its size), Mooncake -> the extent D reserved in its landing
+    pool, D's ``land`` -> its device blocks. Both buffers are a bounded size (not the cache's), are
+    registered once and keep their bytes (no page is handed back: an RDMA NIC still reaches them);
+    an extent is reused only once released, and a full pool refuses a reservation. The staging's
+    own code runs here on torch's CPU device standing in for the GPU; the bytes cross real TCP."""
     torch = pytest.importorskip("torch", reason="staging a GPU cache needs PyTorch")
-    block = 8192  # two pages: a block's pages are its own
-    src = torch.from_numpy(np.random.default_rng(1).integers(0, 256, NUM_BLOCKS * block, dtype=np.uint8))
-    dst = torch.zeros(NUM_BLOCKS * block, dtype=torch.uint8)
-    prefill, decode = MooncakeBackend("127.0.0.1"), MooncakeBackend("127.0.0.1")
+    from pdserve.cache_transfer.base import NoLandingRoom
+
+    block, blocks = 64 << 10, 64  # a 4 MiB cache; P's bounce 1 MiB (16 blocks), D's pool 2 MiB (32)
+    src = torch.from_numpy(np.random.default_rng(1).integers(0, 256, blocks * block, dtype=np.uint8))
+    dst = torch.zeros(blocks * block, dtype=torch.uint8)
+    prefill, decode = MooncakeBackend("127.0.0.1", staging_mb=1), MooncakeBackend("127.0.0.1", staging_mb=2)
     prefill.open(LocalCache(src, device="cuda", block_bytes=block))
     decode.open(LocalCache(dst, device="cuda", block_bytes=block, shared=True))
     try:
         assert prefill.staging is not None and decode.staging is not None
+        assert (prefill.staging.nbytes, decode.staging.nbytes) == (1 << 20, 2 << 20)
+        assert prefill.reserve_landing(block) is None  # a prefill's staging is no landing pool
         endpoint = decode.endpoint()
-        assert endpoint is not None and endpoint["length"] == dst.numel()
-        assert endpoint["addr"] == decode.staging.mirror.ctypes.data  # the mirror is what peers write
-        src_blocks, dst_blocks = [3, 4, 9, 60], [20, 21, 7, 0]
+        assert endpoint is not None and endpoint["length"] == 2 << 20  # the pool is what peers write
+        assert endpoint["addr"] == decode.staging.buffer.ctypes.data
+        src_blocks = [3, 4, 9, 60, *range(20, 36)]  # 20 blocks: more than P's bounce holds at once
+        dst_blocks = [50, 51, 7, 0, *range(10, 26)]
+        n = len(src_blocks) * block
+        at = decode.reserve_landing(n)
+        assert at is not None and decode.staging.free_bytes == (2 << 20) - n
+        with pytest.raises(NoLandingRoom):
+            decode.reserve_landing(16 * block)  # 12 blocks left
         writer = open_writer({"mooncake": prefill}, "mooncake", {"mooncake": endpoint})
-        moved = writer.write_blocks(src, block_regions(src_blocks, block), block_regions(dst_blocks, block))
-        assert moved == len(src_blocks) * block
-        assert not dst.any()  # written into D's mirror only: the cache changes when the bytes land
-        decode.land(block_regions(dst_blocks, block))
+        assert writer.write_blocks(src, block_regions(src_blocks, block), [(at, n)]) == n
+        assert not dst.any()  # in D's pool only: the cache changes when the bytes land
+        decode.land(block_regions(dst_blocks, block), at)
         out, want = dst.numpy(), src.numpy()
-        for s, d in zip(src_blocks, dst_blocks, strict=True):
-            assert np.array_equal(out[d * block : (d + 1) * block], want[s * block : (s + 1) * block])
-        untouched = sorted(set(range(NUM_BLOCKS)) - set(dst_blocks))
+        for s_, d in zip(src_blocks, dst_blocks, strict=True):
+            assert np.array_equal(out[d * block : (d + 1) * block], want[s_ * block : (s_ + 1) * block])
+        untouched = sorted(set(range(blocks)) - set(dst_blocks))
         assert not any(out[b * block : (b + 1) * block].any() for b in untouched)
-        assert not decode.staging.mirror.any() and not prefill.staging.mirror.any()  # pages handed back
+        pool = decode.staging.buffer[at : at + n]
+        assert np.array_equal(pool[:block], want[3 * block : 4 * block])  # kept: never handed back
+        decode.release_landing(at, n)
+        assert decode.staging.free_bytes == 2 << 20
+        assert decode.reserve_landing(32 * block) == 0  # released extents merge back into one
     finally:
         prefill.close()
         decode.close()

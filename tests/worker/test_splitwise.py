@@ -509,6 +509,50 @@ def test_the_hand_off_over_mooncake_moves_the_real_bytes(redis_url, mooncake_rea
     run(main())
 
 
+def test_a_gpu_cache_over_mooncake_lands_through_the_landing_pool(redis_url, mooncake_ready) -> None:
+    """Both caches as GPU caches (torch's CPU device standing in): D reserves room in its bounded
+    landing pool with the blocks and says where (``staging_offset``), P writes there, D lands the
+    bytes into its blocks on ``prefilled``, checks them and decodes; the room is free again after."""
+    torch = pytest.importorskip("torch", reason="staging a GPU cache needs PyTorch")
+    from pdserve.cache_transfer.base import LocalCache
+    from pdserve.cache_transfer.mooncake import MooncakeBackend
+    from pdserve.worker.kv_writers import Transports
+
+    async def main() -> None:
+        async with pair(redis_url, mooncake=True) as (p, prefill, decode):
+            for inst in (prefill, decode):
+                p.backends.pop(inst.id).close()
+                staged = MooncakeBackend("127.0.0.1", staging_mb=1)
+                view = torch.from_numpy(inst.stub.cache)  # the "device" cache: the stub's own bytes
+                staged.open(LocalCache(view, device="cuda", block_bytes=BLOCK_BYTES, shared=inst is decode))
+                p.backends[inst.id] = staged
+                inst.handler.ctx.transports = Transports({"mooncake": staged})
+            p.transports = prefill.handler.ctx.transports
+            pool = p.backends["decode"].staging
+            p.decode_transfer = {
+                "protocols": ["mooncake"],
+                "endpoint": {"mooncake": p.backends["decode"].endpoint()},
+            }
+            await to_blocks_ready(p, prefill, decode)
+            lease = decode.lease
+            assert lease.landing is not None and prefill.prefill.staging_offset == lease.landing.offset
+            assert pool.free_bytes == pool.nbytes - 3 * BLOCK_BYTES
+            dst = lease.blocks
+            await prefill.step()  # into D's pool, not its blocks
+            await decode.receive()  # prefilled: landed into the blocks, checked, decoding
+            assert_kv_arrived(decode, dst)
+            assert pool.free_bytes == pool.nbytes
+            assert (
+                decode.handler.ctx.integrity.kv_checked == 1
+                and decode.handler.ctx.integrity.kv_mismatches == 0
+            )
+            await settle(prefill, decode)
+            assert_completed(await p.events(), PROMPT, 4)
+            assert all_free(prefill) and all_free(decode)
+
+    run(main())
+
+
 def test_a_decode_cache_gone_from_mooncake_fails_the_hand_off_and_frees_both(
     redis_url, mooncake_ready
 ) -> None:
