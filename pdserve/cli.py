@@ -331,6 +331,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(status, "--cluster", str, None, "namespace inside Redis (default: that stack's, else default)")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.add_argument(
+        "--batch-output",
+        metavar="BATCH_ID",
+        default=None,
+        help="write a batch's outcomes as its output and error JSONL files stand, however far they were "
+        "written (a batch failed with finalize_failed keeps them 30 days), to BATCH_ID_output.jsonl and "
+        "BATCH_ID_error.jsonl in --output-dir",
+    )
+    status.add_argument(
+        "--output-dir", type=Path, default=Path("."), help="where --batch-output writes (default: here)"
+    )
+    status.add_argument(
         "--check",
         metavar="INSTANCE_ID",
         default=None,

@@ -336,4 +336,36 @@ def cmd_status(args: argparse.Namespace) -> int:
         from pdserve.status import watch
 
         return watch(redis_url, cluster, args.watch)
+    if args.batch_output is not None:
+        import asyncio
+
+        return asyncio.run(write_batch_output(redis_url, cluster, args.batch_output, args.output_dir))
     return run_status(redis_url, cluster, args.json, args.check)
+
+
+async def write_batch_output(redis_url: str, cluster: str, batch_id: str, folder: Path) -> int:
+    """``pdserve status --batch-output``: a batch's outcomes as its output and error files stand,
+    however far they were written (``OutputMove.outcomes``), in ``folder``; read in pieces."""
+    from pdserve.batchstore.batches import BatchStore
+    from pdserve.batchstore.files import FileStore
+    from pdserve.batchstore.output_move import OutputMove
+    from pdserve.scheduler import Keys, RedisSettings, wait_for_redis
+
+    redis = RedisSettings.from_url(redis_url).connect()
+    try:
+        await wait_for_redis(redis, timeout_s=5)
+        keys = Keys(cluster)
+        batches = BatchStore(redis, keys)
+        batch = await batches.get(batch_id)
+        move = OutputMove(batches, FileStore(redis, keys))
+        folder.mkdir(parents=True, exist_ok=True)
+        for kind, name in (("out", "output"), ("err", "error")):
+            path, lines = folder / f"{batch.id}_{name}.jsonl", 0
+            with path.open("wb") as out:
+                async for piece in move.outcomes(batch.id, kind, batch.request_counts.total):
+                    out.write(piece)
+                    lines += piece.count(b"\n")
+            print(f"{path}: {lines} lines")
+    finally:
+        await redis.aclose()
+    return 0

@@ -10,9 +10,9 @@ lock) looks at every active batch each ``reaper_interval_s``.
 - a batch ``cancelling``, or past its ``completion_window``, is finalized (partial output) once no
   chunk is leased; a batch left ``finalizing`` by a crash is finalized again.
 
-Each batch is checked on its own: one that raises (its output cannot be written, say) is logged and
-the pass goes on to the others. A failed try at writing a batch's output files puts the next one off
-(``FINALIZE_RETRY_S``); the ``MAX_FINALIZE_TRIES``-th fails the batch (:meth:`BatchRunner.finish`).
+Each batch is checked on its own: one that raises is logged and the pass goes on to the others. A
+failed try at writing a batch's output files, or a wait for room, puts the next one off (with
+backoff: :mod:`.finalize`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Reaper:
         finishing = batch.status in ("cancelling", "finalizing") or (
             batch.status == "in_progress" and now >= batch.expires_at
         )
-        if finishing and not await self.batches.finalize_due(batch.id):
+        if finishing and not await self.runner.finalizer.due(batch.id):
             return  # a failed try at writing its output files put the next one off
         if batch.status == "validating":
             if now >= batch.expires_at:  # no instance came to validate it against, say

@@ -21,6 +21,7 @@ import httpx
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdserve.batch.finalize import INPUT_MISSING, INPUT_MISSING_ERRORS, Finalizer
 from pdserve.batch.input_lines import InputLines
 from pdserve.batch.settings import BatchWorkerSettings
 from pdserve.batch.spare_capacity import SpareCapacity
@@ -49,13 +50,6 @@ VALIDATION_POLL_S = 1.0
 MAX_VALIDATION_FAILURES = 3
 """Validation jobs of one batch that may raise before the batch fails with the reason (each is run
 again by the reaper a lease TTL after it failed; before, one kept failing until the window ended)."""
-MAX_FINALIZE_TRIES = 3
-"""Tries at writing a batch's output files (the chunk job that wrote its last line, then the
-reaper) before the batch fails with ``finalize_failed`` rather than staying ``finalizing``."""
-FINALIZE_RETRY_S = 10.0
-"""How long the reaper waits after a failed try at writing a batch's output files."""
-INPUT_MISSING = BatchError(code="input_file_missing", message="the input file is gone")
-INPUT_MISSING_ERRORS = {"object": "list", "data": [INPUT_MISSING.model_dump()]}
 
 
 class BatchMetrics:
@@ -111,6 +105,7 @@ class BatchRunner:
         )
         s = self.settings
         self.capacity = SpareCapacity(self.state, s.max_load, s.concurrency, s.busy_concurrency)
+        self.finalizer = Finalizer(self.batches, self.files, self._batch_lines, self._lines.pop)
 
     async def stop(self) -> None:
         await self._stack.aclose()
@@ -371,113 +366,17 @@ class BatchRunner:
             self._lines.put(batch.id, lines)
         return lines
 
-    # ---- finalizing -----------------------------------------------------------------------------
+    # ---- finalizing (batch/finalize.py) ----------------------------------------------------------
     async def maybe_finalize(self, batch_id: str) -> None:
         """Write the output files and complete the batch once every line has an outcome."""
-        batch = await self.batches.get(batch_id)
-        counts = batch.request_counts
-        if batch.status != "in_progress" or counts.completed + counts.failed < counts.total:
-            return
-        if await self.batches.update(
-            batch_id, ("in_progress",), status="finalizing", finalizing_at=int(time.time())
-        ):
-            await self.finish(batch_id, "finalizing", "completed")
+        await self.finalizer.maybe_finalize(batch_id)
 
     async def finish(
         self, batch_id: str, expect: str, status: str, unfinished_error: str = "", **changes: Any
     ) -> None:
-        """Write the output and error files from the recorded lines and move the batch from
-        ``expect`` to ``status``; lines with no outcome get ``unfinished_error`` in the error file
-        (an expired batch's, as OpenAI writes them); ``changes`` go into the record too. A batch
-        whose input file is gone when its unfinished lines need it (their ``custom_id``) is
-        ``failed`` (``input_file_missing``) instead, with the outcomes recorded.
-
-        A try that raises is counted (in Redis) and raised again, for the reaper to try once more
-        after ``FINALIZE_RETRY_S``; the ``MAX_FINALIZE_TRIES``-th fails the batch with the reason
-        instead, so that no batch stays ``finalizing`` (or ``cancelling``, or expiring) forever."""
-        try:
-            await self._write_outputs(batch_id, expect, status, unfinished_error, changes)
-        except Exception as e:
-            tries = await self.batches.finalize_failed(batch_id, FINALIZE_RETRY_S)
-            if tries < MAX_FINALIZE_TRIES:
-                logger.warning(
-                    "batch %s: writing its output failed (try %d of %d); trying again in %.0f s",
-                    batch_id,
-                    tries,
-                    MAX_FINALIZE_TRIES,
-                    FINALIZE_RETRY_S,
-                )
-                raise
-            reason = f"{type(e).__name__}: {e}"
-            error = BatchError(
-                code="finalize_failed",
-                message=f"the batch's output files could not be written ({tries} tries): {reason}",
-            )
-            await self.batches.update(
-                batch_id,
-                (expect,),
-                status="failed",
-                failed_at=int(time.time()),
-                errors={"object": "list", "data": [error.model_dump()]},
-            )
-            logger.error("batch %s failed: %s", batch_id, error.message, exc_info=True)
-        finally:
-            self._lines.pop(batch_id)
-
-    async def _write_outputs(
-        self, batch_id: str, expect: str, status: str, unfinished_error: str, changes: dict[str, Any]
-    ) -> None:
-        batch = await self.batches.get(batch_id)
-        if batch.status != expect:  # another worker finalized it meanwhile (or it was cancelled)
-            logger.info(
-                "batch %s is %s, not %s: not writing its output again", batch_id, batch.status, expect
-            )
-            return
-        if unfinished_error:
-            done = await self.batches.done_lines(batch_id)
-            try:
-                lines = await self._batch_lines(batch)
-            except NotFoundError:
-                logger.error("batch %s: its input file is gone; failing it", batch_id)
-                status, unfinished_error, lines = "failed", "", []
-                changes = {**changes, "errors": INPUT_MISSING_ERRORS}
-        if unfinished_error:
-            for i in range(batch.request_counts.total):
-                if i not in done:
-                    record = {
-                        "id": f"batch_req_{secrets.token_hex(12)}",
-                        "custom_id": lines[i].custom_id,
-                        "response": None,
-                        "error": {
-                            "code": unfinished_error,
-                            "message": f"the batch {status} before this line ran",
-                        },
-                    }
-                    await self.batches.record(batch_id, i, record, True)
-        out, err = await self.batches.outcomes(batch_id)
-        ids: dict[str, str | None] = {"output_file_id": None, "error_file_id": None}
-        try:
-            for field, content, name in (("output_file_id", out, "output"), ("error_file_id", err, "error")):
-                if content:
-                    info = await self.files.create(  # the batch's owner's, as the batch
-                        f"{batch_id}_{name}.jsonl", "batch_output", b"\n".join(content) + b"\n", batch.owner
-                    )
-                    ids[field] = info.id
-            moved = await self.batches.update(
-                batch_id, (expect,), status=status, **{f"{status}_at": int(time.time())}, **ids, **changes
-            )
-        except Exception:
-            for file_id in filter(None, ids.values()):  # the next try writes them again
-                with contextlib.suppress(PdserveError):
-                    await self.files.delete(file_id)
-            raise
-        if moved is None:  # a finish racing this one moved the batch first: its files are the batch's
-            logger.info(
-                "batch %s was finalized by another worker meanwhile; dropping this try's files", batch_id
-            )
-            for file_id in filter(None, ids.values()):
-                with contextlib.suppress(PdserveError):
-                    await self.files.delete(file_id)
+        """Write the output files and move the batch from ``expect`` to ``status``
+        (:meth:`Finalizer.finish`)."""
+        await self.finalizer.finish(batch_id, expect, status, unfinished_error, **changes)
 
 
 def _json_or_text(content: bytes) -> object:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import orjson
@@ -121,6 +122,8 @@ class BatchObject(BaseModel):
     only it sees the batch, its output files are its, and its lines run with its prefix-cache salt."""
     validation_failures: int = Field(default=0, exclude=True)
     """Validation jobs of this batch that raised (the batch fails after a few)."""
+    counted: bool = Field(default=False, exclude=True)
+    """Its record holds its final counts (its outcomes went into its output files)."""
 
     @property
     def final(self) -> bool:
@@ -152,12 +155,14 @@ if ARGV[3] == '1' then redis.call('SREM', KEYS[2], batch.id) end
 return out
 """
 
-# KEYS[1] results, KEYS[2] errors, KEYS[3] record; ARGV[1] line, ARGV[2] '1' for an error, ARGV[3]
-# the line's JSON, ARGV[4] JSON list of the final statuses. Returns 1 if written, 0 if the line has
-# an outcome already, -1 if the batch is final or gone (its counts and output files are settled).
+# KEYS[1] results, KEYS[2] errors, KEYS[3] record, KEYS[4] its finalization; ARGV[1] line, ARGV[2]
+# '1' for an error, ARGV[3] the line's JSON, ARGV[4] JSON list of the final statuses. Returns 1 if
+# written, 0 if the line has an outcome already, -1 if the batch is final or gone, or its outcomes
+# are being moved into its output files (its counts and output files are settled).
 _RECORD = """
 local raw = redis.call('GET', KEYS[3])
 if not raw then return -1 end
+if redis.call('HEXISTS', KEYS[4], 'line') == 1 then return -1 end
 local status = cjson.decode(raw).status
 for _, s in ipairs(cjson.decode(ARGV[4])) do if status == s then return -1 end end
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
@@ -240,20 +245,23 @@ class BatchStore:
         """The batch with its current request counts; NotFoundError when there is none, or
         ``owner`` (a tenant; None: any) is not the one that made it (the same answer)."""
         try:
-            key = self.keys.batch(batch_id)
+            self.keys.batch(batch_id)  # ValueError for a malformed id
         except ValueError:
             raise NotFoundError(f"No such batch: {batch_id!r}", "batch_id") from None
         with redis_errors("reading a batch"):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.get(key)
-            pipe.hlen(self.keys.batch_results(batch_id))
-            pipe.hlen(self.keys.batch_errors(batch_id))
-            raw, done, failed = await pipe.execute()
-        batch = None if raw is None else _load(raw)
+            self._read(pipe, batch_id)
+            batch = _counted(*await pipe.execute())
         if batch is None or not batch.visible_to(owner):
             raise NotFoundError(f"No such batch: {batch_id}", "batch_id")
-        batch.request_counts.completed, batch.request_counts.failed = done, failed
         return batch
+
+    def _read(self, pipe: Any, batch_id: str) -> None:
+        """Queue what :func:`_counted` makes a batch of: its record and what says its counts."""
+        pipe.get(self.keys.batch(batch_id))
+        pipe.hlen(self.keys.batch_results(batch_id))
+        pipe.hlen(self.keys.batch_errors(batch_id))
+        pipe.hmget(self.keys.batch_finalize(batch_id), ["completed", "failed"])
 
     async def list_batches(
         self, after: str | None = None, limit: int = 20, owner: str = ""
@@ -273,19 +281,15 @@ class BatchStore:
             with redis_errors("listing batches"):
                 pipe = self.redis.pipeline(transaction=False)
                 for batch_id in ids:
-                    pipe.get(self.keys.batch(batch_id))
-                    pipe.hlen(self.keys.batch_results(batch_id))
-                    pipe.hlen(self.keys.batch_errors(batch_id))
+                    self._read(pipe, batch_id)
                 replies = await pipe.execute()
             gone = []
             for n, batch_id in enumerate(ids):
-                raw, done, failed = replies[3 * n : 3 * n + 3]
-                if raw is None:
+                batch = _counted(*replies[4 * n : 4 * n + 4])
+                if batch is None:
                     gone.append(batch_id)
-                    continue
-                batch = _load(raw)
-                batch.request_counts.completed, batch.request_counts.failed = done, failed
-                found.append(batch)
+                else:
+                    found.append(batch)
             if gone:
                 with redis_errors("listing batches"):
                     await self.redis.zrem(index, *gone)
@@ -324,7 +328,8 @@ class BatchStore:
                     pipe.expire(key, self.ttl_s)
                 pipe.expire(self.keys.batch_errors(batch_id), self.ttl_s)
                 pipe.delete(self.keys.batch_chunks(batch_id))
-                pipe.delete(self.keys.batch_finalize(batch_id))
+                # the state of its outcomes' move stays as long as they do (OutputMove.outcomes)
+                pipe.expire(self.keys.batch_finalize(batch_id), self.ttl_s)
                 await pipe.execute()
         if raw is None:
             return None
@@ -342,6 +347,7 @@ class BatchStore:
                     self.keys.batch_results(batch_id),
                     self.keys.batch_errors(batch_id),
                     self.keys.batch(batch_id),
+                    self.keys.batch_finalize(batch_id),
                 ],
                 args=[line, "1" if error else "0", orjson.dumps(output), _FINAL_JSON],
             )
@@ -367,18 +373,20 @@ class BatchStore:
             out, err = await pipe.execute()
         return _in_order(out), _in_order(err)
 
-    # ---- finalizing: the failed tries at writing the output files --------------------------------
-    async def finalize_failed(self, batch_id: str, retry_in_s: float) -> int:
-        """Count a failed try at writing ``batch_id``'s output files and put the next one off by
-        ``retry_in_s``; how many tries have failed (kept in Redis: any worker may try next)."""
+    # ---- finalizing: tries at writing the output files that failed, and waits for room -------------
+    async def finalize_put_off(self, batch_id: str, counted: bool, retry_in: Callable[[int], float]) -> int:
+        """Record a try at writing ``batch_id``'s output files that failed: ``counted`` (a fault) or a
+        wait (for room in Redis, or Redis itself), and put the next one off by ``retry_in(n)`` s, ``n``
+        the tries and waits so far; the counted tries (kept in Redis: any worker may try next)."""
         key = self.keys.batch_finalize(batch_id)
         with redis_errors("counting a batch's finalize tries"):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hincrby(key, "tries", 1)
-            pipe.hset(key, "retry_at", time.time() + retry_in_s)
-            pipe.expire(key, self.ttl_s)
-            tries, *_ = await pipe.execute()
-        return int(tries)
+            pipe.hincrby(key, "tries" if counted else "waits", 1)
+            pipe.hmget(key, ["tries", "waits"])
+            _, (tries, waits) = await pipe.execute()
+            tries, waits = int(tries or 0), int(waits or 0)
+            await self.redis.hset(key, "retry_at", time.time() + retry_in(tries + waits))
+        return tries
 
     async def finalize_due(self, batch_id: str) -> bool:
         """False while a failed try at writing the output files puts the next one off."""
@@ -425,9 +433,26 @@ def _dump(batch: BatchObject) -> bytes:
     return orjson.dumps(data)
 
 
+def _counted(raw: bytes | None, done: int, failed: int, moving: list[bytes | None]) -> BatchObject | None:
+    """A batch from its record, with its counts: those its record holds once it is final; while its
+    outcomes are moved into its output files (they leave its hashes), those counted when the move
+    began; else its hashes' sizes."""
+    if raw is None:
+        return None
+    batch = _load(raw)
+    if not batch.counted:
+        if moving[0] is not None and moving[1] is not None:
+            done, failed = int(moving[0]), int(moving[1])
+        batch.request_counts.completed, batch.request_counts.failed = done, failed
+    return batch
+
+
 def _load(raw: bytes) -> BatchObject:
     data = orjson.loads(raw)
     data["request_counts"] = {"total": data.pop("total", 0)}
+    if "completed" in data and "failed" in data:  # written when it ended: its hashes are gone
+        data["request_counts"].update(completed=data.pop("completed"), failed=data.pop("failed"))
+        data["counted"] = True
     if data.get("metadata") == []:  # Lua's cjson writes an empty table as a list
         data["metadata"] = {}
     return BatchObject.model_validate(data)

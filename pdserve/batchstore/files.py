@@ -78,9 +78,11 @@ return raw
 
 # KEYS[1] the partial content, KEYS[2] the content, KEYS[3] the metadata; ARGV[1] the metadata,
 # ARGV[2] the TTL in ms, ARGV[3] the size the file has. The stored pieces become the file's content,
-# and its metadata appears, at once. Returns -1; or, when the partial content is not ARGV[3] bytes
-# (a piece was lost: the partial key expired or was deleted meanwhile), deletes it and returns its size.
+# and its metadata appears, at once. Returns -1 (also when the file was published already: a batch's
+# output, published by two finalizations); or, when the partial content is not ARGV[3] bytes (a piece
+# was lost: the partial key expired or was deleted meanwhile), deletes it and returns its size.
 _PUBLISH = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 local size = redis.call('STRLEN', KEYS[1])
 if size ~= tonumber(ARGV[3]) then
   redis.call('DEL', KEYS[1])
@@ -191,40 +193,47 @@ class FileStore:
             raise InvalidRequestError(f"purpose must be 'batch' (got {purpose!r})", "purpose")
         upload = purpose == "batch"
         file_id = new_id("file-")
-        now = int(time.time())
         try:
             bound = await self._bound(file_id, owner) if upload else None
             if self.directory is not None:
                 size = await self._write_pieces(file_id, pieces, bound)
             else:
                 size = await self._append_pieces(file_id, pieces, bound)
-            info = FileObject(
-                id=file_id,
-                bytes=size,
-                created_at=now,
-                expires_at=now + self.ttl_s,
-                filename=filename or "upload.jsonl",
-                purpose=purpose,  # type: ignore[arg-type]  # checked above
-                owner=owner,
-            )
-            with redis_errors("storing a file"):
-                if self.directory is None:
-                    keys = [self.keys.file_partial(file_id), self.keys.file_content(file_id)]
-                    lost = await self._publish(
-                        keys=[*keys, self.keys.file(file_id)], args=[_stored(info), self.ttl_s * 1000, size]
-                    )
-                    if lost != -1:
-                        raise ControlPlaneError(
-                            f"Redis lost part of file {file_id} while it was stored (it kept {lost} of "
-                            f"{size} bytes: its partial key expired or was deleted); upload it again"
-                        )
-                else:
-                    await self.redis.set(self.keys.file(file_id), _stored(info), ex=self.ttl_s)
-            await self.owners.add_file(owner, file_id, size, time.time() * 1000, now + self.ttl_s)
+            info = await self.publish(file_id, filename or "upload.jsonl", purpose, size, owner)
         except BaseException:
             await self._discard(file_id, owner)
             raise
         logger.info("file %s stored: %s, %d bytes, purpose %s", info.id, info.filename, info.bytes, purpose)
+        return info
+
+    async def publish(self, file_id: str, filename: str, purpose: str, size: int, owner: str) -> FileObject:
+        """Make the ``size`` bytes stored for ``file_id`` (its partial key, or its temporary file,
+        renamed already) the file of ``owner``, with its metadata, and count it in the owner's
+        usage. Publishing a file twice publishes it once (a batch's output, by two finalizations)."""
+        now = int(time.time())
+        info = FileObject(
+            id=file_id,
+            bytes=size,
+            created_at=now,
+            expires_at=now + self.ttl_s,
+            filename=filename,
+            purpose=purpose,  # type: ignore[arg-type]  # one of PURPOSES: checked by the callers
+            owner=owner,
+        )
+        with redis_errors("storing a file"):
+            if self.directory is None:
+                keys = [self.keys.file_partial(file_id), self.keys.file_content(file_id)]
+                lost = await self._publish(
+                    keys=[*keys, self.keys.file(file_id)], args=[_stored(info), self.ttl_s * 1000, size]
+                )
+                if lost != -1:
+                    raise ControlPlaneError(
+                        f"Redis lost part of file {file_id} while it was stored (it kept {lost} of "
+                        f"{size} bytes: its partial key expired or was deleted); upload it again"
+                    )
+            else:
+                await self.redis.set(self.keys.file(file_id), _stored(info), ex=self.ttl_s)
+        await self.owners.add_file(owner, file_id, size, time.time() * 1000, info.expires_at or 0)
         return info
 
     async def open(

@@ -110,7 +110,7 @@ class Quotas:
 
 
 @dataclasses.dataclass(frozen=True)
-class Usage:
+class OwnerUsage:
     """What one owner holds now."""
 
     owner: str
@@ -168,20 +168,20 @@ class OwnerIndex:
         with redis_errors("counting a file"):
             await self.redis.zadd(self.keys.owner_file_expiry(owner), {file_id: expires_at}, xx=True)
 
-    async def usage(self, owner: str, forget: list[str] | tuple[str, ...] = ()) -> Usage:
+    async def usage(self, owner: str, forget: list[str] | tuple[str, ...] = ()) -> OwnerUsage:
         """``owner``'s usage, once the files whose expiry passed and ``forget`` (files deleted or
         found gone) are forgotten."""
         keys = [*self._file_keys(owner), self.keys.owner_active(owner)]
         with redis_errors("reading an owner's usage"):
             files, size, batches = await self._usage(keys=keys, args=[int(time.time()), *forget])
-        return Usage(owner, int(files), int(size), int(batches))
+        return OwnerUsage(owner, int(files), int(size), int(batches))
 
     async def forget_files(self, owner: str, file_ids: list[str]) -> None:
         """Files deleted or found gone: no longer listed nor counted."""
         if file_ids:
             await self.usage(owner, file_ids)
 
-    async def check_upload(self, owner: str, room: MemoryRoom | None) -> tuple[Usage, int]:
+    async def check_upload(self, owner: str, room: MemoryRoom | None) -> tuple[OwnerUsage, int]:
         """Before an upload: QuotaExceededError when ``owner`` holds its files quota, or its bytes
         quota; ``(usage, bytes limit)`` otherwise (0: no limit), for :meth:`check_bytes` per piece."""
         usage = await self.usage(owner)
@@ -195,7 +195,7 @@ class OwnerIndex:
         self.check_bytes(usage, limit, 0)
         return usage, limit
 
-    def check_bytes(self, usage: Usage, limit: int, adding: int) -> None:
+    def check_bytes(self, usage: OwnerUsage, limit: int, adding: int) -> None:
         """QuotaExceededError when ``usage`` plus ``adding`` bytes (an upload so far) is over ``limit``."""
         if limit and usage.bytes + adding > limit:
             what = f"with this upload's {_size(adding)} so far, past" if adding else "as much as"

@@ -1,7 +1,8 @@
 """Finalizing a batch (writing its output files) on a real Redis, with a real BatchRunner and
 Reaper in-process: an output larger than the upload limit is stored; a batch whose output cannot be
-written stops no other batch's recovery in the reaper's pass, and fails with the reason after
-``MAX_FINALIZE_TRIES`` tries instead of staying ``finalizing`` forever."""
+written stops no other batch's recovery in the reaper's pass, says why on itself while it is tried
+again, never fails within its window, and past it fails with the reason after ``MAX_FINALIZE_TRIES``
+tries with its outcomes kept, instead of staying ``finalizing`` forever."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ import asyncio
 import itertools
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 from batch_support import batch_with_lines, with_runner
 
+from pdserve.batch import finalize as finalize_module
 from pdserve.batch import reaper as reaper_module
-from pdserve.batch import runner as runner_module
+from pdserve.batch.finalize import MAX_FINALIZE_TRIES
 from pdserve.batch.reaper import Reaper
-from pdserve.batch.runner import MAX_FINALIZE_TRIES, BatchRunner
+from pdserve.batch.runner import BatchRunner
 from pdserve.batchstore.batches import BatchObject
 from pdserve.batchstore.files import FileObject
+from pdserve.cli_commands import write_batch_output
 from pdserve.errors import NotFoundError
 
 MAX_FILE_BYTES = 2000
@@ -50,17 +54,18 @@ def test_an_output_three_times_the_upload_limit_is_stored(
 
 
 def failing_output(runner: BatchRunner, batch_id: str) -> list[float]:
-    """Make writing ``batch_id``'s output files raise (every other batch's works); the times of the tries."""
+    """Make publishing ``batch_id``'s output files (once its outcomes are moved into them) raise a
+    fault (every other batch's works); the times of the tries."""
     tries: list[float] = []
-    create = runner.files.create
+    publish = runner.finalizer.move.publish
 
-    async def create_or_fail(filename: str, purpose: str, content: bytes, owner: str = "") -> FileObject:
-        if filename.startswith(batch_id):
+    async def publish_or_fail(batch: BatchObject, state: Any) -> Any:
+        if batch.id == batch_id:
             tries.append(time.monotonic())
-            raise OSError(28, "No space left on device")
-        return await create(filename, purpose, content, owner)
+            raise OSError(5, "Input/output error")
+        return await publish(batch, state)
 
-    runner.files.create = create_or_fail  # type: ignore[method-assign]
+    runner.finalizer.move.publish = publish_or_fail  # type: ignore[method-assign]
     return tries
 
 
@@ -86,22 +91,30 @@ def test_a_batch_that_cannot_finalize_stops_no_other_in_the_reapers_pass(redis_u
     assert expired.status == "expired" and expired.error_file_id is not None
 
 
-def test_a_batch_that_keeps_failing_to_finalize_fails_with_the_reason(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch
+def test_a_batch_that_keeps_failing_to_finalize_fails_with_the_reason_once_its_window_ends(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The chunk job's try, then the reaper's: each after FINALIZING_GRACE_S (a crash's), then
-    FINALIZE_RETRY_S; the last one fails the batch (shortened here to keep the test quick)."""
+    """The chunk job's try, then the reaper's, each put off (FINALIZE_RETRY_S, shortened here)
+    with the reason on the batch: within its window it is never failed, however many tries fail;
+    past it, the MAX_FINALIZE_TRIES-th fails it with the reason, and its outcomes are kept, which
+    ``pdserve status --batch-output`` writes out."""
     monkeypatch.setattr(reaper_module, "FINALIZING_GRACE_S", 0.2)
-    monkeypatch.setattr(runner_module, "FINALIZE_RETRY_S", 0.3)
+    monkeypatch.setattr(finalize_module, "FINALIZE_RETRY_S", 0.1)
 
-    async def main(runner: BatchRunner, reaper: Reaper) -> tuple[BatchObject, list[float], list[str]]:
+    async def main(
+        runner: BatchRunner, reaper: Reaper
+    ) -> tuple[BatchObject, BatchObject, list[float], list[str]]:
         store = runner.batches
         batch = await batch_with_lines(runner, 2, 2)
         tries = failing_output(runner, batch.id)
-        with pytest.raises(OSError):
-            await runner.maybe_finalize(batch.id)  # the chunk job that wrote the last line
-        assert (await store.get(batch.id)).status == "finalizing"
+        await runner.maybe_finalize(batch.id)  # the chunk job that wrote the last line
         deadline = time.monotonic() + 20
+        while len(tries) < MAX_FINALIZE_TRIES + 2:
+            assert time.monotonic() < deadline, f"{len(tries)} tries"
+            await reaper.one_pass()
+            await asyncio.sleep(0.05)
+        waiting = await store.get(batch.id)
+        assert await store.update(batch.id, ("finalizing",), expires_at=int(time.time()) - 1)
         while (await store.get(batch.id)).status == "finalizing":
             assert time.monotonic() < deadline, f"still finalizing after {len(tries)} tries"
             await reaper.one_pass()
@@ -109,19 +122,30 @@ def test_a_batch_that_keeps_failing_to_finalize_fails_with_the_reason(
         for _ in range(3):  # a failed batch is left alone
             await reaper.one_pass()
         files, _ = await runner.files.list_files(purpose="batch_output")
-        return await store.get(batch.id), tries, [f.id for f in files]
+        cluster = runner.settings.router.cluster
+        assert await write_batch_output(redis_url, cluster, batch.id, tmp_path) == 0
+        return waiting, await store.get(batch.id), tries, [f.id for f in files]
 
-    batch, tries, outputs = with_runner(redis_url, main)
+    waiting, batch, tries, outputs = with_runner(redis_url, main)
+    exported = (tmp_path / f"{batch.id}_output.jsonl").read_bytes().splitlines()
+    assert [orjson.loads(line)["custom_id"] for line in exported] == ["req-0", "req-1"]  # kept, retrievable
+    assert (tmp_path / f"{batch.id}_error.jsonl").read_bytes() == b""
+    assert waiting.status == "finalizing" and waiting.errors is not None, waiting
+    assert waiting.errors.data[0].code == "finalize_retrying", waiting.errors
+    assert (
+        "Input/output error" in waiting.errors.data[0].message
+        and "nothing is lost" in waiting.errors.data[0].message
+    )
+    assert waiting.request_counts.completed == 2
     assert batch.status == "failed" and batch.failed_at is not None, batch
-    assert len(tries) == MAX_FINALIZE_TRIES
-    # the reaper's tries wait FINALIZE_RETRY_S after a failure (its first one waits out
-    # FINALIZING_GRACE_S from finalizing_at, whole seconds: no bound on that gap here)
-    assert all(b - a >= 0.25 for a, b in itertools.pairwise(tries[1:])), tries
+    assert len(tries) == MAX_FINALIZE_TRIES + 3
+    assert all(b - a >= 0.08 for a, b in itertools.pairwise(tries[1:])), tries  # put off each time
     assert batch.errors is not None and len(batch.errors.data) == 1
     error = batch.errors.data[0]
-    assert error.code == "finalize_failed" and "No space left on device" in error.message, error
-    assert f"{MAX_FINALIZE_TRIES} tries" in error.message
+    assert error.code == "finalize_failed" and "Input/output error" in error.message, error
+    assert f"pdserve status --batch-output {batch.id}" in error.message, error
     assert batch.output_file_id is None and batch.error_file_id is None and outputs == []
+    assert batch.request_counts.completed == 2  # its outcomes are kept
 
 
 @pytest.mark.parametrize("concurrently", [True, False])
