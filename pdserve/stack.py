@@ -99,6 +99,8 @@ class StackSpec:
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # every worker's
     router_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """RouterSettings fields every router gets (benchmarks and tests: `up` has no flags for them)."""
+    worker_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """WorkerSettings fields every worker gets (benchmarks and tests: `up` has no flags for them)."""
     ready_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -262,6 +264,7 @@ class Stack:
                     engine_kind=spec.engine_kind,
                     engine=engine,
                     metrics_port=free_port() if spec.metrics else 0,
+                    **spec.worker_options,
                 )
                 if spec.metrics:
                     self.metrics_ports[name] = worker.metrics_port

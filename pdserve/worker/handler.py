@@ -239,7 +239,9 @@ class RequestHandler:
                 owner = Owner(msg.router_id, msg.request_id, msg.attempt)
                 await self._end(engine_key(msg.request_id, msg.attempt), error, owner)
             elif isinstance(msg, (Prefilled, ReserveReply)):
-                await self._end(engine_key(msg.request_id, msg.attempt), error, None)
+                # a prefilled is its writer's last word: the lease need not wait for its backstop
+                key = engine_key(msg.request_id, msg.attempt)
+                await self._end(key, error, None, writer_done=isinstance(msg, Prefilled))
             elif isinstance(msg, ReserveBlocks):
                 refusal = ReserveReply(request_id=msg.request_id, ok=False, attempt=msg.attempt)
                 refusal.error = error.message
@@ -251,9 +253,11 @@ class RequestHandler:
         """A foreign error as the client sees it: its type only (the details are in this log)."""
         return PdserveError(f"instance {self.ctx.instance_id} failed the request ({type(e).__name__})")
 
-    async def _end(self, key: str, error: PdserveError, owner: Owner | None) -> None:
+    async def _end(
+        self, key: str, error: PdserveError, owner: Owner | None, writer_done: bool = False
+    ) -> None:
         """Fail the request ``key`` wherever it is (hand-off or engine), free its blocks, tell its router."""
-        if await self.splitwise.fail(key, error):
+        if await self.splitwise.fail(key, error, writer_done):
             return  # its hand-off told the router (and decode)
         owner = self._forget(key) or owner
         await self.ctx.engine.abort(key, "failed")

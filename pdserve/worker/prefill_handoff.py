@@ -241,9 +241,14 @@ class PrefillHandoff:
     async def _run_transfer(self) -> None:
         try:
             await self._transfer_and_end()
-        except Exception:  # the hand-off must end whatever happens: never left TRANSFERRING
+        except Exception as e:  # the hand-off must end whatever happens: never left TRANSFERRING
             log.exception("ending the KV hand-off of %s failed", self.key)
-            self.state = PrefillState.FAILED
+            if not self.final:
+                try:
+                    await self._fail(TransferError(f"the KV hand-off failed ({type(e).__name__})"))
+                except Exception:
+                    log.exception("could not fail the KV hand-off of %s", self.key)
+                    self.state = PrefillState.FAILED
         finally:
             self.transfer = None
             if self.on_final is not None:

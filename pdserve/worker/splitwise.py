@@ -162,16 +162,17 @@ class Splitwise:
         return None
 
     # ---- both ------------------------------------------------------------------------------------
-    async def fail(self, key: str, error: PdserveError) -> bool:
+    async def fail(self, key: str, error: PdserveError, writer_done: bool = False) -> bool:
         """End ``key``'s hand-off after an unexpected error: True when a prefill hand-off tells its
-        router (a decode reservation is only marked aborted: its writer may still be writing)."""
+        router (a decode reservation is freed when ``writer_done``, else only marked aborted: its
+        writer may still be writing)."""
         told = False
         handoff = self.prefills.get(key)
         if handoff is not None and not handoff.final:
             await handoff.fail(error)
             told = True
         if key in self.leases:
-            await self.leases[key].abort(error.message)
+            await self.leases[key].abort(error.message, writer_done=writer_done)
         self._settle(key)
         return told
 
