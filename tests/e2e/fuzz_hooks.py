@@ -1,8 +1,10 @@
 """Schemathesis hooks for ``test_fuzz.py`` (loaded by path through ``SCHEMATHESIS_HOOKS``): a
-generated JSON body may also come with one of its numbers made long (up to past the 4300 digits
+generated body may also come with one of its numbers made long (up to past the 4300 digits
 Python's ``int()`` reads), one of its strings made of digits with a unit after them (as
 ``completion_window``'s count) or one of its mapping keys made of digits (as ``logit_bias``'s token
-ids), so that the fuzz reaches the number parsing of every field of every route's body."""
+ids), or one of the number fields or numeric maps its operation's schema declares set long (a generated
+body rarely has them), so that the fuzz reaches the number parsing of every field of every
+route's body."""
 
 from __future__ import annotations
 
@@ -63,16 +65,62 @@ def _copy(value: Any) -> Any:
     return value
 
 
+def numeric_fields(context: Any) -> list[tuple[str, str]]:
+    """``(name, kind)`` of the top-level properties of the operation's JSON body schema that hold a
+    number (``number``) or map keys to numbers (``map``: token ids, as ``logit_bias`` does)."""
+    operation = getattr(context, "operation", None)
+    found: list[tuple[str, str]] = []
+    for body in getattr(operation, "body", None) or []:
+        if "json" not in body.media_type:
+            continue
+        root = body.optimized_schema
+        schema = _resolve(root, root)
+        for name, prop in (schema.get("properties") or {}).items():
+            options = [_resolve(root, o) for o in _resolve(root, prop).get("anyOf", [prop])]
+            if any(o.get("type") in ("integer", "number") for o in options):
+                found.append((name, "number"))
+            elif any(
+                _resolve(root, o.get("additionalProperties") or {}).get("type") == "number" for o in options
+            ):
+                found.append((name, "map"))
+    return found
+
+
+def _resolve(root: dict, schema: Any) -> dict:
+    """``schema`` with its ``$ref`` (into the bundled schema ``root``) followed."""
+    while isinstance(schema, dict) and "$ref" in schema:
+        node: Any = root
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            node = node[part]
+        schema = node
+    return schema if isinstance(schema, dict) else {}
+
+
+def with_long(body: Any, field: tuple[str, str], digits: int) -> Any:
+    """``body`` (an object; else a new one) with ``field`` a number, or a map of one key, of ``digits`` digits."""
+    new = _copy(body) if isinstance(body, dict) else {}
+    name, kind = field
+    new[name] = int("9" * digits) if kind == "number" else {"9" * digits: 1}
+    return new
+
+
 @schemathesis.hook
 def flatmap_body(context: Any, body: Any) -> st.SearchStrategy[Any]:
+    strategies = [st.just(body)]
     found = list(sites(body)) if isinstance(body, (dict, list)) else []
-    if not found:
-        return st.just(body)
-    changed = st.builds(
-        mutated,
-        st.just(body),
-        st.sampled_from(found),
-        st.sampled_from(DIGITS),
-        st.sampled_from(("", "s", "m", "h", "d")),
-    )
-    return st.one_of(st.just(body), changed)
+    if found:
+        strategies.append(
+            st.builds(
+                mutated,
+                st.just(body),
+                st.sampled_from(found),
+                st.sampled_from(DIGITS),
+                st.sampled_from(("", "s", "m", "h", "d")),
+            )
+        )
+    fields = numeric_fields(context)
+    if fields:  # the body schema's number fields and numeric maps, which a generated body rarely has
+        strategies.append(
+            st.builds(with_long, st.just(body), st.sampled_from(fields), st.sampled_from(DIGITS))
+        )
+    return st.one_of(*strategies)

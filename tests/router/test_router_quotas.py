@@ -12,7 +12,7 @@ from router_support import CLUSTER, router, run
 
 from pdserve.router.state import RouterState
 from pdserve.router.tenants import key_digest
-from pdserve.status import read
+from pdserve.status import read, render
 
 A_KEY, B_KEY = "key-a-quota", "key-b-quota"
 A, B = {"Authorization": f"Bearer {A_KEY}"}, {"Authorization": f"Bearer {B_KEY}"}
@@ -82,7 +82,12 @@ def test_a_key_over_its_quotas_gets_429_while_another_key_works(
             assert_quota(await upload(client, A, 10), "--quota-files 2")
             assert (await upload(client, B, 10)).status_code == 200
 
-            usage = {u["owner"]: u for u in (await read(state.redis, CLUSTER))["batches"]["usage"]}
+            status = await read(state.redis, CLUSTER)
+            usage = {u["owner"]: u for u in status["batches"]["usage"]}
+            (row,) = [
+                line for line in render(status).splitlines() if line.startswith(key_digest(A_KEY.encode()))
+            ]
+            assert row.split()[1:] == ["3", "0.0", "MiB", "1"], row
             a, b = usage[key_digest(A_KEY.encode())], usage[key_digest(B_KEY.encode())]
             assert (a["files"], a["bytes"], a["batches"]) == (3, 1000 + 1000 + 5000, 1), a
             assert (b["files"], b["bytes"], b["batches"]) == (2, 1010, 1), b
