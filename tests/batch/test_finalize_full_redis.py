@@ -78,7 +78,9 @@ def test_an_output_that_would_not_fit_beside_its_outcomes_is_moved(
         admin.config_resetstat()  # the peak from here
         raised = await finalize_until_final(runner, reaper, batch.id, 30)
         peak = int(admin.info("memory")["used_memory_peak"])
-        print(f"outcomes {LINES * len(TEXT) / MIB:.1f} MiB; peak {(peak - used) / MIB:.1f} MiB above the start")
+        print(
+            f"outcomes {LINES * len(TEXT) / MIB:.1f} MiB; peak {(peak - used) / MIB:.1f} MiB above the start"
+        )
         admin.config_set("maxmemory", 0)
         batch = await runner.batches.get(batch.id)
         left = admin.hlen(runner.batches.keys.batch_results(batch.id))
