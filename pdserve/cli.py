@@ -22,6 +22,7 @@ from pdserve.cli_commands import (
     cmd_model_import,
     cmd_model_init,
     cmd_redis,
+    cmd_role,
     cmd_status,
     cmd_up,
     cmd_worker,
@@ -313,6 +314,31 @@ def build_parser() -> argparse.ArgumentParser:
         "want it, the Sentinels none",
     )
     redis.set_defaults(func=cmd_redis)
+
+    role = add_command(
+        "role",
+        help="tell a running instance to take another role",
+        description="Tell a live instance to take a role from now on: routers send it that role's work "
+        "at once, and the work of its old role already there finishes where it is (no request fails "
+        "or is retried). Its KV cache and prefix cache stay. Any switch needs the worker started "
+        "with --switchable, except decode -> prefill or mixed, and prefill -> mixed. Waits until the "
+        "instance says it took the role (exit 0) or why not (exit 1).",
+    )
+    role.add_argument("instance_id", metavar="INSTANCE_ID", help="the instance (pdserve status lists them)")
+    role.add_argument("role", choices=("prefill", "decode", "mixed"), help="the role to take")
+    role.add_argument("--reason", default=None, help="recorded with the switch (pdserve status shows it)")
+    role.add_argument(
+        "--wait", type=float, default=10.0, help="seconds to wait for the instance's answer (default 10)"
+    )
+    add_flag(
+        role,
+        "--redis-url",
+        str,
+        None,
+        f"Redis URL (default: that of the `pdserve up` running here, else {DEFAULT_URL})",
+    )
+    add_flag(role, "--cluster", str, None, "namespace inside Redis (default: that stack's, else default)")
+    role.set_defaults(func=cmd_role)
 
     status = add_command(
         "status",

@@ -323,15 +323,46 @@ def cmd_batch_worker(args: argparse.Namespace) -> int:
     return run_batch_worker(BatchWorkerSettings.from_args(args))
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def stack_redis(args: argparse.Namespace) -> tuple[str, str]:
+    """The Redis URL and cluster a command names, else those of the `pdserve up` running here, else
+    the defaults."""
     from pdserve.scheduler.keys import DEFAULT_CLUSTER
     from pdserve.scheduler.redis_settings import DEFAULT_URL
     from pdserve.stack import running_stack
-    from pdserve.status import run_status
 
     stack = running_stack() if args.redis_url is None else None
     redis_url = args.redis_url or (stack or {}).get("redis_url") or DEFAULT_URL
-    cluster = args.cluster or (stack or {}).get("cluster") or DEFAULT_CLUSTER
+    return redis_url, args.cluster or (stack or {}).get("cluster") or DEFAULT_CLUSTER
+
+
+def cmd_role(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.planner.switch import switch_role
+    from pdserve.scheduler import Keys, RedisSettings, wait_for_redis
+
+    redis_url, cluster = stack_redis(args)
+
+    async def run() -> int:
+        redis = RedisSettings.from_url(redis_url).connect()
+        try:
+            await wait_for_redis(redis, timeout_s=5)
+            done = await switch_role(redis, Keys(cluster), args.instance_id, args.role, args.reason, args.wait)
+        finally:
+            await redis.aclose()
+        if not done.ok:
+            print(f"{args.instance_id} did not take the role {args.role}: {done.error}", file=sys.stderr)
+            return 1
+        print(f"{args.instance_id} is {args.role} now")
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pdserve.status import run_status
+
+    redis_url, cluster = stack_redis(args)
     if args.watch is not None:
         from pdserve.status import watch
 

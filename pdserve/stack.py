@@ -269,7 +269,7 @@ class Stack:
                 if spec.metrics:
                     self.metrics_ports[name] = worker.metrics_port
                 self.instance_ids.append(worker.instance_id)
-                if role == "decode":
+                if role == "decode" or worker.switchable:  # its cache in a segment of its own
                     self.segment_owners.add(name)
                 self.argv[name] = ["worker", *to_argv(dataclasses.replace(worker, redis_url=""))]
                 self.workers.append((name, self._spawn(name)))

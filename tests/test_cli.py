@@ -17,7 +17,7 @@ import pytest
 from pdserve.cli import build_parser, main
 from pdserve.stack import record_path, running_stack
 
-COMMANDS = ("model", "generate", "worker", "router", "batch-worker", "up", "redis", "status")
+COMMANDS = ("model", "generate", "worker", "router", "batch-worker", "up", "redis", "status", "role")
 
 
 def subcommands(parser):

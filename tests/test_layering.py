@@ -34,9 +34,11 @@ ALLOWED = {  # layer -> the pdserve layers its modules may import
     "router": {"router", "scheduler", "batchstore", *LEAVES},
     "worker": {"worker", "engine", "scheduler", "cache_transfer", *LEAVES},
     "batch": {"batch", "router", "scheduler", "batchstore", *LEAVES},  # a router without a listener, on rq
+    "planner": {"planner", "scheduler", *LEAVES},  # roles while serving: reads Redis, sends SetRole
 }
 NO_PADDLE = (
     "batch",
+    "planner",
     "batchstore",
     "localredis",
     "scheduler",

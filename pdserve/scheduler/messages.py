@@ -46,7 +46,8 @@ worker, as any unknown sampling key is), ``ReserveBlocks.transfer_budget_s`` (an
 frees by the deadline on its own wall clock), ``Abort.writer_done``, ``ReserveBlocks.protocol`` with ``ReserveReply.staging_offset`` (an older
 prefill writes at the blocks' offsets, which a staged endpoint refuses), ``Prefilled.kv_digests`` with
 ``kv_digest_algo`` (an older decode side does not check them), ``InstanceInfo.integrity`` and
-``RouterInfo.verify``.
+``RouterInfo.verify``, the ``SetRole`` message with ``InstanceInfo.switchable``, ``roles`` and
+``last_switch`` (an older instance dead-letters a ``set_role``; an older router ignores the fields).
 """
 
 ANY_ATTEMPT = -1
@@ -124,6 +125,23 @@ class TransferInfo(_Model):
     incarnation: str | None = None
 
 
+class RoleChange(_Model):
+    """A role an instance took (``pdserve role``, a planner), and when (unix s, its own clock)."""
+
+    role: Role
+    at: float
+    reason: str | None = None
+
+
+class SwitchOutcome(_Model):
+    """What became of the latest role switch an instance was asked for (``SetRole``)."""
+
+    id: str
+    role: Role
+    ok: bool
+    error: str | None = None
+
+
 class IntegrityInfo(_Model):
     """What a decode instance's checks of the KV it received found, since its start (shown by
     ``pdserve status``): hand-offs whose written blocks it checked against the writer's digests,
@@ -159,6 +177,15 @@ class InstanceInfo(_Model):
     routers compute its prompts' token ids (None: none published, e.g. the echo engine)."""
     integrity: IntegrityInfo | None = None
     """A decode instance's KV checks since it started (None: nothing checked yet, or another role)."""
+    switchable: bool | None = None
+    """It can take any role when told (``--switchable``: its KV cache in shared memory, every KV
+    transport open); None or False: only the switches its start allows (a prefill or mixed
+    instance's cache is not shared, so it cannot become a decode instance)."""
+    roles: list[RoleChange] | None = None
+    """The roles it took after the one it started with, oldest first (the last few): ``role`` is the
+    current one. None: it never switched."""
+    last_switch: SwitchOutcome | None = None
+    """The latest switch it was asked for, done or refused (``pdserve role`` waits for it)."""
 
 
 class VerifyInfo(_Model):
@@ -494,6 +521,17 @@ class Tokenize(_Message):
         return self
 
 
+class SetRole(_Message):
+    """Anyone -> instance inbox: take ``role`` from now on (``pdserve role``, a planner). New work
+    follows the registration's role at once; work of the old role already here finishes where it
+    is, so no request fails or is retried. ``request_id`` names the switch (``last_switch.id``)."""
+
+    type: Literal["set_role"] = "set_role"
+    request_id: str
+    role: Role
+    reason: str | None = None
+
+
 class StepOutput(_Message):
     """Instance -> router outbox: one engine step's deltas for the requests of ONE router.
 
@@ -507,17 +545,17 @@ class StepOutput(_Message):
     items: list[RequestDelta]
 
 
-InboxMessage = GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort | Tokenize
+InboxMessage = GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort | Tokenize | SetRole
 """What an instance's inbox carries."""
 Message = Annotated[
-    GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort | Tokenize | StepOutput,
+    GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort | Tokenize | SetRole | StepOutput,
     Field(discriminator="type"),
 ]
 """Every stream message, discriminated by ``type``."""
 
 MESSAGE_TYPES: dict[str, type[BaseModel]] = {
     cls.model_fields["type"].default: cls
-    for cls in (GenerateRequest, ReserveBlocks, ReserveReply, Prefilled, Abort, Tokenize, StepOutput)
+    for cls in (GenerateRequest, ReserveBlocks, ReserveReply, Prefilled, Abort, Tokenize, SetRole, StepOutput)
 }
 
 

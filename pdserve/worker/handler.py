@@ -19,7 +19,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import (
@@ -38,6 +38,7 @@ from pdserve.scheduler import (
     ReserveBlocks,
     ReserveReply,
     RouterRegistry,
+    SetRole,
     Timing,
     Tokenize,
     Usage,
@@ -45,6 +46,7 @@ from pdserve.scheduler import (
 from pdserve.worker.engine_client import Prepared
 from pdserve.worker.handoff_context import Context
 from pdserve.worker.messenger import Owner, engine_key, merge_deltas, to_delta
+from pdserve.worker.roles import RoleState
 from pdserve.worker.splitwise import Splitwise
 
 log = logging.getLogger(__name__)
@@ -61,16 +63,20 @@ class RequestHandler:
     def __init__(
         self,
         ctx: Context,
-        role: str,
+        role: str | RoleState,
         routers: RouterRegistry,
         stream_interval_s: float = 0.0,
         wake: asyncio.Event | None = None,
+        on_role_change: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``role``: the instance's role (a RoleState where it may change: ``SetRole``);
+        ``on_role_change``: called after a switch (the service publishes the new role at once)."""
         self.ctx = ctx
+        self.roles = role if isinstance(role, RoleState) else _fixed(role)
+        self.on_role_change = on_role_change
         self.wake = wake or asyncio.Event()
         """Set whenever messages were acted on (:meth:`acting`): a prepared request handed to an idle
         engine must wake the engine loop, which otherwise sleeps until its next poll."""
-        self.role = role
         self.routers = routers
         self.stream_interval_s = stream_interval_s
         """A request's tokens are published at most this often: those of the steps in between wait
@@ -213,6 +219,15 @@ class RequestHandler:
             await self.on_abort(msg)
         elif isinstance(msg, Tokenize):
             await self.on_tokenize(msg)
+        elif isinstance(msg, SetRole):
+            outcome = self.roles.switch(msg, self.draining)
+            if outcome.ok and self.on_role_change is not None:
+                await self.on_role_change()
+
+    @property
+    def role(self) -> str:
+        """What routers send this instance now (its registration's ``role``)."""
+        return self.roles.role
 
     async def on_tokenize(self, msg: Tokenize) -> None:
         """Answer ``POST /tokenize`` or ``/detokenize`` with one final delta (even while draining:
@@ -322,7 +337,9 @@ class RequestHandler:
         """Hand a prepared generate to the engine (or to its prefill hand-off)."""
         owner = Owner(msg.router_id, msg.request_id, msg.attempt)
         info = msg.disaggregate_info
-        if info is not None and self.role == "prefill" and info.decode.id != self.ctx.instance_id:
+        if info is not None and info.decode.id != self.ctx.instance_id:
+            # split, sent here: this instance's part is the prefill, as the router chose when it
+            # sent it (whatever its role since)
             await self.splitwise.start_prefill(msg, prepared)
         else:
             key = engine_key(msg.request_id, msg.attempt)
@@ -519,3 +536,8 @@ class RequestHandler:
         self._sent_at.clear()
         if owners:
             await self.ctx.messenger.fail_many(owners, UnavailableError(message))
+
+
+def _fixed(role: str) -> RoleState:
+    """The role of an instance that never switches (tests; the service passes its RoleState)."""
+    return RoleState(role, shared_cache=role == "decode", transports=lambda: role != "mixed", now=lambda: 0.0)

@@ -51,6 +51,7 @@ from pdserve.worker.kv_writers import Transports
 from pdserve.worker.messenger import Messenger
 from pdserve.worker.metrics import WorkerMetrics
 from pdserve.worker.prefix_publisher import PrefixPublisher
+from pdserve.worker.roles import RoleState
 from pdserve.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,20 @@ class WorkerService:
                 faults=FaultHooks.from_env(),
             )
             routers = RouterRegistry(self.redis, self.keys, ttl_s=self.settings.ttl_s)
+            roles = RoleState(
+                self.settings.role,
+                shared_cache=self._shared_cache,
+                transports=lambda: bool(self.transports.backends),
+                now=self.clock.time,
+                switchable=self.settings.switchable,
+            )
             self.handler = RequestHandler(
-                ctx, self.settings.role, routers, self.settings.stream_interval_s, wake=self._wake
+                ctx,
+                roles,
+                routers,
+                self.settings.stream_interval_s,
+                wake=self._wake,
+                on_role_change=self._push_heartbeat,
             )
             await self.inbox.ensure_group()
             if self.engine.facts.prefix_caching:
@@ -155,7 +168,7 @@ class WorkerService:
         into it; first it removes the segments of dead instances, whose memory its own may need."""
         model_dir = self.settings.model_dir
         assert model_dir is not None  # WorkerSettings requires it
-        shared = self.settings.role == "decode"
+        shared = self._shared_cache
         if shared:
             shm.sweep_dead_segments()
         config = dataclasses.replace(
@@ -205,10 +218,17 @@ class WorkerService:
                 await self.redis.set(key, self._tokenizer_blob, ex=TOKENIZER_TTL_S)
                 log.info("published the tokenizer for routers: %s (%d bytes)", key, len(self._tokenizer_blob))
 
+    @property
+    def _shared_cache(self) -> bool:
+        """The cache lives in shared memory, written by peers: a decode instance's, or any role's
+        when it may become one (``--switchable``)."""
+        return self.settings.role == "decode" or self.settings.switchable
+
     async def _start_transfer(self) -> None:
-        """Open the local side of each KV transport ``--kv-transfer`` asks for (a mixed instance: none)."""
+        """Open the local side of each KV transport ``--kv-transfer`` asks for (a mixed instance:
+        none, unless ``--switchable``: it may take another role)."""
         s = self.settings
-        if s.role == "mixed":
+        if s.role == "mixed" and not s.switchable:
             return
         assert self.engine is not None
         facts = self.engine.facts
@@ -220,7 +240,7 @@ class WorkerService:
             facts.shm_name,
             device=facts.device,
             block_bytes=facts.block_bytes,
-            shared=s.role == "decode",  # peers write into a decode instance's cache only
+            shared=self._shared_cache,  # peers write into a decode instance's cache only
             incarnation=self.incarnation,  # written where peers write (shm: the segment's fence)
         )
         backends = await asyncio.to_thread(transports.open_backends, protocols, options, local)
@@ -300,18 +320,21 @@ class WorkerService:
         log.info("%s stopped", self.id)
 
     async def _push_heartbeat(self) -> None:
+        """Publish the registration now (draining, a new role): routers see it within their
+        live-set age instead of a heartbeat interval."""
         try:
             await self.registry.heartbeat(self.info())
         except ControlPlaneError as e:
-            log.warning("could not publish draining state: %s", e)
+            log.warning("could not publish the registration: %s", e)
 
     def info(self) -> InstanceInfo:
         """The registration the heartbeat refreshes, from the engine's last load snapshot."""
         assert self.engine is not None and self.handler is not None
         facts, load = self.engine.facts, self.engine.load
+        roles = self.handler.roles
         return InstanceInfo(
             id=self.id,
-            role=self.settings.role,
+            role=roles.role,
             model=self.settings.served_model_name,
             version="1",
             host=self.settings.host,
@@ -337,7 +360,9 @@ class WorkerService:
             ),
             load=load_info(load, self.handler.handing_off()),
             transfer=TransferInfo(
-                protocols=self.protocols, endpoint=self._endpoint() or None, incarnation=self.incarnation
+                protocols=[] if roles.role == "mixed" else self.protocols,  # a mixed one is never paired
+                endpoint=self._endpoint() or None,
+                incarnation=self.incarnation,
             ),
             max_model_len=facts.max_model_len,
             draining=self.handler.draining,
@@ -345,6 +370,9 @@ class WorkerService:
             max_num_seqs=self.settings.engine.max_num_seqs,
             tokenizer=self.tokenizer_digest,
             integrity=self._integrity(),
+            switchable=self.settings.switchable or None,
+            roles=list(roles.history) or None,
+            last_switch=roles.last_switch,
         )
 
     def _integrity(self) -> IntegrityInfo | None:
@@ -355,7 +383,7 @@ class WorkerService:
 
     def _endpoint(self) -> dict[str, Any]:
         """Where peers write into this instance's cache: only a decode instance is written into."""
-        if self.settings.role != "decode":
+        if self.handler is None or self.handler.role != "decode":
             return {}
         endpoints = {protocol: b.endpoint() for protocol, b in self.transports.backends.items()}
         return {protocol: endpoint for protocol, endpoint in endpoints.items() if endpoint is not None}

@@ -94,6 +94,13 @@ class WorkerSettings:
         "address other hosts reach this instance's mooncake engine at (default: the address of the "
         "default route's interface)",
     )
+    switchable: bool = setting(
+        False,
+        "the instance may be told to take any role while it serves (pdserve role, a planner): its KV "
+        "cache lives in shared memory and every KV transport is open whatever its role; without it, "
+        "only switches its start prepared for (a decode instance can become prefill or mixed, a "
+        "prefill mixed) (default off)",
+    )
     kv_checksum: bool = setting(
         True,
         "digest every KV block a prefill writes to a decode instance, and have the decode instance check "
