@@ -347,7 +347,9 @@ def cmd_role(args: argparse.Namespace) -> int:
         redis = RedisSettings.from_url(redis_url).connect()
         try:
             await wait_for_redis(redis, timeout_s=5)
-            done = await switch_role(redis, Keys(cluster), args.instance_id, args.role, args.reason, args.wait)
+            done = await switch_role(
+                redis, Keys(cluster), args.instance_id, args.role, args.reason, args.wait
+            )
         finally:
             await redis.aclose()
         if not done.ok:
