@@ -21,6 +21,7 @@ from pdserve.cli_commands import (
     cmd_generate,
     cmd_model_import,
     cmd_model_init,
+    cmd_plan,
     cmd_redis,
     cmd_role,
     cmd_status,
@@ -339,6 +340,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(role, "--cluster", str, None, "namespace inside Redis (default: that stack's, else default)")
     role.set_defaults(func=cmd_role)
+
+    from pdserve.planner.settings import PlanSettings
+
+    plan = add_command(
+        "plan",
+        help="decide the instances' roles from the SLOs, and apply them (--apply)",
+        description="Every --interval, read what the instances and routers publish in Redis (roles, "
+        "loads, the routers' last 30 s of TTFT and inter-token latency), decide the prefill:decode "
+        "split the targets --ttft-p90 and --itl-p90 call for (with hysteresis: --patience, "
+        "--cooldown, --reverse-cooldown), record each decision and its inputs in Redis (pdserve "
+        "status shows the last) and in its metrics (--metrics-port: the desired instances per role, "
+        "what Kubernetes' autoscalers read), and with --apply switch roles (pdserve role). Stateless: "
+        "it reads its last change back from Redis when it starts. SIGTERM stops it.",
+    )
+    add_flags(plan, PlanSettings)
+    plan.set_defaults(func=cmd_plan)
 
     status = add_command(
         "status",

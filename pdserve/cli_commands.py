@@ -11,6 +11,7 @@ import signal
 import sys
 import types
 from pathlib import Path
+from typing import NoReturn
 
 import orjson
 
@@ -328,7 +329,7 @@ def stack_redis(args: argparse.Namespace) -> tuple[str, str]:
     the defaults."""
     from pdserve.scheduler.keys import DEFAULT_CLUSTER
     from pdserve.scheduler.redis_settings import DEFAULT_URL
-    from pdserve.stack import running_stack
+    from pdserve.stack_record import running_stack
 
     stack = running_stack() if args.redis_url is None else None
     redis_url = args.redis_url or (stack or {}).get("redis_url") or DEFAULT_URL
@@ -359,6 +360,56 @@ def cmd_role(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(run())
+
+
+def interrupted(signum: int, frame: types.FrameType | None) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.planner.loop import Planner, PlannerMetrics
+    from pdserve.planner.settings import PlanSettings
+    from pdserve.scheduler import Keys, RedisSettings, wait_for_redis
+
+    settings = from_args(PlanSettings, args)
+    metrics = PlannerMetrics() if settings.metrics_port else None
+    if metrics is not None:
+        metrics.serve(settings.metrics_port, settings.metrics_host)
+
+    async def run() -> None:
+        redis = RedisSettings.from_url(settings.redis_url).connect()
+        try:
+            await wait_for_redis(redis, timeout_s=30)
+            planner = Planner(
+                redis,
+                Keys(settings.cluster),
+                settings.targets,
+                settings.served_model_name or None,
+                settings.apply,
+                metrics,
+                Path(settings.record) if settings.record else None,
+            )
+            log.info(
+                "planning %s: %s (%s)",
+                settings.served_model_name or "the only model",
+                settings.targets,
+                "applying" if settings.apply else "deciding only",
+            )
+            await planner.run(settings.interval_s)
+        finally:
+            await redis.aclose()
+
+    signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the loop ends, the metrics server closes
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -16,165 +16,31 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import httpx
 
 from pdserve.cache_transfer import shm
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, ResolvedModel, cache_dir, resolve_model
+from pdserve.engine.model_store import ResolvedModel, resolve_model
 from pdserve.errors import ConfigError
-from pdserve.flags import env, setting, to_argv
+from pdserve.flags import env, to_argv
 from pdserve.localredis.embedded import EmbeddedRedis, dies_with_parent, free_port, port_is_free
 from pdserve.router.settings import RouterSettings
-from pdserve.scheduler.connection import (
-    NO_WAIT,
-    WAIT_REPLICAS_HELP,
-    WAIT_TIMEOUT_HELP,
-)
-from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.redis_settings import RedisSettings, redact_url
-from pdserve.scheduler.registry import DEFAULT_TTL_S
-from pdserve.worker.settings import ENGINES, KV_TRANSFERS, WorkerSettings
-from pdserve.worker.settings import default as worker_default
+from pdserve.stack_autoscale import WorkerScaler
+from pdserve.stack_banner import banner, waiting_line
+from pdserve.stack_record import record_path, write_private
+from pdserve.stack_spec import StackSpec, planner_argv
+from pdserve.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # readiness polling is not news
-
-
-@dataclasses.dataclass(frozen=True)
-class StackSpec:
-    """What ``pdserve up`` runs; the flags of ``up`` are generated from these fields."""
-
-    model: str = setting(DEFAULT_MODEL, f"{MODEL_HELP} (default %(default)s)")
-    redis_url: str | None = setting(
-        None, "use this Redis instead of starting an embedded one", kind=str, repr=False
-    )  # may hold a password
-    host: str = setting("127.0.0.1", "router bind address (default %(default)s)")
-    port: int = setting(8000, "first router's port; more routers take the next ports (default %(default)s)")
-    routers: int = setting(1, "number of routers (default %(default)s)")
-    prefill: int = setting(1, "prefill instances (default %(default)s)")
-    decode: int = setting(1, "decode instances (default %(default)s)")
-    mixed: int = setting(0, "mixed instances (default %(default)s)")
-    batch_workers: int = setting(
-        1,
-        "batch workers running the Batch API's lines in spare capacity (`pdserve batch-worker`); "
-        "none on a Redis Cluster, which rq does not support (default %(default)s)",
-    )
-    cluster: str = setting(DEFAULT_CLUSTER, "namespace inside Redis (default %(default)s)")
-    ttl_s: float = setting(DEFAULT_TTL_S, "registration TTL of every worker and router (default %(default)s)")
-    redis_wait_replicas: int = setting(NO_WAIT.replicas, f"every worker's and router's: {WAIT_REPLICAS_HELP}")
-    redis_wait_timeout_ms: int = setting(NO_WAIT.timeout_ms, WAIT_TIMEOUT_HELP)
-    kv_transfer: str = setting(
-        worker_default("kv_transfer"),
-        "KV transports of every prefill/decode worker (as `pdserve worker --kv-transfer`; default %(default)s)",
-        choices=KV_TRANSFERS,
-    )
-    engine_kind: str = setting(
-        worker_default("engine_kind"),
-        "what computes tokens in every worker (as `pdserve worker --engine`; default %(default)s)",
-        name="--engine",
-        choices=ENGINES,
-    )
-    metrics: bool = setting(
-        False,
-        "give every worker a Prometheus port (free ports, printed in the banner; routers always "
-        "serve /metrics) (default off)",
-    )
-    gpus: str | None = setting(
-        None,
-        "with --device cuda: the GPUs the workers share, as indices (e.g. 0,1): workers go to them in "
-        "turn, and each card's --gpu-memory-utilization is split between the workers on it "
-        "(default: every worker on --gpu, else the first card)",
-        kind=str,
-    )
-    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # every worker's
-    router_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """RouterSettings fields every router gets (benchmarks and tests: `up` has no flags for them)."""
-    worker_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """WorkerSettings fields every worker gets (benchmarks and tests: `up` has no flags for them)."""
-    ready_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        for name in ("routers", "prefill", "decode", "mixed", "batch_workers"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-        if self.routers < 1:
-            raise ConfigError("--routers must be >= 1")
-        if self.prefill + self.decode + self.mixed < 1:
-            raise ConfigError("at least one of --prefill, --decode, --mixed must be >= 1")
-        if self.gpus is not None:
-            try:
-                cards = [int(g) for g in self.gpus.split(",")]
-            except ValueError:
-                raise ConfigError(
-                    f"--gpus must be GPU indices separated by commas, got {self.gpus!r}"
-                ) from None
-            if not cards or min(cards) < 0:
-                raise ConfigError(f"--gpus must be GPU indices separated by commas, got {self.gpus!r}")
-        if self.prefill and not self.decode and not self.mixed:
-            raise ConfigError(
-                "--prefill needs --decode (or --mixed): a prefill instance cannot finish a request"
-            )
-
-
-def record_path(pid: int | None = None) -> Path:
-    """Where the ``pdserve up`` of process ``pid`` (default: this one) says how to reach it, so
-    ``pdserve status`` finds its Redis: one file per stack, so a second stack overwrites nothing."""
-    return cache_dir() / f"up-{os.getpid() if pid is None else pid}.json"
-
-
-def running_stack() -> dict | None:
-    """The record of a ``pdserve up`` that is still running on this machine (the newest), else None."""
-    paths = sorted(cache_dir().glob("up-*.json"), key=_mtime, reverse=True)
-    for path in paths:
-        try:
-            record = json.loads(path.read_text())
-            os.kill(int(record["pid"]), 0)  # signal 0: only asks whether the process exists
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        return record
-    return None
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by this user only (0600 from the start: it may hold the
-    Redis password), replacing the file atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def command(name: str) -> str:
-    """How to run this installation's ``name`` script from a shell here: bare when PATH finds it in
-    this installation's bin folder, else its path (e.g. ``.venv/bin/python`` when the venv is not
-    activated). Folders are compared, not files: a venv's ``python`` is a link to the base
-    interpreter, and a base ``python`` first on PATH (pyenv, Docker images) lacks the venv's packages."""
-    mine = Path(sys.executable).parent / name
-    found = shutil.which(name)
-    if found and Path(found).parent.resolve() == mine.parent.resolve():
-        return name
-    with contextlib.suppress(ValueError):
-        return str(mine.relative_to(Path.cwd()))
-    return str(mine)
 
 
 class Stack:
@@ -186,6 +52,12 @@ class Stack:
         self.instance_ids: list[str] = []
         self.routers: list[tuple[str, subprocess.Popen]] = []
         self.batch_workers: list[tuple[str, subprocess.Popen]] = []
+        self.planners: list[tuple[str, subprocess.Popen]] = []  # with --autoscale: one
+        self.retired: list[tuple[str, subprocess.Popen]] = []  # workers stopped by the autoscaler
+        self.instance_of: dict[str, str] = {}  # worker name -> its instance id
+        self.worker_base: WorkerSettings | None = (
+            None  # the last worker's settings (autoscaling adds like it)
+        )
         self.redis_url = ""  # set by start()
         self.argv: dict[str, list[str]] = {}  # each child's command line, to restart it
         self.secret_env: dict[str, dict[str, str]] = {}  # each child's secrets, kept off its argv
@@ -250,7 +122,7 @@ class Stack:
                         spec.engine, device="cuda", gpu=card, gpu_memory_utilization=share
                     )
                 n += 1
-                worker = WorkerSettings(
+                self.worker_base = WorkerSettings(
                     model_dir=self.model.path,
                     served_model_name=self.model.name,
                     role=role,
@@ -263,16 +135,13 @@ class Stack:
                     kv_transfer=spec.kv_transfer,
                     engine_kind=spec.engine_kind,
                     engine=engine,
-                    metrics_port=free_port() if spec.metrics else 0,
+                    switchable=spec.autoscale,  # the planner may give any worker any role
                     **spec.worker_options,
                 )
-                if spec.metrics:
-                    self.metrics_ports[name] = worker.metrics_port
-                self.instance_ids.append(worker.instance_id)
-                if role == "decode" or worker.switchable:  # its cache in a segment of its own
-                    self.segment_owners.add(name)
-                self.argv[name] = ["worker", *to_argv(dataclasses.replace(worker, redis_url=""))]
-                self.workers.append((name, self._spawn(name)))
+                self.start_worker(name, self.worker_base)
+        if spec.autoscale:  # the planner: decides roles (and, with --max-workers, counts) and switches
+            self.argv["planner"] = ["plan", *planner_argv(spec)]
+            self.planners.append(("planner", self._spawn("planner")))
         for i, router in enumerate(routers):
             name = f"router-{i}"
             # the keys go in its environment, as the Redis URL does: argv shows in `ps`
@@ -297,6 +166,27 @@ class Stack:
                 str(spec.redis_wait_timeout_ms),
             ]
             self.batch_workers.append((name, self._spawn(name)))
+
+    def start_worker(self, name: str, worker: WorkerSettings) -> None:
+        """Start one worker child under ``name`` (a free metrics port with ``--metrics``)."""
+        if self.spec.metrics:
+            worker = dataclasses.replace(worker, metrics_port=free_port())
+            self.metrics_ports[name] = worker.metrics_port
+        self.instance_ids.append(worker.instance_id)
+        self.instance_of[name] = worker.instance_id
+        if worker.role == "decode" or worker.switchable:  # its cache in a segment of its own
+            self.segment_owners.add(name)
+        self.argv[name] = ["worker", *to_argv(dataclasses.replace(worker, redis_url=""))]
+        self.workers.append((name, self._spawn(name)))
+
+    def retire_worker(self, name: str) -> None:
+        """Stop one worker for good (SIGTERM: it drains); not restarted, waited for by :meth:`stop`."""
+        for i, (other, proc) in enumerate(self.workers):
+            if other == name:
+                del self.workers[i]
+                proc.send_signal(signal.SIGTERM)
+                self.retired.append((name, proc))
+                return
 
     def _gpu_placement(self, n_workers: int) -> list[tuple[int, float]] | None:
         """With a CUDA device, each worker's (card, share of its memory): workers go to the cards in
@@ -370,7 +260,7 @@ class Stack:
         memory segment is removed as soon as its exit is seen, not only when it comes back.
         """
         now, restarted = time.monotonic(), []
-        for group in (self.workers, self.routers, self.batch_workers):
+        for group in (self.workers, self.routers, self.batch_workers, self.planners):
             for i, (name, proc) in enumerate(group):
                 if proc.poll() is None:
                     continue
@@ -392,7 +282,7 @@ class Stack:
         return restarted
 
     def check_children(self) -> None:
-        for name, proc in self.workers + self.routers + self.batch_workers:
+        for name, proc in self.workers + self.routers + self.batch_workers + self.planners:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}")
 
@@ -404,7 +294,7 @@ class Stack:
         Returns the children that had not exited ``grace_s`` after SIGTERM and had to be killed.
         """
         killed = []
-        for group in (self.batch_workers, self.routers, self.workers):
+        for group in (self.planners, self.batch_workers, self.routers, self.workers + self.retired):
             for _, proc in group:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -426,44 +316,6 @@ class Stack:
         return killed
 
 
-def waiting_line(pending: str, elapsed_s: float) -> str:
-    """What ``pdserve up`` prints while it waits for ``pending`` (a router URL it polls)."""
-    if pending.endswith("/v1/instances"):
-        what = "the workers to register (a first start compiles the kernels: about a minute)"
-    else:
-        what = f"{pending.removesuffix('/ready')} to answer"
-    return f"starting ({elapsed_s:.0f} s): waiting for {what} ..."
-
-
-def banner(stack: Stack, model_name: str, elapsed: float) -> str:
-    url = stack.urls[0]
-    more = f"        (also {', '.join(f'{u}/v1' for u in stack.urls[1:])})" if len(stack.urls) > 1 else ""
-    workers_metrics = "".join(
-        f"\n               {name}: http://127.0.0.1:{port}/metrics"
-        for name, port in stack.metrics_ports.items()
-    )
-    return f"""
-pdserve is up in {elapsed:.1f} s: {len(stack.routers)} router(s), {stack.spec.prefill} prefill, \
-{stack.spec.decode} decode, {stack.spec.mixed} mixed.
-
-  OpenAI API:  {url}/v1{more}
-  device:      {stack.device if stack.spec.engine_kind == "model" else "none (--engine echo)"}
-  Redis:       {redact_url(stack.redis_url)}  (cluster {stack.spec.cluster!r})
-  status:      {command("pdserve")} status      (finds this stack's Redis by itself; --watch: live)
-  metrics:     {url}/metrics{workers_metrics}
-
-  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
-
-  {command("python")} -c 'from openai import OpenAI
-c = OpenAI(base_url="{url}/v1", api_key="none")
-print(c.chat.completions.create(model="{model_name}", max_tokens=32,
-      messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
-
-Ctrl-C stops everything.
-"""
-
-
 def run_stack(spec: StackSpec) -> int:
     t0 = time.monotonic()
     stack = Stack(spec)
@@ -480,8 +332,11 @@ def run_stack(spec: StackSpec) -> int:
         assert stack.model is not None  # resolved by start()
         model_name = stack.model.name
         print(banner(stack, model_name, time.monotonic() - t0), flush=True)
+        scaler = WorkerScaler(stack) if spec.autoscale and spec.max_workers else None
         while True:
             stack.supervise()  # a crashed child is restarted; the rest keeps serving
+            if scaler is not None:
+                scaler.tick()
             time.sleep(0.5)
     except KeyboardInterrupt:
         stopping = True

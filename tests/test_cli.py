@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser, main
-from pdserve.stack import record_path, running_stack
+from pdserve.stack_record import record_path, running_stack
 
-COMMANDS = ("model", "generate", "worker", "router", "batch-worker", "up", "redis", "status", "role")
+COMMANDS = ("model", "generate", "worker", "router", "batch-worker", "up", "redis", "status", "role", "plan")
 
 
 def subcommands(parser):
@@ -390,7 +390,8 @@ def test_stack_keeps_the_redis_password_off_argv_the_banner_and_other_users(tmp_
     import stat
 
     from pdserve.localredis.embedded import EmbeddedRedis, free_port
-    from pdserve.stack import Stack, StackSpec, banner
+    from pdserve.stack import Stack, StackSpec
+    from pdserve.stack_banner import banner
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     password = "pw-sentinel-4711"
@@ -432,7 +433,8 @@ def test_a_stack_with_an_api_key_becomes_ready_and_keeps_the_key_to_itself(
     import httpx
 
     from pdserve.localredis.embedded import free_port
-    from pdserve.stack import Stack, StackSpec, banner
+    from pdserve.stack import Stack, StackSpec
+    from pdserve.stack_banner import banner
 
     key = f"key-sentinel-{secrets.token_hex(4)}"
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))

@@ -21,6 +21,7 @@ from pdserve.router.dispatch import Dispatcher
 from pdserve.router.errors import NoCapacityError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.settings import RouterSettings
+from pdserve.router.traffic import TrafficWindow
 from pdserve.scheduler.connection import outage_limit_s, wait_for_redis
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import RouterInfo
@@ -45,6 +46,7 @@ class RouterState:
         self.batches: BatchStore | None = None
         self._batch_queue: BatchQueue | None = None
         self.metrics = RouterMetrics() if settings.metrics else None
+        self._traffic: TrafficWindow | None = None  # what it served lately, with its registration
         self.admission = Admission(
             settings.max_in_flight, settings.max_queued, settings.first_token_timeout_s
         )
@@ -130,6 +132,8 @@ class RouterState:
     def _router_info(self) -> RouterInfo:
         s = self.settings
         shadow = self._dispatcher.shadow if self._dispatcher is not None else None
+        if self._traffic is None and self.metrics is not None:
+            self._traffic = TrafficWindow(self.metrics)
         return RouterInfo(
             id=s.router_id,
             host=socket.gethostname(),
@@ -137,4 +141,5 @@ class RouterState:
             port=s.port,
             started_at=self.started_at,
             verify=shadow.info.model_copy() if shadow is not None else None,
+            traffic=self._traffic.info() if self._traffic is not None else None,
         )

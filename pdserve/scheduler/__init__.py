@@ -54,6 +54,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Timing",
         "Tokenize",
         "TopLogprob",
+        "TrafficInfo",
         "TransferInfo",
         "Usage",
         "VerifyInfo",

@@ -108,6 +108,11 @@ class Keys:
         """Where a full replacement of :meth:`prefix_index` is written before one RENAME (same slot)."""
         return f"{self.prefix_index(instance_id)}:new"
 
+    @property
+    def plan(self) -> str:
+        """Stream of the planner's decisions and their inputs (``pdserve plan``), newest last."""
+        return f"{self._reg}:plan"
+
     def tokenizer(self, digest: str) -> str:
         """A model's tokenizer files as instances publish them for routers, by content digest."""
         return f"{PREFIX}:{self.cluster}:tokenizer:{{{validate_id(digest, 'tokenizer digest')}}}"

@@ -198,6 +198,22 @@ class VerifyInfo(_Model):
     last_mismatch: str | None = None
 
 
+class TrafficInfo(_Model):
+    """What a router served over its last ``window_s`` seconds (``router/traffic.py``): finished
+    requests, their prompt and generated tokens, and its TTFT and inter-token latency histograms'
+    bucket counts over the window (``*_counts[i]`` observations at most ``*_bounds[i]`` seconds, the
+    last past every bound), for a planner to merge across routers."""
+
+    window_s: float
+    requests: int
+    prompt_tokens: int
+    generation_tokens: int
+    ttft_bounds: list[float]
+    ttft_counts: list[int]
+    itl_bounds: list[float]
+    itl_counts: list[int]
+
+
 class RouterInfo(_Model):
     """Registration value of one router (``pdserve:{<cluster>}:router:<id>``)."""
 
@@ -209,6 +225,8 @@ class RouterInfo(_Model):
     started_at: float
     verify: VerifyInfo | None = None
     """Its shadow verification's counts (None: ``--verify-fraction`` 0, or an older router)."""
+    traffic: TrafficInfo | None = None
+    """What it served lately (None: ``--no-metrics``, or an older router)."""
 
 
 # -- parts of messages -----------------------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""What the planner sees: the instances' registrations and the routers' traffic, from Redis.
+
+Everything is read from what routers and instances already publish there: the live set (roles,
+loads, KV use, switchability) and each router's ``traffic`` (its last window's finished requests,
+tokens, and TTFT / inter-token latency histograms), whose histograms are merged across routers
+before their 90th percentile is taken. Nothing is kept between reads but what the rule keeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from pdserve.scheduler import InstanceInfo, InstanceRegistry, Keys, RouterInfo, RouterRegistry, TrafficInfo
+from pdserve.scheduler.redis_settings import RedisClient
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One instance as the rule weighs it."""
+
+    id: str
+    role: str
+    switchable: bool
+    draining: bool
+    running: int
+    waiting: int
+    waiting_prefill_tokens: int
+    handing_off: int
+
+    @classmethod
+    def of(cls, info: InstanceInfo) -> Member:
+        load = info.load
+        return cls(
+            info.id,
+            info.role,
+            bool(info.switchable),
+            info.draining,
+            load.running,
+            load.waiting,
+            load.waiting_prefill_tokens,
+            load.handing_off,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """The cluster at one moment (``at``, unix s), for one model."""
+
+    at: float
+    model: str
+    members: tuple[Member, ...]
+    requests: int  # finished over the routers' windows
+    window_s: float
+    ttft_p90_s: float | None  # None: no request finished in the window
+    itl_p90_s: float | None
+    prompt_tokens: int
+    generation_tokens: int
+
+    def count(self, role: str) -> int:
+        return sum(1 for m in self.members if m.role == role and not m.draining)
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["members"] = [dataclasses.asdict(m) for m in self.members]
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Observation:
+        members = tuple(Member(**m) for m in raw["members"])
+        return cls(**{**raw, "members": members})
+
+
+def quantile(bounds: Sequence[float], counts: Sequence[int], q: float) -> float | None:
+    """The ``q`` quantile of a histogram (``counts[i]`` at most ``bounds[i]``; the last count past
+    every bound), by linear interpolation within its bucket as Prometheus' histogram_quantile does;
+    None when it is empty. Past the last bound: that bound."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank, seen = q * total, 0.0
+    for i, n in enumerate(counts):
+        if seen + n >= rank and n > 0:
+            if i >= len(bounds):
+                return bounds[-1]
+            low = bounds[i - 1] if i > 0 else 0.0
+            return low + (bounds[i] - low) * (rank - seen) / n
+        seen += n
+    return bounds[-1]
+
+
+def merged(traffic: Sequence[TrafficInfo]) -> tuple[list[float], list[int], list[float], list[int]]:
+    """The routers' histograms added up (those whose bounds are the first one's)."""
+    if not traffic:
+        return [], [], [], []
+    first = traffic[0]
+    ttft, itl = [0] * len(first.ttft_counts), [0] * len(first.itl_counts)
+    for t in traffic:
+        if t.ttft_bounds == first.ttft_bounds and len(t.ttft_counts) == len(ttft):
+            ttft = [a + b for a, b in zip(ttft, t.ttft_counts)]
+        if t.itl_bounds == first.itl_bounds and len(t.itl_counts) == len(itl):
+            itl = [a + b for a, b in zip(itl, t.itl_counts)]
+    return first.ttft_bounds, ttft, first.itl_bounds, itl
+
+
+def observation(
+    instances: Sequence[InstanceInfo], routers: Sequence[RouterInfo], model: str, at: float
+) -> Observation:
+    """The observation of ``model``'s instances and every router's traffic."""
+    traffic = [r.traffic for r in routers if r.traffic is not None]
+    ttft_bounds, ttft, itl_bounds, itl = merged(traffic)
+    return Observation(
+        at=at,
+        model=model,
+        members=tuple(Member.of(i) for i in instances if i.model == model),
+        requests=sum(t.requests for t in traffic),
+        window_s=max((t.window_s for t in traffic), default=0.0),
+        ttft_p90_s=quantile(ttft_bounds, ttft, 0.9) if ttft else None,
+        itl_p90_s=quantile(itl_bounds, itl, 0.9) if itl else None,
+        prompt_tokens=sum(t.prompt_tokens for t in traffic),
+        generation_tokens=sum(t.generation_tokens for t in traffic),
+    )
+
+
+async def observe(redis: RedisClient, keys: Keys, model: str | None, at: float) -> Observation | None:
+    """Read the live set and the routers from Redis; None when no instance serves a model (the
+    only model when ``model`` is None)."""
+    instances = await InstanceRegistry(redis, keys).live()
+    routers = await RouterRegistry(redis, keys).live()
+    models = sorted({i.model for i in instances})
+    if model is None:
+        if len(models) != 1:
+            return None
+        model = models[0]
+    if model not in models:
+        return None
+    return observation(instances, routers, model, at)

@@ -1,0 +1,97 @@
+"""``pdserve plan``'s settings: each flag declared once, with its ``PDSERVE_*`` variable."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdserve.errors import ConfigError
+from pdserve.flags import setting
+from pdserve.planner.rule import Targets
+from pdserve.scheduler.keys import DEFAULT_CLUSTER
+from pdserve.scheduler.redis_settings import DEFAULT_URL
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    redis_url: str = setting(
+        DEFAULT_URL,
+        "Redis URL of the cluster to plan (default %(default)s); one with a password is best given as "
+        "the variable",
+        repr=False,
+    )
+    cluster: str = setting(DEFAULT_CLUSTER, "namespace inside Redis (default %(default)s)")
+    served_model_name: str = setting(
+        "", "the model whose instances it plans, as clients name it (default: the cluster's only model)"
+    )
+    ttft_p90_s: float = setting(
+        2.0, "target for the 90th percentile of time to first token, in seconds (default %(default)s)"
+    )
+    itl_p90_s: float = setting(
+        0.1, "target for the 90th percentile of inter-token latency, in seconds (default %(default)s)"
+    )
+    interval_s: float = setting(10.0, "seconds between two decisions (default %(default)s)")
+    patience: int = setting(
+        3, "a change is made only after this many decisions in a row wanted it (default %(default)s)"
+    )
+    cooldown_s: float = setting(
+        60.0, "no change within this many seconds of the last one (default %(default)s)"
+    )
+    reverse_s: float = setting(
+        300.0,
+        "no change undoing the last one's direction within this many seconds: on a steady load at most "
+        "one change in that time (default %(default)s)",
+        name="--reverse-cooldown",
+    )
+    min_requests: int = setting(
+        20, "no decision from fewer requests finished in the routers' last 30 s (default %(default)s)"
+    )
+    apply: bool = setting(
+        False, "switch the instances' roles as decided (default off: only decide and say why)"
+    )
+    max_instances: int = setting(
+        0,
+        "let the decisions change the instance count, up to this many prefill + decode instances (for "
+        "whoever starts and stops them: pdserve up --autoscale, an autoscaler reading the metrics) "
+        "(default 0: the count is not the planner's)",
+    )
+    min_instances: int = setting(2, "never fewer prefill + decode instances than this (default %(default)s)")
+    metrics_port: int = setting(
+        0, "serve the planner's Prometheus metrics (desired instances per role) on this port (default 0: off)"
+    )
+    metrics_host: str = setting("127.0.0.1", "address the metrics port listens on (default %(default)s)")
+    record: str = setting(
+        "", "append each observation to this file, one JSON line each: a trace to replay the rule on"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_p90_s", "itl_p90_s", "interval_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(
+                    f"--{name.removesuffix('_s').replace('_', '-')} must be > 0, got {getattr(self, name)}"
+                )
+        if self.patience < 1 or self.min_requests < 1:
+            raise ConfigError("--patience and --min-requests must be >= 1")
+        if self.max_instances and self.max_instances < self.min_instances:
+            raise ConfigError(
+                f"--max-instances {self.max_instances} is below --min-instances {self.min_instances}"
+            )
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
+
+    @property
+    def targets(self) -> Targets:
+        return Targets(
+            self.ttft_p90_s,
+            self.itl_p90_s,
+            patience=self.patience,
+            cooldown_s=self.cooldown_s,
+            reverse_s=self.reverse_s,
+            min_requests=self.min_requests,
+            min_instances=self.min_instances,
+            max_instances=self.max_instances or None,
+        )
+
+
+def plan_default(name: str) -> object:
+    """The declared default of one PlanSettings field (for ``pdserve up --autoscale``'s flags)."""
+    return PlanSettings.__dataclass_fields__[name].default
