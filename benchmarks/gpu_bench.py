@@ -1,20 +1,19 @@
-"""pdserve on one NVIDIA GPU: speed against the hardware's bounds and HF transformers, the KV
-hand-off over CUDA IPC, and exactness against a float64 reference. Prints a table, writes JSON.
+"""pdserve on one NVIDIA GPU: speed against the bounds this run measures on the card, beside HF
+transformers eager; the KV hand-off over CUDA IPC; exactness against a float64 reference. Prints a
+table naming the card, and keeps a JSON file that is rewritten whenever a cell or a job ends.
 
 Cells, grouped in jobs; each job is a child process under a time limit (a crash or a hang loses only
 that job), each cell inside it under its own limit; a failed cell is recorded and the rest go on.
-Jobs run in this order, so that a short --budget-s cuts the least: ceilings, the first preset's
-pdserve and eager cells, handoff, exact, then the other presets' speed cells.
+Jobs run in this order, so that a short --budget-s (or a kill) cuts what matters least:
 
-  ceilings          the device's copy bandwidth (one large device-to-device copy, bytes read +
-                    written) and bf16 GEMM rate (8192^3), the measured ceilings the cells are held to
-  pdserve/<preset>  decode tok/s at each batch size (prompts of --prompt-len random tokens,
-                    --gen-len greedy tokens with ignore_eos; steady state only: the steps after every
-                    sequence has its first token and after --skip-steps more, following a warm-up
-                    round at the same batch size), and prefill tok/s of a --prefill-len prompt (a
-                    fresh random prompt each time, prefix caching off: never a cache hit, one chunk)
-  eager/<preset>    the same in HF transformers (LlamaForCausalLM, same weights, eager PyTorch,
-                    DynamicCache, greedy loop with past_key_values)
+  ceilings          seconds: the card's copy bandwidth (one large device-to-device copy, bytes read +
+                    written) and bf16 GEMM rate (8192^3), the ceilings every speed cell is judged by
+  pdserve/<preset>  every preset in turn (llama3-8b, then smollm2-135m): decode tok/s at each batch
+                    size (prompts of --prompt-len random tokens, --gen-len greedy tokens with
+                    ignore_eos; steady state only: the steps after every sequence has its first token
+                    and after --skip-steps more, following a warm-up round at the same batch size),
+                    and prefill tok/s of a --prefill-len prompt (a fresh random prompt each time,
+                    prefix caching off: never a cache hit, one chunk)
   handoff           a --prefill-len prompt's KV in the llama3-8b shape (bf16) pushed by
                     pdserve.cache_transfer.cuda_ipc between two processes: per push (median of
                     --handoff-reps), GB/s, the bytes checked; beside it the same gather/scatter
@@ -24,13 +23,16 @@ pdserve and eager cells, handoff, exact, then the other presets' speed cells.
                     steps; bfloat16 vs float32 greedy over --agree-tokens tokens: the share of
                     positions where bf16's argmax, fed f32's tokens, is f32's token (>= 99 %), and
                     the first position where free-running bf16 greedy departs from f32's
+  eager/<preset>    last, the reference: the speed cells in HF transformers (LlamaForCausalLM, same
+                    weights, eager PyTorch, sdpa attention, DynamicCache, greedy with past_key_values)
 
-Bounds: decode tok/s = batch / ((weight bytes + KV bytes read per step) / bandwidth), at the
-vendor's 4.8 TB/s (H200 HBM3e) and at the measured copy bandwidth; prefill tok/s = rate / (2 x
-matmul parameters per token), at the vendor's 989 TFLOP/s (bf16 dense) and the measured GEMM rate.
+Bounds: decode tok/s <= batch x (measured copy bandwidth) / (weight bytes + KV bytes read per step);
+prefill tok/s <= (measured GEMM rate) / (2 x matmul parameters per token). The datasheet's figures of
+the card (where nvidia-smi's name is one of gpu_jobs.DATASHEETS) are shown beside, for reference.
 
-    python benchmarks/gpu_bench.py                      # on the GPU machine (--budget-s: 5 min)
-    python benchmarks/gpu_bench.py --quick              # CPU dry run of every code path, tiny shapes
+    python benchmarks/gpu_bench.py --out gpu-out/gpu_bench.json     # on the GPU machine
+    python benchmarks/gpu_bench.py --device cpu                     # the dry run: torch's CPU device,
+                                                                    # tiny shapes, every code path
     python benchmarks/gpu_bench.py --only exact,handoff --out /tmp/x.json
 """
 
@@ -42,42 +44,52 @@ import dataclasses
 import json
 import logging
 import os
+import platform
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from gpu_jobs import AGREEMENT_FLOOR, EXACT_TOLERANCE, VENDOR_BANDWIDTH, VENDOR_BF16_FLOPS, Opts  # noqa: E402
+from gpu_jobs import AGREEMENT_FLOOR, EXACT_TOLERANCE, Opts, datasheet  # noqa: E402
 
-JOBS = ("ceilings", "exact", "pdserve", "eager", "handoff")
+JOBS = ("ceilings", "pdserve", "handoff", "exact", "eager")
+MIN_JOB_S = 20  # a job that would start with less of --budget-s left is cut, not started
 
 
 # ---------------------------------------------------------------------------------------- options
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cuda (default), or cpu: the dry run on torch's CPU device with tiny shapes (the numbers "
+        "mean nothing; the hand-off cell, which needs CUDA IPC, is skipped with its reason)",
+    )
+    ap.add_argument("--quick", action="store_true", help="the same as --device cpu")
+    ap.add_argument(
         "--presets",
         default=None,
-        help="model presets of the speed cells (pdserve/, eager/), comma-separated; seeded random "
-        "weights in the model's shape (default llama3-8b,smollm2-135m; --quick: tiny)",
+        help="model presets of the speed cells (pdserve/, eager/), comma-separated, in the order they "
+        "run; seeded random weights in the model's shape (default llama3-8b,smollm2-135m; cpu: tiny)",
     )
     ap.add_argument(
         "--exact-presets",
         default=None,
-        help="presets of the exactness cells; NAME-2l is NAME cut to 2 layers (default "
-        "tiny,small,smollm2-135m,llama3-8b-2l; --quick: tiny)",
+        help="presets of the exactness jobs; NAME-2l is NAME cut to 2 layers (default "
+        "smollm2-135m,llama3-8b-2l: tests/gpu checks tiny; cpu: tiny)",
     )
     ap.add_argument(
         "--batch-sizes",
         default=None,
-        help="decode batch sizes, comma-separated (default 1,8,32; --quick: 1,2)",
+        help="decode batch sizes, comma-separated (default 1,8,32; cpu: 1,2)",
     )
     ap.add_argument("--prompt-len", type=int, default=None, help="decode cells' prompt tokens (default 128)")
     ap.add_argument("--gen-len", type=int, default=None, help="decode cells' generated tokens (default 128)")
@@ -96,23 +108,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--agree-tokens",
         type=int,
         default=None,
-        help="greedy tokens of the bf16-vs-f32 agreement cell (default 512; --quick: 32)",
+        help="greedy tokens of the bf16-vs-f32 agreement cell (default 512; cpu: 32)",
     )
     ap.add_argument("--dtype", default="bfloat16", help="speed cells' dtype (default %(default)s)")
     ap.add_argument(
-        "--device", default=None, help="cuda or cpu (default cuda; --quick: cpu, torch's CPU device)"
-    )
-    ap.add_argument(
         "--only",
         default=",".join(JOBS),
-        help=f"jobs to run, comma-separated, among {', '.join(JOBS)} (default all)",
+        help=f"kinds of job to run, comma-separated, among {', '.join(JOBS)} (default all)",
     )
     ap.add_argument(
         "--budget-s",
         type=float,
         default=None,
-        help="wall-clock budget of the whole run; each job gets at most what is left, a job that "
-        "would start with under 20 s left is recorded as skipped (default 300; --quick: 900)",
+        help=f"wall-clock budget of the whole run; each job gets at most what is left, and one that "
+        f"would start with under {MIN_JOB_S} s left is cut (default 300; cpu: 240)",
     )
     ap.add_argument(
         "--models",
@@ -125,22 +134,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=ROOT / "benchmarks" / "results" / "gpu_bench.json",
-        help="JSON result (default %(default)s)",
+        help="the JSON result, rewritten as cells and jobs end (default %(default)s)",
     )
     ap.add_argument("--log", type=Path, default=None, help="the jobs' log (default: --out with .log)")
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help="a dry run of every code path on torch's CPU device with tiny shapes (the numbers mean "
-        "nothing; the hand-off cell, which needs CUDA IPC, is skipped with its reason)",
-    )
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)  # internal: run one job (JSON)
     ap.add_argument("--cells-file", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    q = args.quick
+    if args.quick:
+        args.device = "cpu"
+    q = args.quick = args.device == "cpu"
     defaults = {
         "presets": "tiny" if q else "llama3-8b,smollm2-135m",
-        "exact_presets": "tiny" if q else "tiny,small,smollm2-135m,llama3-8b-2l",
+        "exact_presets": "tiny" if q else "smollm2-135m,llama3-8b-2l",
         "batch_sizes": "1,2" if q else "1,8,32",
         "prompt_len": 16 if q else 128,
         "gen_len": 12 if q else 128,
@@ -148,13 +153,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "prefill_len": 64 if q else 2048,
         "prefill_reps": 2 if q else 5,
         "agree_tokens": 32 if q else 512,
-        "device": "cpu" if q else "cuda",
-        "budget_s": 900.0 if q else 300.0,
+        "budget_s": 240.0 if q else 300.0,
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.quick:
+    if q:
         args.handoff_reps = min(args.handoff_reps, 3)
     return args
 
@@ -173,77 +177,172 @@ class Job:
 
 
 def plan(o: Opts, only: list[str]) -> list[Job]:
-    """The jobs in the order they run, so that a short budget cuts the least: the ceilings, the first
-    preset's speed (pdserve, then eager), the hand-off, exactness, then the other presets' speed.
-    Limits: what each needs on an H200 with room to spare (--quick: the slow CPU's)."""
-    decode = ["load", *(f"decode_b{b}" for b in o.batch_sizes), f"prefill_{o.prefill_len}"]
-    slow = 3.0 if o.quick else 1.0
-    speed = [
-        [
-            Job("pdserve", p, decode, slow * (200 if i == 0 else 120)),
-            Job("eager", p, decode, slow * (150 if i == 0 else 100)),
-        ]
-        for i, p in enumerate(o.presets)
-    ]
-    exact = [f"{p}/{c}" for p in o.exact_presets for c in ("f32_logits", "bf16_agreement")]
+    """The jobs in the order they run, so that a short budget or a kill cuts what matters least: the
+    ceilings (seconds, and every speed figure's yardstick), pdserve's speed at each preset, the
+    hand-off, exactness per preset, and the eager reference last. Limits: each job's need on an H100
+    with room to spare, guessed (the GPU has not run them yet); the dry run's for 2 slow CPU cores."""
+    speed = ["load", *(f"decode_b{b}" for b in o.batch_sizes), f"prefill_{o.prefill_len}"]
+
+    def limit(gpu_s: float) -> float:
+        return 120.0 if o.quick else gpu_s
+
+    def big(preset: str) -> bool:
+        return preset.startswith("llama3-8b")
+
     jobs = [
-        Job("ceilings", None, ["copy_bandwidth", "gemm"], slow * 60),
-        *(speed[0] if speed else []),
-        Job("handoff", None, ["cuda_ipc"], 90),
-        Job("exact", None, exact, slow * 240),
-        *(job for pair in speed[1:] for job in pair),
+        Job("ceilings", None, ["copy_bandwidth", "gemm"], limit(40)),
+        *(Job("pdserve", p, speed, limit(150 if big(p) else 60)) for p in o.presets),
+        Job("handoff", None, ["cuda_ipc"], limit(45)),
+        *(
+            Job("exact", p, ["f32_logits", "bf16_agreement"], limit(120 if big(p) else 60))
+            for p in o.exact_presets
+        ),
+        *(Job("eager", p, speed, limit(120 if big(p) else 60)) for p in o.presets),
     ]
     return [j for j in jobs if j.kind in only]
 
 
+# ------------------------------------------------------------------------------------ the record
+class Results:
+    """The JSON file, rewritten whole whenever a cell or a job ends (into a temporary file, then
+    renamed: a reader, or a kill at any moment, finds the previous version or the next, never half
+    of one). A run killed at any point keeps every figure it had measured."""
+
+    def __init__(self, path: Path, jobs: list[Job], head: dict) -> None:
+        self.path, self.head, self.t0 = path, head, time.monotonic()
+        self.jobs = {j.name: {"job": j.name, "status": "pending", "limit_s": j.limit_s} for j in jobs}
+        self.cells: dict[str, list[dict]] = {j.name: [] for j in jobs}
+        self.complete = False
+        self.write()
+
+    def start(self, job: Job, limit_s: float) -> None:
+        self.jobs[job.name].update(status="running", limit_s=round(limit_s), started_s=self.elapsed())
+        self.write()
+
+    def partial(self, job: Job, cells: list[dict]) -> None:
+        """The cells a running job has recorded so far (its child appends them to a file)."""
+        self.cells[job.name] = [{"job": job.name, **c} for c in cells]
+        self.write()
+
+    def end(self, job: Job, status: str, cells: list[dict], seconds: float | None = None) -> None:
+        self.jobs[job.name]["status"] = status
+        if seconds is not None:
+            self.jobs[job.name]["seconds"] = round(seconds, 1)
+        self.cells[job.name] = [{"job": job.name, **c} for c in cells]
+        self.write()
+
+    def elapsed(self) -> float:
+        return round(time.monotonic() - self.t0, 1)
+
+    def measured(self) -> dict:
+        """The ceilings this run measured (none until the ceilings job has run)."""
+        out: dict[str, Any] = {}
+        for c in self.cells.get("ceilings", []):
+            if c["status"] == "ok" and c["cell"] == "copy_bandwidth":
+                out["copy_bandwidth_B_s"] = c["bandwidth_B_s"]
+                out["device_name"] = c.get("device_name")
+            if c["status"] == "ok" and c["cell"] == "gemm":
+                out["gemm_flop_s"] = c["flop_s"]
+        return out
+
+    def document(self) -> dict:
+        measured = self.measured()
+        card = self.head["card"] or measured.get("device_name") or "unknown"
+        sheet = datasheet(card) if self.head["device"] == "cuda" else None
+        cells = [dict(c) for name in self.jobs for c in self.cells[name]]
+        add_bounds(cells, measured, sheet)
+        add_ratios(cells)
+        return {
+            **self.head,
+            "card": card,
+            "datasheet": sheet,
+            "measured": measured,
+            "complete": self.complete,
+            "seconds": self.elapsed(),
+            "jobs": list(self.jobs.values()),
+            "cells": cells,
+        }
+
+    def write(self) -> dict:
+        doc = self.document()
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=2, default=float))
+        os.replace(tmp, self.path)
+        return doc
+
+
+def read_cells(path: Path) -> list[dict]:
+    """A job's cells file: each cell's latest state, in the order they started."""
+    seen: dict[str, dict] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                cell = json.loads(line)
+                seen[cell["cell"]] = cell
+    return list(seen.values())
+
+
 # ------------------------------------------------------------------------------- the parent side
-def run_job(
-    job: Job, o: Opts, limit_s: float, log_file: Any, env_extra: dict[str, str]
-) -> tuple[list[dict], bool]:
-    """Run ``job`` in a child process for at most ``limit_s``: its cells (the missing ones filled in)
-    and whether this process was interrupted meanwhile (the job is then killed)."""
+def run_job(job: Job, o: Opts, limit_s: float, log_file: IO[str], results: Results) -> bool:
+    """Run ``job`` in a child process for at most ``limit_s``, copying its cells into ``results``
+    as they come; whether this process was interrupted meanwhile (the job is then killed)."""
     with tempfile.NamedTemporaryFile("w+", suffix=".jsonl", delete=False) as f:
         cells_file = Path(f.name)
     spec = json.dumps({"kind": job.kind, "preset": job.preset, "opts": dataclasses.asdict(o)})
     cmd = [sys.executable, str(Path(__file__).resolve()), "--job", spec, "--cells-file", str(cells_file)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
     log_file.write(f"\n===== job {job.name} (limit {limit_s:.0f} s) =====\n")
     log_file.flush()
+    results.start(job, limit_s)
     t0 = time.monotonic()
-    ended = "exited"
+    ended, size = "exited", 0
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        rc = proc.wait(timeout=limit_s)
-    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-        ended = "timeout" if isinstance(e, subprocess.TimeoutExpired) else "interrupted"
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the hand-off's second process too
+        while proc.poll() is None:
+            if time.monotonic() - t0 >= limit_s:
+                ended = "timeout"
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=min(1.0, max(0.05, limit_s - (time.monotonic() - t0))))
+            with contextlib.suppress(FileNotFoundError):
+                if cells_file.stat().st_size != size:  # a cell started or ended: into the JSON now
+                    size = cells_file.stat().st_size
+                    results.partial(job, read_cells(cells_file))
+    except KeyboardInterrupt:
+        ended = "interrupted"
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the hand-off's second process too
         rc = proc.wait()
     elapsed = time.monotonic() - t0
-    seen: dict[str, dict] = {}
-    for line in cells_file.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            cell = json.loads(line)
-            seen[cell["cell"]] = cell
+    seen = {c["cell"]: c for c in read_cells(cells_file)}
     cells_file.unlink(missing_ok=True)
     out = []
     for name in job.cells:
         cell = seen.get(name)
+        status = {"timeout": "timeout", "interrupted": "cut"}.get(ended, "error")
         if cell is None:
-            why = f"job {ended} (rc {rc}) after {elapsed:.0f} s before this cell"
-            cell = {"cell": name, "status": "timeout" if ended == "timeout" else "error", "error": why}
-            if ended == "interrupted":
-                cell["status"] = "skipped"
+            cell = {
+                "cell": name,
+                "status": status,
+                "error": f"job {ended} (rc {rc}) after {elapsed:.0f} s before this cell",
+            }
         elif cell["status"] == "running":
-            why = f"job {ended} (rc {rc}) after {elapsed:.0f} s during this cell"
-            cell = {**cell, "status": "timeout" if ended == "timeout" else "error", "error": why}
-        out.append({"job": job.name, **cell})
+            cell = {
+                **cell,
+                "status": status,
+                "error": f"job {ended} (rc {rc}) after {elapsed:.0f} s during this cell",
+            }
+        out.append(cell)
+    job_status = ended if ended != "exited" else ("ok" if rc == 0 else f"error (rc {rc})")
+    results.end(job, job_status, out, elapsed)
     print(
         f"  {job.name}: {elapsed:.0f} s, " + ", ".join(f"{c['cell']} {c['status']}" for c in out),
         file=sys.stderr,
         flush=True,
     )
-    return out, ended == "interrupted"
+    return ended == "interrupted"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,52 +360,79 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_path = args.log or args.out.with_suffix(".log")
-    t_start = time.monotonic()
-    cells: list[dict] = []
-    env_extra: dict[str, str] = {}
 
-    def on_term(signum: int, frame: Any) -> None:  # an outer `timeout`: end the job, write what we have
+    def on_signal(signum: int, frame: Any) -> None:  # an outer `timeout` or Ctrl-C: end the job, write
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the rest of the run is the tidy-up
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    jobs = plan(o, only)
+    head = {
+        "card": card_name(o.device),
+        "device": o.device,
+        "dry_run": o.quick,
+        "budget_s": args.budget_s,
+        "machine": machine_facts(),
+        "opts": dataclasses.asdict(o),
+    }
+    results = Results(args.out, jobs, head)
+    print(
+        f"gpu_bench on {head['card']}: {len(jobs)} jobs, budget {args.budget_s:.0f} s; {args.out}", flush=True
+    )
     interrupted = False
     with open(log_path, "w") as log_file:
-        for job in plan(o, only):
-            left = args.budget_s - (time.monotonic() - t_start)
-            if left < 20 or interrupted:
-                why = "interrupted (SIGTERM/SIGINT)" if interrupted else "out of --budget-s"
-                cells += [{"job": job.name, "cell": c, "status": "skipped", "error": why} for c in job.cells]
+        for job in jobs:
+            left = args.budget_s - results.elapsed()
+            if interrupted or left < MIN_JOB_S:
+                why = (
+                    "interrupted (SIGTERM/SIGINT)"
+                    if interrupted
+                    else f"out of --budget-s ({left:.0f} s left)"
+                )
+                results.end(job, "cut", [{"cell": c, "status": "cut", "error": why} for c in job.cells])
                 continue
             try:
-                done, interrupted = run_job(job, o, min(job.limit_s, left), log_file, env_extra)
-            except KeyboardInterrupt:  # between two jobs
-                done, interrupted = [], True
-            cells += done
-            for c in done:  # the measured ceilings, for the later jobs' "of measured" figures
-                if c["status"] == "ok" and c["cell"] == "copy_bandwidth":
-                    env_extra["GPU_BENCH_BANDWIDTH"] = str(c["bandwidth_B_s"])
-                if c["status"] == "ok" and c["cell"] == "gemm":
-                    env_extra["GPU_BENCH_FLOPS"] = str(c["flop_s"])
-    result = {
-        "opts": dataclasses.asdict(o),
-        "machine": machine_facts(o.device),
-        "vendor": {"bandwidth_B_s": VENDOR_BANDWIDTH, "bf16_flop_s": VENDOR_BF16_FLOPS},
-        "seconds": round(time.monotonic() - t_start, 1),
-        "cells": cells,
-    }
-    add_ratios(cells)
-    args.out.write_text(json.dumps(result, indent=2))
-    print_table(result)
-    print(f"\nwrote {args.out} (log {log_path})")
-    bad = [c for c in cells if c["status"] not in ("ok", "skipped")] + (
-        [{"interrupted": True}] if interrupted else []
-    )
-    if args.quick:  # the hand-off is skipped on the CPU by design; other skips are failures here
-        bad += [c for c in cells if c["status"] == "skipped" and not c["job"].startswith("handoff")]
-    return 1 if bad else 0
+                interrupted = run_job(job, o, min(job.limit_s, left), log_file, results)
+            except KeyboardInterrupt:  # between two jobs, or while the record was written
+                interrupted = True
+    results.complete = True
+    doc = results.write()
+    print_table(doc)
+    print(f"\nwrote {args.out} (log {log_path}) in {doc['seconds']:.0f} s of a {args.budget_s:.0f} s budget")
+    cells = doc["cells"]
+    bad = [c for c in cells if c["status"] not in ("ok", "skipped", "cut")]
+    if o.quick:  # the dry run reaches every job within its budget; a Skip says why it cannot run here
+        bad += [c for c in cells if c["status"] == "cut"]
+    return 1 if bad or interrupted else 0
 
 
-def machine_facts(device: str) -> dict:
+def card_name(device: str) -> str | None:
+    """What ran the cells: the GPU's name (nvidia-smi; else the ceilings job's torch name, later),
+    or this CPU's model for the dry run."""
+    if device == "cpu":
+        model = platform.processor() or platform.machine()
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+        return f"cpu: {model} (dry run: the figures mean nothing)"
+    with contextlib.suppress(Exception):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        names = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        if names:
+            return names[0]
+    return None
+
+
+def machine_facts() -> dict:
     facts: dict[str, Any] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     with contextlib.suppress(Exception):
         out = subprocess.run(
@@ -321,6 +447,28 @@ def machine_facts(device: str) -> dict:
         )
         facts["nvidia_smi"] = out.stdout.strip()
     return facts
+
+
+# --------------------------------------------------------------------------- derived figures
+def add_bounds(cells: list[dict], measured: dict, sheet: dict | None) -> None:
+    """Each speed cell's bound at this run's measured ceilings (``bound_tok_s``, ``of_bound``) and at
+    the card's datasheet (``datasheet_bound_tok_s``, ``of_datasheet``), from what the cell recorded."""
+    bw, flops = measured.get("copy_bandwidth_B_s"), measured.get("gemm_flop_s")
+    for c in cells:
+        if c["status"] != "ok" or not c.get("tok_s"):
+            continue
+        if "bytes_per_step" in c:  # decode: bandwidth-bound
+            rates = {"": bw, "datasheet_": sheet and sheet["bandwidth_B_s"]}
+            per = {k: r and c["batch"] * r / c["bytes_per_step"] for k, r in rates.items()}
+        elif "flop_per_token" in c:  # prefill: compute-bound
+            rates = {"": flops, "datasheet_": sheet and sheet["bf16_flop_s"]}
+            per = {k: r and r / c["flop_per_token"] for k, r in rates.items()}
+        else:
+            continue
+        if per[""]:
+            c["bound_tok_s"], c["of_bound"] = per[""], c["tok_s"] / per[""]
+        if per["datasheet_"]:
+            c["datasheet_bound_tok_s"], c["of_datasheet"] = per["datasheet_"], c["tok_s"] / per["datasheet_"]
 
 
 def add_ratios(cells: list[dict]) -> None:
@@ -339,24 +487,29 @@ def _f(x: Any, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def print_table(result: dict) -> None:
-    cells = result["cells"]
+def print_table(doc: dict) -> None:
+    cells = doc["cells"]
     by = {(c["job"], c["cell"]): c for c in cells}
-    ceil = {c["cell"]: c for c in cells if c["job"] == "ceilings"}
-    bw = ceil.get("copy_bandwidth", {}).get("bandwidth_B_s")
-    gemm = ceil.get("gemm", {}).get("flop_s")
-    print(f"\n{result['machine'].get('nvidia_smi') or result['opts']['device']}")
+    m, sheet = doc["measured"], doc["datasheet"]
+    bw, gemm = m.get("copy_bandwidth_B_s"), m.get("gemm_flop_s")
+    print(f"\ncard: {doc['card']}")
     print(
-        f"ceilings: copy {_f(bw and bw / 1e12, '.2f')} TB/s (vendor {VENDOR_BANDWIDTH / 1e12:.1f}), "
-        f"GEMM {_f(gemm and gemm / 1e12, '.0f')} TFLOP/s (vendor {VENDOR_BF16_FLOPS / 1e12:.0f})"
+        f"measured this run: copy {_f(bw and bw / 1e12, '.2f')} TB/s (read + written), "
+        f"GEMM {_f(gemm and gemm / 1e12, '.0f')} TFLOP/s"
+        + (
+            f"; datasheet ({sheet['card']}): {sheet['bandwidth_B_s'] / 1e12:.2f} TB/s, "
+            f"{sheet['bf16_flop_s'] / 1e12:.0f} TFLOP/s bf16"
+            if sheet
+            else ""
+        )
     )
     print(
-        "\nof vendor / of measured: the share of the bound at the datasheet's rate / at this run's ceilings "
-        "(decode: bandwidth over weight + KV bytes per step; prefill: GEMM rate over 2 x matmul params)"
+        "\nbound: tok/s at this run's measured ceilings (decode: batch x copy bandwidth / (weight + KV "
+        "bytes per step); prefill: GEMM rate / (2 x matmul params per token)); of sheet: of the datasheet's"
     )
     print(
-        f"{'preset':<14} {'cell':<13} {'pdserve tok/s':>13} {'of vendor':>9} {'of measured':>11} "
-        f"{'eager tok/s':>11} {'pdserve/eager':>13}  status"
+        f"{'preset':<14} {'cell':<13} {'pdserve tok/s':>13} {'bound tok/s':>11} {'of bound':>8} "
+        f"{'of sheet':>8} {'eager tok/s':>11} {'pdserve/eager':>13}  status"
     )
     for c in cells:
         if not c["job"].startswith("pdserve/") or c["cell"] == "load":
@@ -367,9 +520,9 @@ def print_table(result: dict) -> None:
             c["status"] if eager.get("status", "ok") == "ok" else f"{c['status']} / eager {eager['status']}"
         )
         print(
-            f"{preset:<14} {c['cell']:<13} {_f(c.get('tok_s')):>13} {_f(c.get('of_vendor_bound'), '.1%'):>9} "
-            f"{_f(c.get('of_measured_bound'), '.1%'):>11} {_f(eager.get('tok_s')):>11} "
-            f"{_f(c.get('vs_eager'), '.2f'):>13}  {status}"
+            f"{preset:<14} {c['cell']:<13} {_f(c.get('tok_s')):>13} {_f(c.get('bound_tok_s')):>11} "
+            f"{_f(c.get('of_bound'), '.1%'):>8} {_f(c.get('of_datasheet'), '.1%'):>8} "
+            f"{_f(eager.get('tok_s')):>11} {_f(c.get('vs_eager'), '.2f'):>13}  {status}"
         )
     for c in cells:
         if c["job"] == "handoff":
@@ -381,16 +534,21 @@ def print_table(result: dict) -> None:
             )
     print(f"\n{'exactness':<30} {'figure':>10} {'limit':>8}  status")
     for c in cells:
-        if c["job"] != "exact":
+        if not c["job"].startswith("exact/"):
             continue
-        if c["cell"].endswith("f32_logits"):
+        name = f"{c['job'].split('/', 1)[1]}/{c['cell']}"
+        if c["cell"] == "f32_logits":
             fig, lim = _f(c.get("rel_err"), ".2e"), f"{EXACT_TOLERANCE:.0e}"
         else:
             fig, lim = _f(c.get("agreement"), ".2%"), f">={AGREEMENT_FLOOR:.0%}"
-        print(f"{c['cell']:<30} {fig:>10} {lim:>8}  {c['status']}")
-    failed = [c for c in cells if c["status"] not in ("ok", "skipped")]
-    for c in failed + [c for c in cells if c["status"] == "skipped"]:
-        print(f"  {c['job']} {c['cell']}: {c['status']}: {str(c.get('error', ''))[:300]}")
+        print(f"{name:<30} {fig:>10} {lim:>8}  {c['status']}")
+    print(
+        "\njobs: "
+        + ", ".join(f"{j['job']} {j['status']} {_f(j.get('seconds'), '.0f')} s" for j in doc["jobs"])
+    )
+    for c in cells:
+        if c["status"] not in ("ok",):
+            print(f"  {c['job']} {c['cell']}: {c['status']}: {str(c.get('error', ''))[:300]}")
 
 
 if __name__ == "__main__":

@@ -96,8 +96,8 @@ def job_handoff(rec: Recorder, o: Opts, preset: str | None) -> None:
         proc = ctx.Process(target=handoff_decode_side, args=(child, d_total, block_bytes), daemon=True)
         proc.start()
         try:
-            if not parent.poll(120):
-                raise RuntimeError("the decode process did not export its cache within 120 s")
+            if not parent.poll(30):
+                raise RuntimeError("the decode process did not export its cache within 30 s")
             endpoint = parent.recv()["endpoint"]
             flat = torch.randint(0, 256, ((2 * nblk + 1) * block_bytes,), dtype=torch.uint8, device="cuda")
             backend = ipc_backend(flat, block_bytes, shared=False)
@@ -153,4 +153,4 @@ def job_handoff(rec: Recorder, o: Opts, preset: str | None) -> None:
             "note": "GB/s: bytes moved (read once, written once) over the median push",
         }
 
-    rec.cell("cuda_ipc", 80, cell)
+    rec.cell("cuda_ipc", 40, cell)

@@ -2,9 +2,11 @@
 
 A job loads one model (or none) and records its cells through a :class:`Recorder`, which appends
 each cell's state to a JSON-lines file as it changes (a job killed at its time limit loses nothing
-already measured) and bounds each cell with an interval timer. Here: the ceilings, pdserve's and
-HF transformers' speed cells and the bounds they are held to; gpu_handoff.py and gpu_exact.py hold
-the other two jobs. torch is imported inside the jobs only.
+already measured; the parent copies each new line into its JSON at once) and bounds each cell with
+an interval timer. Here: the ceilings, pdserve's and HF transformers' speed cells and what their
+bounds are made of (bytes per decode step, FLOPs per prefill token: the parent divides the ceilings
+this run measured by them); gpu_handoff.py and gpu_exact.py hold the other two jobs. torch is
+imported inside the jobs only.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import dataclasses
 import gc
 import json
 import logging
-import os
 import signal
 import statistics
 import time
@@ -26,8 +27,24 @@ import numpy as np
 
 log = logging.getLogger("gpu_bench")
 
-VENDOR_BANDWIDTH = 4.8e12  # B/s, H200 HBM3e (datasheet)
-VENDOR_BF16_FLOPS = 989e12  # FLOP/s, H100/H200 SXM bf16 dense (datasheet)
+# Datasheet figures (B/s of HBM, bf16 dense FLOP/s), by the name nvidia-smi gives the card; most
+# specific first. For reference only: speed is judged against what this run measured on the card.
+DATASHEETS = (
+    ("H100 PCIe", 2.0e12, 756e12),
+    ("H100 NVL", 3.9e12, 835e12),
+    ("H100", 3.35e12, 989e12),  # "NVIDIA H100 80GB HBM3": the SXM card
+    ("H200", 4.8e12, 989e12),
+)
+
+
+def datasheet(card: str) -> dict | None:
+    """The datasheet's bandwidth and bf16 rate of ``card`` (nvidia-smi's name), where known."""
+    for key, bandwidth, flops in DATASHEETS:
+        if key in card:
+            return {"card": key, "bandwidth_B_s": bandwidth, "bf16_flop_s": flops}
+    return None
+
+
 EXACT_TOLERANCE = 1e-3  # max |f32 - f64| / max |f64|
 AGREEMENT_FLOOR = 0.99  # bf16 vs f32 greedy tokens
 FIRST_ID = 3  # random prompt tokens from here up (0..2 are the presets' special tokens)
@@ -291,7 +308,9 @@ def job_ceilings(rec: Recorder, o: Opts, preset: str | None) -> None:
         dst = torch.empty_like(src)
         s = timed(lambda: dst.copy_(src), 10)
         ok = bool(torch.equal(dst[:4096], src[:4096]))
+        name = torch.cuda.get_device_name(dev) if o.device == "cuda" else "cpu"
         return {
+            "device_name": name,
             "bytes": nbytes,
             "seconds_median": s,
             "bandwidth_B_s": 2 * nbytes / s,
@@ -307,8 +326,8 @@ def job_ceilings(rec: Recorder, o: Opts, preset: str | None) -> None:
         s = timed(lambda: a @ b, 10)
         return {"n": n, "dtype": str(dtype), "seconds_median": s, "flop_s": 2 * n**3 / s}
 
-    rec.cell("copy_bandwidth", 60, copy)
-    rec.cell("gemm", 60, gemm)
+    rec.cell("copy_bandwidth", 30, copy)
+    rec.cell("gemm", 30, gemm)
 
 
 # ---- pdserve -----------------------------------------------------------------------------------
@@ -407,41 +426,16 @@ def decode_round(
     }
 
 
-def decode_bounds(
-    shape: Shape, itemsize: int, batch: int, mean_context: float, tok_s: float, measured_bw: float | None
-) -> dict:
-    step_bytes = shape.decode_weight_bytes(itemsize) + batch * mean_context * shape.kv_bytes_per_token(
-        itemsize
-    )
-    out = {
-        "bytes_per_step": int(step_bytes),
-        "vendor_bound_tok_s": batch * VENDOR_BANDWIDTH / step_bytes,
-    }
-    out["of_vendor_bound"] = tok_s / out["vendor_bound_tok_s"]
-    if measured_bw:
-        out["measured_bound_tok_s"] = batch * measured_bw / step_bytes
-        out["of_measured_bound"] = tok_s / out["measured_bound_tok_s"]
-    return out
+def decode_cost(shape: Shape, itemsize: int, batch: int, mean_context: float) -> dict:
+    """What bounds a decode step: the bytes it must read (every weight once, each sequence's KV at
+    its mean context). The parent divides the run's measured bandwidth by it (gpu_bench.add_bounds)."""
+    kv = batch * mean_context * shape.kv_bytes_per_token(itemsize)
+    return {"bytes_per_step": int(shape.decode_weight_bytes(itemsize) + kv)}
 
 
-def prefill_bounds(shape: Shape, tok_s: float, measured_flops: float | None) -> dict:
-    flop_per_token = 2 * shape.matmul_params
-    out = {
-        "matmul_params": shape.matmul_params,
-        "vendor_bound_tok_s": VENDOR_BF16_FLOPS / flop_per_token,
-        "note": "bound: 2 x matmul params (layers' matrices; no attention, no lm_head) per token",
-    }
-    out["of_vendor_bound"] = tok_s / out["vendor_bound_tok_s"]
-    if measured_flops:
-        out["measured_bound_tok_s"] = measured_flops / flop_per_token
-        out["of_measured_bound"] = tok_s / out["measured_bound_tok_s"]
-    return out
-
-
-def measured_ceilings() -> tuple[float | None, float | None]:
-    """The ceilings the parent measured this run (it passes them in the environment)."""
-    bw, fl = os.environ.get("GPU_BENCH_BANDWIDTH"), os.environ.get("GPU_BENCH_FLOPS")
-    return (float(bw) if bw else None, float(fl) if fl else None)
+def prefill_cost(shape: Shape) -> dict:
+    """What bounds a prefill: 2 x the matmul parameters per token (no attention, no lm_head)."""
+    return {"flop_per_token": 2 * shape.matmul_params, "matmul_params": shape.matmul_params}
 
 
 def itemsize_of(dtype: str) -> int:
@@ -450,7 +444,6 @@ def itemsize_of(dtype: str) -> int:
 
 def job_pdserve(rec: Recorder, o: Opts, preset: str) -> None:
     holder: dict[str, Any] = {}
-    bw, flops = measured_ceilings()
 
     def load() -> dict:
         torch_setup(o)
@@ -483,7 +476,7 @@ def job_pdserve(rec: Recorder, o: Opts, preset: str) -> None:
             # warm-up at this batch size: kernels compiled, graphs (captured at start) replayed once
             decode_round(engine, vocab, b, o.prompt_len, o.skip_steps + 4, 0, seed=1000 + b)
             r = decode_round(engine, vocab, b, o.prompt_len, o.gen_len, o.skip_steps, seed=b)
-            return {"batch": b, **r, **decode_bounds(shape, itemsize, b, r["mean_context"], r["tok_s"], bw)}
+            return {"batch": b, **r, **decode_cost(shape, itemsize, b, r["mean_context"])}
 
         rec.cell(f"decode_b{b}", 60 if not o.quick else 300, decode)
 
@@ -506,7 +499,7 @@ def job_pdserve(rec: Recorder, o: Opts, preset: str) -> None:
             "seconds_median": s,
             "tok_s": tok_s,
             "reps": o.prefill_reps,
-            **prefill_bounds(shape, tok_s, flops),
+            **prefill_cost(shape),
         }
 
     rec.cell(f"prefill_{o.prefill_len}", 60 if not o.quick else 300, prefill)
@@ -517,7 +510,6 @@ def job_eager(rec: Recorder, o: Opts, preset: str) -> None:
     import torch
 
     holder: dict[str, Any] = {}
-    bw, flops = measured_ceilings()
     dev = torch.device(o.device)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[o.dtype]
 
@@ -599,7 +591,7 @@ def job_eager(rec: Recorder, o: Opts, preset: str) -> None:
                 "step_ms_mean": secs / steps * 1e3,
                 "steps": steps,
                 "mean_context": ctx,
-                **decode_bounds(shape, itemsize, b, ctx, tok_s, bw),
+                **decode_cost(shape, itemsize, b, ctx),
             }
 
         rec.cell(f"decode_b{b}", 90 if not o.quick else 300, decode)
@@ -620,7 +612,7 @@ def job_eager(rec: Recorder, o: Opts, preset: str) -> None:
             "tokens": o.prefill_len,
             "seconds_median": s,
             "tok_s": tok_s,
-            **prefill_bounds(shape, tok_s, flops),
+            **prefill_cost(shape),
         }
 
     rec.cell(f"prefill_{o.prefill_len}", 60 if not o.quick else 300, prefill)

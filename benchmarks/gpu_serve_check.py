@@ -11,8 +11,9 @@
 4. ``pdserve bench`` through the splitwise stack's router.
 5. Each stack stopped with SIGINT (pdserve up stops its children in order), killed if it hangs.
 
-Every step is time-bounded; a failed step is recorded and the next runs; the JSON says what passed
-and the exit status is 1 if anything failed.
+Every step is time-bounded; a failed step is recorded and the next runs; the JSON (which names the
+card) is rewritten as each step ends, so a run killed at any point keeps what had passed, and the
+exit status is 1 if anything failed.
 
     python benchmarks/gpu_serve_check.py --out gpu-out/gpu_serve.json
 """
@@ -171,10 +172,21 @@ def complete(url: str, model: str, prompt: str, max_tokens: int) -> dict:
 class Steps:
     """Each step's outcome by name, and the time left before ``--deadline-s``."""
 
-    def __init__(self, deadline_s: float) -> None:
+    def __init__(self, deadline_s: float, out: Path, card: str) -> None:
         self.results: dict[str, dict] = {}
         self.deadline = time.monotonic() + deadline_s
         self.interrupted = False
+        self.out, self.card = out, card
+        self.write()
+
+    def write(self, complete: bool = False) -> list[str]:
+        """The JSON as it stands (a temporary file renamed: never half written); the failed steps."""
+        bad = [name for name, r in self.results.items() if r["status"] != "ok"]
+        doc = {"card": self.card, "complete": complete, "ok": complete and not bad, "failed": bad}
+        tmp = self.out.with_name(f".{self.out.name}.tmp")
+        tmp.write_text(json.dumps({**doc, "steps": self.results}, indent=2))
+        os.replace(tmp, self.out)
+        return bad
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -198,6 +210,7 @@ class Steps:
         r = self.results[name]
         r["seconds"] = round(time.monotonic() - t0, 1)
         print(f"[{name}] {r['status']} ({r['seconds']} s) {r.get('error', '')}", file=sys.stderr, flush=True)
+        self.write()
         return value
 
 
@@ -205,7 +218,8 @@ def main() -> int:
     args = parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_path = args.log or args.out.with_suffix(".log")
-    steps = Steps(args.deadline_s)
+    steps = Steps(args.deadline_s, args.out, card_name(args.device))
+    print(f"gpu_serve_check on {steps.card}", file=sys.stderr, flush=True)
 
     def on_term(signum: int, frame: Any) -> None:  # an outer `timeout`: stop the stacks, then write
         raise KeyboardInterrupt
@@ -267,25 +281,40 @@ def main() -> int:
                     "error": "SIGTERM or SIGINT: stopped early",
                 }
             finally:
-                grace = 8.0 if steps.interrupted else max(5.0, min(45.0, steps.left() - 5))
+                grace = 3.0 if steps.interrupted else max(5.0, min(45.0, steps.left() - 5))
                 result = stack.stop(grace)
                 steps.results[f"{layout}/stop"] = {
                     "status": "error" if result.startswith("killed") else "ok",
                     "result": result,
                 }
+                steps.write()
 
     steps.run("splitwise_equals_mixed", lambda: compare(texts))
-    bad = [name for name, r in steps.results.items() if r["status"] != "ok"]
-    args.out.write_text(json.dumps({"ok": not bad, "failed": bad, "steps": steps.results}, indent=2))
+    bad = steps.write(complete=True)
     print(json.dumps({name: r["status"] for name, r in steps.results.items()}, indent=1))
     bench = steps.results.get("splitwise/bench", {})
     if bench.get("status") == "ok":
         print(
-            f"pdserve bench (splitwise): {bench.get('successful_requests')} ok, "
+            f"pdserve bench (splitwise, {steps.card}): {bench.get('successful_requests')} ok, "
             f"{bench.get('output_throughput') or 0:.0f} out tok/s, TTFT p50 {bench.get('ttft_p50_ms') or 0:.1f} ms"
         )
     print(f"wrote {args.out} (log {log_path})")
     return 1 if bad else 0
+
+
+def card_name(device: str) -> str:
+    """The GPU the stacks ran on (nvidia-smi's name), or the CPU of a dry run."""
+    if device != "cuda":
+        return "cpu (dry run)"
+    with contextlib.suppress(Exception):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return out.stdout.strip().splitlines()[0]
+    return "unknown (nvidia-smi did not answer)"
 
 
 def greedy(url: str, model: str, layout: str, texts: dict[str, list[str]], args: argparse.Namespace) -> dict:
