@@ -32,10 +32,14 @@ $(UP_STAMP): $(BIN)/python pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --report $(UP_REPORT) -e '.[test,mooncake,bench$(if $(CUDA),$(comma)cuda)]'
 	touch $@
 
+# a torch already in the venv is kept (it runs on the CPU too); the second install brings the
+# CPU build's dependencies and Triton
 $(TEST_STAMP): $(UP_STAMP)
 ifeq ($(CUDA),)
-	$(BIN)/python -m pip install --quiet --no-deps --retries 1 --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH_CPU)'
-	$(BIN)/python -m pip install --quiet -e '.[test,mooncake,bench,cuda]' '$(TORCH_CPU)'
+	if ! $(BIN)/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is None)'; then \
+		$(BIN)/python -m pip install --quiet --no-deps --retries 1 --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH_CPU)'; \
+	fi
+	$(BIN)/python -m pip install --quiet -e '.[test,mooncake,bench,cuda]'
 endif
 	touch $@
 
