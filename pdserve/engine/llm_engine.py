@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pdserve.block_hash import chain_hashes
 from pdserve.engine.batcher import Batch, Batcher, BatcherConfig, blocks_for
 from pdserve.engine.block_manager import BlockManager
@@ -27,11 +25,11 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.engine.grammar import GrammarMatcher, Grammars
 from pdserve.engine.memory import resident_bytes
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import PromptRows
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
 from pdserve.engine.platform import Platform, resolve_device
-from pdserve.engine.sampler import Sample, Sampler, logprobs_of, make_rng
+from pdserve.engine.sampler import Sample, Sampler, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.step_sampling import StepSampling
 from pdserve.engine.weights import weights_digest
 from pdserve.errors import EngineError, InvalidRequestError, RequestTooLongError
 from pdserve.sampling_params import SamplingParams
@@ -94,6 +92,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.sampler.vocab_limit)  # structured output
+        self.picking = StepSampling(ex, self.sampler, config.keep_logits)  # where tokens are picked
         # A decode step computes a token's K/V with other kernels than a prefill does (the last bits
         # differ), so in batch-invariant mode only blocks a prefill computed are cached: a hit then
         # changes no bit. Otherwise the blocks decoding fills are cached too (more hits).
@@ -274,12 +273,8 @@ class LLMEngine:
         if not batch:
             return outputs
         step_input, out_seqs, prompt_rows = self.runner.prepare(batch)
-        # every row a plain argmax: the executor may take it where the logits are (a GPU's argmax
-        # saves copying [rows, vocab] floats to the host) and return the token ids instead
-        greedy = not prompt_rows and not self.config.keep_logits
-        greedy = greedy and all(self.sampler.is_plain_greedy(s) for s in out_seqs)
-        try:
-            rows = self.executor.forward(step_input, self.sampler.vocab_limit if greedy else None)
+        try:  # the forward, then the picks: the numpy sampler's, or the device's (step_sampling.py)
+            picked = self.picking.run(step_input, out_seqs, prompt_rows)
         except Exception as e:  # a Paddle or torch failure must end these requests, not hang them
             log.exception("model step failed")
             return outputs + self._fail_batch(batch, f"model step failed: {e}")
@@ -290,16 +285,18 @@ class LLMEngine:
         for chunk in batch.prefills:
             chunk.seq.num_computed_tokens = chunk.end
             self.batcher.cache_full_blocks(chunk.seq)
-        if rows is None:
+        if picked is None:
             return outputs
-        for span in prompt_rows:  # before the samples: the first token hands them out
-            self._score_prompt(span, rows[span.row : span.row + span.count])
-        rows = rows[: len(out_seqs)]
-        samples = [Sample(int(t)) for t in rows] if rows.ndim == 1 else self.sampler(rows, out_seqs)
-        for i, (seq, sample) in enumerate(zip(out_seqs, samples)):
+        for span, scored in picked.prompt:  # before the samples: the first token hands them out
+            req = self.requests[span.seq.request_id]
+            assert req.prompt_logprobs is not None  # a recompute writes the same places again
+            req.prompt_logprobs[span.first + 1 : span.first + 1 + span.count] = map(
+                self._token_logprob, scored
+            )
+        for i, (seq, sample) in enumerate(zip(out_seqs, picked.samples)):
             out = self._append(self.requests[seq.request_id], sample)
-            if self.config.keep_logits:
-                out.logits = rows[i].copy()
+            if picked.logits is not None:
+                out.logits = picked.logits[i].copy()
             outputs.append(out)
         return outputs
 
@@ -355,16 +352,6 @@ class LLMEngine:
             [text_of(t) for t, _ in top] if top else None,
             sample.rank,
         )
-
-    def _score_prompt(self, span: PromptRows, logits: np.ndarray) -> None:
-        """The logprobs of the prompt tokens these rows predict, into the request's list (a
-        recompute after a preemption before the first token writes the same places again)."""
-        req = self.requests[span.seq.request_id]
-        assert req.prompt_logprobs is not None and span.seq.params.prompt_logprobs is not None
-        first = span.first + 1
-        tokens = span.seq.prompt_token_ids[first : first + span.count]
-        scored = logprobs_of(logits[:, : self.sampler.vocab_limit], tokens, span.seq.params.prompt_logprobs)
-        req.prompt_logprobs[first : first + span.count] = map(self._token_logprob, scored)
 
     def _advance_text(self, req: _Request, token: int) -> tuple[str, str | None]:
         """Detokenize one token and apply EOS / stop-token / stop-string rules."""

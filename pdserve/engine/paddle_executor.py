@@ -102,7 +102,7 @@ class PaddleExecutor(Executor):
             paged_kernel=self.attention.kernel is not None,
         )
 
-    def forward(self, step: StepInput, argmax_below: int | None = None) -> np.ndarray | None:
+    def forward(self, step: StepInput) -> np.ndarray | None:
         logits = self.model.forward(self.cache, step)
         return None if logits is None else logits.numpy()
 

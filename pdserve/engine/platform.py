@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pdserve.cache_transfer.regions import Region
     from pdserve.engine.model_config import ModelConfig
     from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.sample_plan import Picked, SamplingPlan
     from pdserve.engine.step_input import StepInput
 
 log = logging.getLogger(__name__)
@@ -66,11 +67,23 @@ class Executor(abc.ABC):
     weights: str  # precision of the linear weights as registered ("f32", "int8", "bf16")
     batch_invariant: bool  # a sequence's bits do not depend on its batch (prefix-cache hits are exact)
 
+    samples_on_device: bool = False
+    """It picks tokens where the logits are (:meth:`launch`, then :meth:`pick`): only token ids and
+    the logprob numbers asked for cross to the host (engine/step_sampling.py decides)."""
+
     @abc.abstractmethod
-    def forward(self, step: StepInput, argmax_below: int | None = None) -> np.ndarray | None:
-        """The step's logits rows (float32 [rows, vocab], rows as ``step.output_rows``), or None.
-        ``argmax_below``: every row only needs its argmax among ids below it, which the executor may
-        return instead (int64 [rows]) where that is cheaper than handing over the logits."""
+    def forward(self, step: StepInput) -> np.ndarray | None:
+        """The step's logits rows on the host (float32 [rows, vocab], rows as ``step.output_rows``),
+        or None when no row is wanted."""
+
+    def launch(self, step: StepInput) -> Any:
+        """Start the step's forward; its logits rows stay on the device (None: no row wanted). On a
+        GPU it returns once the work is queued, so the host can prepare the sampling meanwhile."""
+        raise NotImplementedError(f"{type(self).__name__} does not sample on its device")
+
+    def pick(self, launched: Any, plan: SamplingPlan) -> Picked:
+        """The tokens (and logprobs) ``plan`` picks from :meth:`launch`'s logits, on the host."""
+        raise NotImplementedError(f"{type(self).__name__} does not sample on its device")
 
     def close(self) -> None:
         self.cache.close()

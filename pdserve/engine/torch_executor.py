@@ -22,9 +22,11 @@ from pdserve.engine.kv_layout import block_bytes
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.platform import Executor, resolve_dtype
+from pdserve.engine.sample_plan import Picked, SamplingPlan
 from pdserve.engine.step_input import AttentionGroup, StepInput
 from pdserve.engine.torch_cache import TORCH_DTYPES, TorchKVCache
 from pdserve.engine.torch_model import TorchModel
+from pdserve.engine.torch_sampler import DeviceSampler
 from pdserve.engine.weights import iter_weights
 from pdserve.errors import ConfigError
 
@@ -56,6 +58,8 @@ class TorchExecutor(Executor):
             raise ConfigError(f"--weights {config.weights}: the torch platform runs --dtype weights only")
         self.weights = _WEIGHT_LABELS[self.dtype]
         self.batch_invariant = False  # a sequence's bits may depend on its batch (cuBLAS picks kernels)
+        self.samples_on_device = True  # only token ids (and asked-for logprobs) cross to the host
+        self.sampler = DeviceSampler(device)
         self.threads = torch.get_num_threads()
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -137,16 +141,23 @@ class TorchExecutor(Executor):
         with torch.inference_mode():
             return self.model.forward(cache.tensor, self.model.to_device(step))
 
-    def forward(self, step: StepInput, argmax_below: int | None = None) -> np.ndarray | None:
+    def forward(self, step: StepInput) -> np.ndarray | None:
+        logits = self.launch(step)
+        return None if logits is None else logits.cpu().numpy()
+
+    def launch(self, step: StepInput) -> torch.Tensor | None:
+        """The step's logits rows, left on the device (a graph's are a view of its output buffer,
+        valid until the next replay); on a GPU the work is queued, not waited for."""
         with torch.inference_mode():
             logits = self._graph_step(step) if self.graphs is not None else None
             if logits is None:
                 logits = self.model.forward(self.cache.tensor, self.model.to_device(step))
-            if logits is None:
-                return None
-            if argmax_below is not None:  # the token ids alone cross to the host
-                return logits[:, :argmax_below].argmax(dim=1).cpu().numpy()
-            return logits.cpu().numpy()
+            return logits
+
+    def pick(self, launched: torch.Tensor, plan: SamplingPlan) -> Picked:
+        """The plan's tokens sampled on the device: ids and asked-for logprobs cross, not logits."""
+        with torch.inference_mode():
+            return self.sampler.pick(launched, plan)
 
     def _graph_step(self, step: StepInput) -> torch.Tensor | None:
         """The step through a captured graph when it is one decode group whose every row samples."""

@@ -72,18 +72,20 @@ def test_float32_logits_match_the_float64_reference(generated, reference, index:
     assert tokens == [int(t) for t in want.argmax(axis=-1)]
 
 
-def test_greedy_steps_take_the_argmax_on_the_device(tiny_model_dir: Path, generated) -> None:
-    """Without logits kept, a step whose every row is a plain argmax gets token ids from the
-    executor (not [rows, vocab] logits): the tokens the host-side sampler picks."""
+def test_steps_pick_on_the_device_and_only_ids_cross(tiny_model_dir: Path, generated) -> None:
+    """Without logits kept, every step's tokens are picked where the logits are (a plain argmax for
+    greedy rows, the device sampler's draw for sampled ones): the host-side sampler's tokens, and
+    no [rows, vocab] logits on the host (tests/engine/test_device_sampling.py: every setting)."""
     eng = LLMEngine(tiny_model_dir, EngineConfig(num_blocks=64, device="cpu"), platform=TorchPlatform("cpu"))
-    shapes = []
-    forward = eng.executor.forward
-    eng.executor.forward = lambda step, below=None: shapes.append(below) or forward(step, below)  # type: ignore[method-assign]
+    plans = []
+    pick = eng.executor.pick
+    eng.executor.pick = lambda logits, plan: plans.append(plan) or pick(logits, plan)  # type: ignore[method-assign]
+    eng.executor.forward = None  # type: ignore[assignment,method-assign]  # logits to the host: never
     out = run(eng, PROMPTS)
     assert {k: v[0] for k, v in out.items()} == {k: v[0] for k, v in generated.items()}
-    assert shapes and all(b == eng.sampler.vocab_limit for b in shapes)
+    assert plans and all(p.plain and p.vocab_limit == eng.sampler.vocab_limit for p in plans)
     sampled = run(eng, [PROMPTS[0]], SamplingParams(temperature=0.8, seed=1, max_tokens=3))
-    assert len(sampled["r0"][0]) == 3 and shapes[-1] is None  # a sampled row needs its logits
+    assert len(sampled["r0"][0]) == 3 and not plans[-1].plain and not plans[-1].greedy[0]
 
 
 def test_chunked_prefill_gives_an_unchunked_prompt_s_tokens(tiny_model_dir: Path, generated) -> None:

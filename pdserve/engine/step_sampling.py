@@ -1,0 +1,68 @@
+"""Where a step's tokens are picked: the one place that decides.
+
+An executor that samples on its device (``Executor.samples_on_device``: the torch platform) gets
+the step's forward launched first, then the sampling plan (sample_plan.py), built on the host while
+the device runs the forward (the grammar masks llguidance computes, the penalties' histories, one
+uniform per sampled token from each sequence's generator), then picks there; only token ids and
+the logprob numbers asked for come back. Otherwise (the CPU platform) the logits rows come back and
+the numpy sampler picks, exactly as it always has. The engine sees samples either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pdserve.engine.model_runner import PromptRows
+from pdserve.engine.platform import Executor
+from pdserve.engine.sample_plan import plan_sampling
+from pdserve.engine.sampler import Sample, Sampler, logprobs_of
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_input import StepInput
+
+
+@dataclasses.dataclass
+class StepSamples:
+    """One step's picks: a sample per sampling sequence (in order), the scored prompt positions of
+    each span, and the sampling rows' logits where the engine keeps them (tests)."""
+
+    samples: list[Sample]
+    prompt: list[tuple[PromptRows, list[Sample]]]
+    logits: np.ndarray | None
+
+
+class StepSampling:
+    def __init__(self, executor: Executor, sampler: Sampler, keep_logits: bool = False) -> None:
+        self.executor = executor
+        self.sampler = sampler
+        self.keep_logits = keep_logits
+
+    def run(self, step: StepInput, seqs: list[Sequence], spans: list[PromptRows]) -> StepSamples | None:
+        """The step's forward and its picks (None when no row samples or scores)."""
+        if self.executor.samples_on_device:
+            return self._on_device(step, seqs, spans)
+        rows = self.executor.forward(step)
+        if rows is None:
+            return None
+        vocab = self.sampler.vocab_limit
+        prompt = []
+        for span in spans:  # the logprobs of the prompt tokens these rows predict
+            assert span.seq.params.prompt_logprobs is not None
+            first = span.first + 1
+            tokens = span.seq.prompt_token_ids[first : first + span.count]
+            block = rows[span.row : span.row + span.count, :vocab]
+            prompt.append((span, logprobs_of(block, tokens, span.seq.params.prompt_logprobs)))
+        rows = rows[: len(seqs)]
+        return StepSamples(self.sampler(rows, seqs), prompt, rows if self.keep_logits else None)
+
+    def _on_device(
+        self, step: StepInput, seqs: list[Sequence], spans: list[PromptRows]
+    ) -> StepSamples | None:
+        launched = self.executor.launch(step)  # on a GPU: queued, the host goes on
+        if launched is None:
+            return None
+        plan = plan_sampling(seqs, spans, self.sampler, self.keep_logits)  # while the forward runs
+        picked = self.executor.pick(launched, plan)  # waits for the ids
+        prompt = list(zip(spans, picked.prompt_samples(plan)))
+        return StepSamples(picked.samples(plan), prompt, picked.logits)
