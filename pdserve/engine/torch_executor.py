@@ -95,6 +95,9 @@ class TorchExecutor(Executor):
             shm_name=config.shm_name,
         )
         self.runner = ModelRunner(self.cache, batch_invariant=False, threads=1, paged_kernel=True)
+        if device.type == "cuda":  # every Triton kernel compiled now, none on the engine thread serving
+            with torch.inference_mode():
+                self.model.warm_up(self.cache.tensor)
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs:
             width = blocks_for(max_model_len, config.block_size)

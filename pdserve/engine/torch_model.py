@@ -4,11 +4,14 @@ The CPU engine's ``Model`` in torch, for a GPU (or torch's CPU device in tests):
 weights (``qkv``, ``gate_up``; kept ``[out, in]`` as checkpoints store them, ``F.linear``), the same step input (ModelRunner with the
 paged-kernel layout: decode groups and prefill chunks carry block tables and lengths), the same
 rotate-half RoPE. Weights and cache are bfloat16 or float32; norms, RoPE, softmax and the logits
-are computed in float32. Each token's K/V is scattered into the block-major cache by its slot,
-then attention reads the cache through block tables (kernels/triton_attention.py); a first prefill
-chunk attends to its own fresh K/V with PyTorch's fused causal attention (flash on a GPU), which
-is the same arithmetic over the same values. Every operation of a decode step depends only on the
-shapes of its inputs, so the step replays as a CUDA graph (cuda_graphs.py).
+are computed in float32. A layer is its four GEMMs, attention and three fused element-wise
+operations (kernels/layer_ops.py: residual add + RMSNorm, RoPE + the K/V write into the block-major
+cache by slot, SiLU x up; Triton kernels where the Triton attention runs, their torch twins
+elsewhere); attention reads the cache through block tables (kernels/triton_attention.py); a first
+prefill chunk attends to its own fresh K/V with PyTorch's fused causal attention, given 4-D
+``[1, H, n, D]`` inputs with ``enable_gqa`` so that a GPU takes its flash kernel (3-D inputs fall
+back to the math path). Every operation of a decode step depends only on the shapes of its inputs,
+so the step replays as a CUDA graph (cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels.triton_attention import PagedAttentionImpl
+from pdserve.engine.block_manager import NULL_BLOCK
+from pdserve.engine.kernels.layer_ops import select_layer_ops
+from pdserve.engine.kernels.triton_attention import PagedAttentionImpl, warm_up_paged_attention
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.step_input import StepInput
 
@@ -40,8 +45,9 @@ class DeviceGroup:
 
 @dataclasses.dataclass
 class DeviceStep:
-    """A step's inputs on the device: token ids, positions, K/V slots (int64 [N]), the groups, and the
-    rows whose logits are wanted (None: every row)."""
+    """A step's inputs on the device: token ids, positions, K/V slots (int32 [N]: one layout for the
+    eager path and the graphs' staging, so the kernels compile once), the groups, and the rows whose
+    logits are wanted (None: every row)."""
 
     token_ids: torch.Tensor
     positions: torch.Tensor
@@ -64,6 +70,7 @@ class TorchModel:
         attention: PagedAttentionImpl,
     ) -> None:
         self.cfg, self.device, self.dtype, self.attention = cfg, device, dtype, attention
+        self.ops = select_layer_ops(attention.impl)
         self.w: dict[str, torch.Tensor] = {}
         for name, array in weights:
             host = torch.from_numpy(np.ascontiguousarray(array))
@@ -82,10 +89,10 @@ class TorchModel:
 
     # ---- host → device --------------------------------------------------------------------------
     def to_device(self, step: StepInput) -> DeviceStep:
-        """The step's numpy arrays on the device (each a small copy; tables as int32)."""
+        """The step's numpy arrays on the device (each a small copy; int32 but the output rows)."""
         dev = self.device
 
-        def put(a: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        def put(a: np.ndarray, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype, non_blocking=True)
 
         groups = []
@@ -97,16 +104,14 @@ class TorchModel:
                         g.start,
                         g.num_tokens,
                         True,
-                        put(g.tables, torch.int32),
-                        put(g.lengths, torch.int32),
+                        put(g.tables),
+                        put(g.lengths),
                         0,
                     )
                 )
             else:
                 first = int(step.positions[g.start])
-                groups.append(
-                    DeviceGroup(g.start, g.num_tokens, False, put(g.tables[0], torch.int32), None, first)
-                )
+                groups.append(DeviceGroup(g.start, g.num_tokens, False, put(g.tables[0]), None, first))
         n = step.token_ids.shape[0]
         every = step.output_rows.shape[0] == n and np.array_equal(step.output_rows, np.arange(n))
         return DeviceStep(
@@ -114,54 +119,71 @@ class TorchModel:
             put(step.positions),
             put(step.write_rows),  # TorchKVCache.write_rows: the slots
             groups,
-            None if every else put(step.output_rows),
+            None if every else put(step.output_rows, torch.long),
         )
 
     # ---- the forward ----------------------------------------------------------------------------
-    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return (xf * self.w[name]).to(self.dtype)
-
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name], self.w.get(name + "_bias"))
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half RoPE in float32; x [N, heads, D], cos/sin [N, 1, D]."""
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
-
     def forward(self, cache: torch.Tensor, step: DeviceStep) -> torch.Tensor | None:
         """Run one packed step: writes the new tokens' K/V into ``cache`` ([blocks, 2, L, bs, kvh, D])
-        and returns float32 logits of the output rows (None when no row samples)."""
-        cfg = self.cfg
+        and returns float32 logits of the output rows (None when no row samples). The residual
+        stream is added to in place; each norm takes the previous sublayer's output with it."""
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         n = step.token_ids.shape[0]
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bs = cache.shape[3]
-        blocks, offsets = step.slots // bs, step.slots % bs
-        cos, sin = self.cos[step.positions][:, None, :], self.sin[step.positions][:, None, :]
-        x = F.embedding(step.token_ids, self.w["embed"])
+        residual = F.embedding(step.token_ids, self.w["embed"])
+        out: torch.Tensor | None = None  # the last sublayer's output, not yet added to the residual
         for layer in range(cfg.num_layers):
-            h = self._norm(x, f"l{layer}.in_norm")
-            q, k, v = self._linear(h, f"l{layer}.qkv").split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = self._rope(q.reshape(n, H, D), cos, sin)
-            k = self._rope(k.reshape(n, KVH, D), cos, sin)
-            v = v.reshape(n, KVH, D)
-            cache[:, 0, layer][blocks, offsets] = k
-            cache[:, 1, layer][blocks, offsets] = v
-            attn = self._attend(q, k, v, cache, layer, step.groups)
-            x = x + self._linear(attn.reshape(n, H * D), f"l{layer}.o")
-            h = self._norm(x, f"l{layer}.post_norm")
-            gate, up = self._linear(h, f"l{layer}.gate_up").chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, f"l{layer}.down")
+            h = ops.add_rms_norm(
+                out if out is not None else residual,
+                residual if out is not None else None,
+                self.w[f"l{layer}.in_norm"],
+                eps,
+            )
+            qkv = self._linear(h, f"l{layer}.qkv")
+            ops.rope_write_kv(qkv, step.positions, step.slots, self.cos, self.sin, cache, layer, H, KVH)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            attn = self._attend(
+                q.view(n, H, D), k.view(n, KVH, D), v.view(n, KVH, D), cache, layer, step.groups
+            )
+            h = ops.add_rms_norm(
+                self._linear(attn.reshape(n, H * D), f"l{layer}.o"),
+                residual,
+                self.w[f"l{layer}.post_norm"],
+                eps,
+            )
+            out = self._linear(ops.silu_mul(self._linear(h, f"l{layer}.gate_up")), f"l{layer}.down")
+        assert out is not None
         if step.output_rows is not None:
             if step.output_rows.numel() == 0:
                 return None
-            x = x.index_select(0, step.output_rows)
-        return F.linear(self._norm(x, "norm"), self.lm_head).float()
+            out, residual = out.index_select(0, step.output_rows), residual.index_select(0, step.output_rows)
+        return F.linear(ops.add_rms_norm(out, residual, self.w["norm"], eps), self.lm_head).float()
+
+    def warm_up(self, cache: torch.Tensor) -> None:
+        """Launch every Triton kernel variant a serving step can (Triton compiles each on its first
+        launch, ~1 s), so that none compiles on the engine thread while serving: one decode step of
+        a token in the null block (the layer kernels), then each paged-attention variant."""
+        if self.attention.impl != "triton":
+            return
+        bs, dev = cache.shape[3], self.device
+        one = torch.zeros(1, dtype=torch.int32, device=dev)
+        slot = torch.full((1,), NULL_BLOCK * bs, dtype=torch.int32, device=dev)
+        group = DeviceGroup(
+            0,
+            1,
+            True,
+            torch.full((1, 1), NULL_BLOCK, dtype=torch.int32, device=dev),
+            torch.ones(1, dtype=torch.int32, device=dev),
+            0,
+        )
+        self.forward(cache, DeviceStep(one, one, slot, [group], None))
+        rows = 128  # at least the largest prefill query tile
+        qkv = torch.zeros((rows, self.cfg.q_size + 2 * self.cfg.kv_size), dtype=self.dtype, device=dev)
+        q = qkv[:, : self.cfg.q_size].view(rows, self.cfg.num_heads, self.cfg.head_dim)
+        warm_up_paged_attention(q, cache, self.scale)
 
     def _attend(
         self,
@@ -191,13 +213,15 @@ class TorchModel:
         return out
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of a first prefill chunk over its own K/V (q [n, H, D], k/v [n, KVH, D])."""
+        """Causal attention of a first prefill chunk over its own K/V (q [n, H, D], k/v [n, KVH, D]):
+        4-D ``[1, heads, n, D]`` views (unit last stride) with ``enable_gqa`` and no mask, what a
+        GPU's flash kernel takes; 3-D inputs or repeated K/V heads would send it to the math path."""
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             is_causal=True,
             scale=self.scale,
             enable_gqa=True,
         )
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)

@@ -12,9 +12,11 @@ padded to 16 rows of one ``tl.dot``; the context optionally split over more prog
 by a second kernel when the batch alone cannot fill the GPU), prefill is flash-attention over one
 sequence's chunk. Both accumulate in float32 with an online softmax. The decode launch reads
 nothing from the device (no ``.item()``, grid and split from shapes only) so it can be captured
-in a CUDA graph; lengths bound the loops inside the kernel. The torch versions gather the blocks
-and compute densely in float32: slow, any device, and the reference the kernels are tested
-against.
+in a CUDA graph; lengths bound the loops inside the kernel. Nothing that varies while serving
+(batch, table width, split count, chunk length, layer) is a compile-time constant, so the
+variants are few and ``warm_up_paged_attention`` compiles them all at start. The torch versions
+gather the blocks and compute densely in float32: slow, any device, and the reference the kernels
+are tested against.
 
 ``select_paged_attention`` picks one the way ``choice`` picks every fast path. torch is imported
 inside the functions and the kernel module on first use, so importing this one is cheap (settings
@@ -48,8 +50,10 @@ PAGED_ATTENTION_MODES: tuple[str, ...] = ("auto", "triton", "torch")
 _DECODE = {False: (32, 4, 8), True: (16, 4, 8)}  # float32 -> (tile, warps at D <= 64, at D = 128)
 _PREFILL = {False: (64, 32, 8), True: (32, 16, 8)}  # float32 -> (BLOCK_M, BLOCK_N, warps)
 _STAGES = 2
+_MIN_QUERY_TILE = 16  # a prefill chunk of n rows takes the tile next_pow2(n) within [16, BLOCK_M]
 # Split-K: only when batch x kv heads leaves SMs idle, each split at least this many tokens so the
-# merge stays cheap next to the work, and at most this many splits.
+# merge stays cheap next to the work, and at most this many splits. The split count is a runtime
+# argument (the kernels specialise only on split or not), so no table width compiles a new kernel.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
@@ -214,16 +218,39 @@ def _sm_count(index: int | None) -> int:
     return int(torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count)
 
 
-def _decode_splits(batch: int, kv_heads: int, max_ctx: int, device: torch.device) -> int:
-    """How many programs share one sequence's context: from shapes and the SM count only, so a
-    CUDA graph captured for (batch, max_blocks) replays the same launch for any lengths."""
-    if device.type != "cuda":
-        return 1
-    programs = batch * kv_heads
-    sms = _sm_count(device.index)
-    if programs >= sms:
-        return 1
-    return max(1, min(_cdiv(2 * sms, programs), max_ctx // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
+def _device_sms(device: torch.device) -> int:
+    """SMs a decode launch may fill; 0 off CUDA (the interpreter: no split unless asked)."""
+    return _sm_count(device.index) if device.type == "cuda" else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """One decode call's launch: ``splits`` programs per sequence and kv head, each over
+    ``split_tokens`` tokens (a multiple of the tile; no split wholly past the table's capacity).
+    ``split`` is all the kernels specialise on, so every launch is one of two compiled variants."""
+
+    splits: int
+    split_tokens: int
+
+    @property
+    def split(self) -> bool:
+        return self.splits > 1
+
+
+def decode_launch(
+    batch: int, kv_heads: int, max_ctx: int, tile: int, sms: int, num_splits: int | None = None
+) -> DecodeLaunch:
+    """The launch for a batch and table capacity (``max_ctx`` = width x block size): from shapes and
+    the SM count only, so a CUDA graph captured for (batch, width) replays it for any lengths.
+    Split only when batch x kv heads leaves SMs idle (``num_splits`` forces a count, for tests)."""
+    if num_splits is None:
+        programs = batch * kv_heads
+        num_splits = 1
+        if programs < sms:
+            num_splits = max(1, min(_cdiv(2 * sms, programs), max_ctx // _MIN_SPLIT_TOKENS))
+    splits = max(1, min(num_splits, _MAX_SPLITS))
+    split_tokens = _cdiv(_cdiv(max_ctx, splits), tile) * tile
+    return DecodeLaunch(max(1, _cdiv(max_ctx, split_tokens)), split_tokens)
 
 
 def paged_decode_attention(
@@ -259,16 +286,16 @@ def _triton_decode(
         return out
     fp32 = cache.dtype == torch.float32
     tile, warps_64, warps_128 = _DECODE[fp32]
-    max_ctx = tables.shape[1] * block_size
-    splits = num_splits or _decode_splits(batch, kv_heads, max_ctx, q.device)
-    split_tokens = _cdiv(_cdiv(max_ctx, splits), tile) * tile
-    splits = max(1, _cdiv(max_ctx, split_tokens))  # no split wholly past the table's capacity
-    if splits > 1:
+    launch = decode_launch(
+        batch, kv_heads, tables.shape[1] * block_size, tile, _device_sms(q.device), num_splits
+    )
+    splits = launch.splits
+    if launch.split:
         m = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
         l_s = torch.empty_like(m)
         acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
     else:
-        m = l_s = acc = out  # unused by the kernel when NUM_SPLITS == 1
+        m = l_s = acc = out  # unused by the unsplit variant
     k = _kernels()
     k.decode[(batch, kv_heads, splits)](
         q,
@@ -281,7 +308,8 @@ def _triton_decode(
         acc,
         layer,
         scale * _LOG2E,
-        split_tokens,
+        launch.split_tokens,
+        splits,
         *q.stride(),
         *cache.stride(),
         tables.stride(0),
@@ -291,21 +319,21 @@ def _triton_decode(
         D=dim,
         BLOCK_SIZE=block_size,
         TILE=tile,
-        NUM_SPLITS=splits,
+        SPLIT=launch.split,
         DOT_PREC="ieee" if fp32 else "tf32",
         DOT_F32=_interpreted_bf16(cache),
         num_warps=warps_64 if dim <= 64 else warps_128,
         num_stages=_STAGES,
     )
-    if splits > 1:
+    if launch.split:
         k.merge_splits[(batch, heads)](
             m,
             l_s,
             acc,
             out,
+            splits,
             *out.stride(),
-            NUM_SPLITS=splits,
-            SPLITS_PAD=_next_pow2(splits),
+            SPLITS_PAD=_MAX_SPLITS,
             D=dim,
             num_warps=4,
         )
@@ -331,7 +359,7 @@ def paged_prefill_attention(
         return out
     fp32 = cache.dtype == torch.float32
     block_m, block_n, warps = _PREFILL[fp32]
-    block_m = min(block_m, max(16, _next_pow2(n)))  # a short chunk: a short query tile
+    block_m = min(block_m, max(_MIN_QUERY_TILE, _next_pow2(n)))  # a short chunk: a short query tile
     _kernels().prefill[(_cdiv(n, block_m), heads)](
         q,
         cache,
@@ -355,6 +383,35 @@ def paged_prefill_attention(
         num_stages=_STAGES,
     )
     return out
+
+
+def prefill_query_tiles(fp32: bool) -> list[int]:
+    """Every query tile (BLOCK_M) the prefill kernel compiles: 16 up to the dtype's largest."""
+    return [1 << i for i in range(_MIN_QUERY_TILE.bit_length() - 1, _PREFILL[fp32][0].bit_length())]
+
+
+def warm_up_paged_attention(q: torch.Tensor, cache: torch.Tensor, scale: float) -> int:
+    """Launch each kernel variant a serving step can launch once, so that Triton compiles them all
+    now (~1 s each) and none on the engine thread while serving: decode unsplit and split (with the
+    merge), prefill at every query tile. ``q`` [rows, H, D] is laid out as the model's (a view of
+    its qkv rows), at least the largest tile's rows; only the null block is read. Returns the
+    number of calls."""
+    import torch
+
+    fp32 = cache.dtype == torch.float32
+    block_size, dev = cache.shape[3], q.device
+    width = _cdiv(2 * _DECODE[fp32][0], block_size)  # room for two splits of one tile
+    tables = torch.zeros((1, width), dtype=torch.int32, device=dev)
+    lengths = torch.ones(1, dtype=torch.int32, device=dev)
+    calls = 0
+    for splits in (1, 2):
+        _triton_decode(q[:1], cache, 0, tables, lengths, scale, num_splits=splits)
+        calls += 1
+    for rows in prefill_query_tiles(fp32):
+        table = torch.zeros(_cdiv(rows, block_size), dtype=torch.int32, device=dev)
+        paged_prefill_attention(q[:rows], cache, 0, table, 0, scale)
+        calls += 1
+    return calls
 
 
 # ----------------------------------------------------------------------------------------------

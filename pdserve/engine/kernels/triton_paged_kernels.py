@@ -35,8 +35,34 @@ def _fix_interpreter_scalars() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _fix_interpreter_bf16_rounding() -> None:
+    """Triton's interpreter turns float32 into bfloat16 by dropping the low 16 bits (its cast passes
+    no rounding mode); a GPU rounds to nearest even, as torch does. The interpreter's cast gets
+    the GPU's rounding, so a kernel checked against its torch twin rounds where the twin rounds."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "cast_impl", None)
+    if original is None or getattr(original, "pdserve_fixed", False):
+        return
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+            rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+            return interpreter.TensorHandle(rounded.reshape(src.data.shape), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    cast_impl.pdserve_fixed = True  # type: ignore[attr-defined]
+    builder.cast_impl = cast_impl  # type: ignore[union-attr]
+
+
 if INTERPRETED:
     _fix_interpreter_scalars()
+    _fix_interpreter_bf16_rounding()
 
 
 @triton.jit
@@ -93,7 +119,11 @@ def _load_kv(
     return k, v
 
 
-@triton.jit(do_not_specialize=["layer", "split_tokens"])
+# Every argument that changes with the batch or the table width is left unspecialised (Triton would
+# otherwise compile a variant for a value of 1 or a multiple of 16): the decode kernel compiles twice
+# per model, split and unsplit, whatever the width, and the merge once (all at warm-up:
+# triton_attention.warm_up_paged_attention).
+@triton.jit(do_not_specialize=["layer", "split_tokens", "num_splits", "s_tb"])
 def decode(
     q_ptr,
     cache_ptr,
@@ -106,6 +136,7 @@ def decode(
     layer,
     qk_scale,
     split_tokens,
+    num_splits,
     s_qb,
     s_qh,
     s_qd,
@@ -124,11 +155,11 @@ def decode(
     D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    # grid (B, kv heads, splits): the GROUP query heads of one kv head, tokens
+    # grid (B, kv heads, num_splits): the GROUP query heads of one kv head, tokens
     # [split * split_tokens, min(+split_tokens, length)) of one sequence
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -159,38 +190,39 @@ def decode(
         s = _dot(q, k, DOT_PREC, DOT_F32) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PREC, DOT_F32)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
-        # partials, contiguous [B, H, NUM_SPLITS(, D)]; an empty split stores (-inf, 0, 0)
-        part = (b * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+        # partials, contiguous [B, H, num_splits(, D)]; an empty split stores (-inf, 0, 0)
+        part = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split
         tl.store(m_ptr + part, m_i, mask=gmask)
         tl.store(l_ptr + part, l_i, mask=gmask)
         tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def merge_splits(
     m_ptr,
     l_ptr,
     acc_ptr,
     out_ptr,
+    num_splits,
     s_ob,
     s_oh,
     s_od,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     D: tl.constexpr,
 ):
-    # grid (B, H): rescale each split's partial sums to the global max and add them up
+    # grid (B, H): rescale each split's partial sums to the global max and add them up; SPLITS_PAD
+    # is the most splits there can be, the rest masked (no memory read)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D)
-    smask = offs_s < NUM_SPLITS
-    part = (b * tl.num_programs(1) + h) * NUM_SPLITS + offs_s
+    smask = offs_s < num_splits
+    part = (b * tl.num_programs(1) + h) * num_splits + offs_s
     m = tl.load(m_ptr + part, mask=smask, other=float("-inf"))
     l_s = tl.load(l_ptr + part, mask=smask, other=0.0)
     acc = tl.load(acc_ptr + part[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
