@@ -1,13 +1,14 @@
 """Decode steps replayed as CUDA graphs: one graph per batch-size bucket, static input buffers.
 
-A decode step launches a few hundred small kernels; at small batches launching them costs more than
+A decode step launches some ten kernels a layer; at small batches launching them costs more than
 running them. A captured graph replays the whole step as one launch. Each bucket's graph reads its
-inputs from static buffers (token ids, positions, slots, block tables as wide as the longest
-context, lengths) that a step fills before the replay; rows past the step's batch pad the bucket
-with a token of length 1 in the null block (its K/V lands there, its logits are dropped). Graphs
-are captured largest first into one memory pool, so the smaller ones reuse the largest's memory.
-Prefill stays eager (its shapes vary with every chunk and its kernels are large). Uncaptured (on
-torch's CPU device, in tests) a bucket runs the same padded step eagerly, so the buffers' filling is
+inputs (token ids, positions, slots, lengths, block tables as wide as the longest context) from its
+views of one static device buffer, which a step fills with one non-blocking copy from a contiguous
+(pinned) host buffer before the replay (replay_staging.py); rows past the step's batch pad the
+bucket with a token of length 1 in the null block (its K/V lands there, its logits are dropped).
+Graphs are captured largest first into one memory pool, so the smaller ones reuse the largest's
+memory. Prefill stays eager (its shapes vary with every chunk and its kernels are large). Uncaptured
+(on torch's CPU device, in tests) a bucket runs the same padded step eagerly, so the staging is
 checked where no GPU is.
 """
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.block_manager import NULL_BLOCK
+from pdserve.engine.replay_staging import ReplayStaging
 from pdserve.engine.torch_model import DeviceGroup, DeviceStep, TorchModel
 
 log = logging.getLogger(__name__)
@@ -46,30 +48,34 @@ class DecodeGraphs:
     ) -> None:
         self.model, self.cache = model, cache
         self.buckets = graph_buckets(max_num_seqs)
-        top, dev = self.buckets[-1], cache.device
         self.block_size = cache.shape[3]
-        # one host staging buffer for ids, positions, slots, lengths: one pinned copy per step
-        self.host = torch.zeros((4, top), dtype=torch.long, pin_memory=dev.type == "cuda")
-        self.inputs = torch.zeros((4, top), dtype=torch.long, device=dev)
-        self.tables = torch.zeros((top, max_blocks_per_seq), dtype=torch.int32, device=dev)
-        self.lengths32 = torch.ones(top, dtype=torch.int32, device=dev)
+        if cache.shape[0] * self.block_size >= 2**31:
+            raise ValueError("the staged slots are int32: the cache has too many blocks for them")
+        self.staging = ReplayStaging(
+            self.buckets, max_blocks_per_seq, cache.device, NULL_BLOCK, self.block_size
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: Any = None  # the first graph's memory pool handle, shared by the others
 
     def _step(self, b: int) -> DeviceStep:
-        ids, pos, slots, _ = self.inputs[:, :b]
-        group = DeviceGroup(0, b, True, self.tables[:b], self.lengths32[:b], 0)
-        return DeviceStep(ids, pos, slots, [group], None)
+        v = self.staging.views[b]
+        group = DeviceGroup(0, b, True, v.tables, v.lengths, 0)
+        return DeviceStep(v.token_ids, v.positions, v.slots, [group], None)
+
+    def _stage_padding(self, b: int) -> None:
+        """Bucket ``b``'s buffers all padding rows: warm-up and capture write only the null block."""
+        none = np.zeros(0, np.int64)
+        self.staging.stage(b, none, none, none, np.zeros((0, 1), np.int64), none)
 
     def capture(self) -> None:
         """Capture every bucket's graph, largest first, into one memory pool."""
         t0 = time.perf_counter()
-        self.inputs[2].fill_(NULL_BLOCK * self.block_size)  # warm-up and capture write the null block
         stream = torch.cuda.Stream(self.cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):
+                self._stage_padding(b)
                 step = self._step(b)
                 self.model.forward(self.cache, step)  # warm-up: kernels compiled, autotuned, loaded
                 graph = torch.cuda.CUDAGraph()
@@ -99,18 +105,9 @@ class DecodeGraphs:
         valid until the next replay), or None when the step is larger than every bucket."""
         n = token_ids.shape[0]
         b = bucket_for(n, self.buckets)
-        if b is None or tables.shape[1] > self.tables.shape[1]:
+        if b is None or tables.shape[1] > self.staging.width:
             return None
-        host = self.host.numpy()
-        host[0, :n], host[1, :n], host[2, :n], host[3, :n] = token_ids, positions, slots, lengths
-        host[:3, n:b] = 0
-        host[2, n:b] = NULL_BLOCK * self.block_size  # padding rows write into the null block
-        host[3, n:b] = 1
-        self.inputs[:, :b].copy_(self.host[:, :b], non_blocking=True)
-        self.lengths32[:b].copy_(self.inputs[3, :b])
-        width = tables.shape[1]
-        self.tables[:n, :width].copy_(torch.from_numpy(tables).to(torch.int32), non_blocking=False)
-        self.tables[n:b, 0] = NULL_BLOCK
+        self.staging.stage(b, token_ids, positions, slots, tables, lengths)
         graph = self.graphs.get(b)
         if graph is None:  # not captured (torch's CPU device, in tests): the same step, eagerly
             out = self.model.forward(self.cache, self._step(b))
