@@ -5,6 +5,7 @@ the command that runs it, so ``pdserve --help`` and ``pdserve status`` load no P
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -369,14 +370,13 @@ def interrupted(signum: int, frame: types.FrameType | None) -> NoReturn:
 def cmd_plan(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pdserve.planner.endpoint import endpoint_app, serve_endpoint
     from pdserve.planner.loop import Planner, PlannerMetrics
     from pdserve.planner.settings import PlanSettings
     from pdserve.scheduler import Keys, RedisSettings, wait_for_redis
 
     settings = from_args(PlanSettings, args)
-    metrics = PlannerMetrics() if settings.metrics_port else None
-    if metrics is not None:
-        metrics.serve(settings.metrics_port, settings.metrics_host)
+    metrics = PlannerMetrics()
 
     async def run() -> None:
         redis = RedisSettings.from_url(settings.redis_url).connect()
@@ -397,18 +397,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 settings.targets,
                 "applying" if settings.apply else "deciding only",
             )
-            await planner.run(settings.interval_s)
+            jobs = [planner.run(settings.interval_s)]
+            if settings.metrics_port:
+                app = endpoint_app(metrics, lambda: planner.last)
+                jobs.append(serve_endpoint(app, settings.metrics_host, settings.metrics_port))
+            await asyncio.gather(*jobs)
         finally:
             await redis.aclose()
 
-    signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the loop ends, the metrics server closes
-    try:
+    signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the loop and the endpoint end
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if metrics is not None:
-            metrics.close()
     return 0
 
 

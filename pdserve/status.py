@@ -26,6 +26,7 @@ from pdserve.scheduler import (
 )
 from pdserve.scheduler.keys import INBOX_GROUP
 from pdserve.scheduler.redis_settings import redact_url
+from pdserve.status_roles import last_plan, role_history, role_lines
 
 RECENT_BATCHES = 5
 """How many final batches the status shows (the newest), besides every active one."""
@@ -105,6 +106,7 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "inbox_dead": replies[3 * n + 2],
                 "kv_checked": i.integrity.kv_checked if i.integrity else 0,
                 "kv_mismatches": i.integrity.kv_mismatches if i.integrity else 0,
+                "role_history": role_history(i),
             }
         )
     base = 3 * len(instances)
@@ -124,6 +126,7 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
         "cluster": cluster,
         "instances": out_instances,
         "routers": out_routers,
+        "plan": await last_plan(redis, keys),
         "batches": await read_batches(redis, keys, queue),
     }
 
@@ -235,6 +238,7 @@ def render(status: dict[str, Any]) -> str:
         ]
         lines += _table(("ROUTER", "ADDRESS", "OUTBOX", "AGE"), router_rows)
     lines += integrity_lines(status)
+    lines += role_lines(status)
     lines += _batch_lines(status.get("batches"))
     return "\n".join(lines)
 
@@ -456,7 +460,7 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
     routers = _watch_table(["ROUTER", "ADDRESS", "OUTBOX", "AGE"], wide)
     for r in status["routers"]:
         routers.add_row(r["id"], address(r), str(r["outbox_len"]), _age(r["age_s"]))
-    integrity = [Text(line) for line in integrity_lines(status)[1:]]
+    integrity = [Text(line) for line in integrity_lines(status)[1:] + role_lines(status)[1:]]
     return Group(head, instances, routers, *integrity, *_watch_batches(status.get("batches"), wide))
 
 

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import jsonschema
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml  # type: ignore[import-untyped]
@@ -38,11 +40,76 @@ from pdserve.scheduler.redis_settings import RedisSettings
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"
 VERSIONS = ("1.37", "1.30")  # the newest schemas kubernetes-validate ships, and an older common one
-COMPONENTS = {"router", "prefill", "decode", "batch-worker", "redis", "redis-sentinel"}
+COMPONENTS = {"router", "prefill", "decode", "batch-worker", "planner", "redis", "redis-sentinel"}
 WORKLOADS = ("Deployment", "StatefulSet")
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "patches", "images"}
 """What the renderer below understands; a kustomization using more needs the renderer taught it."""
 SECRET = ("pdserve-redis", "url")
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+KEDA_SCALED_OBJECT = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"},
+        "kind": {"const": "ScaledObject"},
+        "metadata": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "labels": STRING_MAP, "annotations": STRING_MAP},
+        },
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["scaleTargetRef", "triggers"],
+            "properties": {
+                "scaleTargetRef": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name"],
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string"},
+                        "envSourceContainerName": {"type": "string"},
+                    },
+                },
+                **{
+                    field: {"type": "integer", "minimum": 0}
+                    for field in (
+                        "pollingInterval",
+                        "cooldownPeriod",
+                        "initialCooldownPeriod",
+                        "idleReplicaCount",
+                        "minReplicaCount",
+                        "maxReplicaCount",
+                    )
+                },
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["type", "metadata"],
+                        "properties": {
+                            "type": {"type": "string"},
+                            "name": {"type": "string"},
+                            "metadata": STRING_MAP,
+                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                            "useCachedMetrics": {"type": "boolean"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+"""The fields of KEDA's ScaledObject (keda.sh/v1alpha1) these manifests may use, as KEDA documents
+them, strictly: kubernetes-validate knows only the built-in kinds."""
+METRICS_API = {"url", "format", "valueLocation", "targetValue", "activationTargetValue", "unsafeSsl"}
+"""The metadata of KEDA's metrics-api trigger (without authentication)."""
 POD_IP = "10.0.0.7"
 Obj = dict[str, Any]
 
@@ -273,6 +340,18 @@ def test_every_manifest_is_a_valid_kubernetes_object(version: str) -> None:
             assert "namespace" not in doc.get("metadata", {}), (
                 f"{where} names a namespace: kustomize or -n sets it"
             )
+            if doc.get("apiVersion", "").startswith("keda.sh/"):
+                errors += [
+                    f"{where}: {e.message}"
+                    for e in jsonschema.Draft7Validator(KEDA_SCALED_OBJECT).iter_errors(doc)
+                ]
+                for trigger in doc.get("spec", {}).get("triggers", []):
+                    if trigger.get("type") == "metrics-api" and set(trigger["metadata"]) - METRICS_API:
+                        errors.append(
+                            f"{where}: unknown metrics-api fields {set(trigger['metadata']) - METRICS_API}"
+                        )
+                checked += 1
+                continue
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
             except kubernetes_validate.ValidationError as e:
@@ -300,7 +379,7 @@ def test_kustomizations_name_existing_files_and_every_manifest_is_used() -> None
             used.add(path)
     forgotten = [str(p.relative_to(KUBE)) for p in manifest_files() if p.resolve() not in used]
     assert not forgotten, f"manifests no kustomization lists: {forgotten}"
-    assert {folder_id(f) for f in ROOTS} == {"default", "redis-sentinel"}
+    assert {folder_id(f) for f in ROOTS} == {"default", "redis-sentinel", "planner"}
 
 
 # ---- pdserve's contract -------------------------------------------------------------------------
@@ -606,7 +685,8 @@ def test_redis_url_comes_from_the_secret_in_every_pdserve_container() -> None:
                 )
                 literal = [e["name"] for e in c.get("env", []) if REDIS_URL.search(str(e.get("value", "")))]
                 assert not literal, f"{obj['metadata']['name']}: Redis URL as a literal in {literal}"
-    assert seen == 4 * len(ROOTS)  # router, prefill, decode, batch-worker
+    # router, prefill, decode, batch-worker, and the planner where it runs
+    assert seen == 4 * len(ROOTS) + sum(1 for stack in stacks() if stack.of_kind("ScaledObject"))
 
 
 def test_sentinel_stack_points_pdserve_at_its_sentinels() -> None:
@@ -787,8 +867,71 @@ def test_each_pdserve_container_environment_makes_valid_settings(monkeypatch: py
                 batch = BatchWorkerSettings.from_args(own.parse_args([]))
                 assert batch.metrics_port == int(variables["PDSERVE_METRICS_PORT"])
                 settings = batch.router
+            elif args.command == "plan":
+                from pdserve.planner.settings import PlanSettings
+
+                settings = from_args(PlanSettings, args)
             else:
                 settings = from_args(WorkerSettings, args, engine=engine_config(args))
                 assert settings.instance_id == settings.host == f"{obj['metadata']['name']}-0"
                 assert settings.transfer_address == POD_IP
             RedisSettings.from_url(settings.redis_url)
+
+
+def test_the_planner_switches_roles_and_keda_scales_its_pool_by_its_endpoint() -> None:
+    """deploy/kubernetes/planner: one planner (Recreate: never two switching at once) applying its
+    decisions; KEDA's ScaledObject scales a StatefulSet whose pods can all take any role (they start
+    as decode instances) to the count the planner's /desired says, read from the planner's Service
+    on the port it listens on; the planner's most instances are that pool's most plus the pods that
+    cannot switch, so it never asks for more than KEDA may start."""
+    from pdserve.planner.endpoint import desired_view
+    from pdserve.planner.rule import Decision
+    from pdserve.planner.settings import PlanSettings
+
+    stack = stack_at(KUBE / "planner")
+    planner = stack.workload("planner")
+    assert planner["kind"] == "Deployment" and planner["spec"]["replicas"] == 1
+    assert planner["spec"]["strategy"]["type"] == "Recreate"
+    container = pdserve_container(planner)
+    assert container is not None and container["args"] == ["plan"]
+    env = environment(stack, planner, container)
+    assert env["PDSERVE_APPLY"] in ("1", "true") and env["PDSERVE_METRICS_HOST"] == "0.0.0.0"
+
+    (scaled,) = stack.of_kind("ScaledObject")
+    target = scaled["spec"]["scaleTargetRef"]
+    pool = stack.get(target["kind"], target["name"])
+    assert (target["apiVersion"], target["kind"]) == (pool["apiVersion"], "StatefulSet")
+    pool_container = pdserve_container(pool)
+    assert pool_container is not None
+    pool_env = environment(stack, pool, pool_container)
+    assert pool_env["PDSERVE_ROLE"] == "decode" or pool_env.get("PDSERVE_SWITCHABLE") in ("1", "true"), (
+        "KEDA's pool must be instances able to take any role"
+    )
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "metrics-api" and trigger["metadata"].get("format", "json") == "json"
+    url = httpx.URL(trigger["metadata"]["url"])
+    service = stack.get("Service", url.host)
+    assert selects(service["spec"]["selector"], template_labels(planner))
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == url.port]
+    assert container_port(container, port["targetPort"]) == int(env["PDSERVE_METRICS_PORT"])
+    assert url.path == "/desired"
+    decision = Decision(
+        0.0, "hold", "", {"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 1}, inputs={"unswitchable": 1}
+    )
+    view = desired_view(decision)
+    assert isinstance(view.get(trigger["metadata"]["valueLocation"]), int), "KEDA reads a number there"
+    assert (
+        float(trigger["metadata"]["targetValue"]) == 1
+        and trigger.get("metricType", "AverageValue") == "AverageValue"
+    )
+
+    fixed = sum(
+        o["spec"].get("replicas", 1)
+        for o in stack.of_kind("StatefulSet")
+        if o is not pool and component_of(o) in ("prefill", "decode")
+    )
+    settings = PlanSettings(
+        max_instances=int(env["PDSERVE_MAX_INSTANCES"]), min_instances=int(env["PDSERVE_MIN_INSTANCES"])
+    )
+    assert settings.max_instances == scaled["spec"]["maxReplicaCount"] + fixed
+    assert settings.min_instances <= scaled["spec"]["minReplicaCount"] + fixed

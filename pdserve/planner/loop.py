@@ -3,8 +3,9 @@
 Stateless across restarts: what the rule remembers (its last change, for the cooldowns) is read
 back from the decisions stream (``Keys.plan``) at start. Each decision goes to that stream with its
 inputs (``pdserve status`` shows the last; ``redis-cli XREVRANGE`` the rest) and to the planner's
-metrics (``--metrics-port``): the desired instances per role are what Kubernetes' autoscalers read
-(KEDA or the HPA through an adapter), and ``pdserve up --autoscale`` reads them from the stream.
+endpoint (``--metrics-port``, ``endpoint.py``): the desired instances per role are what
+Kubernetes' autoscalers read (KEDA's metrics-api trigger, or the HPA through a metrics adapter),
+and ``pdserve up --autoscale`` reads them from the stream.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.errors import ControlPlaneError, PdserveError
 from pdserve.planner.observe import observe
@@ -57,7 +58,6 @@ class PlannerMetrics:
         self.decisions = Counter(
             "pdserve_plan_decisions", "decisions by action (hold, switch, scale)", ["action"], registry=r
         )
-        self._server: Any = None
 
     def update(self, decision: Decision) -> None:
         for role in ROLES:
@@ -68,14 +68,6 @@ class PlannerMetrics:
             if value is not None:
                 gauge.set(value)
         self.decisions.labels(decision.action).inc()
-
-    def serve(self, port: int, host: str) -> None:
-        self._server, _ = start_http_server(port, host, registry=self.registry)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
 
 
 class Planner:
@@ -95,6 +87,7 @@ class Planner:
         self.redis, self.keys, self.targets, self.model = redis, keys, targets, model
         self.apply, self.metrics, self.record, self.clock = apply, metrics, record, clock
         self.state = PlannerState()
+        self.last: Decision | None = None  # what the endpoint's /desired shows
 
     async def restore(self) -> None:
         """The last change from the decisions stream: a restarted planner keeps its cooldowns."""
@@ -117,7 +110,7 @@ class Planner:
         if self.record is not None:
             with self.record.open("a") as f:
                 f.write(json.dumps(obs.as_dict()) + "\n")
-        decision = decide(obs, self.targets, self.state)
+        decision = self.last = decide(obs, self.targets, self.state)
         with redis_errors("recording the planner's decision"):
             await self.redis.xadd(
                 self.keys.plan, {"m": orjson.dumps(decision.as_dict())}, maxlen=PLAN_MAXLEN, approximate=True

@@ -1,9 +1,9 @@
 """What the planner sees: the instances' registrations and the routers' traffic, from Redis.
 
 Everything is read from what routers and instances already publish there: the live set (roles,
-loads, KV use, switchability) and each router's ``traffic`` (its last window's finished requests,
-tokens, and TTFT / inter-token latency histograms), whose histograms are merged across routers
-before their 90th percentile is taken. Nothing is kept between reads but what the rule keeps.
+queues, KV use, switchability) and each router's ``traffic`` (its last window's finished requests,
+prompt and generated tokens, TTFT / inter-token latency histograms, prefix hits, KV transfer
+times), whose histograms are merged across routers before their 90th percentile is taken. Nothing is kept between reads but what the rule keeps.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class Member:
     waiting: int
     waiting_prefill_tokens: int
     handing_off: int
+    kv_use: float  # share of its KV blocks in use
 
     @classmethod
     def of(cls, info: InstanceInfo) -> Member:
@@ -40,6 +41,7 @@ class Member:
             load.waiting,
             load.waiting_prefill_tokens,
             load.handing_off,
+            round(1 - info.kv.free_blocks / info.kv.num_blocks, 4) if info.kv.num_blocks else 0.0,
         )
 
 
@@ -56,9 +58,20 @@ class Observation:
     itl_p90_s: float | None
     prompt_tokens: int
     generation_tokens: int
+    prefix_hit_rate: float | None = None  # of the prompt tokens routed by prefix, the cached share
+    kv_transfer_mean_s: float | None = None  # a splitwise KV write's mean time in the window
 
     def count(self, role: str) -> int:
         return sum(1 for m in self.members if m.role == role and not m.draining)
+
+    def queued(self, role: str) -> int:
+        """Requests waiting at the role's instances."""
+        return sum(m.waiting for m in self.members if m.role == role and not m.draining)
+
+    def kv_use(self, role: str) -> float | None:
+        """The mean KV use of the role's instances (None: none)."""
+        uses = [m.kv_use for m in self.members if m.role == role and not m.draining]
+        return round(sum(uses) / len(uses), 4) if uses else None
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -107,7 +120,8 @@ def observation(
     instances: Sequence[InstanceInfo], routers: Sequence[RouterInfo], model: str, at: float
 ) -> Observation:
     """The observation of ``model``'s instances and every router's traffic."""
-    traffic = [r.traffic for r in routers if r.traffic is not None]
+    # a batch worker's in-process router (port 0) serves batch lines, which have no latency target
+    traffic = [r.traffic for r in routers if r.traffic is not None and r.port]
     ttft_bounds, ttft, itl_bounds, itl = merged(traffic)
     return Observation(
         at=at,
@@ -119,7 +133,17 @@ def observation(
         itl_p90_s=quantile(itl_bounds, itl, 0.9) if itl else None,
         prompt_tokens=sum(t.prompt_tokens for t in traffic),
         generation_tokens=sum(t.generation_tokens for t in traffic),
+        prefix_hit_rate=_ratio(
+            sum(t.prefix_hit_tokens for t in traffic), sum(t.prefix_lookup_tokens for t in traffic)
+        ),
+        kv_transfer_mean_s=_ratio(
+            sum(t.kv_transfer_s for t in traffic), sum(t.kv_transfers for t in traffic)
+        ),
     )
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return round(part / whole, 4) if whole else None
 
 
 async def observe(redis: RedisClient, keys: Keys, model: str | None, at: float) -> Observation | None:

@@ -4,7 +4,8 @@ Given targets for the 90th percentiles of time to first token and of inter-token
 SLOs), each observation gives two pressures: ``rt = ttft_p90 / target`` (prefill's) and ``ri =
 itl_p90 / target`` (decode's). With both met (≤ 1) nothing changes; otherwise the split follows
 them: of the ``n`` instances that take part in splits (prefill and decode), prefill gets ``round(n
-× rt / (rt + ri))``, at least one and at most ``n - 1``, the rest decode. Instances move between
+× rt / (rt + ri))``, at least one and at most ``n - 1``, the rest decode, moving one instance per
+change (the latencies answer a switch unevenly: the next observation says whether another helps). Instances move between
 the two roles by switches (``SetRole``): a decode instance can always become a prefill instance; a
 prefill instance becomes a decode instance only when it is ``switchable`` (its cache must be
 where peers write), the least loaded ones first. Where instances may be added (``max_instances``
@@ -94,8 +95,17 @@ def decide(obs: Observation, targets: Targets, state: PlannerState) -> Decision:
         "itl_pressure": ri,
         "requests": obs.requests,
         "window_s": obs.window_s,
-        "prompt_tokens": obs.prompt_tokens,
-        "generation_tokens": obs.generation_tokens,
+        "prompt_tokens_per_request": round(obs.prompt_tokens / obs.requests, 1) if obs.requests else None,
+        "generation_tokens_per_request": round(obs.generation_tokens / obs.requests, 1)
+        if obs.requests
+        else None,
+        "queued": {role: obs.queued(role) for role in ("prefill", "decode", "mixed")},
+        "kv_use": {role: obs.kv_use(role) for role in ("prefill", "decode", "mixed")},
+        "unswitchable": sum(
+            1 for m in obs.members if m.role in ("prefill", "decode") and not m.switchable and not m.draining
+        ),
+        "prefix_hit_rate": obs.prefix_hit_rate,
+        "kv_transfer_mean_s": obs.kv_transfer_mean_s,
     }
 
     def hold(reason: str) -> Decision:
@@ -178,6 +188,7 @@ def _target(p: int, d: int, rt: float, ri: float, t: Targets) -> tuple[int, int]
     if rt <= 1 and ri <= 1 and n == p + d:
         return p, d
     prefill = min(max(round(n * rt / (rt + ri)), 1), n - 1)
+    prefill = min(max(prefill, p - 1), p + 1)  # one instance per change: see its effect first
     return prefill, n - prefill
 
 

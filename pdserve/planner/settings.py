@@ -56,9 +56,11 @@ class PlanSettings:
     )
     min_instances: int = setting(2, "never fewer prefill + decode instances than this (default %(default)s)")
     metrics_port: int = setting(
-        0, "serve the planner's Prometheus metrics (desired instances per role) on this port (default 0: off)"
+        0,
+        "serve the planner's endpoint on this port: GET /desired (the desired instances per role as "
+        "JSON, what KEDA's metrics-api trigger reads) and GET /metrics (Prometheus) (default 0: off)",
     )
-    metrics_host: str = setting("127.0.0.1", "address the metrics port listens on (default %(default)s)")
+    metrics_host: str = setting("127.0.0.1", "address the endpoint listens on (default %(default)s)")
     record: str = setting(
         "", "append each observation to this file, one JSON line each: a trace to replay the rule on"
     )

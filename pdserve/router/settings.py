@@ -207,6 +207,12 @@ class RouterSettings:
     metrics: bool = setting(
         True, "Prometheus metrics at GET /metrics, open like /health (default on; --no-metrics: off, 404)"
     )
+    traffic_window_s: float = setting(
+        30.0,
+        "seconds of its traffic (requests, tokens, TTFT and inter-token latency histograms) the router "
+        "publishes with its registration for a planner (pdserve plan) (default %(default)s)",
+        name="--traffic-window",
+    )
     api_key: str = setting(
         "",
         "API keys clients must send as 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
@@ -309,6 +315,8 @@ class RouterSettings:
             raise ConfigError(f"retry_attempts must be >= 0, got {self.retry_attempts}")
         if self.max_migrations < 0:
             raise ConfigError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if not self.traffic_window_s > 0:
+            raise ConfigError(f"--traffic-window must be > 0, got {self.traffic_window_s}")
         if not 0 <= self.verify_fraction <= 1:
             raise ConfigError(f"--verify-fraction must be in 0..1, got {self.verify_fraction}")
         if not 0 <= self.port < 65536:  # 0: no listener (a batch worker's in-process router)

@@ -133,7 +133,7 @@ class RouterState:
         s = self.settings
         shadow = self._dispatcher.shadow if self._dispatcher is not None else None
         if self._traffic is None and self.metrics is not None:
-            self._traffic = TrafficWindow(self.metrics)
+            self._traffic = TrafficWindow(self.metrics, s.traffic_window_s)
         return RouterInfo(
             id=s.router_id,
             host=socket.gethostname(),

@@ -2,10 +2,11 @@
 planner reads it from Redis (``pdserve plan``), with no scrape of any router's ``/metrics``.
 
 Every heartbeat takes a snapshot of the router's own metrics (the TTFT and inter-token latency
-histograms' bucket counts, the token counters): a few list copies. The published figures are the
-difference between the newest snapshot and the oldest one within :data:`WINDOW_S`: requests
-finished, their tokens, and the two histograms' bucket counts over that window (with the bounds),
-which a reader merges across routers before it takes a quantile.
+histograms' bucket counts, the token, prefix and KV transfer counters): a few list copies. The
+published figures are the difference between the newest snapshot and the oldest one within the
+window (``--traffic-window``, 30 s): requests finished, their tokens, and the two histograms'
+bucket counts over that window (with the bounds), which a reader merges across routers before it
+takes a quantile.
 """
 
 from __future__ import annotations
@@ -17,11 +18,20 @@ from collections.abc import Callable
 from pdserve.router.metrics import ITL_BUCKETS, LATENCY_BUCKETS, RouterMetrics
 from pdserve.scheduler.messages import TrafficInfo
 
-WINDOW_S = 30.0
-
 
 class _Snapshot:
-    __slots__ = ("at", "generation", "itl", "prompt", "requests", "ttft")
+    __slots__ = (
+        "at",
+        "generation",
+        "hit",
+        "itl",
+        "lookup",
+        "prompt",
+        "requests",
+        "transfer_s",
+        "transfers",
+        "ttft",
+    )
 
     def __init__(self, metrics: RouterMetrics, at: float) -> None:
         self.at = at
@@ -30,13 +40,17 @@ class _Snapshot:
         self.requests = sum(metrics.e2e.series().counts)
         self.prompt = metrics.prompt_tokens.values.get((), 0.0)
         self.generation = metrics.generation_tokens.values.get((), 0.0)
+        self.lookup = metrics.prefix_lookup_tokens.values.get((), 0.0)
+        self.hit = metrics.prefix_hit_tokens.values.get((), 0.0)
+        transfer = metrics.kv_transfer.series()
+        self.transfers, self.transfer_s = sum(transfer.counts), transfer.sum
 
 
 class TrafficWindow:
     """The router's traffic over the last ``window_s``, from its metrics (None without metrics)."""
 
     def __init__(
-        self, metrics: RouterMetrics, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic
+        self, metrics: RouterMetrics, window_s: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.metrics, self.window_s, self.clock = metrics, window_s, clock
         self._snapshots: collections.deque[_Snapshot] = collections.deque()
@@ -58,4 +72,8 @@ class TrafficWindow:
             ttft_counts=[a - b for a, b in zip(now.ttft, base.ttft)],
             itl_bounds=list(ITL_BUCKETS),
             itl_counts=[a - b for a, b in zip(now.itl, base.itl)],
+            prefix_lookup_tokens=int(now.lookup - base.lookup),
+            prefix_hit_tokens=int(now.hit - base.hit),
+            kv_transfers=now.transfers - base.transfers,
+            kv_transfer_s=round(now.transfer_s - base.transfer_s, 6),
         )

@@ -178,9 +178,10 @@ class InstanceInfo(_Model):
     integrity: IntegrityInfo | None = None
     """A decode instance's KV checks since it started (None: nothing checked yet, or another role)."""
     switchable: bool | None = None
-    """It can take any role when told (``--switchable``: its KV cache in shared memory, every KV
-    transport open); None or False: only the switches its start allows (a prefill or mixed
-    instance's cache is not shared, so it cannot become a decode instance)."""
+    """It can take any role when told: started ``--switchable`` (its KV cache in shared memory,
+    every KV transport open) or as a decode instance (which has both); None or False: only the
+    switches its start allows (a prefill or mixed instance's cache is not shared, so it cannot
+    become a decode instance)."""
     roles: list[RoleChange] | None = None
     """The roles it took after the one it started with, oldest first (the last few): ``role`` is the
     current one. None: it never switched."""
@@ -212,6 +213,12 @@ class TrafficInfo(_Model):
     ttft_counts: list[int]
     itl_bounds: list[float]
     itl_counts: list[int]
+    prefix_lookup_tokens: int = 0
+    """Prompt tokens placed by cached prefix, and of those the ones the chosen instance held."""
+    prefix_hit_tokens: int = 0
+    kv_transfers: int = 0
+    """Splitwise KV writes timed by their prefill workers, and their seconds in all."""
+    kv_transfer_s: float = 0.0
 
 
 class RouterInfo(_Model):

@@ -370,7 +370,7 @@ class WorkerService:
             max_num_seqs=self.settings.engine.max_num_seqs,
             tokenizer=self.tokenizer_digest,
             integrity=self._integrity(),
-            switchable=self.settings.switchable or None,
+            switchable=self._shared_cache or None,  # a decode instance's start prepared every role
             roles=list(roles.history) or None,
             last_switch=roles.last_switch,
         )

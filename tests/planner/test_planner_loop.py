@@ -1,0 +1,130 @@
+"""The planner against a real Redis: it reads what instances and routers register (a router's
+traffic window made from its real metrics), records each decision in the stream that ``pdserve
+status`` shows, serves the desired counts on its endpoint (JSON for KEDA, Prometheus text), and
+a restarted planner keeps the cooldown of the change it made before."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from redis_support import run
+from router_support import instance
+
+from pdserve.localredis.embedded import free_port
+from pdserve.planner.endpoint import endpoint_app, serve_endpoint
+from pdserve.planner.loop import Planner, PlannerMetrics
+from pdserve.planner.rule import Targets
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.traffic import TrafficWindow
+from pdserve.scheduler import InstanceRegistry, Keys, RouterInfo, RouterRegistry
+from pdserve.scheduler.messages import RoleChange
+from pdserve.status import read, render
+
+CLUSTER = "plan-test"
+KEYS = Keys(CLUSTER)
+TARGETS = Targets(ttft_p90_s=1.0, itl_p90_s=0.1, patience=2, cooldown_s=600, min_requests=10)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def slow_prefill_traffic(clock: Clock) -> TrafficWindow:
+    """A router's window with 40 requests of TTFT ~3 s (3x the target) and ITL ~20 ms."""
+    metrics = RouterMetrics()
+    window = TrafficWindow(metrics, 30.0, clock)
+    window.info()  # the base snapshot
+    for _ in range(40):
+        metrics.ttft.observe(3.0)
+        metrics.itl.observe(0.02)
+        metrics.e2e.observe(3.5)
+    clock.now += 5
+    return window
+
+
+def test_the_traffic_window_counts_what_was_served_within_it() -> None:
+    clock = Clock()
+    window = slow_prefill_traffic(clock)
+    info = window.info()
+    assert (info.requests, info.window_s, sum(info.ttft_counts), sum(info.itl_counts)) == (40, 5.0, 40, 40)
+    clock.now += 40  # past the window with nothing new: the 40 leave it
+    window.info()
+    clock.now += 1
+    assert window.info().requests == 0
+
+
+def test_the_planner_decides_records_exports_and_remembers(redis_url: str) -> None:
+    async def main(redis) -> None:
+        await redis.delete(KEYS.plan)
+        instances = InstanceRegistry(redis, KEYS)
+        for n, role in enumerate(("prefill", "prefill", "decode", "decode")):
+            info = instance(f"i{n}-{role}", role, waiting=n)
+            await instances.register(info.model_copy(update={"switchable": role == "decode" or None}))
+        traffic = slow_prefill_traffic(Clock()).info()
+        router = RouterInfo(id="r1", host="h", pid=1, port=1, started_at=time.time(), traffic=traffic)
+        await RouterRegistry(redis, KEYS).register(router)
+
+        metrics, port = PlannerMetrics(), free_port()
+        planner = Planner(redis, KEYS, TARGETS, metrics=metrics)
+        started = asyncio.Event()
+        endpoint = asyncio.create_task(
+            serve_endpoint(endpoint_app(metrics, lambda: planner.last), "127.0.0.1", port, started)
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            await asyncio.wait_for(started.wait(), 10)
+            async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+                early = await http.get("/desired")
+                assert early.status_code == 503 and early.json()["error"]["code"] == "no_decision"
+                first = await planner.once()
+                assert first is not None and first.action == "hold" and "waiting (1/2)" in first.reason
+                second = await planner.once()
+                assert second is not None and second.action == "switch"
+                assert [(s.instance, s.to_role) for s in second.switches] == [("i2-decode", "prefill")]
+                wanted = (await http.get("/desired")).json()  # what KEDA's metrics-api trigger reads
+                text = (await http.get("/metrics")).text
+        finally:
+            endpoint.cancel()
+            await asyncio.gather(endpoint, return_exceptions=True)
+        assert (wanted["prefill"], wanted["decode"], wanted["workers"], wanted["action"]) == (
+            3,
+            1,
+            4,
+            "switch",
+        )
+        assert wanted["switchable"] == 2  # of the 4, the 2 started as prefill instances cannot switch
+        desired = {
+            s.labels["role"]: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "pdserve_plan_desired_instances"
+        }
+        assert desired == {"prefill": 3.0, "decode": 1.0, "mixed": 0.0}
+        assert await redis.xlen(KEYS.plan) == 2
+
+        # what pdserve status shows: the planner's last decision, and a switched instance's roles
+        await instances.register(
+            instance("i2-decode", "prefill").model_copy(
+                update={"roles": [RoleChange(role="prefill", at=time.time(), reason="planner")]}
+            )
+        )
+        shown = render(await read(redis, CLUSTER))
+        assert "planner (" in shown and "switch, prefill 2 -> 3, decode 2 -> 1" in shown
+        assert "[i2-decode decode -> prefill]" in shown
+        assert "i2-decode roles: prefill at" in shown
+
+        await instances.register(instance("i2-decode", "decode"))  # as if the switch had not been made
+        restarted = Planner(redis, KEYS, TARGETS)  # keeps the 600 s cooldown of that change
+        await restarted.restore()
+        for _ in range(2):
+            again = await restarted.once()
+        assert again is not None and again.action == "hold" and "cooling down" in again.reason
+
+    run(redis_url, main)
