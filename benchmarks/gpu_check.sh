@@ -39,7 +39,7 @@ case "${1:-}" in
         DEVICE=${2:?--device cpu or cuda}
         ;;
     -h | --help)
-        sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'
+        awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"  # the header above
         exit 0
         ;;
     "") ;;

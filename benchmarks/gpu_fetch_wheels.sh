@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
     -h | --help)
-        sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+        awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"  # the header above
         exit 0
         ;;
 esac
