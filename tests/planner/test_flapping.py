@@ -1,0 +1,73 @@
+"""The planner never flaps: on a steady load, at most one switch in any five minutes.
+
+``data/steady_trace.jsonl`` is a recorded trace: the observations ``pdserve plan --record``
+(deciding only, every 5 s) made of a fixed 2 prefill + 2 decode stack of SmolLM2-135M under 8
+minutes of one steady mixed load (``benchmarks/plan_bench.py --record-trace``). The rule is replayed
+on it with each switch applied to the observed roles (the pressures stay as recorded: the load did
+not change) and targets put where this load sits on the border between two splits, the hardest case:
+its noise alone moves the wanted split back and forth. Without hysteresis it flaps there (checked
+below, so the trace can tell); with the defaults it must not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from pdserve.planner.observe import Observation
+from pdserve.planner.rule import PlannerState, Targets, decide
+
+TRACE = Path(__file__).parent / "data" / "steady_trace.jsonl"
+FIVE_MINUTES = 300.0
+
+
+def trace() -> list[Observation]:
+    return [Observation.from_dict(json.loads(line)) for line in TRACE.read_text().splitlines()]
+
+
+def border_targets(observations: list[Observation], **hysteresis: float) -> Targets:
+    """Targets at which this load's median pressures are TTFT 2x and inter-token 1.2x: prefill's
+    share 2 / 3.2 = 0.625, so of 4 instances round(2.5), between 2 and 3 prefill instances."""
+    judged = [o for o in observations if o.ttft_p90_s is not None and o.itl_p90_s is not None]
+    ttft = statistics.median(o.ttft_p90_s for o in judged if o.ttft_p90_s is not None)
+    itl = statistics.median(o.itl_p90_s for o in judged if o.itl_p90_s is not None)
+    return Targets(ttft_p90_s=ttft / 2.0, itl_p90_s=itl / 1.2, min_requests=10, **hysteresis)  # type: ignore[arg-type]
+
+
+def replay(observations: list[Observation], targets: Targets) -> list[float]:
+    """The times of the switches the rule makes over the trace, each applied to the roles seen after it."""
+    state, roles, switched = PlannerState(), dict[str, str](), []
+    for obs in observations:
+        members = tuple(dataclasses.replace(m, role=roles.get(m.id, m.role)) for m in obs.members)
+        decision = decide(dataclasses.replace(obs, members=members), targets, state)
+        for s in decision.switches:
+            roles[s.instance] = s.to_role
+            switched.append(decision.at)
+    return switched
+
+
+def most_in_five_minutes(times: list[float]) -> int:
+    return max((sum(1 for t in times if start <= t < start + FIVE_MINUTES) for start in times), default=0)
+
+
+def test_the_trace_is_a_steady_load_longer_than_five_minutes() -> None:
+    observations = trace()
+    assert observations[-1].at - observations[0].at > FIVE_MINUTES
+    assert {len(o.members) for o in observations} == {4}
+    judged = [o.ttft_p90_s for o in observations if o.requests >= 10 and o.ttft_p90_s is not None]
+    assert len(judged) >= 40
+
+
+def test_without_hysteresis_the_rule_flaps_on_this_trace() -> None:
+    observations = trace()
+    eager = border_targets(observations, patience=1, cooldown_s=0, reverse_s=0)
+    assert most_in_five_minutes(replay(observations, eager)) >= 3
+
+
+def test_with_its_hysteresis_the_planner_switches_at_most_once_in_five_minutes() -> None:
+    observations = trace()
+    for targets in (border_targets(observations), border_targets(observations, patience=2, cooldown_s=30)):
+        switched = replay(observations, targets)
+        assert most_in_five_minutes(switched) <= 1, (targets, switched)
