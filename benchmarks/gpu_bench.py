@@ -59,6 +59,8 @@ sys.path.insert(0, str(HERE))
 
 from gpu_jobs import AGREEMENT_FLOOR, EXACT_TOLERANCE, Opts, datasheet  # noqa: E402
 
+from pdserve.localredis.embedded import dies_with_parent  # noqa: E402
+
 JOBS = ("ceilings", "pdserve", "handoff", "exact", "eager")
 MIN_JOB_S = 20  # a job that would start with less of --budget-s left is cut, not started
 
@@ -296,7 +298,15 @@ def run_job(job: Job, o: Opts, limit_s: float, log_file: IO[str], results: Resul
     t0 = time.monotonic()
     ended, size = "exited", 0
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # its own session (killed whole at its limit); SIGTERM when this process dies, even by SIGKILL
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=dies_with_parent(),
+    )
     try:
         while proc.poll() is None:
             if time.monotonic() - t0 >= limit_s:

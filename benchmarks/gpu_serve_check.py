@@ -115,6 +115,8 @@ class Stack:
     """One ``pdserve up`` child (its own session: its workers and Redis are its children)."""
 
     def __init__(self, name: str, argv: list[str], log: Any) -> None:
+        from pdserve.localredis.embedded import dies_with_parent
+
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -122,8 +124,14 @@ class Stack:
         log.write(f"\n===== {name}: {' '.join(cmd)} =====\n")
         log.flush()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # its own session (Ctrl-C reaches us; we stop it); SIGTERM if this process dies, even by SIGKILL
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=dies_with_parent(),
         )
 
     def wait_ready(self, instances: int, timeout_s: float) -> dict:

@@ -83,12 +83,27 @@ def test_the_dry_run_rewrites_its_json_as_jobs_end_and_ends_within_its_budget(tm
     assert {p.name for p in out.iterdir()} == {"check.log", "gpu_bench.json", "gpu_bench.log"}
 
 
+def running(marker: str) -> list[int]:
+    """The processes whose command line holds ``marker``."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker in cmdline.read_bytes().decode(errors="replace"):
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue  # ended meanwhile
+    return pids
+
+
 def test_a_run_killed_mid_job_keeps_the_finished_jobs_figures(tmp_path: Path) -> None:
     """SIGKILL, as a device tool's hard limit sends it: no handler runs, and the JSON still holds the
-    ceilings that had been measured, with the job that was running marked so."""
-    path = tmp_path / "gpu_bench.json"
+    ceilings that had been measured, with the job that was running marked so; that job's process,
+    in a session of its own, does not outlive the run."""
+    path, models = tmp_path / "gpu_bench.json", tmp_path / "models"  # the job's command line names models
     cmd = [sys.executable, str(BENCHMARKS / "gpu_bench.py"), "--device", "cpu", "--only", "ceilings,pdserve"]
-    proc = subprocess.Popen([*cmd, "--out", str(path)], start_new_session=True, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(path), "--models", str(models)], start_new_session=True, stdout=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -103,6 +118,10 @@ def test_a_run_killed_mid_job_keeps_the_finished_jobs_figures(tmp_path: Path) ->
     doc = json.loads(path.read_text())
     assert not doc["complete"] and doc["measured"]["copy_bandwidth_B_s"] > 0
     assert [(j["job"], j["status"]) for j in doc["jobs"]] == [("ceilings", "ok"), ("pdserve/tiny", "running")]
+    deadline = time.monotonic() + 5  # SIGTERM at once; unstopped, the job would run ~10 s more
+    while running(str(models)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running(str(models)) == []
 
 
 def test_the_check_refuses_limits_over_its_promise(tmp_path: Path) -> None:
