@@ -274,17 +274,10 @@ class LLMEngine:
             return outputs
         step_input, out_seqs, prompt_rows = self.runner.prepare(batch)
         try:  # the forward, then the picks: the numpy sampler's, or the device's (step_sampling.py)
-            picked = self.picking.run(step_input, out_seqs, prompt_rows)
+            picked = self.picking.run(step_input, out_seqs, prompt_rows, lambda: self._computed(batch))
         except Exception as e:  # a Paddle or torch failure must end these requests, not hang them
             log.exception("model step failed")
             return outputs + self._fail_batch(batch, f"model step failed: {e}")
-        for seq in batch.decodes:
-            seq.num_computed_tokens = seq.num_tokens
-            if self._cache_decoded_blocks:
-                self.batcher.cache_full_blocks(seq)
-        for chunk in batch.prefills:
-            chunk.seq.num_computed_tokens = chunk.end
-            self.batcher.cache_full_blocks(chunk.seq)
         if picked is None:
             return outputs
         for span, scored in picked.prompt:  # before the samples: the first token hands them out
@@ -299,6 +292,17 @@ class LLMEngine:
                 out.logits = picked.logits[i].copy()
             outputs.append(out)
         return outputs
+
+    def _computed(self, batch: Batch) -> None:
+        """The step's K/V is in the cache (or queued there on a GPU, whose failure after this is a
+        fault every later step meets too): count it, offer the blocks it filled to the prefix cache."""
+        for seq in batch.decodes:
+            seq.num_computed_tokens = seq.num_tokens
+            if self._cache_decoded_blocks:
+                self.batcher.cache_full_blocks(seq)
+        for chunk in batch.prefills:
+            chunk.seq.num_computed_tokens = chunk.end
+            self.batcher.cache_full_blocks(chunk.seq)
 
     def _append(self, req: _Request, sample: Sample) -> RequestOutput:
         seq, p = req.seq, req.seq.params

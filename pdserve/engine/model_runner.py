@@ -18,6 +18,7 @@ position of the prefill chunks of sequences that score their prompt (:class:`Pro
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -70,6 +71,16 @@ class ModelRunner:
         self.threads = threads
         self.block_size = cache.block_size
         self._causal: dict[int, np.ndarray] = {}
+        self._tables: weakref.WeakKeyDictionary[Sequence, _BlockTable] = weakref.WeakKeyDictionary()
+
+    def block_table(self, seq: Sequence) -> np.ndarray:
+        """``seq.block_table`` as int64 numpy, kept per sequence: a list is only ever extended (a
+        release or an admission gives the sequence a new list), so only blocks appended since the
+        last step are converted (a decode's table of 2k tokens cost ~20 us a step as a list)."""
+        cached = self._tables.get(seq)
+        if cached is None or cached.source is not seq.block_table or cached.size > len(seq.block_table):
+            cached = self._tables[seq] = _BlockTable(seq.block_table)
+        return cached.array(seq.block_table)
 
     def prepare(self, batch: Batch) -> tuple[StepInput, list[Sequence], list[PromptRows]]:
         """Pack the batch; returns the step input, the sequences that sample (logits rows 0, 1, ...,
@@ -98,7 +109,7 @@ class ModelRunner:
             table = np.full((n, nblk), NULL_BLOCK, np.int64)
             for i, s in enumerate(seqs):
                 used = blocks_for(s.num_tokens, bs)
-                table[i, :used] = s.block_table[:used]
+                table[i, :used] = self.block_table(s)[:used]
             p = lengths - 1
             ids.append(np.fromiter((s.token_at(s.num_tokens - 1) for s in seqs), np.int64, n))
             pos.append(p)
@@ -118,7 +129,7 @@ class ModelRunner:
         for chunk in batch.prefills:
             seq, n = chunk.seq, chunk.end - chunk.start
             p = np.arange(chunk.start, chunk.end, dtype=np.int64)
-            table = np.asarray(seq.block_table, np.int64)
+            table = self.block_table(seq)
             all_ids = seq.prompt_token_ids if chunk.end <= seq.num_prompt_tokens else seq.all_token_ids()
             ids.append(np.asarray(all_ids[chunk.start : chunk.end], np.int64))
             pos.append(p)
@@ -178,3 +189,23 @@ class ModelRunner:
             if len(self._causal) < 64:
                 self._causal[n] = mask
         return mask
+
+
+class _BlockTable:
+    """One block-table list as a growing int64 array."""
+
+    __slots__ = ("_data", "size", "source")
+
+    def __init__(self, source: list[int]) -> None:
+        self.source = source
+        self._data = np.zeros(max(16, 2 * len(source)), np.int64)
+        self.size = 0
+
+    def array(self, source: list[int]) -> np.ndarray:
+        n = len(source)
+        if n > self.size:
+            if n > self._data.size:
+                self._data = np.concatenate([self._data[: self.size], np.zeros(n, np.int64)])
+            self._data[self.size : n] = source[self.size : n]
+            self.size = n
+        return self._data[:n]

@@ -53,6 +53,14 @@ class EngineCache(Protocol):
     def close(self) -> None: ...
 
 
+class PendingPicks(Protocol):
+    """A step's picks on their way from the device (:meth:`Executor.sample`)."""
+
+    def collect(self) -> Picked:
+        """The picks on the host (waits for the device)."""
+        ...
+
+
 class Executor(abc.ABC):
     """What a platform builds for one engine: the model, its cache and the step's forward."""
 
@@ -68,8 +76,9 @@ class Executor(abc.ABC):
     batch_invariant: bool  # a sequence's bits do not depend on its batch (prefix-cache hits are exact)
 
     samples_on_device: bool = False
-    """It picks tokens where the logits are (:meth:`launch`, then :meth:`pick`): only token ids and
-    the logprob numbers asked for cross to the host (engine/step_sampling.py decides)."""
+    """It picks tokens where the logits are (:meth:`launch`, :meth:`sample`, then the picks'
+    ``collect()``): only token ids and the logprob numbers asked for cross to the host
+    (engine/step_sampling.py decides)."""
 
     @abc.abstractmethod
     def forward(self, step: StepInput) -> np.ndarray | None:
@@ -81,8 +90,9 @@ class Executor(abc.ABC):
         GPU it returns once the work is queued, so the host can prepare the sampling meanwhile."""
         raise NotImplementedError(f"{type(self).__name__} does not sample on its device")
 
-    def pick(self, launched: Any, plan: SamplingPlan) -> Picked:
-        """The tokens (and logprobs) ``plan`` picks from :meth:`launch`'s logits, on the host."""
+    def sample(self, launched: Any, plan: SamplingPlan) -> PendingPicks:
+        """Queue the picks ``plan`` makes from :meth:`launch`'s logits and their copy to the host;
+        on a GPU it returns at once (the host works on until ``collect()``)."""
         raise NotImplementedError(f"{type(self).__name__} does not sample on its device")
 
     def close(self) -> None:

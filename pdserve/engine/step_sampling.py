@@ -1,22 +1,26 @@
 """Where a step's tokens are picked: the one place that decides.
 
 An executor that samples on its device (``Executor.samples_on_device``: the torch platform) gets
-the step's forward launched first, then the sampling plan (sample_plan.py), built on the host while
-the device runs the forward (the grammar masks llguidance computes, the penalties' histories, one
-uniform per sampled token from each sequence's generator), then picks there; only token ids and
-the logprob numbers asked for come back. Otherwise (the CPU platform) the logits rows come back and
-the numpy sampler picks, exactly as it always has. The engine sees samples either way.
+the step's forward launched; the sampling plan (sample_plan.py) is built on the host while the
+device runs it (the grammar masks llguidance computes, the penalties' histories, one uniform per
+sampled token from each sequence's generator); the sampling and the copy of its results are queued
+behind the forward; the host then does the step's work that needs no token of this step (the
+engine's ``meanwhile``: computed counts, the prefix cache's new blocks, the next step's block
+tables) and only then waits for the ids and the logprob numbers asked for. Otherwise (the CPU
+platform) the logits rows come back and the numpy sampler picks, exactly as it always has. The
+engine sees samples either way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
 from pdserve.engine.model_runner import PromptRows
 from pdserve.engine.platform import Executor
-from pdserve.engine.sample_plan import plan_sampling
+from pdserve.engine.sample_plan import SamplingPlanner
 from pdserve.engine.sampler import Sample, Sampler, logprobs_of
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_input import StepInput
@@ -37,12 +41,18 @@ class StepSampling:
         self.executor = executor
         self.sampler = sampler
         self.keep_logits = keep_logits
+        self.planner = SamplingPlanner(sampler, keep_logits)
 
-    def run(self, step: StepInput, seqs: list[Sequence], spans: list[PromptRows]) -> StepSamples | None:
-        """The step's forward and its picks (None when no row samples or scores)."""
+    def run(
+        self, step: StepInput, seqs: list[Sequence], spans: list[PromptRows], meanwhile: Callable[[], None]
+    ) -> StepSamples | None:
+        """The step's forward and its picks (None when no row samples or scores). ``meanwhile``
+        runs once the forward has succeeded or, on a device that samples, is queued with the
+        sampling, before the picks are waited for."""
         if self.executor.samples_on_device:
-            return self._on_device(step, seqs, spans)
+            return self._on_device(step, seqs, spans, meanwhile)
         rows = self.executor.forward(step)
+        meanwhile()
         if rows is None:
             return None
         vocab = self.sampler.vocab_limit
@@ -57,12 +67,15 @@ class StepSampling:
         return StepSamples(self.sampler(rows, seqs), prompt, rows if self.keep_logits else None)
 
     def _on_device(
-        self, step: StepInput, seqs: list[Sequence], spans: list[PromptRows]
+        self, step: StepInput, seqs: list[Sequence], spans: list[PromptRows], meanwhile: Callable[[], None]
     ) -> StepSamples | None:
         launched = self.executor.launch(step)  # on a GPU: queued, the host goes on
         if launched is None:
+            meanwhile()
             return None
-        plan = plan_sampling(seqs, spans, self.sampler, self.keep_logits)  # while the forward runs
-        picked = self.executor.pick(launched, plan)  # waits for the ids
+        plan = self.planner.plan(seqs, spans)  # while the forward runs
+        pending = self.executor.sample(launched, plan)  # queued behind it, with the copy back
+        meanwhile()  # host work that needs none of this step's tokens
+        picked = pending.collect()  # the one wait
         prompt = list(zip(spans, picked.prompt_samples(plan)))
         return StepSamples(picked.samples(plan), prompt, picked.logits)

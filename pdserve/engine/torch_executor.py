@@ -22,11 +22,11 @@ from pdserve.engine.kv_layout import block_bytes
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.platform import Executor, resolve_dtype
-from pdserve.engine.sample_plan import Picked, SamplingPlan
+from pdserve.engine.sample_plan import SamplingPlan
 from pdserve.engine.step_input import AttentionGroup, StepInput
 from pdserve.engine.torch_cache import TORCH_DTYPES, TorchKVCache
 from pdserve.engine.torch_model import TorchModel
-from pdserve.engine.torch_sampler import DeviceSampler
+from pdserve.engine.torch_sampler import DevicePicks, DeviceSampler
 from pdserve.engine.weights import iter_weights
 from pdserve.errors import ConfigError
 
@@ -157,10 +157,11 @@ class TorchExecutor(Executor):
                 logits = self.model.forward(self.cache.tensor, self.model.to_device(step))
             return logits
 
-    def pick(self, launched: torch.Tensor, plan: SamplingPlan) -> Picked:
-        """The plan's tokens sampled on the device: ids and asked-for logprobs cross, not logits."""
+    def sample(self, launched: torch.Tensor, plan: SamplingPlan) -> DevicePicks:
+        """The plan's tokens sampled on the device, queued: ids and asked-for logprobs cross (at
+        ``collect()``), never the logits rows."""
         with torch.inference_mode():
-            return self.sampler.pick(launched, plan)
+            return self.sampler.sample(launched, plan)
 
     def _graph_step(self, step: StepInput) -> torch.Tensor | None:
         """The step through a captured graph when it is one decode group whose every row samples."""

@@ -38,11 +38,16 @@ class DeviceSampler:
 
     def pick(self, logits: torch.Tensor, plan: SamplingPlan) -> Picked:
         """The plan's tokens from ``logits`` (float32 [rows, vocab] on the device, sampling rows
-        first, then the prompt rows it scores); waits for the device once, at the copy."""
-        return collect(self.enqueue(logits, plan), plan)
+        first, then the prompt rows it scores), on the host."""
+        return self.sample(logits, plan).collect()
 
-    def enqueue(self, logits: torch.Tensor, plan: SamplingPlan) -> list[torch.Tensor]:
-        """Every result on the device, in :func:`collect`'s order; nothing here waits for the device."""
+    def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> DevicePicks:
+        """Queue the sampling and the copy of its results to the host; nothing here waits for the
+        device (every shape comes from the plan), so the host may work until :meth:`DevicePicks.collect`."""
+        return DevicePicks(self._results(logits, plan), plan)
+
+    def _results(self, logits: torch.Tensor, plan: SamplingPlan) -> list[torch.Tensor]:
+        """Every result on the device, in the order :meth:`DevicePicks.collect` reads them."""
         n, vocab = plan.num_rows, plan.vocab_limit
         head = logits[:n, :vocab]
         tokens = head.argmax(dim=1) if plan.plain else self._choose(head, plan)
@@ -218,33 +223,52 @@ def best_first(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor
     return vals, ids.gather(1, order)
 
 
-def collect(results: list[torch.Tensor], plan: SamplingPlan) -> Picked:
-    """The results of :meth:`DeviceSampler.enqueue` on the host: one copy (ids, ranks and logprobs
-    packed as float64, exact for ids below 2**53), the one wait for the device."""
-    kept = results.pop() if plan.keep_logits else None
-    flat = torch.cat([t.reshape(-1).double() for t in results]).cpu().numpy()
-    host, at = [], 0
-    for t in results:
-        host.append(flat[at : at + t.numel()].reshape(t.shape))
-        at += t.numel()
-    tokens = host[0].astype(np.int64)
-    n = tokens.size
-    logprob = np.full(n, np.nan)
-    rank = np.zeros(n, np.int64)
-    width = int(plan.logprobs.max(initial=0))
-    top_ids = np.zeros((n, width), np.int64)
-    top_vals = np.zeros((n, width), np.float64)
-    at = 1
-    asked = np.flatnonzero(plan.logprobs >= 0)
-    if asked.size:
-        own, ranks, ids, vals = host[at : at + 4]
-        logprob[asked], rank[asked] = own, ranks
-        top_ids[asked, : ids.shape[1]], top_vals[asked, : vals.shape[1]] = ids, vals
-        at += 4
-    prompt = []
-    for _ in plan.prompt:
-        own, ranks, ids, vals = host[at : at + 4]
-        prompt.append((own, ranks.astype(np.int64), ids.astype(np.int64), vals))
-        at += 4
-    logits = None if kept is None else kept.float().cpu().numpy()
-    return Picked(tokens, logprob, rank, top_ids, top_vals, prompt, logits)
+class DevicePicks:
+    """A step's picks on their way to the host: packed into one float64 vector (ids and ranks are
+    exact below 2**53), its copy queued into pinned memory on a GPU, and an event recorded after it."""
+
+    def __init__(self, results: list[torch.Tensor], plan: SamplingPlan) -> None:
+        self.plan = plan
+        kept = results.pop() if plan.keep_logits else None
+        self.shapes = [tuple(t.shape) for t in results]
+        packed = torch.cat([t.reshape(-1).double() for t in results])
+        self.done: torch.cuda.Event | None = None
+        if packed.device.type == "cuda":  # to pinned memory: the copy is queued, not waited for
+            self.host = packed.to("cpu", non_blocking=True)
+            self.logits = None if kept is None else kept.to("cpu", non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host, self.logits = packed, kept
+
+    def collect(self) -> Picked:
+        """The picks on the host: the one wait for the device."""
+        if self.done is not None:
+            self.done.synchronize()
+        flat, plan = self.host.numpy(), self.plan
+        host, at = [], 0
+        for shape in self.shapes:
+            size = int(np.prod(shape))
+            host.append(flat[at : at + size].reshape(shape))
+            at += size
+        tokens = host[0].astype(np.int64)
+        n = tokens.size
+        logprob = np.full(n, np.nan)
+        rank = np.zeros(n, np.int64)
+        width = int(plan.logprobs.max(initial=0))
+        top_ids = np.zeros((n, width), np.int64)
+        top_vals = np.zeros((n, width), np.float64)
+        at = 1
+        asked = np.flatnonzero(plan.logprobs >= 0)
+        if asked.size:
+            own, ranks, ids, vals = host[at : at + 4]
+            logprob[asked], rank[asked] = own, ranks
+            top_ids[asked, : ids.shape[1]], top_vals[asked, : vals.shape[1]] = ids, vals
+            at += 4
+        prompt = []
+        for _ in plan.prompt:
+            own, ranks, ids, vals = host[at : at + 4]
+            prompt.append((own, ranks.astype(np.int64), ids.astype(np.int64), vals))
+            at += 4
+        logits = None if self.logits is None else self.logits.float().numpy().copy()
+        return Picked(tokens, logprob, rank, top_ids, top_vals, prompt, logits)

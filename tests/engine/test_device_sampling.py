@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch", reason="the torch platform needs PyTorch (p
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import PromptRows  # noqa: E402
-from pdserve.engine.sample_plan import plan_sampling  # noqa: E402
+from pdserve.engine.sample_plan import SamplingPlanner  # noqa: E402
 from pdserve.engine.sampler import Sample, Sampler, logprobs_of, make_rng  # noqa: E402
 from pdserve.engine.sequence import Sequence  # noqa: E402
 from pdserve.engine.torch_executor import TorchPlatform  # noqa: E402
@@ -209,7 +209,7 @@ def test_the_device_sampler_picks_the_numpy_sampler_s_tokens_for_every_setting(r
     for i, (c, s) in enumerate(zip(batch, seeds)):
         assert_stable(logits[i], c, s)
     seqs = [c.seq(s) for c, s in zip(batch, seeds)]
-    plan = plan_sampling(seqs, [], sampler)
+    plan = SamplingPlanner(sampler).plan(seqs, [])
     assert not plan.plain and plan.grammar_bits.shape == (4, VOCAB // 8)  # allows-nothing sends none
     got = DeviceSampler(torch.device("cpu")).pick(torch.from_numpy(logits), plan).samples(plan)
     for i, c in enumerate(batch):
@@ -226,7 +226,7 @@ def test_the_device_sampler_picks_the_numpy_sampler_s_tokens_for_every_setting(r
 def test_plain_greedy_rows_take_the_argmax_below_the_vocabulary() -> None:
     logits = make_logits(np.random.default_rng(5), 3, set())
     seqs = [Sequence(f"r{i}", [1], SamplingParams(temperature=0)) for i in range(3)]
-    plan = plan_sampling(seqs, [], Sampler(VOCAB, [EOS]))
+    plan = SamplingPlanner(Sampler(VOCAB, [EOS])).plan(seqs, [])
     assert plan.plain
     picked = DeviceSampler(torch.device("cpu")).pick(torch.from_numpy(logits), plan)
     assert picked.tokens.tolist() == logits[:, :VOCAB].argmax(axis=1).tolist()
@@ -244,7 +244,7 @@ def test_prompt_logprobs_are_logprobs_of_on_the_device() -> None:
     other.rng = make_rng(3)
     span = PromptRows(seq, 2, 0, 7)  # rows 2..8: positions 0..6 score tokens 1..7
     sampler = Sampler(VOCAB, [EOS])
-    plan = plan_sampling([seq, other], [span], sampler)
+    plan = SamplingPlanner(sampler).plan([seq, other], [span])
     picked = DeviceSampler(torch.device("cpu")).pick(torch.from_numpy(logits), plan)
     (scored,) = picked.prompt_samples(plan)
     want = logprobs_of(logits[2:9, :VOCAB], prompt[1:8], 4)
@@ -352,29 +352,35 @@ def test_the_engine_samples_on_the_device_as_on_the_host(tiny_model_dir: Path) -
     assert text in ("alpha beta", "gamma", "delta epsilon zeta")
 
 
-def test_each_step_launches_plans_while_the_forward_runs_then_picks(tiny_model_dir: Path) -> None:
-    """Per step: the forward is launched, then the plan is built (the host's sampling work, while a
-    GPU would run the forward), then the device picks; no [rows, vocab] logits reach the host."""
-    import pdserve.engine.step_sampling as step_sampling
-
+def test_each_step_overlaps_the_host_s_work_with_the_device_s(tiny_model_dir: Path) -> None:
+    """Per step: the forward is launched; the plan is built (the host's sampling work, while a GPU
+    runs the forward); the sampling is queued; the step's bookkeeping runs (computed tokens, the
+    prefix cache's new blocks: no token of this step needed); only then are the ids collected. No
+    [rows, vocab] logits reach the host."""
     eng = engine(tiny_model_dir)
     events: list[str] = []
-    ex = eng.executor
-    launch, pick, plan = ex.launch, ex.pick, step_sampling.plan_sampling
+    ex, planner = eng.executor, eng.picking.planner
+    launch, sample, plan, computed = ex.launch, ex.sample, planner.plan, eng._computed
 
     def no_logits(step: object) -> None:
         raise AssertionError("the logits went to the host")
 
+    def sampled(launched: object, p: object) -> object:
+        events.append("sample")
+        pending = sample(launched, p)  # type: ignore[arg-type]
+        collect = pending.collect
+        pending.collect = lambda: events.append("collect") or collect()  # type: ignore[method-assign]
+        return pending
+
     ex.forward = no_logits  # type: ignore[method-assign]
     ex.launch = lambda step: events.append("launch") or launch(step)  # type: ignore[method-assign]
-    ex.pick = lambda launched, p: events.append("pick") or pick(launched, p)  # type: ignore[method-assign]
-    try:
-        step_sampling.plan_sampling = lambda *a: events.append("plan") or plan(*a)  # type: ignore[assignment]
-        out = run(eng, {"a": ENGINE_REQUESTS["seeded"], "b": ENGINE_REQUESTS["greedy"]})
-    finally:
-        step_sampling.plan_sampling = plan
+    ex.sample = sampled  # type: ignore[method-assign]
+    planner.plan = lambda *a: events.append("plan") or plan(*a)  # type: ignore[method-assign]
+    eng._computed = lambda batch: events.append("computed") or computed(batch)  # type: ignore[method-assign]
+    out = run(eng, {"a": ENGINE_REQUESTS["seeded"], "b": ENGINE_REQUESTS["greedy"]})
     assert len(out["a"]["tokens"]) == 8
-    assert events == ["launch", "plan", "pick"] * (len(events) // 3) and len(events) >= 24
+    step = ["launch", "plan", "sample", "computed", "collect"]
+    assert events == step * (len(events) // len(step)) and len(events) >= 8 * len(step)
 
 
 def test_seeded_requests_reproduce_and_continue_across_the_hand_off(tiny_model_dir: Path) -> None:
@@ -397,3 +403,40 @@ def test_seeded_requests_reproduce_and_continue_across_the_hand_off(tiny_model_d
     while decode.has_unfinished():
         tokens += [t for o in decode.step() for t in o.token_ids]
     assert tokens == first
+
+
+# ---- the host's side of the step ------------------------------------------------------------------
+def test_distinct_is_numpy_s_unique_with_counts() -> None:
+    from pdserve.engine.sample_plan import distinct
+
+    for ids in (np.zeros(0, np.int64), np.array([5]), np.random.default_rng(2).integers(0, 50, 300)):
+        want = np.unique(ids, return_counts=True)
+        got = distinct(ids)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_block_tables_are_kept_per_sequence_and_follow_a_new_list() -> None:
+    """ModelRunner converts each sequence's block table once and then only what was appended; a
+    sequence given a new list (preempted and readmitted, same length) gets its new blocks."""
+    from pdserve.engine.model_runner import ModelRunner
+
+    class Slots:
+        block_size = 4
+
+        def write_rows(self, slots: np.ndarray) -> np.ndarray:
+            return slots
+
+        def gather_chunks(self, table: np.ndarray) -> np.ndarray:
+            raise AssertionError("the paged layout gathers nothing")
+
+    runner = ModelRunner(Slots(), paged_kernel=True)  # type: ignore[arg-type]
+    seq = Sequence("s", list(range(10)), SamplingParams())
+    seq.block_table = [3, 4, 5]
+    first = runner.block_table(seq)
+    assert first.tolist() == [3, 4, 5]
+    seq.block_table.extend([6, 7])
+    assert runner.block_table(seq).tolist() == [3, 4, 5, 6, 7] and first.tolist() == [3, 4, 5]
+    seq.block_table = [8, 9, 10, 11, 12]  # a new list of the same length
+    assert runner.block_table(seq).tolist() == [8, 9, 10, 11, 12]
+    seq.block_table = []
+    assert runner.block_table(seq).tolist() == []

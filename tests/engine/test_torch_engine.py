@@ -78,8 +78,8 @@ def test_steps_pick_on_the_device_and_only_ids_cross(tiny_model_dir: Path, gener
     no [rows, vocab] logits on the host (tests/engine/test_device_sampling.py: every setting)."""
     eng = LLMEngine(tiny_model_dir, EngineConfig(num_blocks=64, device="cpu"), platform=TorchPlatform("cpu"))
     plans = []
-    pick = eng.executor.pick
-    eng.executor.pick = lambda logits, plan: plans.append(plan) or pick(logits, plan)  # type: ignore[method-assign]
+    sample = eng.executor.sample
+    eng.executor.sample = lambda logits, plan: plans.append(plan) or sample(logits, plan)  # type: ignore[method-assign]
     eng.executor.forward = None  # type: ignore[assignment,method-assign]  # logits to the host: never
     out = run(eng, PROMPTS)
     assert {k: v[0] for k, v in out.items()} == {k: v[0] for k, v in generated.items()}
