@@ -244,8 +244,8 @@ class _History:
 
 
 def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(ids, return_counts=True)`` by a sort (numpy 2.4's unique takes ~1 ms for 2k ids,
-    a sort ~15 us)."""
+    """``np.unique(ids, return_counts=True)`` by a sort (2k ids: ~50 us here, where numpy 2.4's
+    plain ``np.unique`` takes ~170 us)."""
     s = np.sort(ids)
     first = np.ones(s.size, bool)
     first[1:] = s[1:] != s[:-1]

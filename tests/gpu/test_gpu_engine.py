@@ -122,16 +122,37 @@ def test_cuda_graphs_on_and_off_give_the_same_greedy_tokens(
     assert runs[True] == runs[False]
 
 
-def test_bfloat16_greedy_agrees_with_float32_on_512_tokens(tiny_model_dir: Path) -> None:
+def real_smollm2() -> Path:
+    """The real SmolLM2-135M-Instruct where this machine's pdserve model cache holds its import
+    (PDSERVE_CACHE_DIR; never fetched here: the GPU machine reaches no package index)."""
+    from pdserve.engine.model_store import FETCHED_PRESETS, models_dir
+
+    key = f"smollm2-135m-{FETCHED_PRESETS['smollm2-135m'].member_sha256[:12]}"
+    found = sorted(models_dir().glob(f"{key}-v*/config.json"))
+    if not found:
+        pytest.skip(f"the real SmolLM2-135M is not imported in {models_dir()} on this machine")
+    return found[-1].parent
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2-135m"])
+def test_bfloat16_greedy_agrees_with_float32_on_512_tokens(tiny_model_dir: Path, model: str) -> None:
     """float32 greedy for 512 tokens; bfloat16 then reads those tokens as its prompt (teacher forcing:
     a free-running comparison would count every token after the first near-tie as a miss) and its
     argmax at each position (the rank of float32's token in its prompt logprobs) must be float32's
-    token at >= 99 % of the positions."""
+    token at >= 99 % of the positions. On the random tiny model 28 % of the positions are within
+    0.1 nats of a tie (torch's CPU device: 99.8 %, one miss); the real SmolLM2, from a chat prompt,
+    is the check that means something (CPU: 100 %; benchmarks/bf16_agreement.py)."""
+    folder = tiny_model_dir if model == "tiny" else real_smollm2()
     prompt = list(range(20, 44))
-    with cuda_engine(tiny_model_dir, dtype="float32", max_model_len=1024) as eng:
+    if model != "tiny":
+        from pdserve.tokenizer import Tokenizer
+
+        text = "Write a long, detailed essay on the history of the printing press in Europe."
+        prompt = Tokenizer.from_dir(folder).prompt_ids(messages=[{"role": "user", "content": text}])
+    with cuda_engine(folder, dtype="float32", max_model_len=1024) as eng:
         f32 = run(eng, [prompt], greedy(AGREE_TOKENS))[0]["tokens"]
     assert len(f32) == AGREE_TOKENS
-    with cuda_engine(tiny_model_dir, dtype="bfloat16", max_model_len=1024) as eng:
+    with cuda_engine(folder, dtype="bfloat16", max_model_len=1024) as eng:
         forced = run(eng, [prompt + f32[:-1]], greedy(1, prompt_logprobs=0))[0]
     ranks = [lp.rank for lp in forced["prompt_logprobs"][len(prompt) :]]
     hits = [rank == 1 for rank in ranks] + [forced["tokens"][0] == f32[-1]]
