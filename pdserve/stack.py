@@ -135,8 +135,7 @@ class Stack:
                     kv_transfer=spec.kv_transfer,
                     engine_kind=spec.engine_kind,
                     engine=engine,
-                    switchable=spec.autoscale,  # the planner may give any worker any role
-                    **spec.worker_options,
+                    **{"switchable": spec.autoscale, **spec.worker_options},  # planner: any role
                 )
                 self.start_worker(name, self.worker_base)
         if spec.autoscale:  # the planner: decides roles (and, with --max-workers, counts) and switches

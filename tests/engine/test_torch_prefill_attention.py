@@ -76,4 +76,3 @@ def test_the_first_chunk_matches_the_former_3d_math_path(dtype: Any, tol: float)
     got = causal(q, k, v)
     assert got.dtype == dtype
     assert float((got.float() - want.float()).abs().max()) <= tol
-    assert torch.equal(got, former_3d(q, k, v))  # on the CPU both reach the same fused kernel
