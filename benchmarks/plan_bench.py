@@ -24,13 +24,14 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from serve_bench import bench_cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANNER_ENV = {  # the planner child's flags, as their variables (``up`` passes the targets)
@@ -306,23 +307,27 @@ def main() -> int:
     )
     ap.add_argument("--phase-s", type=float, default=60.0, help="each phase's length (default %(default)s)")
     ap.add_argument(
-        "--rate-1", type=float, default=2.0, help="phase 1 arrivals per second (default %(default)s)"
+        "--rate-1", type=float, default=0.75, help="phase 1 arrivals per second (default %(default)s)"
     )
     ap.add_argument(
-        "--rate-2", type=float, default=1.0, help="phase 2 arrivals per second (default %(default)s)"
+        "--rate-2", type=float, default=1.2, help="phase 2 arrivals per second (default %(default)s)"
     )
     ap.add_argument(
-        "--long-prompt", type=int, default=768, help="phase 1 prompt tokens (default %(default)s)"
+        "--long-prompt", type=int, default=512, help="phase 1 prompt tokens (default %(default)s)"
     )
-    ap.add_argument("--short-answer", type=int, default=4, help="phase 1 output tokens (default %(default)s)")
     ap.add_argument(
-        "--short-prompt", type=int, default=32, help="phase 2 prompt tokens (default %(default)s)"
+        "--short-answer", type=int, default=24, help="phase 1 output tokens (default %(default)s)"
     )
-    ap.add_argument("--long-answer", type=int, default=96, help="phase 2 output tokens (default %(default)s)")
+    ap.add_argument(
+        "--short-prompt", type=int, default=64, help="phase 2 prompt tokens (default %(default)s)"
+    )
+    ap.add_argument(
+        "--long-answer", type=int, default=128, help="phase 2 output tokens (default %(default)s)"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=8, help="each worker's (default %(default)s)")
-    ap.add_argument("--ttft-p90", type=float, default=1.5, help="TTFT target, s (default %(default)s)")
+    ap.add_argument("--ttft-p90", type=float, default=3.0, help="TTFT target, s (default %(default)s)")
     ap.add_argument(
-        "--itl-p90", type=float, default=0.12, help="time per output token target, s (default %(default)s)"
+        "--itl-p90", type=float, default=0.15, help="time per output token target, s (default %(default)s)"
     )
     ap.add_argument(
         "--interval", type=float, default=2.0, help="the planner's --interval (default %(default)s)"
@@ -375,7 +380,7 @@ def main() -> int:
                 f"{s['goodput_req_s']:>8.2f} {ttft:>9} {tpot:>9}"
             )
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "machine": {"cpu": bench_cpu_name(), "cores": os.cpu_count()},
         "date": time.strftime("%Y-%m-%d"),
         "settings": vars(args) | {"out": str(args.out)},
         "planner_env": PLANNER_ENV,
