@@ -15,6 +15,7 @@ from redis.sentinel import Sentinel
 
 from pdserve.scheduler import RedisSettings, RequestDelta, StepOutput
 from pdserve.scheduler.messages import decode_as
+from pdserve.scheduler.outbox_reader import DeltaQueue
 from pdserve.scheduler.streams import FIELD
 
 T = TypeVar("T")
@@ -62,3 +63,26 @@ async def outbox_deltas(
                         if delta.is_final:
                             return
     raise AssertionError(f"{request_id} got no final event within {timeout_s:g} s")
+
+
+def one_delta_step(seq: int) -> StepOutput:
+    """Instance d0's step output carrying request a's token ``seq`` as its delta ``seq``."""
+    return StepOutput(instance_id="d0", items=[RequestDelta(request_id="a", token_ids=[seq], seq=seq)])
+
+
+async def seqs_until(queue: DeltaQueue, last: int, timeout_s: float) -> list[int | str]:
+    """The seqs of the deltas read until ``last`` arrives (an error's kind instead, and then stop;
+    ``"timeout"`` last if neither came within ``timeout_s``)."""
+    got: list[int | str] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            delta = await asyncio.wait_for(queue.get(), max(0.01, deadline - time.monotonic()))
+        except TimeoutError:
+            return [*got, "timeout"]
+        if delta.error is not None:
+            return [*got, delta.error.kind]
+        assert delta.seq is not None
+        got.append(delta.seq)
+        if delta.seq == last:
+            return got

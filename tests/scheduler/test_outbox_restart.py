@@ -14,37 +14,16 @@ import pytest
 import redis.asyncio as aioredis
 
 from pdserve.localredis.embedded import EmbeddedRedis
-from pdserve.scheduler import Keys, OutboxReader, RedisSettings, RequestDelta, StepOutput
+from pdserve.scheduler import Keys, OutboxReader, RedisSettings
 from pdserve.scheduler.connection import ReplicaWait, server_identity
 from pdserve.scheduler.messages import encode
-from pdserve.scheduler.outbox_reader import DeltaQueue
 from pdserve.scheduler.streams import FIELD, Outbox
+from tests.redis_support import one_delta_step as step
+from tests.redis_support import seqs_until
 
 pytestmark = pytest.mark.timeout(60)
 KEYS = Keys("restart-test")
 OUTBOX = KEYS.outbox("r1")
-
-
-def step(seq: int) -> StepOutput:
-    return StepOutput(instance_id="d0", items=[RequestDelta(request_id="a", token_ids=[seq], seq=seq)])
-
-
-async def seqs_until(queue: DeltaQueue, last: int, timeout_s: float) -> list[int | str]:
-    """The seqs of the deltas read until ``last`` arrives (an error's kind instead, and then stop;
-    ``"timeout"`` last if neither came within ``timeout_s``)."""
-    got: list[int | str] = []
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            delta = await asyncio.wait_for(queue.get(), max(0.01, deadline - time.monotonic()))
-        except TimeoutError:
-            return [*got, "timeout"]
-        if delta.error is not None:
-            return [*got, delta.error.kind]
-        assert delta.seq is not None
-        got.append(delta.seq)
-        if delta.seq == last:
-            return got
 
 
 @pytest.mark.parametrize("gap_s", [0.3, 2.0])
