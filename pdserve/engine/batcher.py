@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from typing import Protocol
 
 from pdserve.block_hash import chain_hashes
 from pdserve.engine.block_manager import BlockManager
@@ -62,6 +63,32 @@ class Batch:
         return bool(self.decodes or self.prefills)
 
 
+class ReadBack(Protocol):
+    """A tier below the pool that blocks can be read back from (the engine's host tier)."""
+
+    def plan(self, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` the tier holds (nothing read, nothing counted)."""
+        ...
+
+    def read_back(self, hashes: list[bytes], blocks: list[int]) -> int:
+        """Write the leading run it holds into ``blocks`` (checksum verified); how many it wrote."""
+        ...
+
+    def missed(self, num_blocks: int) -> None:
+        """Count full prompt blocks that neither the pool nor the tier held at an admission."""
+        ...
+
+
+@dataclasses.dataclass
+class HitCounts:
+    """Admitted prompts' full blocks by where they came from (first admissions only): the pool's
+    prefix cache, the tier below it, or computed."""
+
+    pool: int = 0
+    tier: int = 0
+    computed: int = 0
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -73,6 +100,8 @@ class Batcher:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.tier: ReadBack | None = None  # the engine's host tier, when it has one
+        self.hit_counts = HitCounts()
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``: online sequences ahead of every waiting background one."""
@@ -135,14 +164,32 @@ class Batcher:
                     break
             need = blocks_for(seq.num_tokens, cfg.block_size)
             hits = self._prefix_hits(seq)
-            chunk = self._next_chunk(seq, len(hits) * cfg.block_size)
+            below = self._tier_hashes(seq, len(hits))
+            planned = self.tier.plan(below) if self.tier is not None and below else 0
+            chunk = self._next_chunk(seq, (len(hits) + planned) * cfg.block_size)
             if not self.blocks.can_allocate(need - len(hits), hits) or chunk.end - chunk.start > budget:
                 break  # first come, first served: later requests wait behind this one
             self.waiting.remove(seq)
             self.blocks.share(hits)
-            seq.block_table = hits + self.blocks.allocate(need - len(hits))
+            fresh = self.blocks.allocate(need - len(hits))
+            seq.block_table = hits + fresh
             seq.num_registered_blocks = len(hits)  # already in the cache
+            loaded = 0
+            if planned:  # read back into fresh blocks (the allocation above may have pushed some out)
+                assert self.tier is not None
+                loaded = self.tier.read_back(below[:planned], fresh[:planned])
+                if loaded < planned:
+                    chunk = self._next_chunk(seq, (len(hits) + loaded) * cfg.block_size)
+            if self.tier is not None and seq.scheduled_at is None and below:
+                self.tier.missed(len(below) - loaded)
+            if seq.scheduled_at is None:
+                counts = self.hit_counts
+                counts.pool += len(hits)
+                counts.tier += loaded
+                counts.computed += blocks_for(seq.num_tokens, cfg.block_size) - len(hits) - loaded
             seq.num_computed_tokens = chunk.start
+            if loaded:  # the blocks read back serve later prompts from the pool again
+                self.cache_full_blocks(seq)
             if seq.scheduled_at is None:  # the first admission's hit is what the request is told
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
@@ -165,7 +212,12 @@ class Batcher:
         """Prompt tokens the waiting sequences will compute: what their cached prefixes leave (a
         router comparing instances' queues must not count what a cache hit saves)."""
         bs = self.config.block_size
-        return sum(seq.num_tokens - len(self._prefix_hits(seq)) * bs for seq in self.waiting)
+        total = 0
+        for seq in self.waiting:
+            hits = len(self._prefix_hits(seq))
+            below = self._tier_hashes(seq, hits) if self.tier is not None else []
+            total += seq.num_tokens - (hits + (self.tier.plan(below) if below and self.tier else 0)) * bs
+        return total
 
     # ---- the prefix cache -------------------------------------------------------------------
     def _prefix_hits(self, seq: Sequence) -> list[int]:
@@ -177,6 +229,14 @@ class Batcher:
         usable = (seq.num_tokens - 1) // self.config.block_size
         self._hash_blocks(seq, usable)
         return self.blocks.lookup(seq.block_hashes[:usable])
+
+    def _tier_hashes(self, seq: Sequence, num_hits: int) -> list[bytes]:
+        """The hashes of ``seq``'s usable full blocks after the pool's ``num_hits`` (what a tier
+        below the pool may hold); empty without a tier, or where the pool's lookup was not used."""
+        if self.tier is None or not self.blocks.prefix_caching or seq.scores_prompt:
+            return []
+        usable = (seq.num_tokens - 1) // self.config.block_size
+        return seq.block_hashes[num_hits:usable]
 
     def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
         """Extend ``seq.block_hashes`` to its first ``num_blocks`` full blocks."""

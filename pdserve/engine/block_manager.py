@@ -11,6 +11,7 @@ the blocks it took from the cache.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 NULL_BLOCK = 0  # an all-zero block for padding block tables; never handed out
 
@@ -32,6 +33,9 @@ class BlockManager:
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, LRU first
         self.num_evicted = 0
         self._changes: dict[bytes, bool] | None = None  # hash -> held, since the last take_changes()
+        self.on_evict: Callable[[int, bytes], None] | None = None
+        """Called with (block, hash) as a cached block is evicted, before it is handed out: its bytes
+        are still the cached K/V (the engine's host tier copies them)."""
 
     @property
     def num_free(self) -> int:
@@ -62,6 +66,8 @@ class BlockManager:
             else:  # evict the least recently freed cached block
                 b, _ = self._cached.popitem(last=False)
                 evicted = self._hash_of.pop(b)
+                if self.on_evict is not None:
+                    self.on_evict(b, evicted)
                 del self._block_of[evicted]
                 self.num_evicted += 1
                 if self._changes is not None:

@@ -75,6 +75,12 @@ class EngineConfig:
         "keep full KV blocks after their request ends and reuse them for a later prompt with the same "
         "prefix (usage.prompt_tokens_details.cached_tokens counts them) (default on)",
     )
+    kv_host_bytes: int = setting(
+        0,
+        "bytes of host memory for KV blocks evicted from the prefix cache, kept LRU and read back "
+        "(checksum verified) by a later prompt with their prefix instead of recomputing them; 0: "
+        "off (default %(default)s)",
+    )
     max_model_len: int | None = setting(
         None, "context limit (default: the model's max_position_embeddings)", kind=int
     )
@@ -156,5 +162,7 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.gpu is not None and self.gpu < 0:
             raise ConfigError(f"gpu must be >= 0, got {self.gpu}")
+        if self.kv_host_bytes < 0:
+            raise ConfigError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")

@@ -23,6 +23,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.engine.grammar import GrammarMatcher, Grammars
+from pdserve.engine.host_tier import HostTier, TierNamespace, TierReader
 from pdserve.engine.memory import resident_bytes
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
@@ -90,6 +91,24 @@ class LLMEngine:
             ),
             self.blocks,
         )
+        self.host_tier: HostTier | None = None
+        if config.kv_host_bytes and config.prefix_caching:
+            self.host_tier = HostTier(
+                config.kv_host_bytes,
+                TierNamespace(
+                    weights_digest=self.weights_digest,
+                    weights=ex.weights,
+                    dtype=ex.dtype,
+                    layout="block_major",
+                    block_size=config.block_size,
+                    block_bytes=self.cache.block_bytes,
+                ),
+            )
+            self.blocks.on_evict = self._evicted
+            self.batcher.tier = TierReader(self.host_tier, self.cache.write_blocks)
+            log.info(
+                "host tier: %.1f MiB, %d blocks", config.kv_host_bytes / 2**20, self.host_tier.max_blocks
+            )
         self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.sampler.vocab_limit)  # structured output
         self.picking = StepSampling(ex, self.sampler, config.keep_logits)  # where tokens are picked
@@ -464,6 +483,27 @@ class LLMEngine:
         self.blocks.share(hits)
         self.reserved[request_id] = hits + self.blocks.allocate(need - len(hits))
         return self.reserved[request_id], len(hits)
+
+    # ---- the host tier ------------------------------------------------------------------------
+    def _evicted(self, block: int, block_hash: bytes) -> None:
+        """The pool evicts a cached block: keep its bytes in the host tier (before its new owner
+        writes it). A failure loses the block from the tiers, never a request."""
+        assert self.host_tier is not None
+        try:
+            self.host_tier.put(block_hash, self.cache.read_blocks([block]))
+        except Exception:
+            log.exception("host tier: block %d not stored", block)
+
+    def take_tier_changes(self) -> dict[bytes, bool]:
+        """Block hashes the host tier gained (True) or lost (False) since the last call."""
+        return self.host_tier.take_changes() if self.host_tier is not None else {}
+
+    def tier_hashes(self) -> list[bytes]:
+        """Every block hash the host tier holds; its recorded changes are dropped."""
+        if self.host_tier is None:
+            return []
+        self.host_tier.take_changes()
+        return self.host_tier.hashes()
 
     # ---- the prefix index: what the cache holds, for routers --------------------------------
     def take_prefix_changes(self) -> dict[bytes, bool]:
