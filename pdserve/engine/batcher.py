@@ -70,8 +70,12 @@ class ReadBack(Protocol):
         """How many leading ``hashes`` the tier holds (nothing read, nothing counted)."""
         ...
 
-    def read_back(self, hashes: list[bytes], blocks: list[int]) -> int:
-        """Write the leading run it holds into ``blocks`` (checksum verified); how many it wrote."""
+    def read(self, hashes: list[bytes]) -> list[bytes]:
+        """The bytes of the leading run it holds, each checksum verified (a bad one ends the run)."""
+        ...
+
+    def write(self, blocks: list[int], data: list[bytes]) -> None:
+        """Put blocks' bytes (as :meth:`read` gave them) into the pool's ``blocks``."""
         ...
 
     def missed(self, num_blocks: int) -> None:
@@ -129,8 +133,10 @@ class Batcher:
         self.release(seq)
 
     def release(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks, last first: its cached blocks are evicted tail first, so a prefix
+        shared by many prompts (and the chain a later lookup walks from its start) stays longest."""
         if seq.block_table:
-            self.blocks.free(seq.block_table)
+            self.blocks.free(seq.block_table[::-1])
             seq.block_table = []
 
     def schedule(self) -> Batch:
@@ -170,16 +176,18 @@ class Batcher:
             if not self.blocks.can_allocate(need - len(hits), hits) or chunk.end - chunk.start > budget:
                 break  # first come, first served: later requests wait behind this one
             self.waiting.remove(seq)
+            # read before allocating: the allocation's evictions into the tier may push entries out
+            data = self.tier.read(below[:planned]) if planned and self.tier is not None else []
+            loaded = len(data)
+            if loaded < planned:  # a block failed its checksum: computed from there
+                chunk = self._next_chunk(seq, (len(hits) + loaded) * cfg.block_size)
             self.blocks.share(hits)
             fresh = self.blocks.allocate(need - len(hits))
             seq.block_table = hits + fresh
             seq.num_registered_blocks = len(hits)  # already in the cache
-            loaded = 0
-            if planned:  # read back into fresh blocks (the allocation above may have pushed some out)
+            if loaded:
                 assert self.tier is not None
-                loaded = self.tier.read_back(below[:planned], fresh[:planned])
-                if loaded < planned:
-                    chunk = self._next_chunk(seq, (len(hits) + loaded) * cfg.block_size)
+                self.tier.write(fresh[:loaded], data)
             if self.tier is not None and seq.scheduled_at is None and below:
                 self.tier.missed(len(below) - loaded)
             if seq.scheduled_at is None:

@@ -272,6 +272,12 @@ class EchoEngine:
     def prefix_hashes(self) -> list[bytes]:
         return []
 
+    def take_tier_changes(self) -> dict[bytes, bool]:
+        return {}
+
+    def tier_hashes(self) -> list[bytes]:
+        return []
+
     def cancel_reservation(self, request_id: str) -> bool:
         blocks = self.reserved.pop(request_id, None)
         if blocks is None:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pdserve.cache_transfer.checksum import HOST_ALGO, block_digests
+from pdserve.engine.outputs import TierLoad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,16 +114,14 @@ class HostTier:
         self.stats.stores += 1
         self._record(block_hash, True)
 
-    def read_back(
-        self, hashes: list[bytes], blocks: list[int], write: Callable[[list[int], bytes], None]
-    ) -> int:
-        """Write the leading run of ``hashes`` the tier holds into the pool's ``blocks`` (one each,
-        in order) through ``write(block_ids, bytes)``; each entry's bytes are checked against the
-        digest taken when it was stored first. Returns how many blocks were written: the run ends
-        at the first block not held or whose bytes no longer match (that entry is dropped and
-        counted as corrupt; it is never written)."""
+    def read(self, hashes: list[bytes]) -> list[bytes]:
+        """The bytes of the leading run of ``hashes`` the tier holds, each checked against the
+        digest taken when it was stored. The run ends at the first block not held or whose bytes
+        no longer match (that entry is dropped and counted as corrupt: never handed out). The
+        entries become the most recently used; the caller holds the bytes, so an eviction from the
+        tier after this call (an allocation's own) takes nothing from it."""
         good: list[bytes] = []
-        for h, _ in zip(hashes, blocks):
+        for h in hashes:
             key = self.key(h)
             entry = self._entries.get(key)
             if entry is None:
@@ -135,10 +134,8 @@ class HostTier:
                 break
             self._entries.move_to_end(key)
             good.append(entry.data)
-        if good:
-            write(blocks[: len(good)], b"".join(good))
-            self.stats.hits += len(good)
-        return len(good)
+        self.stats.hits += len(good)
+        return good
 
     def run(self, hashes: list[bytes]) -> int:
         """How many leading ``hashes`` the tier holds (no counter moves: a plan, not a read)."""
@@ -148,6 +145,15 @@ class HostTier:
                 break
             n += 1
         return n
+
+    def snapshot(self) -> TierLoad:
+        """Size and counters as plain data (the engine's load; the registration's ``tier``)."""
+        return TierLoad(
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self.used_bytes,
+            blocks=self.num_blocks,
+            **dataclasses.asdict(self.stats),
+        )
 
     # ---- what the prefix index is told ----------------------------------------------------------
     def _record(self, block_hash: bytes, held: bool) -> None:
@@ -166,18 +172,22 @@ class HostTier:
 
 
 class TierReader:
-    """The batcher's view of a tier (:class:`pdserve.engine.batcher.ReadBack`): plans and read-backs
-    into the pool through ``write`` (the cache's ``write_blocks``)."""
+    """The batcher's view of a tier (:class:`pdserve.engine.batcher.ReadBack`): plans, verified
+    reads, and writes into the pool's blocks through ``write`` (the cache's ``write_blocks``)."""
 
     def __init__(self, tier: HostTier, write: Callable[[list[int], bytes], None]) -> None:
         self.tier = tier
-        self.write = write
+        self._write = write
 
     def plan(self, hashes: list[bytes]) -> int:
         return self.tier.run(hashes)
 
-    def read_back(self, hashes: list[bytes], blocks: list[int]) -> int:
-        return self.tier.read_back(hashes, blocks, self.write)
+    def read(self, hashes: list[bytes]) -> list[bytes]:
+        return self.tier.read(hashes)
+
+    def write(self, blocks: list[int], data: list[bytes]) -> None:
+        if blocks:
+            self._write(blocks, b"".join(data))
 
     def missed(self, num_blocks: int) -> None:
         self.tier.stats.misses += num_blocks

@@ -155,6 +155,7 @@ class LLMEngine:
             device=self.executor.device,
             device_name=self.executor.device_name,
             memory_bytes=self.executor.weight_bytes + self.cache.nbytes,
+            host_tier=self.host_tier is not None,
         )
 
     def load(self) -> EngineLoad:
@@ -167,6 +168,7 @@ class LLMEngine:
             free_blocks=self.blocks.num_free,
             preemptions=self.batcher.num_preemptions,
             cached_blocks=self.blocks.num_cached,
+            tier=self.host_tier.snapshot() if self.host_tier is not None else None,
         )
 
     # ---- requests ---------------------------------------------------------------------------

@@ -55,6 +55,21 @@ class EngineLoad:
     free_blocks: int = 0
     preemptions: int = 0  # sequences preempted since the engine started
     cached_blocks: int = 0  # blocks registered in the prefix cache (in use or kept for reuse)
+    tier: TierLoad | None = None  # the host tier below the prefix cache, when there is one
+
+
+@dataclasses.dataclass(frozen=True)
+class TierLoad:
+    """The host tier's size and counters since the engine started (``engine/host_tier.py``)."""
+
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    stores: int = 0  # blocks written (evicted from the pool)
+    hits: int = 0  # blocks read back into the pool, checksum verified
+    misses: int = 0  # admitted prompts' full blocks that neither the pool nor the tier held
+    corrupt: int = 0  # entries whose bytes failed their checksum at a read-back (recomputed)
+    evictions: int = 0  # entries dropped to stay within the bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +96,9 @@ class EngineFacts:
     batch_invariant: bool = False
     """A sequence's bits do not depend on what it is batched with (the CPU engine under
     ``MKL_CBWR=...,STRICT``; the echo engine): routers' shadow verification compares bitwise."""
+    host_tier: bool = (
+        False  # a host tier below the prefix cache (its blocks in the prefix index's ``host`` set)
+    )
     calls_inline: bool = False
     """Every engine call takes microseconds (the echo engine, no model): the worker makes them on its
     event loop, where handing each to the engine thread would cost far more than the call (preparing

@@ -79,7 +79,10 @@ class Dispatcher:
         self.router_id = settings.router_id
         self.clock = clock
         weights = PrefixWeights(
-            settings.prefix_load_tokens, settings.prefix_transfer_weight, settings.local_prefill_tokens
+            settings.prefix_load_tokens,
+            settings.prefix_transfer_weight,
+            settings.local_prefill_tokens,
+            settings.prefix_host_tier_weight,
         )
         self.selector = Selector(
             settings.prefill_policy, settings.decode_policy, settings.aggregated_fallback, weights

@@ -34,7 +34,11 @@ INDEX_KINDS: tuple[IndexKind, ...] = ("redis", "local")
 class BlockIndex(Protocol):
     """Where full blocks are cached: :class:`pdserve.scheduler.PrefixIndex` or :class:`LocalIndex`."""
 
-    async def cached_blocks(self, instance_ids: Sequence[str], hashes: Sequence[bytes]) -> dict[str, int]: ...
+    async def tiered_blocks(
+        self, instance_ids: Sequence[str], hashes: Sequence[bytes], tiered: Sequence[str] = ()
+    ) -> dict[str, tuple[int, int]]:
+        """Per instance: the leading blocks its pool holds, and those its pool or host tier holds."""
+        ...
 
 
 class LocalIndex:
@@ -43,6 +47,12 @@ class LocalIndex:
 
     def __init__(self) -> None:
         self._held: dict[str, OrderedDict[bytes, None]] = {}
+
+    async def tiered_blocks(
+        self, instance_ids: Sequence[str], hashes: Sequence[bytes], tiered: Sequence[str] = ()
+    ) -> dict[str, tuple[int, int]]:
+        """No host tiers here: what the router sent is all it knows."""
+        return {i: (n, n) for i, n in (await self.cached_blocks(instance_ids, hashes)).items()}
 
     async def cached_blocks(self, instance_ids: Sequence[str], hashes: Sequence[bytes]) -> dict[str, int]:
         out = {}
@@ -100,14 +110,22 @@ class PrefixLookup:
         if blocks.token_ids is None:
             return request
         cached: dict[str, int] = {}
+        tier: dict[str, int] = {}
+        tiered = [i.id for i in caching if i.tier is not None]
         try:
             for block_size in sorted({i.kv.block_size for i in caching}):
                 ids = [i.id for i in caching if i.kv.block_size == block_size]
-                found = await self.index.cached_blocks(ids, blocks.of(block_size, request.cache_salt))
-                cached.update({i: n * block_size for i, n in found.items() if n})
+                hashes = blocks.of(block_size, request.cache_salt)
+                found = await self.index.tiered_blocks(ids, hashes, tiered)
+                cached.update({i: pool * block_size for i, (pool, _) in found.items() if pool})
+                tier.update(
+                    {i: (both - pool) * block_size for i, (pool, both) in found.items() if both > pool}
+                )
         except ControlPlaneError as e:
             log.debug("prefix index not read (%s); placing by load", e)
-        return dataclasses.replace(request, num_tokens=len(blocks.token_ids), cached_tokens=cached)
+        return dataclasses.replace(
+            request, num_tokens=len(blocks.token_ids), cached_tokens=cached, tier_tokens=tier
+        )
 
     def learn(self, route: Route, request: PolicyRequest, blocks: PromptBlocks) -> None:
         """With a local index: the route's instances will hold the prompt's blocks."""

@@ -71,6 +71,11 @@ class RouterSettings:
         "prefix_cache: what moving one prompt token's KV to the decode instance costs, relative to "
         "computing it (default %(default)s)",
     )
+    prefix_host_tier_weight: float = setting(
+        PrefixWeights.host_tier,
+        "prefix_cache: what reading one prompt token's KV back from an instance's host tier "
+        "(--kv-host-bytes) costs, relative to computing it (default %(default)s)",
+    )
     local_prefill_tokens: int = setting(
         PrefixWeights.local_prefill_tokens,
         "prefix_cache: a decode instance prefills a request itself, with no prefill instance or KV "
@@ -278,6 +283,10 @@ class RouterSettings:
         if self.prefix_load_tokens < 0 or self.prefix_transfer_weight < 0 or self.local_prefill_tokens < 0:
             raise ConfigError(
                 "prefix_load_tokens, prefix_transfer_weight and local_prefill_tokens must be >= 0"
+            )
+        if not 0 <= self.prefix_host_tier_weight <= 1:
+            raise ConfigError(
+                f"prefix_host_tier_weight must be in [0, 1], got {self.prefix_host_tier_weight}"
             )
         if self.prefix_index not in INDEX_KINDS:
             raise ConfigError(

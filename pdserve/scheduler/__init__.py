@@ -51,6 +51,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "SetRole",
         "StepOutput",
         "SwitchOutcome",
+        "TierInfo",
         "Timing",
         "Tokenize",
         "TopLogprob",

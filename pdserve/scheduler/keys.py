@@ -99,14 +99,19 @@ class Keys:
 
     # per-instance and shared values
 
-    def prefix_index(self, instance_id: str) -> str:
-        """Set of the chain hashes (:mod:`pdserve.block_hash`) of the full KV blocks one instance's
-        prefix cache holds; expires with the instance's registration (hash tag = the instance)."""
-        return f"{PREFIX}:{self.cluster}:prefix:{{{validate_id(instance_id, 'instance id')}}}"
+    def prefix_index(self, instance_id: str, tier: str = "pool") -> str:
+        """Set of the chain hashes (:mod:`pdserve.block_hash`) of the full KV blocks one instance
+        holds in one tier: ``pool``, its prefix cache (the key without a suffix), or ``host``, the
+        host tier below it (``…:host``); expires with the instance's registration (hash tag = the
+        instance, so an instance's sets share a slot)."""
+        key = f"{PREFIX}:{self.cluster}:prefix:{{{validate_id(instance_id, 'instance id')}}}"
+        if tier == "pool":
+            return key
+        return f"{key}:{validate_id(tier, 'tier')}"
 
-    def prefix_index_scratch(self, instance_id: str) -> str:
+    def prefix_index_scratch(self, instance_id: str, tier: str = "pool") -> str:
         """Where a full replacement of :meth:`prefix_index` is written before one RENAME (same slot)."""
-        return f"{self.prefix_index(instance_id)}:new"
+        return f"{self.prefix_index(instance_id, tier)}:new"
 
     @property
     def plan(self) -> str:

@@ -151,6 +151,21 @@ class IntegrityInfo(_Model):
     kv_mismatches: int = 0
 
 
+class TierInfo(_Model):
+    """The host tier below an instance's prefix cache (``--kv-host-bytes``): its size and counters
+    since the instance started (``pdserve status`` shows them). Its blocks are in the prefix
+    index's ``host`` set (``Keys.prefix_index(id, "host")``)."""
+
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    stores: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+
+
 class InstanceInfo(_Model):
     """Registration value of one inference instance (``pdserve:{<cluster>}:instance:<id>``)."""
 
@@ -177,6 +192,9 @@ class InstanceInfo(_Model):
     routers compute its prompts' token ids (None: none published, e.g. the echo engine)."""
     integrity: IntegrityInfo | None = None
     """A decode instance's KV checks since it started (None: nothing checked yet, or another role)."""
+    tier: TierInfo | None = None
+    """Its host tier (None: it has none): routers read its ``host`` prefix-index set too. Optional
+    (added without a ``v`` bump)."""
     switchable: bool | None = None
     """It can take any role when told: started ``--switchable`` (its KV cache in shared memory,
     every KV transport open) or as a decode instance (which has both); None or False: only the

@@ -87,6 +87,8 @@ class Engine(Protocol):
     ) -> tuple[list[int], int] | None: ...
     def take_prefix_changes(self) -> dict[bytes, bool]: ...
     def prefix_hashes(self) -> list[bytes]: ...
+    def take_tier_changes(self) -> dict[bytes, bool]: ...
+    def tier_hashes(self) -> list[bytes]: ...
     def cancel_reservation(self, request_id: str) -> bool: ...
     def prefilled_blocks(self, request_id: str) -> list[int]: ...
     def release_prefilled(self, request_id: str) -> bool: ...
@@ -118,7 +120,8 @@ class EngineClient:
         self.limits: PrepareLimits | None = None  # None: unbounded (tests with a stub engine)
         self._prep = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         self._prefix_lock = threading.Lock()
-        self._prefix_changes: dict[bytes, bool] = {}  # gathered on the engine thread after each call
+        # gathered on the engine thread after each call, per tier ("pool": the prefix cache; "host")
+        self._prefix_changes: dict[str, dict[bytes, bool]] = {"pool": {}, "host": {}}
 
     @classmethod
     async def start(cls, factory: Callable[[], Engine], limits: PrepareLimits | None = None) -> EngineClient:
@@ -138,7 +141,10 @@ class EngineClient:
                 self.load = self._engine.load()
                 if self.facts.prefix_caching and (changes := self._engine.take_prefix_changes()):
                     with self._prefix_lock:
-                        self._prefix_changes.update(changes)
+                        self._prefix_changes["pool"].update(changes)
+                if self.facts.host_tier and (changes := self._engine.take_tier_changes()):
+                    with self._prefix_lock:
+                        self._prefix_changes["host"].update(changes)
 
         if self.facts.calls_inline:
             return call()
@@ -289,20 +295,21 @@ class EngineClient:
         return await self._run(lambda: self._engine.reserve_prompt(key, prompt_ids, params))
 
     # ---- the prefix index ------------------------------------------------------------------------
-    def take_prefix_changes(self) -> dict[bytes, bool]:
-        """Block hashes the prefix cache gained (True) or lost (False) since the last take."""
+    def take_prefix_changes(self, tier: str = "pool") -> dict[bytes, bool]:
+        """Block hashes one tier (``pool``: the prefix cache; ``host``: the host tier) gained (True)
+        or lost (False) since the last take."""
         with self._prefix_lock:
-            changes, self._prefix_changes = self._prefix_changes, {}
+            changes, self._prefix_changes[tier] = self._prefix_changes[tier], {}
         return changes
 
-    async def prefix_hashes(self) -> list[bytes]:
-        """Every block hash the prefix cache holds now; the changes gathered so far are dropped
-        (the list replaces them)."""
+    async def prefix_hashes(self, tier: str = "pool") -> list[bytes]:
+        """Every block hash one tier holds now; its changes gathered so far are dropped (the list
+        replaces them)."""
 
         def full() -> list[bytes]:
-            hashes = self._engine.prefix_hashes()
+            hashes = self._engine.prefix_hashes() if tier == "pool" else self._engine.tier_hashes()
             with self._prefix_lock:
-                self._prefix_changes.clear()
+                self._prefix_changes[tier].clear()
             return hashes
 
         return await self._run(full)

@@ -1,5 +1,6 @@
-"""Keeps this instance's set in the prefix index (:mod:`pdserve.scheduler.prefix_index`) equal to
-what its prefix cache holds, so routers can send a prompt where its prefix is cached.
+"""Keeps this instance's sets in the prefix index (:mod:`pdserve.scheduler.prefix_index`) equal to
+what its prefix cache holds (the ``pool`` set) and, with a host tier, what that tier holds (the
+``host`` set), so routers can send a prompt where its prefix is cached.
 
 The engine loop wakes the publisher after every step; it then writes what the cache gained and
 lost since the last write, in one pipeline (so a busy instance writes at most once per step and an
@@ -27,6 +28,7 @@ class PrefixPublisher:
         self.index = index
         self.instance_id = instance_id
         self.engine = engine
+        self.tiers = ("pool", "host") if engine.facts.host_tier else ("pool",)
         self.wake = asyncio.Event()
         self.wake.set()  # the first write at once: it replaces whatever a previous run left
         self.synced = False  # the set equals the cache as of the last take of changes
@@ -48,21 +50,30 @@ class PrefixPublisher:
                 await asyncio.sleep(min(0.1 * 2**failures, 2.0))
 
     async def publish(self) -> None:
-        """One write: the changes since the last one, a full replacement, or a renewed expiry."""
+        """One write per tier: the changes since the last one, a full replacement, or a renewed expiry."""
         if not self.synced:
-            hashes = await self.engine.prefix_hashes()
-            await self.index.replace(self.instance_id, hashes)
+            for tier in self.tiers:
+                hashes = await self.engine.prefix_hashes(tier)
+                await self.index.replace(self.instance_id, hashes, tier)
+                log.debug("prefix index of %s (%s) replaced: %d blocks", self.instance_id, tier, len(hashes))
             self.synced = True
-            log.debug("prefix index of %s replaced: %d blocks", self.instance_id, len(hashes))
             return
-        changes = self.engine.take_prefix_changes()
-        if changes:
-            existed = await self.index.apply(self.instance_id, changes)
-        else:
-            existed = await self.index.refresh(self.instance_id) or self.engine.load.cached_blocks == 0
-        if not existed:  # Redis lost the set (a restart): what it held before the changes is gone
-            self.synced = False
-            self.wake.set()
+        for tier in self.tiers:
+            changes = self.engine.take_prefix_changes(tier)
+            if changes:
+                existed = await self.index.apply(self.instance_id, changes, tier)
+            else:
+                existed = await self.index.refresh(self.instance_id, tier) or self._held(tier) == 0
+            if not existed:  # Redis lost the set (a restart): what it held before the changes is gone
+                self.synced = False
+                self.wake.set()
+
+    def _held(self, tier: str) -> int:
+        """Blocks the tier holds as of the engine's last load snapshot."""
+        load = self.engine.load
+        if tier == "pool":
+            return load.cached_blocks
+        return load.tier.blocks if load.tier is not None else 0
 
     async def remove(self) -> None:
         """Delete the set (a clean stop: routers stop counting on this cache at once)."""

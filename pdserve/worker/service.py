@@ -35,6 +35,7 @@ from pdserve.scheduler import (
     PrefixIndex,
     RedisSettings,
     RouterRegistry,
+    TierInfo,
     TransferInfo,
     redis_errors,
     wait_for_redis,
@@ -370,6 +371,7 @@ class WorkerService:
             max_num_seqs=self.settings.engine.max_num_seqs,
             tokenizer=self.tokenizer_digest,
             integrity=self._integrity(),
+            tier=TierInfo(**dataclasses.asdict(load.tier)) if load.tier is not None else None,
             switchable=self._shared_cache or None,  # a decode instance's start prepared every role
             roles=list(roles.history) or None,
             last_switch=roles.last_switch,

@@ -29,13 +29,7 @@ def test_the_tier_keeps_the_most_recently_used_blocks_within_its_bytes() -> None
     tier.take_changes()  # start the record
     for i in range(3):
         tier.put(bytes([i]) * 16, block(i))
-    written: dict[int, bytes] = {}
-
-    def write(blocks: list[int], data: bytes) -> None:
-        for j, b in enumerate(blocks):
-            written[b] = data[j * 64 : (j + 1) * 64]
-
-    assert tier.read_back([bytes([0]) * 16], [7], write) == 1 and written[7] == block(0)  # 0 used
+    assert tier.read([bytes([0]) * 16]) == [block(0)]  # 0 is the most recently used now
     tier.put(bytes([3]) * 16, block(3))  # evicts 1, the least recently used
     assert bytes([1]) * 16 not in tier and bytes([0]) * 16 in tier and tier.num_blocks == 3
     assert tier.used_bytes == 3 * 64 <= tier.capacity_bytes
@@ -67,9 +61,7 @@ def test_a_corrupted_entry_is_a_counted_miss_and_is_never_written() -> None:
     entry = tier._entries[tier.key(hashes[1])]
     entry.data = bytes([9]) + entry.data[1:]  # one byte flipped in host memory
     tier.take_changes()
-    writes: list[list[int]] = []
-    assert tier.read_back(hashes, [5, 6, 7], lambda b, d: writes.append(b)) == 1
-    assert writes == [[5]]  # only the block before the bad one
+    assert tier.read(hashes) == [block(0)]  # only the block before the bad one
     assert tier.stats.corrupt == 1 and hashes[1] not in tier
     assert tier.take_changes() == {hashes[1]: False}  # the index is told at once
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -408,6 +409,26 @@ def test_prefix_cache_weighs_the_saved_prefill_against_load() -> None:
     queued = instance("m1", waiting_prefill_tokens=900)  # a queue longer than what it saves
     assert policy.pick([a, queued], {}, cached(1000, m1=800)).id == "m0"
     assert {policy.pick([a, b], {}, cached(1000)).id for _ in range(40)} == {"m0", "m1"}  # no hits: spread
+
+
+def test_prefix_cache_counts_a_host_tier_hit_at_its_read_back_cost() -> None:
+    """Tokens an instance's host tier holds after its cached prefix cost ``host_tier`` of a computed
+    token each: more than the pool's, far less than a recompute."""
+    policy = prefix_cache(load_tokens=64, host_tier=0.1)
+    a, b, c = instance("m0"), instance("m1"), instance("m2")
+    tiered = dataclasses.replace(cached(1000, m1=200), tier_tokens={"m1": 600})
+    assert policy.prefill_tokens(b, tiered) == 1000 - 200 - 0.9 * 600
+    assert policy.pick([a, b], {}, tiered).id == "m1"
+    # the same 800 tokens in m2's pool beat 200 in m1's pool and 600 in its tier
+    both = dataclasses.replace(cached(1000, m1=200, m2=800), tier_tokens={"m1": 600})
+    assert policy.pick([b, c], {}, both).id == "m2"
+    # m1's tier saves 540 tokens of work: 8 open requests (512) are worth it, 9 (576) are not
+    assert (
+        policy.pick([a, b], {"m1": 8}, dataclasses.replace(cached(1000), tier_tokens={"m1": 600})).id == "m1"
+    )
+    assert (
+        policy.pick([a, b], {"m1": 9}, dataclasses.replace(cached(1000), tier_tokens={"m1": 600})).id == "m0"
+    )
 
 
 def test_prefix_cache_picks_the_pair_jointly_and_prefers_a_decode_holding_the_prompt() -> None:

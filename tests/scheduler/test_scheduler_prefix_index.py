@@ -51,3 +51,29 @@ def test_the_set_expires_unless_refreshed(redis_url, redis_client) -> None:
     refreshed, alive, refreshed_after_expiry = run(redis_url, main)
     assert refreshed and alive  # the refresh kept it past its first TTL
     assert not refreshed_after_expiry and not redis_client.exists(KEYS.prefix_index("x"))
+
+
+def test_a_host_tier_set_extends_the_pools_run_and_is_its_own(redis_url, redis_client) -> None:
+    """An instance with a host tier has a second set: a block in either counts toward the leading
+    run, the pool's own run is said apart; each set is written, replaced and removed by tier."""
+
+    async def main(redis) -> list:
+        index = PrefixIndex(redis, KEYS, ttl_s=5)
+        await index.replace("a", HASHES[:2])
+        await index.replace("a", HASHES[2:4], "host")  # evicted from the pool into the host tier
+        await index.replace("b", HASHES[:1])
+        await index.apply("b", {HASHES[1]: True}, "host")
+        first = await index.tiered_blocks(["a", "b", "c"], HASHES, tiered=["a", "b"])
+        untiered = await index.tiered_blocks(["a"], HASHES)  # a registration without a tier: pool only
+        await index.apply("a", {HASHES[2]: False}, "host")  # the tier evicted block 2
+        second = await index.tiered_blocks(["a"], HASHES, tiered=["a"])
+        sizes = (await index.sizes(["a"]), await index.sizes(["a"], "host"))
+        await index.remove("a")
+        return [first, untiered, second, sizes, await index.tiered_blocks(["a"], HASHES, tiered=["a"])]
+
+    first, untiered, second, sizes, gone = run(redis_url, main)
+    assert first == {"a": (2, 4), "b": (1, 2), "c": (0, 0)}
+    assert untiered == {"a": (2, 2)}
+    assert second == {"a": (2, 2)} and sizes == ({"a": 2}, {"a": 1})
+    assert gone == {"a": (0, 0)} and not redis_client.exists(KEYS.prefix_index("a", "host"))
+    assert KEYS.prefix_index("a", "host") == KEYS.prefix_index("a") + ":host"

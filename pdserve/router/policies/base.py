@@ -40,6 +40,9 @@ class PolicyRequest:
     ``cached_tokens``)."""
     cached_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Instance id -> leading prompt tokens its prefix cache holds, from the prefix index (absent: 0)."""
+    tier_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Instance id -> prompt tokens after ``cached_tokens`` that its host tier holds (read back
+    instead of computed), from the prefix index's ``host`` sets (absent: 0)."""
 
 
 class Policy(Protocol):
@@ -56,7 +59,7 @@ class Policy(Protocol):
 @dataclass(frozen=True)
 class PrefixWeights:
     """The weights of the cost (``--prefix-load-tokens``, ``--prefix-transfer-weight``,
-    ``--local-prefill-tokens``)."""
+    ``--local-prefill-tokens``, ``--prefix-host-tier-weight``)."""
 
     load_tokens: float = 64.0
     """What one open request on an instance costs, in prompt tokens to compute."""
@@ -65,6 +68,8 @@ class PrefixWeights:
     local_prefill_tokens: int = 0
     """A decode instance prefills a request itself when it lacks at most this many of its prompt
     tokens (0: never; a pair always prefills)."""
+    host_tier: float = 0.1
+    """What reading one token's KV back from an instance's host tier costs, relative to computing it."""
 
 
 PolicyFactory = Callable[[Stage, PrefixWeights], Policy]

@@ -4,8 +4,9 @@ least, counting the prompt tokens each instance's prefix cache saves against its
 The router knows each instance's cached prefix of the prompt from the prefix index
 (``PolicyRequest.cached_tokens``; the dispatcher fills it). Costs are in prompt tokens:
 
-- prefill on instance *i*: ``new(i) + load(i)``, where ``new(i) = prompt tokens − cached(i)`` is
-  what *i* must compute and ``load(i) = load_tokens × requests(i) + queued prefill tokens(i)``
+- prefill on instance *i*: ``new(i) + load(i)``, where ``new(i) = prompt tokens − cached(i) −
+  (1 − host_tier) × tier(i)`` is what *i* must compute (``tier(i)``: the tokens after its cached
+  prefix that its host tier holds, each read back at ``host_tier`` of a computed token's cost) and ``load(i) = load_tokens × requests(i) + queued prefill tokens(i)``
   (requests: running + waiting from the heartbeat plus this router's own; queued: the heartbeat's
   ``waiting_prefill_tokens``);
 - a pair (P, D): ``new(P) + load(P) + transfer × (prompt tokens − cached(D)) + load_tokens ×
@@ -44,13 +45,19 @@ class PrefixCache:
         self._rng = rng or random.Random()
 
     def new_tokens(self, info: InstanceInfo, request: PolicyRequest) -> int:
-        """Prompt tokens ``info`` must compute (its cache holds the rest)."""
+        """Prompt tokens ``info`` must compute or receive (its prefix cache holds the rest)."""
         n = request.num_tokens or 0
         return max(0, n - request.cached_tokens.get(info.id, 0))
 
+    def prefill_tokens(self, info: InstanceInfo, request: PolicyRequest) -> float:
+        """What prefilling on ``info`` costs in computed tokens: its host tier's blocks are read
+        back at ``host_tier`` of a token each."""
+        tier = request.tier_tokens.get(info.id, 0)
+        return max(0.0, self.new_tokens(info, request) - (1 - self.weights.host_tier) * tier)
+
     def prefill_cost(self, info: InstanceInfo, in_flight: Mapping[str, int], request: PolicyRequest) -> float:
         load = self.weights.load_tokens * requests_on(info, in_flight) + info.load.waiting_prefill_tokens
-        return self.new_tokens(info, request) + load
+        return self.prefill_tokens(info, request) + load
 
     def decode_cost(self, info: InstanceInfo, in_flight: Mapping[str, int], request: PolicyRequest) -> float:
         moved = self.weights.transfer * self.new_tokens(info, request)

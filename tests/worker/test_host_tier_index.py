@@ -1,0 +1,149 @@
+"""The host tier in the prefix index (a real engine in a worker of this process, real Redis): after a
+run with evictions from the pool and from the tier, every block the index lists is where it says
+(the ``pool`` set is the prefix cache, the ``host`` set the host tier), a prompt the pool lost is
+read back from the tier with the tokens it had, and a worker restarted under the same id finds no
+stale entry and answers the same."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+
+from test_worker_service import ask, router_registered, settings, started
+
+from pdserve.block_hash import chain_hashes
+from pdserve.engine.kv_layout import block_bytes
+from pdserve.engine.model_config import ModelConfig
+from pdserve.scheduler import InstanceRegistry, Keys
+from pdserve.worker.service import WorkerService
+
+BS = 16
+
+
+def prompt(seed: int, blocks: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4000) for _ in range(blocks * BS + 5)]
+
+
+def tier_settings(redis_url, tmp_path, cluster, tiny_model_dir, instance_id=None):
+    tier_blocks = 8
+    host_bytes = tier_blocks * block_bytes(ModelConfig.from_dir(tiny_model_dir), BS)
+    base = settings(redis_url, tmp_path, cluster)
+    return dataclasses.replace(
+        base,
+        model_dir=tiny_model_dir,
+        engine_kind="model",
+        instance_id=instance_id or base.instance_id,
+        engine=dataclasses.replace(
+            base.engine, num_blocks=12, max_num_seqs=1, prefill_chunk_size=64, kv_host_bytes=host_bytes
+        ),
+    )
+
+
+async def settled(redis, keys: Keys, service: WorkerService) -> tuple[set, set, set, set]:
+    """The index's two sets and the engine's two tiers, once they agree (the publisher writes after
+    each step; the engine is idle here): what each set lists, and what each tier holds."""
+    engine = service.engine._engine  # idle: its thread touches nothing now
+    deadline = time.monotonic() + 5
+    while True:
+        pool = set(await redis.smembers(keys.prefix_index(service.id)))
+        host = set(await redis.smembers(keys.prefix_index(service.id, "host")))
+        held_pool, held_host = set(engine.blocks.hashes()), set(engine.host_tier.hashes())
+        if (pool, host) == (held_pool, held_host) or time.monotonic() > deadline:
+            return pool, host, held_pool, held_host
+        await asyncio.sleep(0.05)
+
+
+def test_the_index_lists_only_blocks_that_are_where_it_says(
+    redis_url, tmp_path, tiny_model_dir, cluster
+) -> None:
+    prompts = {f"p{i}": prompt(500 + i, 4) for i in range(6)}  # 6 x 4 blocks through an 11-block pool
+
+    async def main() -> dict:
+        redis, keys = await router_registered(redis_url, cluster)
+        service = WorkerService(tier_settings(redis_url, tmp_path, cluster, tiny_model_dir))
+        task = await started(service)
+        try:
+            first = {rid: await ask(redis, keys, service.id, rid, 4, ids) for rid, ids in prompts.items()}
+            pool, host, held_pool, held_host = await settled(redis, keys, service)
+            engine = service.engine._engine
+            stats = dataclasses.replace(engine.host_tier.stats)
+            evicted = engine.blocks.num_evicted
+            hashes = chain_hashes(prompts["p3"], BS)
+            in_pool = len(engine.blocks.lookup(hashes))
+            in_tier = engine.host_tier.run(hashes[in_pool:])  # the blocks the pool lost, kept below it
+            again = await ask(redis, keys, service.id, "again", 4, prompts["p3"])  # gone from the pool
+            hits = engine.host_tier.stats.hits
+            after = await settled(redis, keys, service)
+            deadline = time.monotonic() + 5  # the next heartbeat carries the tier's counters
+            while (info := await InstanceRegistry(redis, keys).get(service.id)).tier.hits != hits:
+                assert time.monotonic() < deadline, info.tier
+                await asyncio.sleep(0.1)
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+        await redis.aclose()
+        return locals()
+
+    got = asyncio.run(main())
+    assert got["evicted"] > 0 and got["stats"].evictions > 0  # the pool and the tier both evicted
+    assert got["pool"] and got["host"]
+    assert got["pool"] <= got["held_pool"] and got["host"] <= got["held_host"]  # nothing claimed is missing
+    assert got["pool"] == got["held_pool"] and got["host"] == got["held_host"]  # and nothing held is left out
+    assert got["in_pool"] < 4 and got["in_tier"] == 4 - got["in_pool"]
+    assert got["again"] == got["first"]["p3"] and got["hits"] == got["in_tier"]  # read back: same tokens
+    pool, host, held_pool, held_host = got["after"]
+    assert pool == held_pool and host == held_host
+    assert (
+        got["info"].tier is not None
+        and got["info"].tier.hits == got["in_tier"]
+        and got["info"].tier.stores > 0
+    )
+
+
+def test_a_restarted_worker_finds_no_stale_entry_and_answers_the_same(
+    redis_url, tmp_path, tiny_model_dir, cluster
+) -> None:
+    """A crashed predecessor's sets (left until their TTL) are replaced by the new incarnation's
+    (its tier is empty: memory of a process that is gone), and a prompt it served before is
+    recomputed to the same tokens."""
+    ids = prompt(900, 4)
+
+    async def main() -> dict:
+        redis, keys = await router_registered(redis_url, cluster)
+        cfg = tier_settings(redis_url, tmp_path, cluster, tiny_model_dir)
+        service = WorkerService(cfg)
+        task = await started(service)
+        try:
+            before = await ask(redis, keys, service.id, "r1", 4, ids)
+            for i in range(3):  # push r1's blocks out of the pool into the tier
+                await ask(redis, keys, service.id, f"o{i}", 1, prompt(910 + i, 4))
+            await settled(redis, keys, service)
+            host_key = keys.prefix_index(service.id, "host")
+            stale = set(await redis.smembers(host_key))
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+        # what a crash leaves: the sets, until their TTL
+        await redis.sadd(host_key, *stale)
+        await redis.sadd(keys.prefix_index(service.id), *stale)
+        service = WorkerService(cfg)
+        task = await started(service)
+        try:
+            deadline = time.monotonic() + 5
+            while await redis.exists(host_key, keys.prefix_index(service.id)):
+                assert time.monotonic() < deadline, "the stale sets were not replaced"
+                await asyncio.sleep(0.05)
+            after = await ask(redis, keys, service.id, "r1-again", 4, ids)
+            hits = service.engine._engine.host_tier.stats.hits
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+        await redis.aclose()
+        return locals()
+
+    got = asyncio.run(main())
+    assert got["stale"]  # the tier held r1's blocks before the restart
+    assert got["after"] == got["before"] and got["hits"] == 0
