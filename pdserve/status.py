@@ -106,6 +106,7 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "inbox_dead": replies[3 * n + 2],
                 "kv_checked": i.integrity.kv_checked if i.integrity else 0,
                 "kv_mismatches": i.integrity.kv_mismatches if i.integrity else 0,
+                "tier": i.tier.model_dump() if i.tier else None,
                 "role_history": role_history(i),
             }
         )
@@ -238,9 +239,24 @@ def render(status: dict[str, Any]) -> str:
         ]
         lines += _table(("ROUTER", "ADDRESS", "OUTBOX", "AGE"), router_rows)
     lines += integrity_lines(status)
+    lines += tier_lines(status)
     lines += role_lines(status)
     lines += _batch_lines(status.get("batches"))
     return "\n".join(lines)
+
+
+def tier_lines(status: dict[str, Any]) -> list[str]:
+    """Each host tier (``--kv-host-bytes``): a blank line and one line per instance that has one."""
+    lines = []
+    for i in status["instances"]:
+        t = i.get("tier")
+        if t:
+            lines.append(
+                f"host tier {i['id']}: {t['used_bytes'] / 2**20:.0f}/{t['capacity_bytes'] / 2**20:.0f} MiB, "
+                f"{t['blocks']} blocks; read back {t['hits']}, missed {t['misses']}, stored {t['stores']}, "
+                f"evicted {t['evictions']}, corrupt {t['corrupt']}"
+            )
+    return ["", *lines] if lines else []
 
 
 def integrity_lines(status: dict[str, Any]) -> list[str]:
@@ -460,7 +476,9 @@ def view(status: dict[str, Any] | None, error: str | None = None, width: int = W
     routers = _watch_table(["ROUTER", "ADDRESS", "OUTBOX", "AGE"], wide)
     for r in status["routers"]:
         routers.add_row(r["id"], address(r), str(r["outbox_len"]), _age(r["age_s"]))
-    integrity = [Text(line) for line in integrity_lines(status)[1:] + role_lines(status)[1:]]
+    integrity = [
+        Text(line) for line in integrity_lines(status)[1:] + tier_lines(status)[1:] + role_lines(status)[1:]
+    ]
     return Group(head, instances, routers, *integrity, *_watch_batches(status.get("batches"), wide))
 
 

@@ -248,3 +248,26 @@ def test_status_shows_a_prefill_instances_hand_offs_after_its_waiting_requests(r
     console.print(view(status, None, console.width))
     text = console.export_text()
     assert "1 +3 kv" in text and max(len(line) for line in text.splitlines()) <= 80, text
+
+
+def test_status_shows_each_host_tier(redis_url) -> None:
+    """An instance with a host tier (--kv-host-bytes) gets a line with its size and counters; one
+    without gets none."""
+    import asyncio
+
+    from router_support import instance
+
+    from pdserve.scheduler import TierInfo
+    from pdserve.status import collect, render
+
+    plain, tiered = instance("mixed-0-aaaaaa", "mixed"), instance("mixed-1-bbbbbb", "mixed")
+    tiered.tier = TierInfo(
+        capacity_bytes=64 << 20, used_bytes=16 << 20, blocks=23, stores=30, hits=12, misses=5, evictions=7
+    )
+    register(redis_url, "wtier", plain, tiered)
+    status = asyncio.run(collect(redis_url, "wtier"))
+    assert {i["id"]: bool(i["tier"]) for i in status["instances"]} == {plain.id: False, tiered.id: True}
+    lines = [line for line in render(status).splitlines() if line.startswith("host tier")]
+    assert lines == [
+        f"host tier {tiered.id}: 16/64 MiB, 23 blocks; read back 12, missed 5, stored 30, evicted 7, corrupt 0"
+    ]
