@@ -198,7 +198,7 @@ class FusedWeights:
     scales: tuple[np.ndarray, ...]  # float32 [L, n], or [L, 0] each
     lm_quantized: np.ndarray  # int8 [vocab, hidden], or [0, 0]
     lm_scale: np.ndarray  # float32 [vocab], or [0]
-    scratch: np.ndarray  # the int8 product's (Int8Gemm.scratch)
+    scratch: np.ndarray  # int16: the int8 product's quantized activations (Int8Gemm.scratch)
 
 
 def no_int8(layers: int) -> dict[str, Any]:
@@ -208,7 +208,7 @@ def no_int8(layers: int) -> dict[str, Any]:
         "scales": tuple(np.zeros((layers, 0), np.float32) for _ in range(4)),
         "lm_quantized": np.zeros((0, 0), np.int8),
         "lm_scale": np.zeros(0, np.float32),
-        "scratch": np.zeros(1, np.float32),
+        "scratch": np.zeros(1, np.int16),
     }
 
 
@@ -401,7 +401,7 @@ def select_decode(
     fused, why = load_or_fall_back(
         "decode_step",
         mode,
-        lambda: _compile(kernels, mkl, int8 or compile_int8(kernels.threads, mkl.path)),
+        lambda: _compile(kernels, mkl, int8 or compile_int8(kernels.threads)),
         (Exception,),  # numba's TypingError/LoweringError, a symbol LLVM cannot find, a failed self-test
         "the fused decode step is unavailable",
         "layer-by-layer decode",

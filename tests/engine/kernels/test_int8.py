@@ -1,5 +1,6 @@
-"""Int8 weights (engine/kernels/int8.py): quantization, both product paths against float64, the
-engine's bitwise batch invariance with them, and their distance from float32 on the real model."""
+"""Int8 weights (engine/kernels/int8.py): quantization, the integer product against numpy at every
+row count (exactly against its integer model, within the stated bound against float64), the
+engine's bitwise batch invariance with it, and its distance from float32 on the real model."""
 
 from __future__ import annotations
 
@@ -7,14 +8,24 @@ import numpy as np
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.kernels.gemm import bundled_mkl
-from pdserve.engine.kernels.int8 import GEMV_ROWS, Int8Gemm, compile_int8, quantize, select_weights
+from pdserve.engine.kernels.int8 import (
+    BLOCK_BYTES,
+    ROWS,
+    Int8Gemm,
+    Int8Matrix,
+    activation_limit,
+    compile_int8,
+    quantize,
+    select_weights,
+)
 from pdserve.errors import ConfigError
+
+ROW_COUNTS = [1, 2, 3, ROWS, ROWS + 1, 8, 13, 32, 64, 100, 129]
 
 
 @pytest.fixture(scope="module")
 def int8() -> Int8Gemm:
-    return compile_int8(2, bundled_mkl())
+    return compile_int8(2)
 
 
 def test_quantization_is_within_half_a_step_per_output_channel() -> None:
@@ -32,25 +43,79 @@ def test_quantization_is_within_half_a_step_per_output_channel() -> None:
     assert np.array_equal(zero.dequantize(), np.zeros((4, 3), np.float32))
 
 
-@pytest.mark.parametrize("m", [1, 2, GEMV_ROWS, GEMV_ROWS + 1, 8, 33])
-@pytest.mark.parametrize("k,n", [(64, 48), (576, 960), (37, 1000)])
-def test_products_match_float64_of_the_dequantized_weight(int8: Int8Gemm, m: int, k: int, n: int) -> None:
+def integer_model(x: np.ndarray, w: Int8Matrix) -> np.ndarray:
+    """What the kernel computes, in numpy: x's rows quantized to int16, exact int64 sums, scaled."""
+    limit = activation_limit(w.k)
+    amax = np.abs(x).max(axis=1, keepdims=True).astype(np.float64)
+    xq = np.rint(x.astype(np.float64) * (limit / np.where(amax > 0, amax, 1.0)))
+    assert np.abs(xq).max(initial=0) <= limit
+    exact = xq.astype(np.int64) @ w.q.T.astype(np.int64)
+    assert np.abs(exact).max(initial=0) < 2**31  # the int32 sums cannot have wrapped
+    return (exact * (amax / limit) * w.scale.astype(np.float64)).astype(np.float32)
+
+
+def test_activation_limit_keeps_every_sum_in_int32() -> None:
+    for k in (1, 16, 576, 1536, 8192, 14336, 10**6):
+        limit = activation_limit(k)
+        assert 1 <= limit <= 32767 and 127 * limit * k <= 2**31 - 1
+    assert activation_limit(576) == 29356 and activation_limit(1536) == 11008
+
+
+@pytest.mark.parametrize("m", ROW_COUNTS)
+@pytest.mark.parametrize("k,n", [(64, 48), (576, 960), (37, 1001), (1536, 576)])
+def test_products_match_numpy_at_every_row_count(int8: Int8Gemm, m: int, k: int, n: int) -> None:
+    """Bitwise-close to the integer model; within the stated bound of float64 x @ dequantized W:
+    per output, the activations' half step (max|x[r]| / (2 limit)) times sum_i |W[i, j]|, plus
+    float32's rounding of the result."""
     rng = np.random.default_rng(m * k + n)
     w = quantize(rng.standard_normal((k, n), dtype=np.float32))
-    x = rng.standard_normal((m, k), dtype=np.float32)
-    want = x.astype(np.float64) @ w.dequantize().astype(np.float64)
+    x = rng.standard_normal((m, k), dtype=np.float32) * rng.uniform(0.01, 100, (m, 1)).astype(np.float32)
     got = int8.matmul(x, w)
     assert got.shape == (m, n) and got.dtype == np.float32
-    assert np.abs(got - want).max() <= 1e-5 * np.sqrt(k) * np.abs(want).max()
+    np.testing.assert_allclose(got, integer_model(x, w), rtol=1e-6, atol=0)
+    w64 = w.dequantize().astype(np.float64)
+    want = x.astype(np.float64) @ w64
+    half_step = np.abs(x).max(axis=1, keepdims=True) / (2 * activation_limit(k))
+    bound = half_step * np.abs(w64).sum(axis=0) * 1.001 + np.abs(want) * 2.0**-23
+    assert (np.abs(got - want) <= bound).all()
+    assert np.abs(got - want).max() <= 1e-4 * np.sqrt(k) * np.abs(want).max()  # and in relative terms
 
 
-def test_the_mkl_path_tiles_the_output_channels(int8: Int8Gemm) -> None:
-    """A scratch of a few channels' rows: many tiles, each written at its columns, the same numbers."""
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(int8: Int8Gemm) -> None:
+    """Integer sums are exact: a row alone and the same row inside any batch, tiled differently
+    (row tiles of 4, blocks of rows, a last odd channel), give the same bits."""
+    rng = np.random.default_rng(7)
+    k = 1536
+    w = quantize(rng.standard_normal((k, 1001), dtype=np.float32))
+    x = rng.standard_normal((300, k), dtype=np.float32)
+    assert BLOCK_BYTES // (2 * k) < 300  # more than one block of rows
+    alone = np.concatenate([int8.matmul(x[r : r + 1], w) for r in range(0, 300, 37)])
+    for m in (*ROW_COUNTS, 300):
+        got = int8.matmul(x[:m], w)
+        for i, r in enumerate(range(0, m, 37)):
+            assert np.array_equal(got[r], alone[i]), (m, r)
+    int8.threads = 1  # and whatever the thread count
+    try:
+        assert np.array_equal(int8.matmul(x, w), got)
+    finally:
+        int8.threads = 2
+
+
+def test_zero_nonfinite_rows_and_a_small_scratch(int8: Int8Gemm) -> None:
     rng = np.random.default_rng(3)
     w = quantize(rng.standard_normal((50, 70), dtype=np.float32))
-    x = rng.standard_normal((GEMV_ROWS + 3, 50), dtype=np.float32)
-    small = Int8Gemm(int8.fn, 2, scratch=50 * 6)  # 6 channels per tile: 12 tiles, the last of 4
-    assert np.array_equal(small.matmul(x, w), int8.matmul(x, w))
+    x = rng.standard_normal((7, 50), dtype=np.float32)
+    x[1] = 0.0
+    x[4, 3] = np.nan
+    x[5, 0] = np.inf
+    got = int8.matmul(x, w)
+    assert np.array_equal(got[1], np.zeros(70, np.float32))
+    assert np.isnan(got[4]).all() and np.isnan(got[5]).all()
+    fine = [0, 2, 3, 6]
+    assert np.array_equal(got[fine], int8.matmul(x[fine], w))
+    out = np.empty((7, 70), np.float32)
+    int8.fn(x, w.q, w.scale, np.empty(8, np.int16), out)  # too small for 7 x 50: the kernel allocates
+    assert np.array_equal(out, got, equal_nan=True)
     with pytest.raises(ValueError, match="x has 49 columns, the int8 matrix 50 rows"):
         int8.matmul(x[:, :49], w)
 
@@ -66,8 +131,8 @@ PROMPTS = ["Hi", "The router picks a prefill and a decode instance from the live
 
 
 def test_int8_is_batch_invariant_and_its_fused_step_is_bitwise_its_layer_path(tiny_model_dir) -> None:
-    """MKL_CBWR=AUTO,STRICT (conftest): every int8 product of a batch-invariant step has >= 8 rows
-    and takes the MKL path, whose rows are invariant; the fused step calls the same kernel."""
+    """The int8 product's rows are exact integer sums, invariant at any row count; the fused step
+    calls the same kernel."""
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     common = {"num_blocks": 64, "keep_logits": True, "weights": "int8", "batch_invariant": True}
     fused = LLM(tiny_model_dir, decode_step="fused", **common)
