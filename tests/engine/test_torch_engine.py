@@ -106,6 +106,22 @@ def test_a_prefix_cache_hit_gives_the_tokens_a_miss_gives(tiny_model_dir: Path, 
     np.testing.assert_allclose(np.stack(again[1]), np.stack(fresh[1]), atol=2e-5, rtol=0)
 
 
+def test_a_block_read_back_from_the_host_tier_gives_the_tokens_a_miss_gives(tiny_model_dir: Path) -> None:
+    """The torch platform's cache through the host tier: evicted blocks copied out of the tensor and
+    written back into other blocks of it (index_copy_) continue as an uncached engine's would."""
+    prompt = PROMPTS[2] + [5, 6]
+    fresh = run(engine(tiny_model_dir, prefix_caching=False), [prompt])["r0"]
+    config = EngineConfig(num_blocks=8, device="cpu", keep_logits=True, kv_host_bytes=16 << 20)
+    eng = LLMEngine(tiny_model_dir, config, platform=TorchPlatform("cpu"))
+    run(eng, [PROMPTS[2]])  # its two full blocks cached
+    run(eng, [list(range(200, 306))])  # the whole pool: the cached blocks are evicted into the tier
+    assert eng.host_tier is not None and eng.host_tier.num_blocks >= 2 and eng.blocks.num_evicted >= 2
+    again = run(eng, [prompt])["r0"]
+    assert eng.host_tier.stats.hits == 2
+    assert again[0] == fresh[0]
+    np.testing.assert_allclose(np.stack(again[1]), np.stack(fresh[1]), atol=2e-5, rtol=0)
+
+
 def test_the_kv_hand_off_between_two_engines_continues_exactly(tiny_model_dir: Path) -> None:
     """Prefill on one engine, its blocks' bytes imported into another's reserved blocks, decoding
     there: the tokens of one engine doing both (PD == mixed), bit for bit."""
