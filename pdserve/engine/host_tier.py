@@ -118,9 +118,11 @@ class HostTier:
         """The bytes of the leading run of ``hashes`` the tier holds, each checked against the
         digest taken when it was stored. The run ends at the first block not held or whose bytes
         no longer match (that entry is dropped and counted as corrupt: never handed out). The
-        entries become the most recently used; the caller holds the bytes, so an eviction from the
+        entries become the most recently used, the first block most (the head of a chain, which
+        every longer prompt needs, goes last); the caller holds the bytes, so an eviction from the
         tier after this call (an allocation's own) takes nothing from it."""
         good: list[bytes] = []
+        keys: list[bytes] = []
         for h in hashes:
             key = self.key(h)
             entry = self._entries.get(key)
@@ -132,8 +134,10 @@ class HostTier:
                 self.stats.corrupt += 1
                 self._record(h, False)
                 break
-            self._entries.move_to_end(key)
+            keys.append(key)
             good.append(entry.data)
+        for key in reversed(keys):
+            self._entries.move_to_end(key)
         self.stats.hits += len(good)
         return good
 

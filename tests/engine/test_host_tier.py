@@ -43,6 +43,18 @@ def test_the_tier_keeps_the_most_recently_used_blocks_within_its_bytes() -> None
     assert sorted(tier.hashes()) == sorted(bytes([i]) * 16 for i in (0, 2, 3))
 
 
+def test_a_chain_read_back_keeps_its_head_longest() -> None:
+    """Blocks read together become the most recently used, the first one most: the tier then drops
+    a prefix's tail before its head (which every longer prompt needs)."""
+    tier = HostTier(3 * 64, NS)
+    chain = [bytes([i]) * 16 for i in range(3)]
+    for i, h in enumerate(chain):
+        tier.put(h, block(i))
+    assert len(tier.read(chain)) == 3
+    tier.put(b"x" * 16, block(9))
+    assert chain[2] not in tier and chain[0] in tier and chain[1] in tier
+
+
 def test_a_key_is_what_the_block_is() -> None:
     """Another checkpoint, dtype, block size or layout is another key; the salt is in the hash."""
     h = chain_hashes(list(range(BS)), BS)[0]
