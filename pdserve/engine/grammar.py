@@ -8,8 +8,9 @@ complete. EOS is in the mask only where the grammar accepts; once the grammar ca
 Compiling is the costly part (the lexer is built against the whole vocabulary), so ``Grammars``
 keeps the freshly compiled matcher of each ``(kind, spec)`` (LRU) and hands every request a copy.
 One instance per engine, used from the engine thread and from the worker's preparation threads
-(compilation drops the GIL and runs there, off the engine thread, the first mask too): the cache takes a lock, the
-compiler works outside it, and :data:`LIMITS` bounds its work.
+(compilation drops the GIL and runs there, off the engine thread and at a lower OS priority, the
+first mask too): the cache takes a lock, the compiler works outside it, and :data:`LIMITS` bounds
+its work.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import llguidance
 import numpy as np
 
 from pdserve.errors import InvalidRequestError
+from pdserve.grammar_limits import MAX_ITEMS_IN_ROW
 from pdserve.sampling_params import guided_param
 from pdserve.tokenizer import Tokenizer
 
@@ -31,10 +33,14 @@ if TYPE_CHECKING:
 
 CACHE_SIZE = 64  # compiled grammars kept per engine
 MAX_ERROR_CHARS = 500
-LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=1_000_000, max_grammar_size=500_000)
+LIMITS = llguidance.LLParserLimits(
+    initial_lexer_fuel=1_000_000, max_grammar_size=500_000, max_items_in_row=MAX_ITEMS_IN_ROW
+)
 """llguidance's compile bounds (lexer "fuel" is work, ~50k per ms; grammar symbols): a grammar past
-them is a 400 ("fuel exhausted", "schema too large"). Pinned at llguidance 0.23's defaults so an
-upgrade cannot loosen them; the worker's ``--max-grammar-bytes`` comes first."""
+them is a 400 ("fuel exhausted", "schema too large"); and its parser's (items in one row: past it,
+a step fails, which ``--max-optional-properties`` keeps schemas from, see ``grammar_limits``).
+Pinned at llguidance 0.23's defaults so an upgrade cannot loosen them; the worker's
+``--max-grammar-bytes`` and ``--max-optional-properties`` come first."""
 JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 """Compact JSON (``,`` and ``:`` with no free whitespace): models otherwise can pad with whitespace
 forever. A schema's own ``x-guidance`` options override it (llguidance applies defaults, then

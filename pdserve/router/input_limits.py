@@ -1,7 +1,8 @@
 """The sizes of request fields the router bounds, checked before anything reaches a worker.
 
 Router settings bound ``stop``, ``stop_token_ids``, ``logit_bias``, the choices one request fans
-out to and the structured-output constraints (:class:`InputLimits`); a prompt's length is bounded
+out to and the structured-output constraints, by size and by the shape that compiles for seconds
+only to fail (:class:`InputLimits`, :mod:`pdserve.grammar_limits`); a prompt's length is bounded
 in characters, without a tokenizer (:func:`check_prompt_chars`).
 """
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from pdserve.errors import InvalidRequestError, RequestTooLongError
+from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, check_optional_properties
 from pdserve.router.request_models import CommonRequest
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ class InputLimits:
     """Largest structured-output constraint or ``tools``, in bytes of JSON (a worker compiles it)."""
     chars_per_token: int = 32
     """``--max-prompt-chars-per-token``: see :func:`check_prompt_chars`."""
+    max_optional_properties: int = DEFAULT_MAX_OPTIONAL_PROPERTIES
+    """``--max-optional-properties``: the most optional properties of an object in a JSON schema."""
 
     @classmethod
     def of(cls, settings: RouterSettings) -> InputLimits:
@@ -45,6 +49,7 @@ class InputLimits:
             settings.max_prompts_per_request,
             settings.max_grammar_bytes,
             settings.max_prompt_chars_per_token,
+            settings.max_optional_properties,
         )
 
     def check(self, req: CommonRequest) -> None:
@@ -80,7 +85,9 @@ class InputLimits:
 
     def check_grammars(self, req: CommonRequest) -> None:
         """Raise InvalidRequestError naming the structured-output field (or ``tools``) whose JSON is
-        larger than ``max_grammar_bytes``: a worker compiles it, and a huge schema stalls its engine."""
+        larger than ``max_grammar_bytes`` (a worker compiles it, and a huge schema stalls its engine),
+        or whose schema has an object of more than ``max_optional_properties`` (it would compile
+        for seconds and then fail at its first token)."""
         fmt = req.response_format
         tools = getattr(req, "tools", None)  # chat only
         for param, value in (
@@ -99,6 +106,23 @@ class InputLimits:
                     "(--max-grammar-bytes)",
                     param,
                 )
+        schemas: list[tuple[str, Any]] = [
+            (
+                "response_format.json_schema.schema",
+                fmt.json_schema.schema_ if fmt and fmt.json_schema else None,
+            ),
+            ("guided_json", _loaded(req.guided_json)),
+        ]
+        choice = getattr(req, "tool_choice", None)  # only a call it forces is compiled
+        named = None if choice is None or isinstance(choice, str) else choice.function.name
+        schemas += [
+            (f"tools[{i}].function.parameters", t.function.parameters)
+            for i, t in enumerate(tools or ())
+            if choice == "required" or t.function.name == named
+        ]
+        for param, schema in schemas:
+            if schema is not None:
+                check_optional_properties(schema, self.max_optional_properties, param)
 
     def check_choices(self, num_prompts: int, n: int) -> None:
         """Raise InvalidRequestError naming ``prompt`` (or ``n``) when prompts x n is above the bound."""
@@ -108,6 +132,17 @@ class InputLimits:
                 f"a request may ask for at most {self.max_prompts} choices (prompts x n), got {what}",
                 "prompt" if num_prompts > 1 else "n",
             )
+
+
+def _loaded(schema: Any) -> Any:
+    """``guided_json``'s schema (a string holding one is parsed; a malformed one is left for the
+    parser to name)."""
+    if not isinstance(schema, str):
+        return schema
+    try:
+        return orjson.loads(schema)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def json_bytes(value: Any) -> int:

@@ -16,6 +16,7 @@ from pdserve.batchstore.files import DEFAULT_FILE_TTL_S, DEFAULT_MAX_FILE_BYTES
 from pdserve.batchstore.owners import DEFAULT_QUOTA_BATCHES, DEFAULT_QUOTA_FILES, Quotas
 from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting
+from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_HELP
 from pdserve.router.policies import POLICY_NAMES, PrefixWeights
 from pdserve.router.prefix_lookup import INDEX_KINDS
 from pdserve.scheduler.connection import (
@@ -149,6 +150,7 @@ class RouterSettings:
         "structured output (response_format's schema, guided_json/_regex/_choice) or tools larger than "
         "this many bytes of JSON is refused with 400 naming the field (default %(default)s)",
     )
+    max_optional_properties: int = setting(DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_HELP)
     max_in_flight: int = setting(
         0,
         "choices this router runs at once (a request takes prompts x n of them; /tokenize one); "
@@ -315,6 +317,7 @@ class RouterSettings:
             "max_prompts_per_request",
             "max_prompt_chars_per_token",
             "max_grammar_bytes",
+            "max_optional_properties",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

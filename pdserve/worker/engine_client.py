@@ -7,8 +7,8 @@ the engine's methods can sit behind the client (tests use a small stub engine).
 
 Preparing a request (chat template, tokenization, grammar compilation) only reads the engine's
 tokenizer and its grammar cache (which locks itself), so it runs on a small pool of its own: a large
-prompt or schema never holds up decode steps, and its size is bounded (:class:`PrepareLimits`) before
-any of that work starts.
+prompt or schema never holds up decode steps, and its size and shape are bounded
+(:class:`PrepareLimits`) before any of that work starts.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 from pdserve.cache_transfer.regions import Region, block_regions
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput
 from pdserve.errors import InvalidRequestError, RequestTooLongError
+from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, check_optional_properties
 from pdserve.sampling_params import SamplingParams, guided_param
 from pdserve.scheduler.messages import GenerateRequest, Tokenize
 from pdserve.worker.metrics import WorkerMetrics
@@ -37,10 +38,13 @@ PREPARE_THREADS = 2  # tokenization and grammar compilation release the GIL: two
 @dataclasses.dataclass(frozen=True)
 class PrepareLimits:
     """What one request may make this worker tokenize or compile (``--max-prompt-chars-per-token``,
-    ``--max-grammar-bytes``); beyond, a 400 naming the field, before any work is done."""
+    ``--max-grammar-bytes``, ``--max-optional-properties``); beyond, a 400 naming the field, before
+    any work is done."""
 
     prompt_chars_per_token: int
     grammar_bytes: int
+    optional_properties: int = DEFAULT_MAX_OPTIONAL_PROPERTIES
+    """``--max-optional-properties``: see :mod:`pdserve.grammar_limits`."""
 
 
 class Engine(Protocol):
@@ -173,7 +177,8 @@ class EngineClient:
             )
 
     def _check_grammar(self, params: SamplingParams) -> None:
-        """Refuse a grammar larger than ``--max-grammar-bytes`` before it is compiled."""
+        """Refuse a grammar larger than ``--max-grammar-bytes``, or a JSON schema with an object of
+        more than ``--max-optional-properties``, before it is compiled."""
         guided = params.guided
         if self.limits is None or guided is None:
             return
@@ -184,6 +189,8 @@ class EngineClient:
                 f"{self.limits.grammar_bytes}",
                 guided_param(guided),
             )
+        if guided["kind"] == "json":
+            check_optional_properties(guided["spec"], self.limits.optional_properties, guided_param(guided))
 
     # ---- requests --------------------------------------------------------------------------------
     async def tokenize(self, msg: Tokenize) -> tuple[list[int], str]:

@@ -101,7 +101,11 @@ class WorkerService:
                 raise ConfigError(
                     f"--instance-id {self.id} is registered by a live instance; pick another id"
                 )
-            limits = PrepareLimits(self.settings.max_prompt_chars_per_token, self.settings.max_grammar_bytes)
+            limits = PrepareLimits(
+                self.settings.max_prompt_chars_per_token,
+                self.settings.max_grammar_bytes,
+                self.settings.max_optional_properties,
+            )
             self.engine = await EngineClient.start(self._build_engine, limits)
             await self._publish_tokenizer()
             await self._start_transfer()

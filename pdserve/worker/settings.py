@@ -15,6 +15,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_store import MODEL_HELP
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
+from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_HELP
 from pdserve.scheduler.connection import (
     NO_WAIT,
     WAIT_REPLICAS_HELP,
@@ -138,6 +139,7 @@ class WorkerSettings:
         "structured output (JSON schema, regex, choices, a tool call's schema) larger than this many bytes "
         "of JSON is refused with 400 before it is compiled (default %(default)s)",
     )
+    max_optional_properties: int = setting(DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_HELP)
     max_deliveries: int = setting(
         MAX_DELIVERIES,
         "an inbox message is handed over at most this many times: one whose handling the instance never "
@@ -168,6 +170,8 @@ class WorkerSettings:
             )
         if self.max_grammar_bytes < 1:
             raise ConfigError(f"--max-grammar-bytes must be >= 1, got {self.max_grammar_bytes}")
+        if self.max_optional_properties < 1:
+            raise ConfigError(f"--max-optional-properties must be >= 1, got {self.max_optional_properties}")
         if self.stream_interval_s < 0:
             raise ConfigError(f"--stream-interval must be >= 0, got {self.stream_interval_s}")
         if self.mooncake_staging_mb < 1:

@@ -4,6 +4,7 @@ never fit the model length, oversized grammars, and admission that counts choice
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -121,6 +122,86 @@ def test_grammars_larger_than_the_bound_are_refused(
                 resp = await client.post("/v1/completions", json={"prompt": "hi", field: value})
                 assert_refused(resp, param, None)
             assert worker.received == []
+            await worker.stop()
+
+    run(main())
+
+
+def optional_object(n: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {} for i in range(n)}, "additionalProperties": False}
+
+
+@pytest.mark.parametrize(
+    ("field", "param"),
+    [
+        ("response_format", "response_format.json_schema.schema"),
+        ("guided_json", "guided_json"),
+        ("guided_json_text", "guided_json"),
+        ("tools_required", "tools[1].function.parameters"),
+        ("tools_named", "tools[1].function.parameters"),
+    ],
+)
+def test_a_schema_that_would_compile_for_seconds_and_fail_is_refused(
+    redis_url: str, redis_client: redis.Redis, field: str, param: str
+) -> None:
+    """An object of 5,000 optional properties (59 KB, within --max-grammar-bytes) would keep a worker
+    compiling for seconds and then fail at its first token: a 400 naming the field, nothing sent.
+    The same tools under tool_choice "auto" compile nothing and go through."""
+    costly = {"type": "object", "properties": {"rows": {"type": "array", "items": optional_object(5000)}}}
+    tools = [
+        {"type": "function", "function": {"name": "small", "parameters": optional_object(3)}},
+        {"type": "function", "function": {"name": "costly", "parameters": costly}},
+    ]
+    body: dict[str, Any] = {
+        "response_format": {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": costly}}
+        },
+        "guided_json": {"guided_json": costly},
+        "guided_json_text": {"guided_json": json.dumps(costly)},
+        "tools_required": {"tools": tools, "tool_choice": "required"},
+        "tools_named": {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "costly"}}},
+    }[field]
+
+    async def main() -> None:
+        async with router(redis_url) as client, redis_conn(redis_url) as r:
+            worker = await FakeWorker(r, instance("m0")).start()
+            started = time.monotonic()
+            resp = await client.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body}
+            )
+            assert_refused(resp, param, None)
+            message = resp.json()["error"]["message"]
+            assert "5000 optional properties" in message and "--max-optional-properties" in message
+            if not field.startswith("tools"):
+                resp = await client.post("/v1/completions", json={"prompt": "hi", **body})
+                assert_refused(resp, param, None)
+            assert time.monotonic() - started < 2.0
+            assert worker.received == []
+            if field == "tools_required":  # "auto": no grammar, the schemas only reach the template
+                auto = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 2}
+                resp = await client.post("/v1/chat/completions", json=auto)
+                assert resp.status_code == 200, resp.text
+                assert len(worker.requests()) == 1
+            await worker.stop()
+
+    run(main())
+
+
+def test_the_optional_properties_limit_is_a_flag(redis_url: str, redis_client: redis.Redis) -> None:
+    """--max-optional-properties (PDSERVE_MAX_OPTIONAL_PROPERTIES) moves the bound."""
+
+    async def main() -> None:
+        async with router(redis_url, max_optional_properties=10) as client, redis_conn(redis_url) as r:
+            worker = await FakeWorker(r, instance("m0")).start()
+            resp = await client.post(
+                "/v1/completions", json={"prompt": "hi", "guided_json": optional_object(11)}
+            )
+            assert_refused(resp, "guided_json", None)
+            resp = await client.post(
+                "/v1/completions", json={"prompt": "hi", "guided_json": optional_object(10), "max_tokens": 2}
+            )
+            assert resp.status_code == 200, resp.text
+            assert len(worker.requests()) == 1
             await worker.stop()
 
     run(main())

@@ -234,3 +234,45 @@ def test_echo_engine_calls_run_on_the_loop_and_a_model_engines_on_the_engine_thr
 
     assert run(thread_of_a_step(lambda: EchoEngine(None))) == threading.main_thread().name
     assert run(thread_of_a_step(lambda: LLMEngine(tiny_model_dir, config))).startswith("engine")
+
+
+def test_an_object_of_too_many_optional_properties_is_refused_before_it_compiles(tiny_model_dir) -> None:
+    """A JSON schema with an object of more optional properties than ``--max-optional-properties``
+    (500: llguidance's parser gives up at the object's first token past it) is a 400 naming the
+    field at once, nothing compiled; one of 500 compiles and constrains."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(num_blocks=64, max_model_len=1024, threads=1)
+    limits = PrepareLimits(prompt_chars_per_token=32, grammar_bytes=65536)
+
+    def obj(n: int) -> dict:
+        return {
+            "type": "object",
+            "properties": {f"p{i}": {} for i in range(n)},
+            "additionalProperties": False,
+        }
+
+    async def main() -> None:
+        engine = await EngineClient.start(lambda: LLMEngine(tiny_model_dir, config), limits)
+        grammars = engine._engine.grammars
+        try:
+            for guided, param in (
+                ({"kind": "json", "spec": obj(501)}, "response_format"),
+                ({"kind": "json", "spec": {"type": "array", "items": obj(3000)}, "param": "tools"}, "tools"),
+            ):
+                t0 = time.perf_counter()
+                with pytest.raises(InvalidRequestError, match="--max-optional-properties") as e:
+                    await engine.prepare(_big(prompt="hi", guided=guided))
+                assert e.value.param == param
+                assert time.perf_counter() - t0 < 0.5
+                with pytest.raises(InvalidRequestError) as e:
+                    await engine.check_prefilled([5, 6, 7], SamplingParams(max_tokens=4, guided=guided))
+                assert e.value.param == param
+            assert grammars.num_compiled == 0
+            await engine.prepare(_big(prompt="hi", guided={"kind": "json", "spec": obj(500)}))
+            assert grammars.num_compiled == 1
+        finally:
+            await engine.close()
+
+    run(main())

@@ -26,7 +26,8 @@ def slow_schema(tag: str, properties: int = 5000) -> dict:
     """Optional properties, none allowed beside them: llguidance's compile time grows with their
     square (~2 s at 5,000 here, 59 KB: within the default --max-grammar-bytes of 64 KiB). Its
     parser then gives up at the first token (ParserTooComplex): the request fails after its
-    seconds of preparation, which is all this needs."""
+    seconds of preparation, which is all this needs (``--max-optional-properties`` refuses it by
+    default, before it compiles: raised here)."""
     return {
         "type": "object",
         "properties": {f"{tag}{i}": {} for i in range(properties)},
@@ -87,6 +88,7 @@ def test_a_slow_schema_does_not_hold_a_running_stream(redis_url, tmp_path, tiny_
                 ttl_s=5.0,
                 instance_id=f"mixed-{uuid.uuid4().hex[:6]}",
                 engine=EngineConfig(max_model_len=2048, num_blocks=512),
+                max_optional_properties=10_000,  # let it through: the compile is what this needs
             )
         )
         redis, keys = await router_registered(redis_url, cluster)
