@@ -88,7 +88,7 @@ class Dispatcher:
             settings.prefill_policy, settings.decode_policy, settings.aggregated_fallback, weights
         )
         index = PrefixIndex(redis, keys, settings.ttl_s) if settings.prefix_index == "redis" else LocalIndex()
-        self.prefix = PrefixLookup(PromptTokenizer(redis, keys), index)
+        self.prefix = PrefixLookup(PromptTokenizer(redis, keys, nice=settings.prepare_nice), index)
         """Prompt lengths and cached prefixes, for a policy that places by them."""
         self.in_flight = self.selector.in_flight
         """This router's open requests per instance id (prefill counts until the first token)."""

@@ -20,10 +20,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 
 from pdserve.errors import ConfigError
+from pdserve.priority import PREPARE_NICE, preparation_pool
 from pdserve.router.policies.base import PolicyRequest
 from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.keys import Keys
@@ -39,7 +41,11 @@ RETRY_AFTER_S = 5.0
 the next try: a missing tokenizer costs no GET per request."""
 LONG_PROMPT_CHARS = 4096
 """Prompts above this many characters are tokenized on a thread (``encode_batch`` releases the GIL),
-so the router's event loop keeps serving; shorter ones inline (a thread hop costs more than them)."""
+so the router's event loop keeps serving; shorter ones inline (a thread hop costs more than them).
+Those threads run ``--prepare-nice`` nicer than the router's (:mod:`pdserve.priority`): a prompt of
+the model length in characters is CPU-seconds that would otherwise take a core from the decode
+steps of a worker on the same host, and from the router's own relaying."""
+PREPARE_THREADS = 2
 
 
 def prompt_chars(request: PolicyRequest) -> int:
@@ -74,6 +80,7 @@ class PromptTokenizer:
         retry_after_s: float = RETRY_AFTER_S,
         long_prompt_chars: int = LONG_PROMPT_CHARS,
         clock: Callable[[], float] = time.monotonic,
+        nice: int = PREPARE_NICE,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -81,6 +88,8 @@ class PromptTokenizer:
         self.retry_after_s = retry_after_s
         self.long_prompt_chars = long_prompt_chars
         self.clock = clock
+        self.nice = nice
+        self._pool: ThreadPoolExecutor | None = None  # started by the first long prompt
         self._tokenizers: OrderedDict[str, Tokenizer] = OrderedDict()
         self._fetches: dict[str, asyncio.Task[Tokenizer | None]] = {}
         self._failed_at: dict[str, float] = {}
@@ -150,7 +159,9 @@ class PromptTokenizer:
                 add_generation_prompt=request.add_generation_prompt,
             )
             if prompt_chars(request) > self.long_prompt_chars:
-                return await asyncio.to_thread(encode)
+                if self._pool is None:
+                    self._pool = preparation_pool(PREPARE_THREADS, self.nice, "prompt-ids")
+                return await asyncio.get_running_loop().run_in_executor(self._pool, encode)
             return encode()
         except Exception as e:  # a hint only: the worker reports the request's own errors
             logger.debug("no prompt ids for routing (tokenizer %s): %s", digest, e)

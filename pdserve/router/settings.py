@@ -17,6 +17,7 @@ from pdserve.batchstore.owners import DEFAULT_QUOTA_BATCHES, DEFAULT_QUOTA_FILES
 from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting
 from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_HELP
+from pdserve.priority import PREPARE_NICE, PREPARE_NICE_HELP
 from pdserve.router.policies import POLICY_NAMES, PrefixWeights
 from pdserve.router.prefix_lookup import INDEX_KINDS
 from pdserve.scheduler.connection import (
@@ -151,6 +152,7 @@ class RouterSettings:
         "this many bytes of JSON is refused with 400 naming the field (default %(default)s)",
     )
     max_optional_properties: int = setting(DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_HELP)
+    prepare_nice: int = setting(PREPARE_NICE, PREPARE_NICE_HELP)
     max_in_flight: int = setting(
         0,
         "choices this router runs at once (a request takes prompts x n of them; /tokenize one); "
@@ -321,6 +323,8 @@ class RouterSettings:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.prepare_nice <= 19:
+            raise ConfigError(f"prepare_nice must be 0..19, got {self.prepare_nice}")
         if self.max_in_flight < 0 or self.max_queued < 0:
             raise ConfigError("max_in_flight and max_queued must be >= 0")
         if self.retry_attempts < 0:

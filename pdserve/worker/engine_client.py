@@ -6,8 +6,10 @@ load the heartbeat reports is a snapshot taken on that thread after every call. 
 the engine's methods can sit behind the client (tests use a small stub engine).
 
 Preparing a request (chat template, tokenization, grammar compilation) only reads the engine's
-tokenizer and its grammar cache (which locks itself), so it runs on a small pool of its own: a large
-prompt or schema never holds up decode steps, and its size and shape are bounded
+tokenizer and its grammar cache (which locks itself), so it runs on a small pool of its own, whose
+threads run at a lower OS priority (``--prepare-nice``, :mod:`pdserve.priority`): a large prompt or schema never holds up
+decode steps, neither by the GIL (the tokenizer and llguidance release it) nor by the cores (the
+kernel gives them to the engine's threads first). Its size and shape are bounded
 (:class:`PrepareLimits`) before any of that work starts.
 """
 
@@ -26,6 +28,7 @@ from pdserve.cache_transfer.regions import Region, block_regions
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput
 from pdserve.errors import InvalidRequestError, RequestTooLongError
 from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, check_optional_properties
+from pdserve.priority import PREPARE_NICE, preparation_pool
 from pdserve.sampling_params import SamplingParams, guided_param
 from pdserve.scheduler.messages import GenerateRequest, Tokenize
 from pdserve.worker.metrics import WorkerMetrics
@@ -114,7 +117,7 @@ class Prepared:
 
 
 class EngineClient:
-    def __init__(self, engine: Engine, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, engine: Engine, executor: ThreadPoolExecutor, nice: int = PREPARE_NICE) -> None:
         self._engine = engine
         self._exec = executor
         self.facts = engine.facts()
@@ -122,17 +125,20 @@ class EngineClient:
         self.unfinished = False  # as of the last call: the engine has work to step
         self.metrics: WorkerMetrics | None = None  # set by the service with --metrics-port
         self.limits: PrepareLimits | None = None  # None: unbounded (tests with a stub engine)
-        self._prep = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        self._prep = preparation_pool(PREPARE_THREADS, nice)
         self._prefix_lock = threading.Lock()
         # gathered on the engine thread after each call, per tier ("pool": the prefix cache; "host")
         self._prefix_changes: dict[str, dict[bytes, bool]] = {"pool": {}, "host": {}}
 
     @classmethod
-    async def start(cls, factory: Callable[[], Engine], limits: PrepareLimits | None = None) -> EngineClient:
-        """Build the engine on its own new thread (the thread that will run every later call)."""
+    async def start(
+        cls, factory: Callable[[], Engine], limits: PrepareLimits | None = None, nice: int = PREPARE_NICE
+    ) -> EngineClient:
+        """Build the engine on its own new thread (the thread that will run every later call);
+        preparation runs ``nice`` nicer (0: at the engine's priority)."""
         executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         engine = await asyncio.get_running_loop().run_in_executor(executor, factory)
-        client = await asyncio.get_running_loop().run_in_executor(executor, cls, engine, executor)
+        client = await asyncio.get_running_loop().run_in_executor(executor, cls, engine, executor, nice)
         client.limits = limits
         return client
 

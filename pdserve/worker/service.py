@@ -106,7 +106,7 @@ class WorkerService:
                 self.settings.max_grammar_bytes,
                 self.settings.max_optional_properties,
             )
-            self.engine = await EngineClient.start(self._build_engine, limits)
+            self.engine = await EngineClient.start(self._build_engine, limits, self.settings.prepare_nice)
             await self._publish_tokenizer()
             await self._start_transfer()
             self._start_metrics()

@@ -16,6 +16,7 @@ from pdserve.engine.model_store import MODEL_HELP
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
 from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_HELP
+from pdserve.priority import PREPARE_NICE, PREPARE_NICE_HELP
 from pdserve.scheduler.connection import (
     NO_WAIT,
     WAIT_REPLICAS_HELP,
@@ -140,6 +141,7 @@ class WorkerSettings:
         "of JSON is refused with 400 before it is compiled (default %(default)s)",
     )
     max_optional_properties: int = setting(DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_HELP)
+    prepare_nice: int = setting(PREPARE_NICE, PREPARE_NICE_HELP)
     max_deliveries: int = setting(
         MAX_DELIVERIES,
         "an inbox message is handed over at most this many times: one whose handling the instance never "
@@ -172,6 +174,8 @@ class WorkerSettings:
             raise ConfigError(f"--max-grammar-bytes must be >= 1, got {self.max_grammar_bytes}")
         if self.max_optional_properties < 1:
             raise ConfigError(f"--max-optional-properties must be >= 1, got {self.max_optional_properties}")
+        if not 0 <= self.prepare_nice <= 19:
+            raise ConfigError(f"--prepare-nice must be 0..19, got {self.prepare_nice}")
         if self.stream_interval_s < 0:
             raise ConfigError(f"--stream-interval must be >= 0, got {self.stream_interval_s}")
         if self.mooncake_staging_mb < 1:

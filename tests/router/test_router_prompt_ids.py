@@ -19,7 +19,6 @@ from router_support import FakeWorker, answer, instance, redis_conn, router, run
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.router import prompt_ids as prompt_ids_module
 from pdserve.router.policies import PolicyRequest
 from pdserve.router.prompt_ids import PromptTokenizer
 from pdserve.scheduler import (
@@ -252,33 +251,42 @@ def test_the_options_change_the_ids(models: dict[str, Path]) -> None:
     assert len(set(ids.values())) == len(ids), ids
 
 
-def test_a_long_prompt_is_tokenized_on_a_thread(
+def test_a_long_prompt_is_tokenized_on_a_thread_at_a_lower_priority(
     redis_url: str, cluster: str, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A short prompt is tokenized inline; a long one on a preparation thread of the router's,
+    --prepare-nice (10) nicer than the router's own threads (0: as nice as they are)."""
+    import os
+    import threading
+
     digest = asyncio.run(publish(redis_url, cluster, models["smollm2"]))
-    threaded: list[Any] = []
-    to_thread = asyncio.to_thread
+    seen: list[tuple[str, int]] = []
+    prompt_ids = Tokenizer.prompt_ids
 
-    async def spy(fn: Any, *args: Any) -> Any:
-        threaded.append(fn)
-        return await to_thread(fn, *args)
+    def spy(self: Tokenizer, *args: Any, **kwargs: Any) -> list[int]:
+        niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        seen.append((threading.current_thread().name, niceness))
+        return prompt_ids(self, *args, **kwargs)
 
-    monkeypatch.setattr(prompt_ids_module.asyncio, "to_thread", spy)
+    monkeypatch.setattr(Tokenizer, "prompt_ids", spy)
     tok = Tokenizer.from_dir(models["smollm2"])
+    chat = [{"role": "user", "content": "x " * 3000}]
 
-    async def ids(router: PromptTokenizer) -> tuple[list[int] | None, int, list[int] | None, int]:
-        await router.tokenizer(digest)  # fetched (the build runs on a thread too)
-        threaded.clear()
+    async def ids(router: PromptTokenizer) -> tuple[list[int] | None, list[int] | None]:
+        await router.tokenizer(digest)  # fetched (the build runs on a thread)
+        seen.clear()
         short = await router.token_ids(digest, PolicyRequest("m", text="short"))
-        n_short = len(threaded)
-        long = await router.token_ids(
-            digest, PolicyRequest("m", messages=[{"role": "user", "content": "x " * 3000}])
-        )
-        return short, n_short, long, len(threaded)
+        long = await router.token_ids(digest, PolicyRequest("m", messages=chat))
+        return short, long
 
-    short, n_short, long, n_long = with_router(redis_url, cluster, ids)
-    assert short == tok.encode("short") and n_short == 0
-    assert long == tok.prompt_ids(messages=[{"role": "user", "content": "x " * 3000}]) and n_long == 1
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    short, long = with_router(redis_url, cluster, ids)
+    assert short == tok.encode("short") and long == prompt_ids(tok, messages=chat)
+    assert seen[0] == (threading.main_thread().name, base)
+    assert seen[1][0].startswith("prompt-ids") and seen[1][1] == min(19, base + 10), seen
+    seen.clear()
+    with_router(redis_url, cluster, ids, nice=0)
+    assert seen[1][0].startswith("prompt-ids") and seen[1][1] == base, seen
 
 
 def test_the_router_places_a_chat_with_what_the_worker_tokenizes_it_with(

@@ -236,6 +236,61 @@ def test_echo_engine_calls_run_on_the_loop_and_a_model_engines_on_the_engine_thr
     assert run(thread_of_a_step(lambda: LLMEngine(tiny_model_dir, config))).startswith("engine")
 
 
+def test_preparation_runs_at_a_lower_os_priority_than_the_engine(tiny_model_dir) -> None:
+    """Grammars compile (and prompts tokenize) on threads ``--prepare-nice`` nicer than the engine
+    thread that steps (Linux: a thread's own niceness), so the kernel gives the cores to decode
+    first; with 0 they run at the engine's priority."""
+    import os
+    import threading
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(num_blocks=64, max_model_len=1024, threads=1)
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def main(nice: int) -> tuple[list[int], list[int], list[int]]:
+        engine = await EngineClient.start(lambda: LLMEngine(tiny_model_dir, config), nice=nice)
+        inner = engine._engine
+        compile_one, step, encode = inner.grammars._compile, inner.step, inner.tokenizer.encode
+        compiled: list[int] = []
+        encoded: list[int] = []
+        stepped: list[int] = []
+
+        def recorded_compile(*args):
+            compiled.append(niceness())
+            return compile_one(*args)
+
+        def recorded_encode(*args, **kwargs):
+            encoded.append(niceness())
+            return encode(*args, **kwargs)
+
+        def recorded_step():
+            stepped.append(niceness())
+            return step()
+
+        inner.grammars._compile, inner.step = recorded_compile, recorded_step
+        inner.tokenizer.encode = recorded_encode
+        try:
+            regex = {"kind": "regex", "spec": "[a-z]{1,3}"}
+            prepared = await engine.prepare(_big(prompt="hello there", guided=regex))
+            await engine.add("r", prepared)
+            while engine.unfinished:
+                await engine.step()
+            return compiled, encoded, stepped
+        finally:
+            await engine.close()
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # this process's: the engine thread inherits it
+    compiled, encoded, stepped = run(main(10))
+    assert compiled == [min(19, base + 10)] and encoded and set(encoded) == {min(19, base + 10)}
+    assert stepped and set(stepped) == {base}
+    compiled, encoded, stepped = run(main(0))
+    assert compiled == [base] and set(encoded) == {base} and set(stepped) == {base}
+
+
 def test_an_object_of_too_many_optional_properties_is_refused_before_it_compiles(tiny_model_dir) -> None:
     """A JSON schema with an object of more optional properties than ``--max-optional-properties``
     (500: llguidance's parser gives up at the object's first token past it) is a 400 naming the
