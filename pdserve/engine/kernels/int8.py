@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 WEIGHT_TYPES: tuple[str, ...] = ("f32", "int8")
 ROWS, COLS = 4, 2  # the register tile: 8 int32 vector accumulators, 2 weight vectors, 1 of x
+WIDE = 4  # channels of a single row's tile (a decode of one sequence)
+PREFETCH = 2  # tiles ahead that a tile prefetches the weights of
 STEP = 16  # int16 products per vector step of a tile (the rest of k: a scalar loop)
 GROUP_BYTES = 1 << 17  # int8 weight bytes per channel group (stays in L2 while the row tiles pass)
 BLOCK_BYTES = 1 << 17  # int16 activation bytes of a block of rows (L2-resident while the groups pass)
@@ -58,6 +60,7 @@ _tile1: Any = None  # the 1- to ROWS-row register tiles (_tile_intrinsic), bound
 _tile2: Any = None
 _tile3: Any = None
 _tile4: Any = None
+_wide1: Any = None  # the single-row tile of WIDE channels
 _quantize: Any = None  # _quantize_row compiled
 _limit: Any = None  # activation_limit compiled
 _group: Any = None  # _product_group compiled
@@ -167,41 +170,46 @@ def _product_group(
     b0: int,
     b1: int,
 ) -> None:  # pragma: no cover - compiled by numba
-    """out[b0:b1, j0:j1] of _int8_matmul: each tile of ROWS rows against every channel pair."""
+    """out[b0:b1, j0:j1] of _int8_matmul: each tile of ROWS rows against every channel pair (a single
+    row against WIDE channels at a time: fewer calls and reductions per weight byte)."""
     k = xq.shape[1]
     steps = k // STEP
     whole = steps * STEP
     wstride = q.strides[0]
     pairs = j0 + (j1 - j0) // COLS * COLS
-    acc = np.empty(ROWS * COLS, np.int32)
+    acc = np.empty(max(ROWS * COLS, WIDE), np.int32)
+    accs, weights = acc.ctypes.data, q.ctypes.data
     for r0 in range(b0, b1, ROWS):
         rows = min(ROWS, b1 - r0)
         xa = xq.ctypes.data + 2 * r0 * k
-        for j in range(j0, j1):
-            if j < pairs:
-                if (j - j0) % COLS:
-                    continue  # the second channel of a pair the tile did
-                wa = q.ctypes.data + j * wstride
+        j = j0
+        while j < j1:
+            wa = weights + j * wstride
+            cols, start = COLS, whole
+            if rows == 1 and j + WIDE <= pairs:
+                _wide1(xa, k, wa, wstride, steps, accs)
+                cols = WIDE
+            elif j < pairs:
                 if rows == 4:
-                    _tile4(xa, k, wa, wstride, steps, acc.ctypes.data)
+                    _tile4(xa, k, wa, wstride, steps, accs)
                 elif rows == 3:
-                    _tile3(xa, k, wa, wstride, steps, acc.ctypes.data)
+                    _tile3(xa, k, wa, wstride, steps, accs)
                 elif rows == 2:
-                    _tile2(xa, k, wa, wstride, steps, acc.ctypes.data)
+                    _tile2(xa, k, wa, wstride, steps, accs)
                 else:
-                    _tile1(xa, k, wa, wstride, steps, acc.ctypes.data)
-                cols, start = COLS, whole
+                    _tile1(xa, k, wa, wstride, steps, accs)
             else:  # a last odd channel: all of k in the scalar loop
                 cols, start = 1, 0
                 for a in range(rows):
                     acc[a * COLS] = 0
             for a in range(rows):
                 r = r0 + a
-                for b in range(cols):
-                    total = np.int64(acc[a * COLS + b])
+                for c in range(cols):
+                    total = np.int64(acc[a * COLS + c])
                     for i in range(start, k):
-                        total += np.int64(xq[r, i]) * np.int64(q[j + b, i])
-                    out[r, j + b] = np.float32(np.float64(total) * sx[r] * np.float64(scale[j + b]))
+                        total += np.int64(xq[r, i]) * np.int64(q[j + c, i])
+                    out[r, j + c] = np.float32(np.float64(total) * sx[r] * np.float64(scale[j + c]))
+            j += cols
 
 
 def _tile_intrinsic(rows: int, cols: int) -> Any:  # pragma: no cover - runs inside numba's compiler
@@ -238,6 +246,22 @@ def _tile_intrinsic(rows: int, cols: int) -> Any:  # pragma: no cover - runs ins
             builder.position_at_end(loop)
             i = builder.phi(i64)
             accs = [builder.phi(v8i32) for _ in range(rows * cols)]
+            # The weights of the tile PREFETCH tiles ahead, cols * 16 bytes per step (a group's channel
+            # rows are contiguous): the tile reads its channels side by side, streams too short for
+            # the hardware prefetcher to follow (a single row read ~40 % slower from DRAM without).
+            ahead = builder.add(
+                builder.add(w, builder.mul(ir.Constant(i64, PREFETCH * cols), ws)),
+                builder.mul(i, ir.Constant(i64, STEP * cols)),
+            )
+            i8p = ir.IntType(8).as_pointer()
+            name = "llvm.prefetch.p0"
+            prefetch = builder.module.globals.get(name) or ir.Function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), name
+            )
+            builder.call(
+                prefetch,
+                [builder.inttoptr(ahead, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)],
+            )
             wide = []
             for c in range(cols):
                 at = builder.add(
@@ -323,15 +347,15 @@ class Int8Gemm:
         return out
 
     def self_test(self) -> None:
-        """Refuse kernels that disagree with numpy: every register tile (1 to ROWS rows, a last odd
-        channel, k with and without a scalar rest), several channel groups, a scratch too small, the
+        """Refuse kernels that disagree with numpy: every register tile (1 to ROWS rows, a single row's
+        WIDE channels, a last odd channel, k with and without a scalar rest), several channel groups, a scratch too small, the
         integer sums exact against int64, and a row's bits independent of the rows beside it."""
         rng = np.random.default_rng(0)
         w = rng.standard_normal((40, 24), dtype=np.float32)
         m8 = quantize(w)
         if np.abs(m8.dequantize() - w).max() > np.abs(w).max() / 254 * 1.0001:
             raise RuntimeError("int8 quantization is off by more than half a step")
-        for k, n in ((40, 24), (48, 7), (3000, 45)):  # 3000 x 45: three channel groups
+        for k, n in ((40, 24), (48, 7), (3000, 45)):  # 3000 x 45: 12 groups of 4 channels (WIDE), 1 odd
             m8 = quantize(rng.standard_normal((k, n), dtype=np.float32))
             x = rng.standard_normal((13, k), dtype=np.float32)
             x[5] *= 100  # rows of other magnitudes
@@ -374,13 +398,14 @@ def select_weights(mode: str, threads: int) -> Int8Gemm | None:
 
 def compile_int8(threads: int) -> Int8Gemm:
     """Compile (or load from numba's cache) the int8 product and test it."""
-    global prange, _tile1, _tile2, _tile3, _tile4, _quantize, _limit, _group, _compiled
+    global prange, _tile1, _tile2, _tile3, _tile4, _wide1, _quantize, _limit, _group, _compiled
     import numba
 
     if _compiled is None:
         t0 = time.monotonic()
         prange = numba.prange
         _tile1, _tile2, _tile3, _tile4 = (_tile_intrinsic(r, COLS) for r in range(1, ROWS + 1))
+        _wide1 = _tile_intrinsic(1, WIDE)
         _limit = numba.njit(cache=True)(activation_limit)
         _group = numba.njit(cache=True, nogil=True)(_product_group)
         _quantize = numba.njit(cache=True, nogil=True)(_quantize_row)
