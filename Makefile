@@ -46,7 +46,7 @@ endif
 install: $(UP_STAMP)
 
 up: $(UP_STAMP)
-	$(BIN)/pdserve up --routers 1 --prefill 1 --decode 1
+	$(BIN)/pdserve up
 
 test: $(TEST_STAMP)
 	$(BIN)/ruff check pdserve tests benchmarks

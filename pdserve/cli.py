@@ -215,7 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         help="run a whole local stack: embedded Redis, routers, prefill/decode/mixed workers",
         description="Run a whole local stack as child processes and print how to reach it. "
-        "Ctrl-C stops every child it started.",
+        "Ctrl-C stops every child it started. With none of --prefill/--decode/--mixed it picks the "
+        "layout for this host: on a CPU host with fewer usable cores (its affinity mask) than "
+        "--mixed-below-cores (default 5) one mixed instance, else (and on a GPU, and with --autoscale) "
+        "1 prefill + 1 decode; it prints the layout and why. Given flags win, and the ones not given "
+        "are then 1 prefill, 1 decode, 0 mixed. Without --threads each worker gets (usable cores - 1) "
+        "/ workers threads, at least 1: a core's worth is left to the routers and Redis. Workers' "
+        "OpenMP threads sleep rather than spin between parallel regions (--no-omp-passive: spin).",
     )
     add_flags(up.add_argument_group("stack"), StackSpec)
     add_engine_flags(up)  # passed to every worker

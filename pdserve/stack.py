@@ -36,7 +36,7 @@ from pdserve.scheduler.redis_settings import RedisSettings, redact_url
 from pdserve.stack_autoscale import WorkerScaler
 from pdserve.stack_banner import banner, waiting_line
 from pdserve.stack_record import record_path, write_private
-from pdserve.stack_spec import StackSpec, planner_argv
+from pdserve.stack_spec import OMP_PASSIVE_ENV, StackSpec, planner_argv, usable_cores, worker_threads
 from pdserve.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,19 @@ class Stack:
                     f"router {i} needs port {spec.port + i} on {spec.host} ({url}), which is in use: "
                     "choose another --port (routers take consecutive ports from it)"
                 )
+        cores = usable_cores()
+        if not spec.layout_given:  # picked here, for this host: its usable cores and device
+            device = "cpu"
+            if spec.engine_kind == "model":
+                from pdserve.engine.platform import resolve_device
+
+                assert spec.engine.device is not None  # EngineConfig resolves it
+                device = resolve_device(spec.engine.device)
+            self.spec = spec = spec.with_layout(cores, device)
+        print(
+            f"layout: {spec.prefill} prefill, {spec.decode} decode, {spec.mixed} mixed ({spec.layout_reason})",
+            flush=True,
+        )
         # fetched or imported once, here, not in every worker; the echo engine needs no whole model
         self.model = resolve_model(spec.model, check=spec.engine_kind != "echo")
         shm.sweep_dead_segments()  # what killed stacks left behind
@@ -108,13 +121,13 @@ class Stack:
         ]
         if routers[0].api_keys:  # /v1/instances wants one: wait_ready sends it (and never shows it)
             self._ready_headers = {"Authorization": f"Bearer {min(routers[0].api_keys)}"}
-        n_workers = spec.prefill + spec.decode + spec.mixed
-        threads = spec.engine.threads or max(1, (os.cpu_count() or 1) // n_workers)
+        n_workers = spec.n_workers
+        threads = spec.engine.threads or worker_threads(cores, n_workers)
         engine = dataclasses.replace(spec.engine, threads=threads)
         placement = self._gpu_placement(n_workers) if spec.engine_kind == "model" else None
         n = 0
         for role, count in (("decode", spec.decode), ("prefill", spec.prefill), ("mixed", spec.mixed)):
-            for i in range(count):
+            for i in range(count or 0):
                 name = f"{role}-{i}"
                 if placement is not None:
                     card, share = placement[n]
@@ -213,6 +226,14 @@ class Stack:
         record = {"pid": os.getpid(), "redis_url": self.redis_url, "cluster": self.spec.cluster}
         write_private(record_path(), json.dumps(record | {"routers": self.urls}))
 
+    def child_env(self, name: str) -> dict[str, str]:
+        """Child ``name``'s environment: ours, the Redis URL and its secrets; a worker's also
+        ``OMP_PASSIVE_ENV`` with ``--omp-passive`` where our environment sets none of it."""
+        env = {**os.environ, "PDSERVE_REDIS_URL": self.redis_url, **self.secret_env.get(name, {})}
+        if name in self.instance_of and self.spec.omp_passive and not OMP_PASSIVE_ENV.keys() & env.keys():
+            env |= OMP_PASSIVE_ENV  # its OpenMP threads sleep, not spin, between parallel regions
+        return env
+
     def _spawn(self, name: str) -> subprocess.Popen:
         """Start child ``name``: ``pdserve <self.argv[name]>``. The Redis URL (it may hold a password)
         goes in its environment as ``PDSERVE_REDIS_URL``, and a router's API keys as
@@ -221,7 +242,7 @@ class Stack:
         # checkout of another version, say) cannot shadow this installation's package
         cmd = [sys.executable, "-P", "-m", "pdserve.cli", *self.argv[name]]
         log.debug("starting %s", " ".join(cmd))
-        env = {**os.environ, "PDSERVE_REDIS_URL": self.redis_url, **self.secret_env.get(name, {})}
+        env = self.child_env(name)
         # start_new_session: Ctrl-C reaches us, not them: we stop them in order. dies_with_parent:
         # should this process die without doing so (SIGKILL), the kernel sends them SIGTERM
         return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=dies_with_parent())

@@ -100,4 +100,4 @@ class WorkerScaler:
 
 def stack_limit(stack: ScaledStack) -> int:
     """The most prefill + decode workers (``--max-workers``) plus the stack's mixed ones."""
-    return stack.spec.max_workers + stack.spec.mixed
+    return stack.spec.max_workers + (stack.spec.mixed or 0)

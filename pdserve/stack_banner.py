@@ -61,6 +61,7 @@ pdserve is up in {elapsed:.1f} s: {len(stack.routers)} router(s), {stack.spec.pr
 {stack.spec.decode} decode, {stack.spec.mixed} mixed.
 
   OpenAI API:  {url}/v1{more}
+  layout:      {stack.spec.layout_reason}
   device:      {stack.device if stack.spec.engine_kind == "model" else "none (--engine echo)"}
   Redis:       {redact_url(stack.redis_url)}  (cluster {stack.spec.cluster!r})
   status:      {command("pdserve")} status      (finds this stack's Redis by itself; --watch: live)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
@@ -16,6 +17,27 @@ from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.worker.settings import ENGINES, KV_TRANSFERS
 from pdserve.worker.settings import default as worker_default
 
+# The layout `up` starts when some of --prefill/--decode/--mixed are given: the others as here (the
+# former default of all three, a prefill/decode pair), so an explicit flag means what it always did.
+GIVEN_LAYOUT = {"prefill": 1, "decode": 1, "mixed": 0}
+# What omp_passive puts in a worker's environment (a variable set in up's own environment wins).
+OMP_PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+LAYOUT_HELP = "(default: the layout picked for this host's cores, see --mixed-below-cores; {} when another of --prefill/--decode/--mixed is given)"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: taskset, cpusets), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_threads(cores: int, workers: int) -> int:
+    """Each worker's threads where --threads is not given: the usable cores less one, which the
+    routers, Redis and the batch worker share, split between the workers (at least 1 each)."""
+    return max(1, (cores - 1) // workers)
+
 
 @dataclasses.dataclass(frozen=True)
 class StackSpec:
@@ -28,9 +50,23 @@ class StackSpec:
     host: str = setting("127.0.0.1", "router bind address (default %(default)s)")
     port: int = setting(8000, "first router's port; more routers take the next ports (default %(default)s)")
     routers: int = setting(1, "number of routers (default %(default)s)")
-    prefill: int = setting(1, "prefill instances (default %(default)s)")
-    decode: int = setting(1, "decode instances (default %(default)s)")
-    mixed: int = setting(0, "mixed instances (default %(default)s)")
+    prefill: int | None = setting(None, f"prefill instances {LAYOUT_HELP.format(1)}", kind=int)
+    decode: int | None = setting(None, f"decode instances {LAYOUT_HELP.format(1)}", kind=int)
+    mixed: int | None = setting(None, f"mixed instances {LAYOUT_HELP.format(0)}", kind=int)
+    mixed_below_cores: int = setting(
+        5,
+        "with none of --prefill/--decode/--mixed: on a CPU host with fewer usable cores than this (its "
+        "affinity mask), one mixed instance, else 1 prefill + 1 decode; on a GPU, and with --autoscale, "
+        "always 1 prefill + 1 decode (default %(default)s: from 5 cores each of the pair gets 2 threads "
+        "beside a core for the routers and Redis; measured on 2 cores only)",
+    )
+    omp_passive: bool = setting(
+        True,
+        "workers' OpenMP threads (Paddle's libiomp5, numba's libgomp) sleep as soon as a parallel region "
+        "ends instead of spinning (libiomp5: for 200 ms) on cores they share with the routers, Redis and "
+        "each other: OMP_WAIT_POLICY=PASSIVE and KMP_BLOCKTIME=0 in each worker's environment, where "
+        "up's environment sets neither (default on)",
+    )
     batch_workers: int = setting(
         1,
         "batch workers running the Batch API's lines in spare capacity (`pdserve batch-worker`); "
@@ -85,15 +121,24 @@ class StackSpec:
     worker_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """WorkerSettings fields every worker gets (benchmarks and tests: `up` has no flags for them)."""
     ready_timeout_s: float = 120.0
+    layout_reason: str = ""
+    """Why the stack has its prefill/decode/mixed counts (`up` prints it; set by :meth:`with_layout`)."""
 
     def __post_init__(self) -> None:
+        counts = {name: getattr(self, name) for name in GIVEN_LAYOUT}
+        if any(n is not None for n in counts.values()):  # given: the others as they always were
+            for name, n in counts.items():
+                if n is None:
+                    object.__setattr__(self, name, GIVEN_LAYOUT[name])
+            if not self.layout_reason:
+                object.__setattr__(self, "layout_reason", "as given by --prefill/--decode/--mixed")
         for name in ("routers", "prefill", "decode", "mixed", "batch_workers"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
         if self.routers < 1:
             raise ConfigError("--routers must be >= 1")
-        if self.prefill + self.decode + self.mixed < 1:
-            raise ConfigError("at least one of --prefill, --decode, --mixed must be >= 1")
+        if self.mixed_below_cores < 1:
+            raise ConfigError("--mixed-below-cores must be >= 1")
         if self.gpus is not None:
             try:
                 cards = [int(g) for g in self.gpus.split(",")]
@@ -103,12 +148,54 @@ class StackSpec:
                 ) from None
             if not cards or min(cards) < 0:
                 raise ConfigError(f"--gpus must be GPU indices separated by commas, got {self.gpus!r}")
-        if self.max_workers and (not self.autoscale or self.max_workers < self.prefill + self.decode):
+        # a layout left to with_layout is a prefill/decode pair with --autoscale
+        pairs = (self.prefill or 0) + (self.decode or 0) if self.layout_given else 2
+        if self.max_workers and (not self.autoscale or self.max_workers < pairs):
             raise ConfigError("--max-workers needs --autoscale and at least --prefill + --decode workers")
+        if not self.layout_given:  # picked by with_layout, on the host that runs the stack
+            return
+        if self.n_workers < 1:
+            raise ConfigError("at least one of --prefill, --decode, --mixed must be >= 1")
         if self.prefill and not self.decode and not self.mixed:
             raise ConfigError(
                 "--prefill needs --decode (or --mixed): a prefill instance cannot finish a request"
             )
+
+    @property
+    def layout_given(self) -> bool:
+        return self.prefill is not None
+
+    def with_layout(self, cores: int, device: str) -> StackSpec:
+        """This spec with its prefill/decode/mixed counts: as given, else picked for ``cores`` usable
+        cores and ``device`` (``cpu`` or ``cuda``), with the reason in ``layout_reason``."""
+        if self.layout_given:
+            return self
+        pair, one_mixed = (1, 1, 0), (0, 0, 1)  # (prefill, decode, mixed)
+        if self.autoscale:
+            counts, why = pair, "--autoscale: 1 prefill + 1 decode, whose roles the planner switches"
+        elif device == "cuda":
+            counts, why = pair, "a GPU: 1 prefill + 1 decode sharing it"
+        elif cores < self.mixed_below_cores:
+            counts = one_mixed
+            why = (
+                f"{cores} usable core(s), fewer than --mixed-below-cores {self.mixed_below_cores}: one mixed "
+                "instance (a prefill/decode pair would get one thread each)"
+            )
+        else:
+            counts = pair
+            why = (
+                f"{cores} usable cores, at least --mixed-below-cores {self.mixed_below_cores}: 1 prefill + "
+                "1 decode, each with threads of its own"
+            )
+        p, d, m = counts
+        why += "; --prefill/--decode/--mixed choose"
+        return dataclasses.replace(self, prefill=p, decode=d, mixed=m, layout_reason=why)
+
+    @property
+    def n_workers(self) -> int:
+        """Prefill + decode + mixed workers (once the layout is known)."""
+        assert self.prefill is not None and self.decode is not None and self.mixed is not None
+        return self.prefill + self.decode + self.mixed
 
 
 def planner_argv(spec: StackSpec) -> list[str]:
