@@ -85,7 +85,9 @@ class EngineConfig:
         None, "context limit (default: the model's max_position_embeddings)", kind=int
     )
     threads: int | None = setting(
-        None, "CPU threads for Paddle (default: all cores; `pdserve up`: cores / workers)", kind=int
+        None,
+        "CPU threads for Paddle (default: all cores; `pdserve up`: (usable cores - 1) / workers, at least 1)",
+        kind=int,
     )
     kernels: str | None = setting(
         None,
