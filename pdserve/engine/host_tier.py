@@ -190,8 +190,8 @@ class TierReader:
         return self.tier.read(hashes)
 
     def write(self, blocks: list[int], data: list[bytes]) -> None:
-        if blocks:
-            self._write(blocks, b"".join(data))
+        for block, block_data in zip(blocks, data, strict=True):  # one copy each, no joined buffer
+            self._write([block], block_data)
 
     def missed(self, num_blocks: int) -> None:
         self.tier.stats.misses += num_blocks
