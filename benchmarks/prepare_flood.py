@@ -10,6 +10,9 @@ router lets through, alternating:
   false``); llguidance's work grows with the square of the optional properties (seconds at 64 KiB,
   where a schema of 40 ``anyOf`` objects with patterns takes tens of milliseconds). Each request's
   property names are new, so the worker's grammar cache never answers. Short prompt, 4 tokens.
+  llguidance then gives up at the object's first token, so by default the router refuses this
+  shape at once (``--max-optional-properties``, 500); ``--max-optional-properties 100000`` lets it
+  through to the worker, whose preparation threads compile it (at ``--prepare-nice``).
 * ``prompt``: the longest prompt the router forwards (``--max-prompt-chars-per-token`` 32 x the
   model length in characters): the worker tokenizes all of it, then refuses it (it cannot fit).
 
@@ -19,6 +22,7 @@ step it shares, which is not what this measures). Prints one table (the steady s
 alone and with the flood, their ratio; the flood's latency by kind) and writes JSON.
 
     python benchmarks/prepare_flood.py [--model smollm2-135m] [--seconds 60] [--flood-every 4]
+        [--max-optional-properties N] [--prepare-nice N]
 """
 
 from __future__ import annotations
@@ -163,6 +167,16 @@ def main() -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=256, help="the steady stream's tokens per request")
     ap.add_argument("--max-model-len", type=int, default=None, help="the worker's (default: the model's)")
+    ap.add_argument(
+        "--max-optional-properties",
+        type=int,
+        default=None,
+        help="the router's and the worker's (default: theirs, 500: the flood's schemas are refused; "
+        "100000: compiled)",
+    )
+    ap.add_argument(
+        "--prepare-nice", type=int, default=None, help="the worker's (default: its own, 10; 0: none)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prepare_flood.json")
     args = ap.parse_args()
 
@@ -173,6 +187,13 @@ def main() -> int:
 
     resolved = resolve_model(args.model)
     engine = EngineConfig(max_model_len=args.max_model_len) if args.max_model_len else EngineConfig()
+    router_options: dict[str, Any] = {}
+    worker_options: dict[str, Any] = {}
+    if args.max_optional_properties is not None:
+        router_options["max_optional_properties"] = args.max_optional_properties
+        worker_options["max_optional_properties"] = args.max_optional_properties
+    if args.prepare_nice is not None:
+        worker_options["prepare_nice"] = args.prepare_nice
     spec = StackSpec(
         batch_workers=0,
         model=str(resolved.path),
@@ -182,6 +203,8 @@ def main() -> int:
         decode=0,
         mixed=1,
         engine=engine,
+        router_options=router_options,
+        worker_options=worker_options,
     )
     stack = Stack(spec)
     try:
@@ -221,6 +244,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count()},
         "model": args.model,
         "layout": "1 mixed",
+        "options": {"router": router_options, "worker": worker_options},
         "max_model_len": max_len,
         "flood": {
             "every_s": args.flood_every,
@@ -246,7 +270,7 @@ def print_table(r: dict) -> None:
     print(
         f"\n{r['model']}, {r['layout']}, {r['machine']['cpus']} cores, {r['seconds']:.0f} s a phase; flood: one "
         f"every {f['every_s']:g} s, alternating a {f['schema_bytes']} B schema ({f['schema_properties']} optional "
-        f"properties) and a {f['prompt_chars']}-char prompt"
+        f"properties) and a {f['prompt_chars']}-char prompt; options {r.get('options')}"
     )
     print(f"{'steady stream':<16} {'tokens':>8} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'ITL max ms':>11}")
     for name in ("alone", "with_flood"):
