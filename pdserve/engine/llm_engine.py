@@ -109,6 +109,10 @@ class LLMEngine:
             log.info(
                 "host tier: %.1f MiB, %d blocks", config.kv_host_bytes / 2**20, self.host_tier.max_blocks
             )
+        elif config.kv_host_bytes:
+            log.warning(
+                "--kv-host-bytes is ignored: the host tier keeps what the prefix cache evicts, which is off"
+            )
         self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.sampler.vocab_limit)  # structured output
         self.picking = StepSampling(ex, self.sampler, config.keep_logits)  # where tokens are picked
