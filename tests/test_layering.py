@@ -19,13 +19,15 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pdserve"
-LEAVES = {"errors", "flags", "sampling_params", "block_hash", "tokenizer"}
+LEAVES = {"errors", "flags", "sampling_params", "block_hash", "tokenizer", "grammar_limits", "priority"}
 ALLOWED = {  # layer -> the pdserve layers its modules may import
     "errors": set(),
     "flags": set(),
     "sampling_params": {"errors", "block_hash"},
     "block_hash": set(),  # the prefix cache's block ids: the engine's and the router's
     "tokenizer": {"errors"},  # the engine tokenizes what it runs; a router, for prefix routing
+    "grammar_limits": {"errors"},  # what a schema may cost to prepare: router and worker judge alike
+    "priority": set(),  # preparation threads at a lower OS priority: router and worker
     "scheduler": {"scheduler", *LEAVES},
     "batchstore": {"batchstore", "scheduler", *LEAVES},  # the Batch API's files, batches and queue
     "localredis": {"localredis", *LEAVES},  # redis-server processes of our own (up, pdserve redis, tests)
