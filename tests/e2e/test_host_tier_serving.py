@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import time
-import uuid
 
 import pytest
 import redis
@@ -14,11 +13,10 @@ import redis
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_layout import block_bytes
 from pdserve.engine.model_config import ModelConfig
-from pdserve.localredis.embedded import free_port
 from pdserve.scheduler import Keys
 from pdserve.scheduler.messages import InstanceInfo, decode_as
-from pdserve.stack import Stack, StackSpec
-from tests.e2e.test_serving import client, model_name
+from pdserve.stack import Stack
+from tests.e2e.test_serving import client, model_name, start_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,24 +26,8 @@ BS = 16
 def start(tiny_model_dir, redis_url: str, **counts) -> Stack:
     """A stack whose workers have a 40-block pool and a host tier of 64 blocks."""
     host = 64 * block_bytes(ModelConfig.from_dir(tiny_model_dir), BS)
-    spec = StackSpec(
-        model=tiny_model_dir,
-        redis_url=redis_url,
-        port=free_port(),
-        cluster=f"t{uuid.uuid4().hex[:8]}",
-        ttl_s=3.0,
-        engine=EngineConfig(num_blocks=40, max_model_len=1024, threads=1, max_num_seqs=2, kv_host_bytes=host),
-        ready_timeout_s=90,
-        **{"routers": 1, "prefill": 0, "decode": 0, "mixed": 0, "batch_workers": 0, **counts},
-    )
-    stack = Stack(spec)
-    stack.start()
-    try:
-        stack.wait_ready()
-    except BaseException:
-        stack.stop()
-        raise
-    return stack
+    engine = EngineConfig(num_blocks=40, max_model_len=1024, threads=1, max_num_seqs=2, kv_host_bytes=host)
+    return start_stack(tiny_model_dir, redis_url, engine=engine, **counts)
 
 
 def ids(seed: int, n: int) -> list[int]:

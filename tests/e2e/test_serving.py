@@ -37,14 +37,16 @@ PROMPTS = [
 ]
 
 
-def start_stack(tiny_model_dir, redis_url: str, **counts) -> Stack:
+def start_stack(tiny_model_dir, redis_url: str, engine: EngineConfig | None = None, **counts) -> Stack:
+    """A stack of the tiny model on ``redis_url`` with the given counts (none of each by default),
+    its workers' engines ``engine`` (1024 blocks, one thread by default); started and ready."""
     spec = StackSpec(
         model=tiny_model_dir,
         redis_url=redis_url,
         port=free_port(count=counts.get("routers", 1)),
         cluster=f"t{uuid.uuid4().hex[:8]}",
         ttl_s=3.0,
-        engine=EngineConfig(num_blocks=1024, max_model_len=1024, threads=1),
+        engine=engine or EngineConfig(num_blocks=1024, max_model_len=1024, threads=1),
         ready_timeout_s=90,
         **{"routers": 1, "prefill": 0, "decode": 0, "mixed": 0, "batch_workers": 0, **counts},
     )
