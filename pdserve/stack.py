@@ -344,6 +344,9 @@ def run_stack(spec: StackSpec) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> NoReturn:  # SIGTERM behaves like Ctrl-C
         raise KeyboardInterrupt
 
+    # SIGINT too: a shell starts a background job (`pdserve up &`, a script's) with SIGINT ignored,
+    # and Ctrl-C or `kill -INT` must still stop the stack in order
+    signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
         stack.start()

@@ -690,7 +690,7 @@ def test_up_says_what_it_waits_for(tmp_path, capsys) -> None:
     from pdserve.localredis.embedded import free_port
     from pdserve.stack import Stack, StackSpec
 
-    stack = Stack(StackSpec(port=free_port(), mixed=1, decode=0, ready_timeout_s=1.5))
+    stack = Stack(StackSpec(port=free_port(), mixed=1, decode=0, ready_timeout_s=3.0))
     with pytest.raises(TimeoutError):
         stack.wait_ready(progress_s=0.5)  # nothing listens on the router's port
     lines = capsys.readouterr().out.splitlines()
