@@ -10,10 +10,10 @@ Servers (each started, measured and stopped in turn; rounds alternate their orde
                     (not by default: on a host where it picks one of the above, it is that one)
   * pdserve-int8    pdserve-mixed with `--weights int8`
   * pdserve-mixed-1t  pdserve-mixed with `--threads 1` (not by default: on 2 cores the other core
-                    left to the router, Redis and the client, as `up` does by default)
-  * pdserve-mixed-spin  pdserve-mixed with `--no-omp-passive` (not by default): its OpenMP threads
-                    (Paddle's libiomp5, numba's libgomp) spin after a parallel region as the runtimes
-                    do by default (libiomp5: 200 ms) instead of sleeping at once (`up`'s default)
+                    left to the router, Redis and the client)
+  * pdserve-mixed-passive  pdserve-mixed with `--omp-passive` (not by default): its OpenMP threads
+                    (Paddle's libiomp5, numba's libgomp) sleep at once after a parallel region
+                    instead of spinning as the runtimes do by default (libiomp5: 200 ms)
   * llama-f32, llama-q8   llama.cpp's `llama-server` (benchmarks/llama_server_env.sh) on the F32 and
                     Q8_0 GGUF, as its README recommends for serving several users: `-t`/`-tb` the host's
                     cores, `--parallel 16` slots over one unified KV cache, continuous batching and
@@ -130,14 +130,14 @@ def available_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]
     from pdserve.localredis.embedded import free_port
 
     mixed = ["--mixed", "1", "--prefill", "0", "--decode", "0"]
-    everything = [*mixed, "--threads", str(CORES)]  # up's own default leaves one core to the rest
+    everything = [*mixed, "--threads", str(CORES)]
     made: dict[str, Callable[[], Server]] = {
         "pdserve-mixed": lambda: pdserve_server("pdserve-mixed", free_port(), everything),
         "pdserve-mixed-1t": lambda: pdserve_server(
             "pdserve-mixed-1t", free_port(), [*mixed, "--threads", "1"]
         ),
-        "pdserve-mixed-spin": lambda: pdserve_server(
-            "pdserve-mixed-spin", free_port(), [*everything, "--no-omp-passive"]
+        "pdserve-mixed-passive": lambda: pdserve_server(
+            "pdserve-mixed-passive", free_port(), [*everything, "--omp-passive"]
         ),
         "pdserve-pd": lambda: pdserve_server(
             "pdserve-pd", free_port(), ["--prefill", "1", "--decode", "1", "--mixed", "0"]

@@ -219,9 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         "layout for this host: on a CPU host with fewer usable cores (its affinity mask) than "
         "--mixed-below-cores (default 5) one mixed instance, else (and on a GPU, and with --autoscale) "
         "1 prefill + 1 decode; it prints the layout and why. Given flags win, and the ones not given "
-        "are then 1 prefill, 1 decode, 0 mixed. Without --threads each worker gets (usable cores - 1) "
-        "/ workers threads, at least 1: a core's worth is left to the routers and Redis. Workers' "
-        "OpenMP threads sleep rather than spin between parallel regions (--no-omp-passive: spin).",
+        "are then 1 prefill, 1 decode, 0 mixed. Without --threads each worker gets usable cores / "
+        "workers threads, at least 1. --omp-passive makes workers' OpenMP threads sleep rather than "
+        "spin between parallel regions (for a host other jobs load).",
     )
     add_flags(up.add_argument_group("stack"), StackSpec)
     add_engine_flags(up)  # passed to every worker

@@ -85,9 +85,9 @@ def test_up_help_says_how_it_picks_the_layout(capsys) -> None:
     assert "fewer usable cores" in text and "1 prefill + 1 decode" in text
 
 
-def test_worker_threads_leave_a_core_to_the_stack() -> None:
-    assert [worker_threads(c, 1) for c in (1, 2, 3, 4)] == [1, 1, 2, 3]
-    assert [worker_threads(c, 2) for c in (2, 4, 5, 8, 16)] == [1, 1, 2, 3, 7]
+def test_worker_threads_split_the_usable_cores() -> None:
+    assert [worker_threads(c, 1) for c in (1, 2, 3, 4)] == [1, 2, 3, 4]
+    assert [worker_threads(c, 2) for c in (1, 2, 4, 5, 8, 16)] == [1, 1, 2, 2, 4, 8]
 
 
 def test_usable_cores_follow_the_affinity_mask() -> None:
@@ -101,7 +101,7 @@ def test_usable_cores_follow_the_affinity_mask() -> None:
 
 @pytest.mark.parametrize(
     ("cores", "workers", "threads"),
-    [(2, ["mixed-0"], 1), (4, ["mixed-0"], 3), (8, ["decode-0", "prefill-0"], 3)],
+    [(2, ["mixed-0"], 2), (4, ["mixed-0"], 4), (8, ["decode-0", "prefill-0"], 4)],
 )
 def test_up_starts_the_picked_layout_with_the_cores_split(
     cores, workers, threads, redis_url, tmp_path, monkeypatch, capsys
@@ -133,9 +133,9 @@ def test_up_starts_the_picked_layout_with_the_cores_split(
     assert f"{cores} usable core" in out and f"layout: {stack.spec.prefill} prefill" in out
 
 
-def test_workers_get_passive_openmp_unless_told_otherwise(redis_url, tmp_path, monkeypatch) -> None:
-    """--omp-passive (default on): each worker's environment has OMP_WAIT_POLICY=PASSIVE and
-    KMP_BLOCKTIME=0, the router's not; a variable set in up's environment wins; --no-omp-passive."""
+def test_workers_get_passive_openmp_when_told(redis_url, tmp_path, monkeypatch) -> None:
+    """--omp-passive (default off): each worker's environment has OMP_WAIT_POLICY=PASSIVE and
+    KMP_BLOCKTIME=0, the router's not; a variable set in up's environment wins; without it, neither."""
     from pdserve import stack as stack_module
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
@@ -156,11 +156,11 @@ def test_workers_get_passive_openmp_unless_told_otherwise(redis_url, tmp_path, m
             stack.stop(grace_s=5)
         return stack
 
-    stack = started(mixed=1, prefill=0, decode=0)
+    stack = started(mixed=1, prefill=0, decode=0, omp_passive=True)
     assert stack.child_env("mixed-0")["OMP_WAIT_POLICY"] == "PASSIVE"
     assert stack.child_env("mixed-0")["KMP_BLOCKTIME"] == "0"
     assert "KMP_BLOCKTIME" not in stack.child_env("router-0")
-    assert "OMP_WAIT_POLICY" not in started(mixed=1, omp_passive=False).child_env("mixed-0")
+    assert "OMP_WAIT_POLICY" not in started(mixed=1).child_env("mixed-0")
     monkeypatch.setenv("KMP_BLOCKTIME", "50")
     env = stack.child_env("mixed-0")
     assert env["KMP_BLOCKTIME"] == "50" and "OMP_WAIT_POLICY" not in env

@@ -86,7 +86,7 @@ class EngineConfig:
     )
     threads: int | None = setting(
         None,
-        "CPU threads for Paddle (default: all cores; `pdserve up`: (usable cores - 1) / workers, at least 1)",
+        "CPU threads for Paddle (default: all cores; `pdserve up`: usable cores / workers, at least 1)",
         kind=int,
     )
     kernels: str | None = setting(
