@@ -10,10 +10,7 @@ Skipped with the reason on a host without a GPU (conftest.py).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +19,10 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch (pip install 'pdserve[cuda]')")
 
-from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
+from tests.gpu.test_gpu_engine import cuda_engine  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-@contextlib.contextmanager
-def cuda_engine(model: Path, **kw: object) -> Iterator[LLMEngine]:
-    config = EngineConfig(device="cuda", num_blocks=512, max_num_seqs=8, **kw)  # type: ignore[arg-type]
-    eng = LLMEngine(model, config)
-    try:
-        yield eng
-    finally:
-        eng.close()
-        del eng
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def compiled_kernels() -> int:
