@@ -96,9 +96,8 @@ class EngineFacts:
     batch_invariant: bool = False
     """A sequence's bits do not depend on what it is batched with (the CPU engine under
     ``MKL_CBWR=...,STRICT``; the echo engine): routers' shadow verification compares bitwise."""
-    host_tier: bool = (
-        False  # a host tier below the prefix cache (its blocks in the prefix index's ``host`` set)
-    )
+    host_tier: bool = False
+    """A host tier below the prefix cache (its blocks in the prefix index's ``host`` set)."""
     calls_inline: bool = False
     """Every engine call takes microseconds (the echo engine, no model): the worker makes them on its
     event loop, where handing each to the engine thread would cost far more than the call (preparing
