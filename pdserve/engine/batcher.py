@@ -64,7 +64,8 @@ class Batch:
 
 
 class ReadBack(Protocol):
-    """A tier below the pool that blocks can be read back from (the engine's host tier)."""
+    """The tiers below the pool that blocks can be read back from (the engine's host and disk
+    tiers, :class:`pdserve.engine.tier_reader.TierReader`)."""
 
     def plan(self, hashes: list[bytes]) -> int:
         """How many leading ``hashes`` the tier holds (nothing read, nothing counted)."""
@@ -92,6 +93,11 @@ class HitCounts:
     tier: int = 0
     computed: int = 0
 
+    @property
+    def lookups(self) -> int:
+        """Full blocks looked up (the pool's hit rate: ``pool / lookups``)."""
+        return self.pool + self.tier + self.computed
+
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -104,7 +110,7 @@ class Batcher:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.tier: ReadBack | None = None  # the engine's host tier, when it has one
+        self.tier: ReadBack | None = None  # the engine's host and disk tiers, when it has one
         self.hit_counts = HitCounts()
 
     def add(self, seq: Sequence) -> None:

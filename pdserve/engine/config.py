@@ -81,6 +81,18 @@ class EngineConfig:
         "(checksum verified) by a later prompt with their prefix instead of recomputing them; 0: "
         "off (default %(default)s)",
     )
+    kv_disk_path: str = setting(
+        "",
+        "directory for KV blocks the host tier (or, without one, the prefix cache) evicts, one file "
+        "per block, read back (header and checksum verified) instead of recomputing them; meant to "
+        "be shared by the instances of one host (one copy of a prefix per host), kept across "
+        "restarts; empty: off (default: off)",
+    )
+    kv_disk_bytes: int = setting(
+        0,
+        "bytes of files the disk tier (--kv-disk-path) keeps per model namespace, least recently "
+        "used removed first; 0: off (default %(default)s)",
+    )
     max_model_len: int | None = setting(
         None, "context limit (default: the model's max_position_embeddings)", kind=int
     )
@@ -166,5 +178,7 @@ class EngineConfig:
             raise ConfigError(f"gpu must be >= 0, got {self.gpu}")
         if self.kv_host_bytes < 0:
             raise ConfigError(f"kv_host_bytes must be >= 0, got {self.kv_host_bytes}")
+        if self.kv_disk_bytes < 0:
+            raise ConfigError(f"kv_disk_bytes must be >= 0, got {self.kv_disk_bytes}")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")

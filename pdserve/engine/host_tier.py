@@ -13,8 +13,9 @@ of its bytes (:mod:`pdserve.cache_transfer.checksum`, the hand-offs' helper) tak
 stored; a read-back checks it first, and a mismatch is a miss (counted, the entry dropped), never
 bytes put in the pool.
 
-Per engine (one worker's memory) for now: a tier shared by the instances of a host is a later step.
-What the tier gained and lost is recorded (:meth:`HostTier.take_changes`) like the pool's, and the
+Per engine (one worker's memory); the tier shared by the instances of a host is the disk tier below
+it (:mod:`pdserve.engine.disk_tier`), which receives what this one evicts (``on_evict``, with the
+digest taken at the store: the bytes are checked once, end to end). What the tier gained and lost is recorded (:meth:`HostTier.take_changes`) like the pool's, and the
 worker publishes it to the prefix index. Pure numpy; no lock: the engine's thread alone touches it.
 """
 
@@ -78,6 +79,8 @@ class HostTier:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # key -> entry, LRU first
         self.stats = TierStats()
         self._changes: dict[bytes, bool] | None = None  # block hash -> held, since take_changes()
+        # the tier below (the disk tier): told each LRU eviction's hash, bytes and stored digest
+        self.on_evict: Callable[[bytes, bytes, bytes], None] | None = None
 
     def key(self, block_hash: bytes) -> bytes:
         """The entry's key: the namespace and the block's chain hash (which carries the salt)."""
@@ -109,6 +112,8 @@ class HostTier:
             _, old = self._entries.popitem(last=False)
             self.stats.evictions += 1
             self._record(old.block_hash, False)
+            if self.on_evict is not None:  # the disk tier below: write-back on eviction
+                self.on_evict(old.block_hash, old.data, old.digest)
         digest = block_digests(np.frombuffer(data, dtype=np.uint8), [0], self.block_bytes, HOST_ALGO)
         self._entries[key] = _Entry(block_hash, data, digest)
         self.stats.stores += 1
@@ -140,6 +145,13 @@ class HostTier:
             self._entries.move_to_end(key)
         self.stats.hits += len(good)
         return good
+
+    def touch(self, hashes: list[bytes]) -> None:
+        """Make the entries of ``hashes`` it holds the most recently used, the first one most."""
+        for h in reversed(hashes):
+            key = self.key(h)
+            if key in self._entries:
+                self._entries.move_to_end(key)
 
     def run(self, hashes: list[bytes]) -> int:
         """How many leading ``hashes`` the tier holds (no counter moves: a plan, not a read)."""
@@ -173,25 +185,3 @@ class HostTier:
     def hashes(self) -> list[bytes]:
         """Every block hash the tier holds now."""
         return [e.block_hash for e in self._entries.values()]
-
-
-class TierReader:
-    """The batcher's view of a tier (:class:`pdserve.engine.batcher.ReadBack`): plans, verified
-    reads, and writes into the pool's blocks through ``write`` (the cache's ``write_blocks``)."""
-
-    def __init__(self, tier: HostTier, write: Callable[[list[int], bytes], None]) -> None:
-        self.tier = tier
-        self._write = write
-
-    def plan(self, hashes: list[bytes]) -> int:
-        return self.tier.run(hashes)
-
-    def read(self, hashes: list[bytes]) -> list[bytes]:
-        return self.tier.read(hashes)
-
-    def write(self, blocks: list[int], data: list[bytes]) -> None:
-        for block, block_data in zip(blocks, data, strict=True):  # one copy each, no joined buffer
-            self._write([block], block_data)
-
-    def missed(self, num_blocks: int) -> None:
-        self.tier.stats.misses += num_blocks

@@ -22,8 +22,9 @@ from pdserve.engine.batcher import Batch, Batcher, BatcherConfig, blocks_for
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.engine.disk_tier import DiskTier
 from pdserve.engine.grammar import GrammarMatcher, Grammars
-from pdserve.engine.host_tier import HostTier, TierNamespace, TierReader
+from pdserve.engine.host_tier import HostTier, TierNamespace
 from pdserve.engine.memory import resident_bytes
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
@@ -31,6 +32,7 @@ from pdserve.engine.platform import Platform, resolve_device
 from pdserve.engine.sampler import Sample, Sampler, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step_sampling import StepSampling
+from pdserve.engine.tier_reader import TierReader
 from pdserve.engine.weights import weights_digest
 from pdserve.errors import EngineError, InvalidRequestError, RequestTooLongError
 from pdserve.sampling_params import SamplingParams
@@ -92,26 +94,13 @@ class LLMEngine:
             self.blocks,
         )
         self.host_tier: HostTier | None = None
-        if config.kv_host_bytes and config.prefix_caching:
-            self.host_tier = HostTier(
-                config.kv_host_bytes,
-                TierNamespace(
-                    weights_digest=self.weights_digest,
-                    weights=ex.weights,
-                    dtype=ex.dtype,
-                    layout="block_major",
-                    block_size=config.block_size,
-                    block_bytes=self.cache.block_bytes,
-                ),
-            )
-            self.blocks.on_evict = self._evicted
-            self.batcher.tier = TierReader(self.host_tier, self.cache.write_blocks)
-            log.info(
-                "host tier: %.1f MiB, %d blocks", config.kv_host_bytes / 2**20, self.host_tier.max_blocks
-            )
-        elif config.kv_host_bytes:
+        self.disk_tier: DiskTier | None = None
+        if config.prefix_caching:
+            self._tiers(config, ex)
+        elif config.kv_host_bytes or config.kv_disk_bytes:
             log.warning(
-                "--kv-host-bytes is ignored: the host tier keeps what the prefix cache evicts, which is off"
+                "--kv-host-bytes and --kv-disk-bytes are ignored: the tiers keep what the prefix cache "
+                "evicts, which is off"
             )
         self.sampler = Sampler(min(mc.vocab_size, self.tokenizer.vocab_size), self.tokenizer.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.sampler.vocab_limit)  # structured output
@@ -140,6 +129,40 @@ class LLMEngine:
             self.cache.nbytes / 1e9,
         )
 
+    def _tiers(self, config: EngineConfig, ex: Any) -> None:
+        """The tiers below the pool: the host tier (``--kv-host-bytes``), then the disk tier
+        (``--kv-disk-path``, ``--kv-disk-bytes``); an eviction goes one tier down, a read-back
+        comes from the highest tier holding the block."""
+        namespace = TierNamespace(
+            weights_digest=self.weights_digest,
+            weights=ex.weights,
+            dtype=ex.dtype,
+            layout="block_major",
+            block_size=config.block_size,
+            block_bytes=self.cache.block_bytes,
+        )
+        if config.kv_host_bytes:
+            self.host_tier = HostTier(config.kv_host_bytes, namespace)
+            log.info(
+                "host tier: %.1f MiB, %d blocks", config.kv_host_bytes / 2**20, self.host_tier.max_blocks
+            )
+        if config.kv_disk_path and config.kv_disk_bytes:
+            self.disk_tier = DiskTier(config.kv_disk_path, config.kv_disk_bytes, namespace)
+            log.info(
+                "disk tier: %s, %.1f MiB, %d blocks (%d found)",
+                self.disk_tier.dir,
+                config.kv_disk_bytes / 2**20,
+                self.disk_tier.max_files,
+                self.disk_tier.num_blocks,
+            )
+            if self.host_tier is not None:
+                self.host_tier.on_evict = self.disk_tier.put
+        elif config.kv_disk_path or config.kv_disk_bytes:
+            log.warning("the disk tier needs both --kv-disk-path and --kv-disk-bytes: it is off")
+        if self.host_tier is not None or self.disk_tier is not None:
+            self.blocks.on_evict = self._evicted
+            self.batcher.tier = TierReader(self.host_tier, self.cache.write_blocks, self.disk_tier)
+
     def facts(self) -> EngineFacts:
         return EngineFacts(
             max_model_len=self.max_model_len,
@@ -160,6 +183,7 @@ class LLMEngine:
             device_name=self.executor.device_name,
             memory_bytes=self.executor.weight_bytes + self.cache.nbytes,
             host_tier=self.host_tier is not None,
+            disk_tier=str(self.disk_tier.dir) if self.disk_tier is not None else None,
         )
 
     def load(self) -> EngineLoad:
@@ -173,6 +197,10 @@ class LLMEngine:
             preemptions=self.batcher.num_preemptions,
             cached_blocks=self.blocks.num_cached,
             tier=self.host_tier.snapshot() if self.host_tier is not None else None,
+            disk=self.disk_tier.snapshot() if self.disk_tier is not None else None,
+            pool_hits=self.batcher.hit_counts.pool,
+            pool_lookups=self.batcher.hit_counts.lookups,
+            pool_evictions=self.blocks.num_evicted,
         )
 
     # ---- requests ---------------------------------------------------------------------------
@@ -490,15 +518,18 @@ class LLMEngine:
         self.reserved[request_id] = hits + self.blocks.allocate(need - len(hits))
         return self.reserved[request_id], len(hits)
 
-    # ---- the host tier ------------------------------------------------------------------------
+    # ---- the tiers below the pool ---------------------------------------------------------------
     def _evicted(self, block: int, block_hash: bytes) -> None:
-        """The pool evicts a cached block: keep its bytes in the host tier (before its new owner
-        writes it). A failure loses the block from the tiers, never a request."""
-        assert self.host_tier is not None
+        """The pool evicts a cached block: keep its bytes in the host tier, else the disk tier
+        (before its new owner writes it). A failure loses the block from the tiers, never a request."""
         try:
-            self.host_tier.put(block_hash, self.cache.read_blocks([block]))
+            data = self.cache.read_blocks([block])
+            if self.host_tier is not None:
+                self.host_tier.put(block_hash, data)
+            elif self.disk_tier is not None:
+                self.disk_tier.put(block_hash, data)
         except Exception:
-            log.exception("host tier: block %d not stored", block)
+            log.exception("tiers: block %d not stored", block)
 
     def take_tier_changes(self) -> dict[bytes, bool]:
         """Block hashes the host tier gained (True) or lost (False) since the last call."""
@@ -510,6 +541,14 @@ class LLMEngine:
             return []
         self.host_tier.take_changes()
         return self.host_tier.hashes()
+
+    def take_disk_changes(self) -> dict[bytes, bool]:
+        """Block hashes the disk tier gained or lost since the last call (any thread may call it)."""
+        return self.disk_tier.take_changes() if self.disk_tier is not None else {}
+
+    def disk_hashes(self) -> list[bytes]:
+        """Every block hash the disk tier holds; its recorded changes are dropped (any thread)."""
+        return self.disk_tier.take_hashes() if self.disk_tier is not None else []
 
     # ---- the prefix index: what the cache holds, for routers --------------------------------
     def take_prefix_changes(self) -> dict[bytes, bool]:
@@ -583,4 +622,6 @@ class LLMEngine:
             req.stop.feed(req.detok.add(token))
 
     def close(self) -> None:
+        if self.disk_tier is not None:
+            self.disk_tier.close()  # the queued writes land: the next run finds them
         self.executor.close()

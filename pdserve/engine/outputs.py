@@ -56,11 +56,16 @@ class EngineLoad:
     preemptions: int = 0  # sequences preempted since the engine started
     cached_blocks: int = 0  # blocks registered in the prefix cache (in use or kept for reuse)
     tier: TierLoad | None = None  # the host tier below the prefix cache, when there is one
+    disk: TierLoad | None = None  # the disk tier below it, when there is one
+    pool_hits: int = 0  # admitted prompts' full blocks found in the prefix cache (first admissions)
+    pool_lookups: int = 0  # admitted prompts' full blocks looked up there (first admissions)
+    pool_evictions: int = 0  # cached blocks the prefix cache evicted for room
 
 
 @dataclasses.dataclass(frozen=True)
 class TierLoad:
-    """The host tier's size and counters since the engine started (``engine/host_tier.py``)."""
+    """A tier's size and counters since the engine started (the host tier, ``engine/host_tier.py``;
+    the disk tier, ``engine/disk_tier.py``)."""
 
     capacity_bytes: int = 0
     used_bytes: int = 0
@@ -70,6 +75,7 @@ class TierLoad:
     misses: int = 0  # admitted prompts' full blocks that neither the pool nor the tier held
     corrupt: int = 0  # entries whose bytes failed their checksum at a read-back (recomputed)
     evictions: int = 0  # entries dropped to stay within the bound
+    dropped: int = 0  # the disk tier: writes dropped because its writer's queue was full
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +104,9 @@ class EngineFacts:
     ``MKL_CBWR=...,STRICT``; the echo engine): routers' shadow verification compares bitwise."""
     host_tier: bool = False
     """A host tier below the prefix cache (its blocks in the prefix index's ``host`` set)."""
+    disk_tier: str | None = None
+    """The disk tier's directory (real path, one per namespace; None: no disk tier): the worker
+    names the tier's prefix-index set after it and its host (``disk_tier.tier_id``)."""
     calls_inline: bool = False
     """Every engine call takes microseconds (the echo engine, no model): the worker makes them on its
     event loop, where handing each to the engine thread would cost far more than the call (preparing

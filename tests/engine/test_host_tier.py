@@ -148,4 +148,4 @@ def test_without_the_flag_nothing_is_kept_below_the_pool(tiny_model_dir) -> None
 def test_without_the_prefix_cache_the_flag_is_ignored_with_a_warning(tiny_model_dir, caplog) -> None:
     eng = engine(tiny_model_dir, prefix_caching=False, kv_host_bytes=64 << 20)
     assert eng.host_tier is None and not eng.facts().host_tier
-    assert "--kv-host-bytes is ignored" in caplog.text
+    assert "--kv-host-bytes and --kv-disk-bytes are ignored" in caplog.text
