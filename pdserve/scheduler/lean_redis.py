@@ -1,5 +1,5 @@
-"""A lean Redis connection for the router's two hot round trips, the outbox read and the inbox send:
-commands packed once into bytes, replies parsed by hiredis in an asyncio protocol, and none of
+"""A lean Redis connection for the hot round trips, the router's outbox read and inbox send and the
+worker's outbox publish (its one round trip per engine step): commands packed once into bytes, replies parsed by hiredis in an asyncio protocol, and none of
 redis-py's per-command machinery (pipeline objects, argument packing, response callbacks, pool
 checkout, retry and timeout contexts), which cost about two and a half times the round trip itself
 (measured on one outbox read: ~130 µs of CPU through a pipeline, ~36 µs here).

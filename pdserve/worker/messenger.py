@@ -224,6 +224,10 @@ class Messenger:
             if not sent.done():
                 sent.set_result(ok)
 
+    def close(self) -> None:
+        """Close the outbox's dedicated connection (after the last :meth:`flush`)."""
+        self.outbox.close()
+
     async def deliver(self, owner: Owner, *deltas: RequestDelta) -> bool:
         return await self.publish({owner.router_id: list(deltas)})
 

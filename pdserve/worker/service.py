@@ -312,6 +312,7 @@ class WorkerService:
         if self.handler is not None:
             await self.handler.fail_all("instance is shutting down")
             await self.handler.ctx.messenger.flush()  # the last steps' tokens, posted but maybe not sent
+            self.handler.ctx.messenger.close()
         self.transports.close()
         await self.heartbeat.stop(deregister=True)  # only what it registered: not a live id we were refused
         if self.prefix_publisher is not None:

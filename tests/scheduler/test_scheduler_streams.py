@@ -10,6 +10,7 @@ import redis
 import redis.asyncio as aioredis
 from redis_support import run
 
+from pdserve.errors import ControlPlaneError
 from pdserve.localredis.embedded import EmbeddedRedis
 from pdserve.scheduler import (
     ANY_ATTEMPT,
@@ -24,6 +25,7 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
+from pdserve.scheduler.messages import encode
 from pdserve.scheduler.outbox_reader import DeltaQueue
 
 KEYS = Keys("streams-test")
@@ -199,6 +201,33 @@ def test_one_step_is_demultiplexed_in_order(redis_url: str, redis_client: redis.
         assert [d.token_ids for d in b] == [[10], [11]] and b[-1].usage is not None
         assert [d.token_ids for d in c] == [[100]]
         assert reader.num_dropped == 1 and reader.num_dispatched == 6
+
+    run(redis_url, main)
+
+
+def test_lean_publish_writes_what_a_pipeline_writes(redis_url: str, redis_client: redis.Redis) -> None:
+    """A single server's outbox publishes go out pre-packed on a lean connection: the same entry,
+    bound and expiry as redis-py's pipeline (still used with a caller's pipeline); an error reply
+    (here a key of another type) is a ControlPlaneError, and the connection serves on."""
+
+    async def main(r: aioredis.Redis) -> None:
+        outbox = Outbox(r, KEYS, ttl_s=123)
+        assert outbox._lean is not None
+        items = [delta("a", 1, 2), delta("b", 3, final=True)]
+        await outbox.publish_many("d0", {"r1": items, "r2": [], "r3": [delta("c", 4)]})
+        pipe = r.pipeline(transaction=False)
+        await outbox.publish_many("d0", {"r1": items}, pipeline=pipe)
+        await pipe.execute()
+        lean, piped = [e[1][b"m"] for e in await r.xrange(KEYS.outbox("r1"))]
+        assert lean == piped == encode(StepOutput(instance_id="d0", items=items))
+        assert 0 < await r.ttl(KEYS.outbox("r1")) <= 123 and 0 < await r.ttl(KEYS.outbox("r3")) <= 123
+        assert not await r.exists(KEYS.outbox("r2"))
+        await r.set(KEYS.outbox("r4"), "not a stream")
+        with pytest.raises(ControlPlaneError, match="WRONGTYPE"):
+            await outbox.publish("r4", StepOutput(instance_id="d0", items=items))
+        await outbox.publish("r3", StepOutput(instance_id="d0", items=items))
+        assert await r.xlen(KEYS.outbox("r3")) == 2
+        outbox.close()
 
     run(redis_url, main)
 
