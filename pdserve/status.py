@@ -107,6 +107,8 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "kv_checked": i.integrity.kv_checked if i.integrity else 0,
                 "kv_mismatches": i.integrity.kv_mismatches if i.integrity else 0,
                 "tier": i.tier.model_dump() if i.tier else None,
+                "disk_tier": i.disk_tier.model_dump() if i.disk_tier else None,
+                "pool": i.pool.model_dump() if i.pool else None,
                 "role_history": role_history(i),
             }
         )
@@ -246,17 +248,43 @@ def render(status: dict[str, Any]) -> str:
 
 
 def tier_lines(status: dict[str, Any]) -> list[str]:
-    """Each host tier (``--kv-host-bytes``): a blank line and one line per instance that has one."""
+    """Each instance with a tier below its pool (``--kv-host-bytes``, ``--kv-disk-path``): a blank
+    line, then per tier (its pool, host tier, disk tier) a line with its size, hit rate and
+    evictions (a tier's hit rate: the blocks it served of those the tiers above it lacked)."""
     lines = []
     for i in status["instances"]:
-        t = i.get("tier")
-        if t:
+        host, disk, pool = i.get("tier"), i.get("disk_tier"), i.get("pool")
+        if not host and not disk:
+            continue
+        if pool:
             lines.append(
-                f"host tier {i['id']}: {t['used_bytes'] / 2**20:.0f}/{t['capacity_bytes'] / 2**20:.0f} MiB, "
-                f"{t['blocks']} blocks; read back {t['hits']}, missed {t['misses']}, stored {t['stores']}, "
-                f"evicted {t['evictions']}, corrupt {t['corrupt']}"
+                f"pool {i['id']}: {i['num_blocks']} blocks, {i.get('prefix_index_blocks') or 0} cached; "
+                f"{_rate(pool['hits'], pool['lookups'])} ({pool['hits']}/{pool['lookups']} blocks), "
+                f"evicted {pool['evictions']}"
+            )
+        if host:
+            lines.append(
+                f"host tier {i['id']}: {_mib(host)}, {host['blocks']} blocks; read back {host['hits']}, "
+                f"missed {host['misses']} ({_rate(host['hits'], host['hits'] + host['misses'])}), "
+                f"stored {host['stores']}, evicted {host['evictions']}, corrupt {host['corrupt']}"
+            )
+        if disk:
+            lines.append(
+                f"disk tier {i['id']} ({disk['id'][:8]}): {_mib(disk)}, {disk['blocks']} blocks; read back "
+                f"{disk['hits']}, missed {disk['misses']} ({_rate(disk['hits'], disk['hits'] + disk['misses'])}), "
+                f"stored {disk['stores']}, evicted {disk['evictions']}, corrupt {disk['corrupt']}, "
+                f"dropped {disk['dropped']}"
             )
     return ["", *lines] if lines else []
+
+
+def _mib(tier: dict[str, Any]) -> str:
+    return f"{tier['used_bytes'] / 2**20:.0f}/{tier['capacity_bytes'] / 2**20:.0f} MiB"
+
+
+def _rate(hits: int, total: int) -> str:
+    """A hit rate as a percentage ("-" before any lookup)."""
+    return f"{100 * hits / total:.0f}% hit" if total else "- hit"
 
 
 def integrity_lines(status: dict[str, Any]) -> list[str]:

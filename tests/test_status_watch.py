@@ -269,5 +269,42 @@ def test_status_shows_each_host_tier(redis_url) -> None:
     assert {i["id"]: bool(i["tier"]) for i in status["instances"]} == {plain.id: False, tiered.id: True}
     lines = [line for line in render(status).splitlines() if line.startswith("host tier")]
     assert lines == [
-        f"host tier {tiered.id}: 16/64 MiB, 23 blocks; read back 12, missed 5, stored 30, evicted 7, corrupt 0"
+        f"host tier {tiered.id}: 16/64 MiB, 23 blocks; read back 12, missed 5 (71% hit), stored 30, "
+        "evicted 7, corrupt 0"
+    ]
+
+
+def test_status_shows_the_pool_host_and_disk_tiers_of_an_instance(redis_url) -> None:
+    """An instance with a disk tier gets a line per tier: its pool's hit rate and evictions, and
+    the disk tier's size, hit rate, evictions and its shared id."""
+    import asyncio
+
+    from router_support import instance
+
+    from pdserve.scheduler import DiskTierInfo, PoolInfo
+    from pdserve.status import collect, render
+
+    disked = instance("mixed-2-cccccc", "mixed")
+    disked.pool = PoolInfo(hits=30, lookups=120, evictions=44)
+    disked.disk_tier = DiskTierInfo(
+        id="ab" * 16,
+        path="/var/kv/x",
+        capacity_bytes=1 << 30,
+        used_bytes=256 << 20,
+        blocks=700,
+        stores=800,
+        hits=60,
+        misses=30,
+        evictions=100,
+        dropped=2,
+    )
+    register(redis_url, "wdisk", disked)
+    status = asyncio.run(collect(redis_url, "wdisk"))
+    lines = [
+        line for line in render(status).splitlines() if line.startswith(("pool", "disk tier", "host tier"))
+    ]
+    assert lines == [
+        f"pool {disked.id}: {disked.kv.num_blocks} blocks, 0 cached; 25% hit (30/120 blocks), evicted 44",
+        f"disk tier {disked.id} (abababab): 256/1024 MiB, 700 blocks; read back 60, missed 30 (67% hit), "
+        "stored 800, evicted 100, corrupt 0, dropped 2",
     ]

@@ -17,14 +17,15 @@ page cache, far below recomputing it; an asynchronous read would need the batche
 admission across steps). The files are the truth: a plan stats the files, so a block another
 instance wrote counts, and one it removed is a miss (``FileNotFoundError``).
 
-The byte bound is kept by the writer: before a write that would exceed it (or when its view of
-the directory is older than ``rescan_s``), it lists the directory (names and ``stat``, no payload)
-and removes the files with the oldest modification time (a read touches its file). With several
-writers the bound holds up to what the others wrote since a writer's last listing.
+The byte bound is kept by the writer: before a write that would exceed it, or when another process
+changed the directory since its last listing (the directory's mtime moved) or that listing is
+older than ``rescan_s``, it lists the directory (names and ``stat``, no payload) and removes the
+files with the oldest modification time (a read touches its file). With several writers the bound
+can be passed by what two of them write at the same moment, until the next write.
 
 What the tier gained and lost (its writes, its evictions, corrupt files it removed, and what a
-listing found changed) is recorded (:meth:`DiskTier.take_changes`) for the prefix index's one
-set per disk tier. A worker restarted on the same directory lists it at start and holds what it
+listing found changed) is recorded (:meth:`DiskTier.take_changes`, each checked against the files
+when taken) for the prefix index's one set per disk tier. A worker restarted on the same directory lists it at start and holds what it
 finds (:meth:`DiskTier.hashes`).
 """
 
@@ -106,6 +107,7 @@ class DiskTier:
         self._known: dict[bytes, float] = {}  # chain hash -> file mtime, as of the last listing/write
         self._changes: dict[bytes, bool] | None = None
         self._scanned_at = 0.0
+        self._dir_mtime = 0  # the directory's mtime as of this process's last listing or change
         self._scan()  # what a previous run (or another instance) left: held from the start
         self._queue: queue.Queue[tuple[bytes, bytes, bytes | None] | None] | None = None
         self._thread: threading.Thread | None = None
@@ -205,16 +207,22 @@ class DiskTier:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+        self._dir_mtime = os.stat(self.dir).st_mtime_ns  # this write's change: not another's
         with self._lock:
             self._known[block_hash] = time.time()
             self.stats.stores += 1
             self._record(block_hash, True)
 
+    def _dir_changed(self) -> bool:
+        """Another process created or removed a file since this one's last listing or write (the
+        directory's mtime moved; its clock's granularity may hide one: ``rescan_s`` catches it)."""
+        return os.stat(self.dir).st_mtime_ns != self._dir_mtime
+
     def _make_room(self) -> None:
         """Remove the least recently used files until one more fits (a listing first when the view
-        of the directory is stale or says it is full)."""
-        now = time.monotonic()
-        if now - self._scanned_at > self.rescan_s or len(self._known) + 1 > self.max_files:
+        of the directory is stale, another process changed it, or it says it is full)."""
+        stale = time.monotonic() - self._scanned_at > self.rescan_s
+        if stale or self._dir_changed() or len(self._known) + 1 > self.max_files:
             self._scan()
         while True:
             with self._lock:
@@ -226,11 +234,13 @@ class DiskTier:
                 self._record(oldest, False)
             with contextlib.suppress(FileNotFoundError):  # another instance removed it first
                 os.remove(self.path(oldest))
+            self._dir_mtime = os.stat(self.dir).st_mtime_ns
 
     def _scan(self) -> None:
         """List the directory (names and times; no payload read): the tier holds what it finds."""
         found: dict[bytes, float] = {}
         now = time.time()
+        self._dir_mtime = os.stat(self.dir).st_mtime_ns  # before listing: a change during it rescans
         with os.scandir(self.dir) as entries:
             for entry in entries:
                 try:
@@ -317,10 +327,13 @@ class DiskTier:
             self._changes[block_hash] = held
 
     def take_changes(self) -> dict[bytes, bool]:
-        """Block hashes gained (True) and lost (False) since the last call; the first starts the record."""
+        """Block hashes gained (True) and lost (False) since the last call; the first starts the
+        record. Each is what the file system says now, not when it was recorded: the instances
+        sharing the directory publish their changes at their own pace, and a later publication of
+        an older change must not claim a file another one has removed since."""
         with self._lock:
             changes, self._changes = self._changes or {}, {}
-        return changes
+        return {h: self.path(h).exists() for h in changes}
 
     def hashes(self) -> list[bytes]:
         """Every block hash the tier holds as of its last listing and its own writes since."""
@@ -328,10 +341,15 @@ class DiskTier:
             return list(self._known)
 
     def take_hashes(self) -> list[bytes]:
-        """:meth:`hashes`, the record restarted (the list replaces the changes so far)."""
+        """What a listing of the directory finds now, for a full replacement of the index's set
+        (which the instances sharing the tier write together: it must be the directory's, not one
+        writer's view); each is recorded again, so the next :meth:`take_changes` checks it once
+        more (a file removed between the listing and the replacement then leaves the set)."""
+        self._scan()
         with self._lock:
-            self._changes = {}
-            return list(self._known)
+            hashes = list(self._known)
+            self._changes = dict.fromkeys(hashes, True)
+        return hashes
 
 
 def _touch(path: Path) -> bool:

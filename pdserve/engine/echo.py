@@ -278,6 +278,12 @@ class EchoEngine:
     def tier_hashes(self) -> list[bytes]:
         return []
 
+    def take_disk_changes(self) -> dict[bytes, bool]:
+        return {}
+
+    def disk_hashes(self) -> list[bytes]:
+        return []
+
     def cancel_reservation(self, request_id: str) -> bool:
         blocks = self.reserved.pop(request_id, None)
         if blocks is None:

@@ -83,6 +83,7 @@ class Dispatcher:
             settings.prefix_transfer_weight,
             settings.local_prefill_tokens,
             settings.prefix_host_tier_weight,
+            settings.prefix_disk_tier_weight,
         )
         self.selector = Selector(
             settings.prefill_policy, settings.decode_policy, settings.aggregated_fallback, weights

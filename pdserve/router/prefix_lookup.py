@@ -34,10 +34,15 @@ INDEX_KINDS: tuple[IndexKind, ...] = ("redis", "local")
 class BlockIndex(Protocol):
     """Where full blocks are cached: :class:`pdserve.scheduler.PrefixIndex` or :class:`LocalIndex`."""
 
-    async def tiered_blocks(
-        self, instance_ids: Sequence[str], hashes: Sequence[bytes], tiered: Sequence[str] = ()
-    ) -> dict[str, tuple[int, int]]:
-        """Per instance: the leading blocks its pool holds, and those its pool or host tier holds."""
+    async def held_blocks(
+        self,
+        instance_ids: Sequence[str],
+        hashes: Sequence[bytes],
+        tiered: Sequence[str] = (),
+        disks: Mapping[str, str] | None = None,
+    ) -> dict[str, tuple[int, int, int]]:
+        """Per instance: the leading blocks its pool holds, those its pool or host tier holds, and
+        those any of them or its disk tier (``disks``: instance id -> disk tier id) holds."""
         ...
 
 
@@ -53,6 +58,16 @@ class LocalIndex:
     ) -> dict[str, tuple[int, int]]:
         """No host tiers here: what the router sent is all it knows."""
         return {i: (n, n) for i, n in (await self.cached_blocks(instance_ids, hashes)).items()}
+
+    async def held_blocks(
+        self,
+        instance_ids: Sequence[str],
+        hashes: Sequence[bytes],
+        tiered: Sequence[str] = (),
+        disks: Mapping[str, str] | None = None,
+    ) -> dict[str, tuple[int, int, int]]:
+        """No tiers here: what the router sent is all it knows."""
+        return {i: (n, n, n) for i, n in (await self.cached_blocks(instance_ids, hashes)).items()}
 
     async def cached_blocks(self, instance_ids: Sequence[str], hashes: Sequence[bytes]) -> dict[str, int]:
         out = {}
@@ -111,20 +126,29 @@ class PrefixLookup:
             return request
         cached: dict[str, int] = {}
         tier: dict[str, int] = {}
+        disk: dict[str, int] = {}
         tiered = [i.id for i in caching if i.tier is not None]
+        disks = {i.id: i.disk_tier.id for i in caching if i.disk_tier is not None}
         try:
             for block_size in sorted({i.kv.block_size for i in caching}):
                 ids = [i.id for i in caching if i.kv.block_size == block_size]
                 hashes = blocks.of(block_size, request.cache_salt)
-                found = await self.index.tiered_blocks(ids, hashes, tiered)
-                cached.update({i: pool * block_size for i, (pool, _) in found.items() if pool})
-                tier.update(
-                    {i: (both - pool) * block_size for i, (pool, both) in found.items() if both > pool}
-                )
+                found = await self.index.held_blocks(ids, hashes, tiered, disks)
+                for i, (pool, host, anywhere) in found.items():
+                    if pool:
+                        cached[i] = pool * block_size
+                    if host > pool:
+                        tier[i] = (host - pool) * block_size
+                    if anywhere > host:
+                        disk[i] = (anywhere - host) * block_size
         except ControlPlaneError as e:
             log.debug("prefix index not read (%s); placing by load", e)
         return dataclasses.replace(
-            request, num_tokens=len(blocks.token_ids), cached_tokens=cached, tier_tokens=tier
+            request,
+            num_tokens=len(blocks.token_ids),
+            cached_tokens=cached,
+            tier_tokens=tier,
+            disk_tokens=disk,
         )
 
     def learn(self, route: Route, request: PolicyRequest, blocks: PromptBlocks) -> None:

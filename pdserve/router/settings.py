@@ -78,6 +78,11 @@ class RouterSettings:
         "prefix_cache: what reading one prompt token's KV back from an instance's host tier "
         "(--kv-host-bytes) costs, relative to computing it (default %(default)s)",
     )
+    prefix_disk_tier_weight: float = setting(
+        PrefixWeights.disk_tier,
+        "prefix_cache: what reading one prompt token's KV back from an instance's disk tier "
+        "(--kv-disk-path) costs, relative to computing it (default %(default)s)",
+    )
     local_prefill_tokens: int = setting(
         PrefixWeights.local_prefill_tokens,
         "prefix_cache: a decode instance prefills a request itself, with no prefill instance or KV "
@@ -291,6 +296,10 @@ class RouterSettings:
         if not 0 <= self.prefix_host_tier_weight <= 1:
             raise ConfigError(
                 f"prefix_host_tier_weight must be in [0, 1], got {self.prefix_host_tier_weight}"
+            )
+        if not 0 <= self.prefix_disk_tier_weight <= 1:
+            raise ConfigError(
+                f"prefix_disk_tier_weight must be in [0, 1], got {self.prefix_disk_tier_weight}"
             )
         if self.prefix_index not in INDEX_KINDS:
             raise ConfigError(

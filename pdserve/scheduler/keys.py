@@ -113,6 +113,19 @@ class Keys:
         """Where a full replacement of :meth:`prefix_index` is written before one RENAME (same slot)."""
         return f"{self.prefix_index(instance_id, tier)}:new"
 
+    def prefix_disk(self, tier_id: str) -> str:
+        """Set of the chain hashes of the blocks one disk tier holds (``--kv-disk-path``: the files
+        of one host's directory for one model namespace; ``tier_id`` from ``disk_tier.tier_id``),
+        one set per tier, not per instance: written by whichever instance sharing it stored or
+        removed a file, its expiry renewed by each of them (hash tag = ``disk:<tier_id>``, which no
+        instance's tag can be: ids have no ':')."""
+        return f"{PREFIX}:{self.cluster}:prefix:{{disk:{validate_id(tier_id, 'disk tier id')}}}"
+
+    def prefix_disk_scratch(self, tier_id: str, writer: str) -> str:
+        """Where one instance writes a full replacement of :meth:`prefix_disk` before one RENAME
+        (its own name: two instances of a tier may replace it at once)."""
+        return f"{self.prefix_disk(tier_id)}:new:{validate_id(writer, 'instance id')}"
+
     @property
     def plan(self) -> str:
         """Stream of the planner's decisions and their inputs (``pdserve plan``), newest last."""

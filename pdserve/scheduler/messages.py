@@ -164,6 +164,28 @@ class TierInfo(_Model):
     misses: int = 0
     corrupt: int = 0
     evictions: int = 0
+    dropped: int = 0
+    """Writes dropped because the tier's writer was behind (the disk tier's only)."""
+
+
+class DiskTierInfo(TierInfo):
+    """The disk tier an instance reads and writes (``--kv-disk-path``, shared by the instances of a
+    host naming the same directory): its id, whose prefix-index set (``Keys.prefix_disk(id)``)
+    routers read for this instance, the directory, and the size as this instance last listed it
+    with its own counters since it started."""
+
+    id: str
+    path: str = ""
+
+
+class PoolInfo(_Model):
+    """The prefix cache's counters since the instance started (``pdserve status``): admitted
+    prompts' full blocks found there (``hits``) out of those looked up (``lookups``), and the
+    cached blocks it evicted for room."""
+
+    hits: int = 0
+    lookups: int = 0
+    evictions: int = 0
 
 
 class InstanceInfo(_Model):
@@ -195,6 +217,10 @@ class InstanceInfo(_Model):
     tier: TierInfo | None = None
     """Its host tier (None: it has none): routers read its ``host`` prefix-index set too. Optional
     (added without a ``v`` bump)."""
+    disk_tier: DiskTierInfo | None = None
+    """Its disk tier (None: it has none): routers read that tier's set for it too. Optional."""
+    pool: PoolInfo | None = None
+    """Its prefix cache's counters (None: no prefix cache, or an older instance). Optional."""
     switchable: bool | None = None
     """It can take any role when told: started ``--switchable`` (its KV cache in shared memory,
     every KV transport open) or as a decode instance (which has both); None or False: only the

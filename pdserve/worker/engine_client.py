@@ -96,6 +96,8 @@ class Engine(Protocol):
     def prefix_hashes(self) -> list[bytes]: ...
     def take_tier_changes(self) -> dict[bytes, bool]: ...
     def tier_hashes(self) -> list[bytes]: ...
+    def take_disk_changes(self) -> dict[bytes, bool]: ...
+    def disk_hashes(self) -> list[bytes]: ...
     def cancel_reservation(self, request_id: str) -> bool: ...
     def prefilled_blocks(self, request_id: str) -> list[int]: ...
     def release_prefilled(self, request_id: str) -> bool: ...
@@ -309,8 +311,11 @@ class EngineClient:
 
     # ---- the prefix index ------------------------------------------------------------------------
     def take_prefix_changes(self, tier: str = "pool") -> dict[bytes, bool]:
-        """Block hashes one tier (``pool``: the prefix cache; ``host``: the host tier) gained (True)
-        or lost (False) since the last take."""
+        """Block hashes one tier (``pool``: the prefix cache; ``host``: the host tier; ``disk``: the
+        disk tier, whose writer thread records its own, taken here directly) gained (True) or lost
+        (False) since the last take."""
+        if tier == "disk":
+            return self._engine.take_disk_changes()
         with self._prefix_lock:
             changes, self._prefix_changes[tier] = self._prefix_changes[tier], {}
         return changes
@@ -318,6 +323,9 @@ class EngineClient:
     async def prefix_hashes(self, tier: str = "pool") -> list[bytes]:
         """Every block hash one tier holds now; its changes gathered so far are dropped (the list
         replaces them)."""
+
+        if tier == "disk":  # the disk tier's view is its own, under its lock
+            return self._engine.disk_hashes()
 
         def full() -> list[bytes]:
             hashes = self._engine.prefix_hashes() if tier == "pool" else self._engine.tier_hashes()

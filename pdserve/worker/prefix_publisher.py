@@ -1,6 +1,9 @@
 """Keeps this instance's sets in the prefix index (:mod:`pdserve.scheduler.prefix_index`) equal to
 what its prefix cache holds (the ``pool`` set) and, with a host tier, what that tier holds (the
-``host`` set), so routers can send a prompt where its prefix is cached.
+``host`` set), so routers can send a prompt where its prefix is cached. With a disk tier it also
+writes what it stored and removed there into that tier's set, which the instances sharing the
+tier's directory write together (``disk_tier_id``), and replaces that set from its listing of the
+directory at start.
 
 The engine loop wakes the publisher after every step; it then writes what the cache gained and
 lost since the last write, in one pipeline (so a busy instance writes at most once per step and an
@@ -24,11 +27,15 @@ log = logging.getLogger(__name__)
 
 
 class PrefixPublisher:
-    def __init__(self, index: PrefixIndex, instance_id: str, engine: EngineClient) -> None:
+    def __init__(
+        self, index: PrefixIndex, instance_id: str, engine: EngineClient, disk_tier_id: str | None = None
+    ) -> None:
         self.index = index
         self.instance_id = instance_id
         self.engine = engine
-        self.tiers = ("pool", "host") if engine.facts.host_tier else ("pool",)
+        self.disk_tier_id = disk_tier_id
+        tiers = ["pool", "host"] if engine.facts.host_tier else ["pool"]
+        self.tiers = (*tiers, "disk") if disk_tier_id else tuple(tiers)
         self.wake = asyncio.Event()
         self.wake.set()  # the first write at once: it replaces whatever a previous run left
         self.synced = False  # the set equals the cache as of the last take of changes
@@ -54,13 +61,19 @@ class PrefixPublisher:
         if not self.synced:
             for tier in self.tiers:
                 hashes = await self.engine.prefix_hashes(tier)
+                if tier == "disk":
+                    assert self.disk_tier_id is not None
+                    await self.index.replace_disk(self.disk_tier_id, hashes, self.instance_id)
+                    continue
                 await self.index.replace(self.instance_id, hashes, tier)
                 log.debug("prefix index of %s (%s) replaced: %d blocks", self.instance_id, tier, len(hashes))
             self.synced = True
             return
         for tier in self.tiers:
             changes = self.engine.take_prefix_changes(tier)
-            if changes:
+            if tier == "disk":
+                existed = await self._publish_disk(changes)
+            elif changes:
                 existed = await self.index.apply(self.instance_id, changes, tier)
             else:
                 existed = await self.index.refresh(self.instance_id, tier) or self._held(tier) == 0
@@ -68,11 +81,21 @@ class PrefixPublisher:
                 self.synced = False
                 self.wake.set()
 
+    async def _publish_disk(self, changes: dict[bytes, bool]) -> bool:
+        """The disk tier's changes this instance made, or a renewed expiry (the set lives while any
+        instance sharing the tier does); False when the set was gone (replace it)."""
+        assert self.disk_tier_id is not None
+        if changes:
+            return await self.index.apply_disk(self.disk_tier_id, changes)
+        return await self.index.refresh_disk(self.disk_tier_id) or self._held("disk") == 0
+
     def _held(self, tier: str) -> int:
         """Blocks the tier holds as of the engine's last load snapshot."""
         load = self.engine.load
         if tier == "pool":
             return load.cached_blocks
+        if tier == "disk":
+            return load.disk.blocks if load.disk is not None else 0
         return load.tier.blocks if load.tier is not None else 0
 
     async def remove(self) -> None:

@@ -21,9 +21,11 @@ from typing import Any
 
 from pdserve.cache_transfer import shm, transports
 from pdserve.cache_transfer.base import LocalCache
+from pdserve.engine.disk_tier import tier_id
 from pdserve.engine.outputs import EngineLoad
 from pdserve.errors import ConfigError, ControlPlaneError, EngineError
 from pdserve.scheduler import (
+    DiskTierInfo,
     Heartbeat,
     Inbox,
     InstanceInfo,
@@ -32,6 +34,7 @@ from pdserve.scheduler import (
     Keys,
     KVInfo,
     LoadInfo,
+    PoolInfo,
     PrefixIndex,
     RedisSettings,
     RouterRegistry,
@@ -151,7 +154,7 @@ class WorkerService:
             await self.inbox.ensure_group()
             if self.engine.facts.prefix_caching:
                 index = PrefixIndex(self.redis, self.keys, self.settings.ttl_s)
-                self.prefix_publisher = PrefixPublisher(index, self.id, self.engine)
+                self.prefix_publisher = PrefixPublisher(index, self.id, self.engine, self.disk_tier_id)
             await self.heartbeat.start()
             await self._serve()
         finally:
@@ -377,10 +380,29 @@ class WorkerService:
             tokenizer=self.tokenizer_digest,
             integrity=self._integrity(),
             tier=TierInfo(**dataclasses.asdict(load.tier)) if load.tier is not None else None,
+            disk_tier=self._disk_tier_info(),
+            pool=PoolInfo(hits=load.pool_hits, lookups=load.pool_lookups, evictions=load.pool_evictions)
+            if facts.prefix_caching
+            else None,
             switchable=self._shared_cache or None,  # a decode instance's start prepared every role
             roles=list(roles.history) or None,
             last_switch=roles.last_switch,
         )
+
+    @property
+    def disk_tier_id(self) -> str | None:
+        """The id of the disk tier this instance shares (its host and directory), or None."""
+        assert self.engine is not None
+        directory = self.engine.facts.disk_tier
+        return tier_id(self.settings.host, directory) if directory else None
+
+    def _disk_tier_info(self) -> DiskTierInfo | None:
+        """The disk tier's id, directory and counters, from the engine's last load snapshot."""
+        assert self.engine is not None
+        tier, directory = self.engine.load.disk, self.engine.facts.disk_tier
+        if tier is None or directory is None or (tid := self.disk_tier_id) is None:
+            return None
+        return DiskTierInfo(id=tid, path=directory, **dataclasses.asdict(tier))
 
     def _integrity(self) -> IntegrityInfo | None:
         """A decode instance's KV checks so far (None before the first: nothing to show)."""

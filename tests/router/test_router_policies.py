@@ -515,3 +515,22 @@ def test_instances_of_two_models_under_one_name_are_never_paired(
     for _ in range(4):
         route = sel.route([p0, same, other], TINY)
         assert (route.prefill.id, route.decode.id) == ("p0", "d0")
+
+
+def test_prefix_cache_counts_a_disk_tier_hit_at_its_read_back_cost() -> None:
+    """Tokens an instance's disk tier holds after its pool and host tier cost ``disk_tier`` of a
+    computed token each: a disk hit beats a recompute, a pool hit beats a disk hit."""
+    policy = prefix_cache(load_tokens=64, host_tier=0.1, disk_tier=0.05)
+    a, b, c = instance("m0"), instance("m1"), instance("m2")
+    on_disk = dataclasses.replace(
+        cached(1000, m1=100), tier_tokens={"m1": 200}, disk_tokens={"m1": 400, "m2": 800}
+    )
+    assert policy.prefill_tokens(b, on_disk) == 1000 - 100 - 0.9 * 200 - 0.95 * 400
+    assert policy.prefill_tokens(c, on_disk) == 1000 - 0.95 * 800
+    assert policy.pick([a, c], {}, on_disk).id == "m2"  # 800 tokens on disk against none
+    pooled = dataclasses.replace(cached(1000, m1=800), disk_tokens={"m2": 800})
+    assert policy.pick([b, c], {}, pooled).id == "m1"  # the same 800 in the pool cost less
+    # m2's disk saves 760 tokens of work: 11 open requests (704) are worth it, 12 (768) are not
+    disk_only = dataclasses.replace(cached(1000), disk_tokens={"m2": 800})
+    assert policy.pick([a, c], {"m2": 11}, disk_only).id == "m2"
+    assert policy.pick([a, c], {"m2": 12}, disk_only).id == "m0"

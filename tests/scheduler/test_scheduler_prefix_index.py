@@ -77,3 +77,33 @@ def test_a_host_tier_set_extends_the_pools_run_and_is_its_own(redis_url, redis_c
     assert second == {"a": (2, 2)} and sizes == ({"a": 2}, {"a": 1})
     assert gone == {"a": (0, 0)} and not redis_client.exists(KEYS.prefix_index("a", "host"))
     assert KEYS.prefix_index("a", "host") == KEYS.prefix_index("a") + ":host"
+
+
+def test_a_disk_tier_set_is_one_per_tier_and_extends_the_runs_of_its_instances(
+    redis_url, redis_client
+) -> None:
+    """Instances sharing a disk tier (one host's directory) read one set, written by each of them;
+    a block in it counts toward the leading run after the pool's and the host tier's, said apart;
+    an instance's clean stop leaves it."""
+
+    async def main(redis) -> list:
+        index = PrefixIndex(redis, KEYS, ttl_s=5)
+        await index.replace("a", HASHES[:1])
+        await index.replace("a", HASHES[1:2], "host")
+        await index.replace_disk("t1", HASHES[2:4], writer="a")  # a's listing of the directory
+        await index.apply_disk("t1", {HASHES[4]: True})  # b, sharing it, wrote block 4
+        first = await index.held_blocks(["a", "b", "c"], HASHES, ["a"], {"a": "t1", "b": "t1"})
+        await index.apply_disk("t1", {HASHES[3]: False})  # someone evicted block 3
+        second = await index.held_blocks(["a", "b"], HASHES, ["a"], {"a": "t1", "b": "t1"})
+        pair = await index.tiered_blocks(["a"], HASHES, ["a"])  # the pool-and-host view as before
+        await index.remove("a")
+        refreshed = await index.refresh_disk("t1")
+        return [first, second, pair, refreshed, await index.held_blocks(["b"], HASHES, (), {"b": "t1"})]
+
+    first, second, pair, refreshed, after = run(redis_url, main)
+    assert first == {"a": (1, 2, 5), "b": (0, 0, 0), "c": (0, 0, 0)}  # b's pool lacks block 0
+    assert second == {"a": (1, 2, 3), "b": (0, 0, 0)} and pair == {"a": (1, 2)}
+    assert refreshed and after == {"b": (0, 0, 0)}
+    assert redis_client.scard(KEYS.prefix_disk("t1")) == 2  # a's stop left the shared set
+    assert KEYS.prefix_disk("t1") == "pdserve:prefix-test:prefix:{disk:t1}"
+    assert not redis_client.exists(KEYS.prefix_disk_scratch("t1", "a"))

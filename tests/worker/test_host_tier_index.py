@@ -10,10 +10,12 @@ import asyncio
 import dataclasses
 import random
 import time
+import uuid
 
 from test_worker_service import ask, router_registered, settings, started
 
 from pdserve.block_hash import chain_hashes
+from pdserve.engine.disk_tier import HEADER
 from pdserve.engine.kv_layout import block_bytes
 from pdserve.engine.model_config import ModelConfig
 from pdserve.scheduler import InstanceRegistry, Keys
@@ -147,3 +149,89 @@ def test_a_restarted_worker_finds_no_stale_entry_and_answers_the_same(
     got = asyncio.run(main())
     assert got["stale"]  # the tier held r1's blocks before the restart
     assert got["after"] == got["before"] and got["hits"] == 0
+
+
+# ---- the disk tier: one set per host directory, written by every instance sharing it ------------------
+def disk_settings(redis_url, tmp_path, cluster, tiny_model_dir, disk_dir, disk_blocks: int):
+    """A worker with no host tier and a disk tier of ``disk_blocks`` files in ``disk_dir``."""
+    file_bytes = HEADER.size + block_bytes(ModelConfig.from_dir(tiny_model_dir), BS)
+    base = tier_settings(redis_url, tmp_path, cluster, tiny_model_dir)
+    engine = dataclasses.replace(
+        base.engine, kv_host_bytes=0, kv_disk_path=str(disk_dir), kv_disk_bytes=disk_blocks * file_bytes
+    )
+    return dataclasses.replace(base, instance_id=f"disk-{uuid.uuid4().hex[:6]}", engine=engine)
+
+
+async def settled_disk(redis, keys: Keys, services: list[WorkerService]) -> tuple[set, set]:
+    """The disk tier's set and the files of its directory, once the writers are done and they agree."""
+    engines = [s.engine._engine for s in services]
+    for e in engines:
+        e.disk_tier.flush()
+    tier = engines[0].disk_tier
+    key = keys.prefix_disk(services[0].disk_tier_id)
+    deadline = time.monotonic() + 8
+    while True:
+        listed = set(await redis.smembers(key))
+        files = {bytes.fromhex(p.name[:-3]) for p in tier.dir.glob("*.kv")}
+        if listed == files or time.monotonic() > deadline:
+            return listed, files
+        await asyncio.sleep(0.1)
+
+
+def test_the_disk_tier_set_lists_only_blocks_whose_files_are_there(
+    redis_url, tmp_path, tiny_model_dir, cluster
+) -> None:
+    """Two workers share one disk directory (one host): blocks one evicted to disk serve the other
+    with the same tokens, and after a run with evictions from the pools and from the disk tier every
+    block the tier's one set lists has its file, whole and checked (and every file is listed)."""
+    disk_dir = tmp_path / "kv-disk"
+    prompts = {f"p{i}": prompt(600 + i, 4) for i in range(6)}
+
+    async def main() -> dict:
+        redis, keys = await router_registered(redis_url, cluster)
+        services = [
+            WorkerService(disk_settings(redis_url, tmp_path, cluster, tiny_model_dir, disk_dir, 10))
+            for _ in range(2)
+        ]
+        tasks = [await started(s) for s in services]
+        a, b = services
+        try:
+            ids = {s.disk_tier_id for s in services}
+            first = {rid: await ask(redis, keys, a.id, rid, 4, p) for rid, p in prompts.items()}
+            listed, files = await settled_disk(redis, keys, services)
+            disk_a, disk_b = a.engine._engine.disk_tier, b.engine._engine.disk_tier
+            stats_a = dataclasses.replace(disk_a.stats)
+            # a prompt whose 4 full blocks a's pool evicted to disk: b never saw it
+            rid = next(r for r, p in prompts.items() if disk_b.run(chain_hashes(p, BS)) == 4)
+            served = await ask(redis, keys, b.id, f"b-{rid}", 4, prompts[rid])
+            hits_b = disk_b.stats.hits
+            for i in range(3):  # b's pool evicts too: both write the one directory
+                await ask(redis, keys, b.id, f"b{i}", 1, prompt(700 + i, 4))
+            after = await settled_disk(redis, keys, services)
+            whole = all(
+                disk_a.decode(h, disk_a.path(h).read_bytes()) is not None for h in after[0] if h in after[1]
+            )
+            deadline = time.monotonic() + 5  # the next heartbeat carries the tier
+            while (info := await InstanceRegistry(redis, keys).get(b.id)).disk_tier is None or (
+                info.disk_tier.hits != hits_b
+            ):
+                assert time.monotonic() < deadline, info.disk_tier
+                await asyncio.sleep(0.1)
+        finally:
+            for s in services:
+                s.begin_drain()
+            for t in tasks:
+                await asyncio.wait_for(t, 30)
+        left = set(await redis.smembers(keys.prefix_disk(a.disk_tier_id)))  # a clean stop leaves it
+        await redis.aclose()
+        return locals()
+
+    got = asyncio.run(main())
+    assert len(got["ids"]) == 1  # one tier: the same host and directory
+    assert got["stats_a"].evictions > 0 and got["stats_a"].stores > 10  # the disk tier evicted
+    assert got["listed"] and got["listed"] == got["files"] and len(got["files"]) <= 10
+    assert got["served"] == got["first"][got["rid"]] and got["hits_b"] == 4
+    listed, files = got["after"]
+    assert listed <= files and listed == files and len(files) <= 10 and got["whole"]
+    assert got["info"].disk_tier.id == got["a"].disk_tier_id and got["info"].disk_tier.hits == 4
+    assert got["left"] == files

@@ -43,6 +43,9 @@ class PolicyRequest:
     tier_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Instance id -> prompt tokens after ``cached_tokens`` that its host tier holds (read back
     instead of computed), from the prefix index's ``host`` sets (absent: 0)."""
+    disk_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Instance id -> prompt tokens after ``cached_tokens`` and ``tier_tokens`` that its disk tier
+    holds (read back from files its host's instances share), from that tier's set (absent: 0)."""
 
 
 class Policy(Protocol):
@@ -59,7 +62,7 @@ class Policy(Protocol):
 @dataclass(frozen=True)
 class PrefixWeights:
     """The weights of the cost (``--prefix-load-tokens``, ``--prefix-transfer-weight``,
-    ``--local-prefill-tokens``, ``--prefix-host-tier-weight``)."""
+    ``--local-prefill-tokens``, ``--prefix-host-tier-weight``, ``--prefix-disk-tier-weight``)."""
 
     load_tokens: float = 64.0
     """What one open request on an instance costs, in prompt tokens to compute."""
@@ -70,6 +73,11 @@ class PrefixWeights:
     tokens (0: never; a pair always prefills)."""
     host_tier: float = 0.1
     """What reading one token's KV back from an instance's host tier costs, relative to computing it."""
+    disk_tier: float = 0.05
+    """What reading one token's KV back from an instance's disk tier costs, relative to computing it:
+    measured 1.5 ms to read, check and write back one SmolLM2 block from the page cache against
+    56 ms to prefill it on one thread (0.026), doubled for a read past the page cache and a
+    prefill on more threads (docs/design.md, the disk tier)."""
 
 
 PolicyFactory = Callable[[Stage, PrefixWeights], Policy]

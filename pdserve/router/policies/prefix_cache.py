@@ -5,8 +5,10 @@ The router knows each instance's cached prefix of the prompt from the prefix ind
 (``PolicyRequest.cached_tokens``; the dispatcher fills it). Costs are in prompt tokens:
 
 - prefill on instance *i*: ``new(i) + load(i)``, where ``new(i) = prompt tokens − cached(i) −
-  (1 − host_tier) × tier(i)`` is what *i* must compute (``tier(i)``: the tokens after its cached
-  prefix that its host tier holds, each read back at ``host_tier`` of a computed token's cost) and ``load(i) = load_tokens × requests(i) + queued prefill tokens(i)``
+  (1 − host_tier) × tier(i) − (1 − disk_tier) × disk(i)`` is what *i* must compute (``tier(i)``:
+  the tokens after its cached prefix that its host tier holds, each read back at ``host_tier`` of a
+  computed token's cost; ``disk(i)``: those after them its disk tier holds, at ``disk_tier``) and
+  ``load(i) = load_tokens × requests(i) + queued prefill tokens(i)``
   (requests: running + waiting from the heartbeat plus this router's own; queued: the heartbeat's
   ``waiting_prefill_tokens``);
 - a pair (P, D): ``new(P) + load(P) + transfer × (prompt tokens − cached(D)) + load_tokens ×
@@ -51,9 +53,12 @@ class PrefixCache:
 
     def prefill_tokens(self, info: InstanceInfo, request: PolicyRequest) -> float:
         """What prefilling on ``info`` costs in computed tokens: its host tier's blocks are read
-        back at ``host_tier`` of a token each."""
+        back at ``host_tier`` of a token each, its disk tier's at ``disk_tier``."""
+        w = self.weights
         tier = request.tier_tokens.get(info.id, 0)
-        return max(0.0, self.new_tokens(info, request) - (1 - self.weights.host_tier) * tier)
+        disk = request.disk_tokens.get(info.id, 0)
+        saved = (1 - w.host_tier) * tier + (1 - w.disk_tier) * disk
+        return max(0.0, self.new_tokens(info, request) - saved)
 
     def prefill_cost(self, info: InstanceInfo, in_flight: Mapping[str, int], request: PolicyRequest) -> float:
         load = self.weights.load_tokens * requests_on(info, in_flight) + info.load.waiting_prefill_tokens
