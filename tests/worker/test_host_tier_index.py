@@ -235,3 +235,45 @@ def test_the_disk_tier_set_lists_only_blocks_whose_files_are_there(
     assert listed <= files and listed == files and len(files) <= 10 and got["whole"]
     assert got["info"].disk_tier.id == got["a"].disk_tier_id and got["info"].disk_tier.hits == 4
     assert got["left"] == files
+
+
+def test_a_restarted_worker_finds_its_disk_tier_and_tells_the_index(
+    redis_url, tmp_path, tiny_model_dir, cluster
+) -> None:
+    """The disk tier outlives its worker: a new worker on the same directory lists the files at
+    start, publishes them (here after the set expired with the last instance), and serves a prompt
+    the old one evicted to disk from its files, with the tokens it had."""
+    disk_dir = tmp_path / "kv-disk"
+    prompts = {f"p{i}": prompt(800 + i, 4) for i in range(5)}
+
+    async def main() -> dict:
+        redis, keys = await router_registered(redis_url, cluster)
+        service = WorkerService(disk_settings(redis_url, tmp_path, cluster, tiny_model_dir, disk_dir, 40))
+        task = await started(service)
+        try:
+            first = {rid: await ask(redis, keys, service.id, rid, 4, p) for rid, p in prompts.items()}
+            before, files_before = await settled_disk(redis, keys, [service])
+            key = keys.prefix_disk(service.disk_tier_id)
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+        await redis.delete(key)  # what one TTL after the last instance of the tier leaves
+        service = WorkerService(disk_settings(redis_url, tmp_path, cluster, tiny_model_dir, disk_dir, 40))
+        task = await started(service)
+        try:
+            found = set(service.engine._engine.disk_tier.hashes())
+            listed, files = await settled_disk(redis, keys, [service])
+            disk = service.engine._engine.disk_tier
+            rid = next(r for r, p in prompts.items() if disk.run(chain_hashes(p, BS)) == 4)
+            again = await ask(redis, keys, service.id, "again", 4, prompts[rid])
+            hits = disk.stats.hits
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+        await redis.aclose()
+        return locals()
+
+    got = asyncio.run(main())
+    assert got["before"] == got["files_before"] and got["found"] == got["files_before"]
+    assert got["listed"] == got["files"] == got["files_before"]  # the index was told at start
+    assert got["again"] == got["first"][got["rid"]] and got["hits"] == 4
