@@ -14,8 +14,9 @@ Writes go through one background thread with a bounded queue (a full queue drops
 counted): the engine's thread only copies the block, which it does for the host tier too. Reads
 are synchronous in the step that admits the prompt (a few hundred microseconds a block from the
 page cache, far below recomputing it; an asynchronous read would need the batcher to hold an
-admission across steps). The files are the truth: a plan stats the files, so a block another
-instance wrote counts, and one it removed is a miss (``FileNotFoundError``).
+admission across steps). The files are the truth: a plan asks the file system about a block this
+engine has not seen, so a block another instance wrote counts, and a read of one it removed is a
+miss (``FileNotFoundError``).
 
 The byte bound is kept by the writer: before a write that would exceed it, or when another process
 changed the directory since its last listing (the directory's mtime moved) or that listing is
@@ -122,7 +123,10 @@ class DiskTier:
         return self.dir / (block_hash.hex() + SUFFIX)
 
     def __contains__(self, block_hash: bytes) -> bool:
-        return self.path(block_hash).exists()
+        """Known here (written or listed; a read finds out if another process removed it since),
+        else a file another instance wrote: one ``stat``, which a plan's run pays at most once, at
+        its end (a plan runs for every waiting prompt at every load snapshot)."""
+        return block_hash in self._known or self.path(block_hash).exists()
 
     @property
     def num_blocks(self) -> int:

@@ -88,8 +88,8 @@ def test_a_file_another_process_removed_is_a_plain_miss(tmp_path) -> None:
     tier = DiskTier(tmp_path, 8 * FILE, NS, background=False)
     tier.put(h(1), block(1))
     os.remove(tier.path(h(1)))
-    assert tier.run([h(1)]) == 0 and tier.read([h(1)]) == []
-    assert tier.stats.corrupt == 0
+    assert tier.read([h(1)]) == [] and tier.stats.corrupt == 0
+    assert tier.run([h(1)]) == 0  # forgotten: the next plan does not count it
 
 
 def test_a_new_tier_on_the_directory_holds_what_it_lists(tmp_path) -> None:
@@ -238,3 +238,15 @@ def test_without_a_path_or_bytes_there_is_no_disk_tier(tiny_model_dir, tmp_path,
     eng = engine(tiny_model_dir, tmp_path, kv_disk_bytes=0)
     assert eng.disk_tier is None and eng.batcher.tier is None and eng.facts().disk_tier is None
     assert "needs both" in caplog.text
+
+
+def test_two_writers_on_one_directory_keep_its_byte_bound(tmp_path) -> None:
+    """Instances sharing the directory each list it again when another changed it, so their
+    writes in turn stay within the bound together."""
+    a = DiskTier(tmp_path, 6 * FILE, NS, background=False)
+    b = DiskTier(tmp_path, 6 * FILE, NS, background=False)
+    for i in range(20):
+        (a if i % 2 else b).put(h(i), block(i))
+        assert len(list(a.dir.glob("*.kv"))) <= 6
+    assert a.stats.evictions + b.stats.evictions == 14
+    assert b.read([h(19)]) == [block(19)]  # a's latest write, read by b
