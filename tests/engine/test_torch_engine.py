@@ -122,6 +122,27 @@ def test_a_block_read_back_from_the_host_tier_gives_the_tokens_a_miss_gives(tiny
     np.testing.assert_allclose(np.stack(again[1]), np.stack(fresh[1]), atol=2e-5, rtol=0)
 
 
+def test_a_block_read_back_from_the_disk_tier_gives_the_tokens_a_miss_gives(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The torch platform's cache through the disk tier (no host tier): evicted blocks copied out
+    of the tensor into files and written back into other blocks continue as an uncached engine's."""
+    prompt = PROMPTS[2] + [5, 6]
+    fresh = run(engine(tiny_model_dir, prefix_caching=False), [prompt])["r0"]
+    config = EngineConfig(
+        num_blocks=8, device="cpu", keep_logits=True, kv_disk_path=str(tmp_path), kv_disk_bytes=16 << 20
+    )
+    eng = LLMEngine(tiny_model_dir, config, platform=TorchPlatform("cpu"))
+    run(eng, [PROMPTS[2]])  # its two full blocks cached
+    run(eng, [list(range(200, 306))])  # the whole pool: the cached blocks are evicted to disk
+    assert eng.disk_tier is not None and eng.host_tier is None
+    eng.disk_tier.flush()
+    again = run(eng, [prompt])["r0"]
+    assert eng.disk_tier.stats.hits == 2 and eng.disk_tier.stats.corrupt == 0
+    assert again[0] == fresh[0]
+    np.testing.assert_allclose(np.stack(again[1]), np.stack(fresh[1]), atol=2e-5, rtol=0)
+
+
 def test_the_kv_hand_off_between_two_engines_continues_exactly(tiny_model_dir: Path) -> None:
     """Prefill on one engine, its blocks' bytes imported into another's reserved blocks, decoding
     there: the tokens of one engine doing both (PD == mixed), bit for bit."""
