@@ -11,8 +11,9 @@ are one pass, decode groups skip the gather and read the cache in place through 
 tables, every prefill chunk runs causal tiles at absolute positions over the cache (a prompt row's
 bits depend only on its position and the K/V before it, never on the chunking: exact across chunk
 starts, which a prefix cache relies on; the reference path is close, not exact), and SwiGLU and
-each residual add + RMSNorm (and the first and final norm) are one numba pass; numpy and Paddle
-share memory through DLPack. With a ``PackedMkl`` (kernels/gemm.py) the linear layers and lm_head
+each residual add + RMSNorm (and the first and final norm) are one numba pass, and the whole layer
+path runs on numpy arrays (MKL through ctypes; no Paddle tensor per operand), the weights shared
+with Paddle's through DLPack. With a ``PackedMkl`` (kernels/gemm.py) the linear layers and lm_head
 multiply against weights packed once for MKL, which replace the plain ones; under
 ``MKL_CBWR=AUTO,STRICT`` its rows are batch-invariant too. Otherwise RMSNorm and SwiGLU are fused
 or composed per ``Kernels`` (docs/design.md, "CPU kernels").
@@ -73,6 +74,7 @@ class Model:
         self.kernels = attention_kernels  # None: every attention op in Paddle (the reference path)
         self.int8 = int8  # int8 weights (kernels/int8.py): the linear layers and lm_head quantized
         self.gemm = gemm if int8 is None else None  # None: Paddle's matmul on plain weights
+        self.mkl = gemm  # the prefill attention's tiles call its sgemm (with int8 weights too)
         self.packed: dict[str, PackedMatrix] = {}
         self.quantized: dict[str, Int8Matrix] = {}
         self.w: dict[str, paddle.Tensor] = {}
@@ -103,9 +105,9 @@ class Model:
             self.w[name] = paddle.from_dlpack(np.ascontiguousarray(array))
         self._norm = self._fused_norm if kernels.rms_norm == "fused" else self._composed_norm
         self._swiglu = F.swiglu if kernels.swiglu == "fused" else self._composed_swiglu
-        if attention_kernels is not None:  # numba's SwiGLU: ~2x Paddle's fused one (tiny prefill: 12 % of it)
-            self._swiglu = self._numba_swiglu
-        self.w_np = {k: np.from_dlpack(self.w[k]) for k in self.w if k.endswith("norm")}  # the same memory
+        # the kernel path's operands as numpy arrays over the very same memory: norms, biases, embedding
+        self.w_np = {k: np.from_dlpack(self.w[k]) for k in self.w if k.endswith(("norm", "_bias"))}
+        self.embed_np = np.from_dlpack(self.w["embed"])
         cos, sin = rope_tables(cfg, max_len)
         scale = 1.0 / math.sqrt(cfg.head_dim)
         qcos, qsin = cos * scale, sin * scale  # the softmax scale folded into q's tables
@@ -199,72 +201,94 @@ class Model:
         gate, up = paddle.chunk(gate_up, 2, axis=-1)
         return F.silu(gate) * up
 
-    def _add_norm(
-        self, x: paddle.Tensor, delta: paddle.Tensor, norm: str
-    ) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """The residual add, then the RMSNorm ``norm`` of the sum: (sum, normed); one pass in numba."""
-        if self.kernels is None:
-            x = x + delta
-            return x, self._norm(x, self.w[norm])
-        x_out, h = self.kernels.add_rms_norm(
-            np.from_dlpack(x), np.from_dlpack(delta), self.w_np[norm], self.cfg.rms_norm_eps
-        )
-        return paddle.from_dlpack(x_out), paddle.from_dlpack(h)
-
-    def _outer_norm(self, x: paddle.Tensor, norm: str) -> paddle.Tensor:
-        """The first and the final RMSNorm: numba's on the kernel path (as the fused step runs it)."""
-        if self.kernels is None:
-            return self._norm(x, self.w[norm])
-        return paddle.from_dlpack(
-            self.kernels.rms_norm(np.from_dlpack(x), self.w_np[norm], self.cfg.rms_norm_eps)
-        )
-
-    def _numba_swiglu(self, gate_up: paddle.Tensor) -> paddle.Tensor:
-        assert self.kernels is not None  # chosen only with the kernels
-        return paddle.from_dlpack(self.kernels.swiglu(np.from_dlpack(gate_up)))
+    def _linear_array(self, x: np.ndarray, name: str) -> np.ndarray:
+        """``x @ W`` (+ bias) on numpy arrays: the kernel path's linear layers and lm_head."""
+        packed, quantized = self.packed.get(name), self.quantized.get(name)
+        if quantized is not None:
+            assert self.int8 is not None  # weights are quantized only with the int8 kernels
+            y = self.int8.matmul(x, quantized)
+        elif packed is not None:
+            assert self.gemm is not None  # weights are packed only with a gemm
+            y = self.gemm.matmul(x, packed)
+        else:
+            y = np.from_dlpack(paddle.matmul(paddle.from_dlpack(x), self.w[name]))
+        bias = self.w_np.get(name + "_bias")
+        return y if bias is None else y + bias
 
     def _rope(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
         half = self.cfg.head_dim // 2
         return x * cos + paddle.concat([-x[..., half:], x[..., :half]], axis=-1) * sin
 
     def _linear(self, x: paddle.Tensor, name: str) -> paddle.Tensor:
-        packed, quantized = self.packed.get(name), self.quantized.get(name)
-        if quantized is not None:
-            assert self.int8 is not None  # weights are quantized only with the int8 kernels
-            y = paddle.from_dlpack(self.int8.matmul(np.from_dlpack(x), quantized))
-        elif packed is None:
-            y = paddle.matmul(x, self.w[name])
-        else:
-            assert self.gemm is not None  # weights are packed only with a gemm
-            y = paddle.from_dlpack(self.gemm.matmul(np.from_dlpack(x), packed))
+        """``x @ W`` (+ bias) on Paddle tensors: the reference path's linear layers and lm_head."""
+        if name in self.packed or name in self.quantized:
+            return paddle.from_dlpack(self._linear_array(np.from_dlpack(x), name))
+        y = paddle.matmul(x, self.w[name])
         bias = self.w.get(name + "_bias")
         return y if bias is None else y + bias
 
-    def forward(self, cache: KVCache, step: StepInput) -> paddle.Tensor | None:
+    def forward(self, cache: KVCache, step: StepInput) -> np.ndarray | None:
         """Run one packed step; writes the new tokens' K/V into ``cache`` and returns logits [M, V]
         (None when no row needs logits, e.g. a step of non-final prefill chunks)."""
-        cfg = self.cfg
         if self.fused is not None and step.output_rows.size and all(g.is_decode for g in step.groups):
-            return paddle.from_dlpack(self._fused_forward(cache, step))
-        ids = paddle.to_tensor(step.token_ids)
-        x = F.embedding(ids, self.w["embed"])
-        attend = self._kernel_attention if self.kernels is not None else self._reference_attention
+            return self._fused_forward(cache, step)
+        if self.kernels is not None:
+            return self._kernel_forward(cache, step, self.kernels)
+        logits = self._reference_forward(cache, step)
+        return None if logits is None else logits.numpy()
+
+    def _kernel_forward(
+        self, cache: KVCache, step: StepInput, kernels: AttentionKernels
+    ) -> np.ndarray | None:
+        """The layer path with the kernels, on numpy arrays: numba's kernels and MKL through ctypes
+        with no Paddle tensor made around each operand (a 512-token prefill made ~46 per layer)."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
         state = self._prepare(cache, step)
-        h = self._outer_norm(x, "l0.in_norm")
+        x = self.embed_np[step.token_ids]
+        h = kernels.rms_norm(x, self.w_np["l0.in_norm"], eps)
         for layer in range(cfg.num_layers):
-            o = attend(self._linear(h, f"l{layer}.qkv"), layer, cache, step, state)
-            x, h = self._add_norm(x, self._linear(o, f"l{layer}.o"), f"l{layer}.post_norm")
-            mlp = self._linear(self._swiglu(self._linear(h, f"l{layer}.gate_up")), f"l{layer}.down")
+            o = self._kernel_attention(self._linear_array(h, f"l{layer}.qkv"), layer, cache, step, state)
+            x, h = kernels.add_rms_norm(
+                x, self._linear_array(o, f"l{layer}.o"), self.w_np[f"l{layer}.post_norm"], eps
+            )
+            mlp = self._linear_array(
+                kernels.swiglu(self._linear_array(h, f"l{layer}.gate_up")), f"l{layer}.down"
+            )
             if layer + 1 < cfg.num_layers:
-                x, h = self._add_norm(x, mlp, f"l{layer + 1}.in_norm")
+                x, h = kernels.add_rms_norm(x, mlp, self.w_np[f"l{layer + 1}.in_norm"], eps)
             else:
                 x = x + mlp
         if step.output_rows.size == 0:
             return None
         n = step.token_ids.shape[0]
         if step.output_rows.shape[0] != n or not np.array_equal(step.output_rows, np.arange(n)):
+            x = x[step.output_rows]
+        x = kernels.rms_norm(x, self.w_np["norm"], eps)
+        if "lm_head" in self.packed or "lm_head" in self.quantized or not cfg.tie_word_embeddings:
+            return self._linear_array(x, "lm_head")
+        return paddle.matmul(paddle.from_dlpack(x), self.w["embed"], transpose_y=True).numpy()
+
+    def _reference_forward(self, cache: KVCache, step: StepInput) -> paddle.Tensor | None:
+        """The layer path in Paddle ops (no numba kernels): the reference and the fallback."""
+        cfg = self.cfg
+        ids = paddle.to_tensor(step.token_ids)
+        x = F.embedding(ids, self.w["embed"])
+        state = self._prepare(cache, step)
+        h = self._norm(x, self.w["l0.in_norm"])
+        for layer in range(cfg.num_layers):
+            o = self._reference_attention(self._linear(h, f"l{layer}.qkv"), layer, cache, step, state)
+            x = x + self._linear(o, f"l{layer}.o")
+            h = self._norm(x, self.w[f"l{layer}.post_norm"])
+            mlp = self._linear(self._swiglu(self._linear(h, f"l{layer}.gate_up")), f"l{layer}.down")
+            x = x + mlp
+            if layer + 1 < cfg.num_layers:
+                h = self._norm(x, self.w[f"l{layer + 1}.in_norm"])
+        if step.output_rows.size == 0:
+            return None
+        n = step.token_ids.shape[0]
+        if step.output_rows.shape[0] != n or not np.array_equal(step.output_rows, np.arange(n)):
             x = paddle.index_select(x, paddle.to_tensor(step.output_rows))
-        x = self._outer_norm(x, "norm")
+        x = self._norm(x, self.w["norm"])
         if "lm_head" in self.packed or "lm_head" in self.quantized or not cfg.tie_word_embeddings:
             return self._linear(x, "lm_head")
         return paddle.matmul(x, self.w["embed"], transpose_y=True)
@@ -338,17 +362,17 @@ class Model:
         return outs[0] if len(outs) == 1 else paddle.concat(outs, 0)
 
     def _kernel_attention(
-        self, qkv: paddle.Tensor, layer: int, cache: KVCache, step: StepInput, state: dict
-    ) -> paddle.Tensor:
-        """The same attention through the numba kernels (kernels/attention.py), sharing memory with Paddle
-        through DLPack: RoPE and the K/V write in one pass, decode groups read the cache in place,
-        prefill chunks run causal tiles over the cache (``prefill_attention``); a group without a
-        table (the step's padding tokens) attends to its own tokens."""
+        self, qkv: np.ndarray, layer: int, cache: KVCache, step: StepInput, state: dict
+    ) -> np.ndarray:
+        """The same attention through the numba kernels (kernels/attention.py) on numpy arrays: RoPE
+        and the K/V write in one pass, decode groups read the cache in place, prefill chunks run
+        causal tiles over the cache (``prefill_attention``); a group without a table (the step's
+        padding tokens) attends to its own tokens."""
         H, KVH, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         kernels, rows = self.kernels, state["rows"]
         assert kernels is not None  # this path is chosen only with the kernels
         q, k, v = kernels.rope_write(
-            np.from_dlpack(qkv), step.positions, self.rope_np, rows, step.write_rows[layer], (H, KVH, D)
+            qkv, step.positions, self.rope_np, rows, step.write_rows[layer], (H, KVH, D)
         )
         out = np.empty((q.shape[0], H * D), np.float32)
         kv_all = (
@@ -375,7 +399,7 @@ class Model:
                 chunk += g.num_chunks
                 o = self.paged_attention(paddle.from_dlpack(q[span]), kv, mask, g.num_seqs, g.is_decode)
                 out[span] = np.from_dlpack(o)
-        return paddle.from_dlpack(out)
+        return out
 
     def tiled_causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """A whole sequence of n tokens from position 0, its K/V at hand: q [n,H,D] (pre-scaled),
@@ -411,8 +435,9 @@ class Model:
         zero queries whose results are dropped, keys past the chunk's end are zero — so a row's bits
         depend only on its position and the K/V of positions up to it, never on where the chunk
         starts or ends (MKL may round a GEMM's rows differently in other shapes, see padded_rows in
-        model_runner.py; columns past a row's position get probability exactly 0, adding nothing). Per kv head, Paddle matmuls on contiguous operands (never a
-        transposed view), the causal softmax in place in numba.
+        model_runner.py; columns past a row's position get probability exactly 0, adding nothing).
+        Per kv head, MKL's sgemm on contiguous operands (``_tile_matmul``), the causal softmax in
+        place in numba.
         """
         assert self.kernels is not None  # called on the kernel path only
         T = CAUSAL_TILE
@@ -425,16 +450,25 @@ class Model:
         qt = np.zeros((KVH, (last + 1) * T - base, G, D), np.float32)
         qt[:, start - base : end - base] = q.reshape(n, KVH, G, D).transpose(1, 0, 2, 3)
         out = np.empty((n, KVH, G, D), np.float32)
+        matmul = self._tile_matmul
         for h in range(KVH):
             for i in range(first, last + 1):
                 t0, t1 = i * T, (i + 1) * T
-                queries = paddle.from_dlpack(qt[h, t0 - base : t1 - base].reshape(-1, D))
-                s = paddle.matmul(queries, paddle.from_dlpack(kt[h, :t1]), transpose_y=True)
-                self.kernels.causal_softmax(np.from_dlpack(s), t0, G)
-                o = np.from_dlpack(paddle.matmul(s, paddle.from_dlpack(vt[h, :t1]))).reshape(T, G, D)
+                s = matmul(qt[h, t0 - base : t1 - base].reshape(-1, D), kt[h, :t1], True)
+                self.kernels.causal_softmax(s, t0, G)
+                o = matmul(s, vt[h, :t1], False).reshape(T, G, D)
                 a, b = max(t0, start), min(t1, end)
                 out[a - start : b - start, h] = o[a - t0 : b - t0]
         return out.reshape(n, H * D)
+
+    def _tile_matmul(self, a: np.ndarray, b: np.ndarray, trans_b: bool) -> np.ndarray:
+        """One GEMM of a causal tile: MKL's sgemm through ctypes where the engine has Paddle's MKL,
+        else Paddle's matmul (the same MKL routine behind a tensor per operand)."""
+        if self.mkl is not None:
+            return self.mkl.sgemm(a, b, trans_b)
+        return np.from_dlpack(
+            paddle.matmul(paddle.from_dlpack(a), paddle.from_dlpack(b), transpose_y=trans_b)
+        )
 
     def dense_causal_attention(
         self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor

@@ -62,6 +62,9 @@ class PackedMkl:
         self._compute = lib.cblas_sgemm_compute
         self._compute.restype = None
         self._compute.argtypes = [_int] * 6 + [_ptr, _int, _ptr, _int, _float, _ptr, _int]
+        self._sgemm = lib.cblas_sgemm
+        self._sgemm.restype = None
+        self._sgemm.argtypes = [_int] * 6 + [_float, _ptr, _int, _ptr, _int, _float, _ptr, _int]
 
     def pack(self, w: np.ndarray, transposed: bool = False) -> PackedMatrix:
         """Pack ``w`` ([k, n], float32) as the B of ``x @ B``; ``transposed``: ``w`` is [n, k] and B is
@@ -104,8 +107,41 @@ class PackedMkl:
             )
         return out
 
+    def sgemm(self, a: np.ndarray, b: np.ndarray, trans_b: bool = False) -> np.ndarray:
+        """``a @ b`` (``a @ b.T`` with ``trans_b``) of C-contiguous float32 arrays through plain
+        ``cblas_sgemm``: the prefill attention's tiles, whose operands change every call (so packing
+        would not pay), without a Paddle tensor around each operand."""
+        m, k = a.shape
+        n = b.shape[0] if trans_b else b.shape[1]
+        if (b.shape[1] if trans_b else b.shape[0]) != k:
+            raise ValueError(f"a has {k} columns, b's other side {b.shape}")
+        if not (a.flags.c_contiguous and b.flags.c_contiguous):
+            raise ValueError("sgemm takes C-contiguous operands")
+        out = np.empty((m, n), np.float32)
+        if m and n:
+            trans = _TRANS if trans_b else _NO_TRANS
+            ldb = b.shape[1]
+            self._sgemm(
+                _ROW_MAJOR,
+                _NO_TRANS,
+                trans,
+                m,
+                n,
+                k,
+                1.0,
+                a.ctypes.data,
+                k,
+                b.ctypes.data,
+                ldb,
+                0.0,
+                out.ctypes.data,
+                n,
+            )
+        return out
+
     def self_test(self) -> None:
-        """Refuse an MKL whose packed GEMM disagrees with numpy (both layouts, 1 and 13 rows)."""
+        """Refuse an MKL whose GEMMs disagree with numpy (packed in both layouts, 1 and 13 rows;
+        plain, with b as it is and transposed)."""
         rng = np.random.default_rng(0)
         w = rng.standard_normal((40, 24), dtype=np.float32)
         for packed in (self.pack(w), self.pack(np.ascontiguousarray(w.T), transposed=True)):
@@ -114,6 +150,11 @@ class PackedMkl:
                 want = x.astype(np.float64) @ w.astype(np.float64)
                 if not np.allclose(self.matmul(x, packed), want, rtol=1e-5, atol=1e-4):
                     raise RuntimeError("MKL's packed GEMM disagrees with numpy")
+        x = rng.standard_normal((13, 40), dtype=np.float32)
+        want = x.astype(np.float64) @ w.astype(np.float64)
+        plain = self.sgemm(x, w), self.sgemm(x, np.ascontiguousarray(w.T), trans_b=True)
+        if not all(np.allclose(got, want, rtol=1e-5, atol=1e-4) for got in plain):
+            raise RuntimeError("MKL's sgemm disagrees with numpy")
 
 
 @dataclasses.dataclass(frozen=True)
