@@ -1,4 +1,4 @@
-"""The host tier on a multi-tenant long-context workload: what reading evicted blocks back saves.
+"""The host and disk tiers on a multi-tenant long-context workload: what reading evicted blocks back saves.
 
 T tenants (default 24), each with its own long context (2-4k tokens, drawn per tenant) and its own
 cache salt (as a router gives each API key), talk in turns: turn t of every tenant, then turn t + 1
@@ -11,12 +11,14 @@ Configurations, each a fresh engine (SmolLM2-135M, the engine in this process, o
 so TTFT is the engine's queue-free time to the first token: a prefill, or a read-back and the rest):
 
 - ``tiers``: prefix cache on, a host tier of ``--host-factor`` x the working set (``--kv-host-bytes``);
+- ``disk``: prefix cache on, no host tier, a disk tier of as many blocks (``--kv-disk-path`` in a
+  fresh temporary directory, ``--kv-disk-bytes``): every read-back comes from a file;
 - ``pool``: prefix cache on, no tier;
 - ``off``: prefix cache off.
 
 Reported per configuration: TTFT p50/p90 over all requests and over the later turns (those that can
-hit), the later turns' prompt blocks by where they came from (pool, tier, computed: the hit rate
-per tier), the tier's stores, evictions and checksum failures, and the wall time. Prints a table,
+hit), the later turns' prompt blocks by where they came from (pool, host tier, disk tier, computed:
+the hit rate per tier), the tiers' stores, evictions and checksum failures, and the wall time. Prints a table,
 writes JSON (``benchmarks/results/tier_bench.json``).
 
     .venv/bin/python benchmarks/tier_bench.py [--tenants 24] [--context-min 2048 --context-max 4096] [--turns 3]
@@ -29,7 +31,9 @@ import dataclasses
 import json
 import platform
 import random
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,7 @@ class Turn:
     pool: int  # prompt blocks from the pool's prefix cache
     tier: int  # ... read back from the host tier
     computed: int  # ... computed
+    disk: int = 0  # ... read back from the disk tier
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -70,16 +75,21 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], lis
 
 
 def run_config(
-    name: str, args: argparse.Namespace, model_dir: Path, pool_blocks: int, host_bytes: int
+    name: str, args: argparse.Namespace, model_dir: Path, pool_blocks: int, host_bytes: int, block_bytes: int
 ) -> dict:
     from pdserve.engine.config import EngineConfig
+    from pdserve.engine.disk_tier import HEADER
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.sampling_params import SamplingParams
 
+    disk_dir = tempfile.mkdtemp(prefix="tier-bench-") if name == "disk" else ""
     cfg = EngineConfig(
         num_blocks=pool_blocks,
         prefix_caching=name != "off",
         kv_host_bytes=host_bytes if name == "tiers" else 0,
+        kv_disk_path=disk_dir,
+        # as many blocks as the host tier's, each file a header more
+        kv_disk_bytes=host_bytes // block_bytes * (block_bytes + HEADER.size) if disk_dir else 0,
         max_model_len=args.context_max + args.turns * (args.user_tokens + args.answer_tokens) + 64,
         max_num_seqs=4,
         prefill_chunk_size=args.chunk,
@@ -96,6 +106,7 @@ def run_config(
                 temperature=0, max_tokens=args.answer_tokens, ignore_eos=True, cache_salt=f"tenant-{tenant}"
             )
             before = dataclasses.replace(engine.batcher.hit_counts)
+            disk_before = engine.disk_tier.stats.hits if engine.disk_tier is not None else 0
             rid = f"{tenant}-{turn}"
             start = time.perf_counter()
             engine.add_request(rid, prompt_token_ids=prompt, params=params)
@@ -106,6 +117,7 @@ def run_config(
                         ttft = time.perf_counter() - start
                     answer += out.token_ids
             after = engine.batcher.hit_counts
+            from_disk = (engine.disk_tier.stats.hits if engine.disk_tier is not None else 0) - disk_before
             assert ttft is not None
             turns.append(
                 Turn(
@@ -114,22 +126,27 @@ def run_config(
                     ttft,
                     len(prompt),
                     after.pool - before.pool,
-                    after.tier - before.tier,
+                    after.tier - before.tier - from_disk,
                     after.computed - before.computed,
+                    from_disk,
                 )
             )
             history[tenant] += users[tenant][turn] + answer
             print(
                 f"  {name:5} turn {turn} tenant {tenant:2}: {len(prompt):5} tokens, TTFT {ttft * 1000:7.0f} ms "
-                f"(pool {turns[-1].pool}, tier {turns[-1].tier}, computed {turns[-1].computed} blocks)",
+                f"(pool {turns[-1].pool}, host {turns[-1].tier}, disk {turns[-1].disk}, computed "
+                f"{turns[-1].computed} blocks)",
                 file=sys.stderr,
                 flush=True,
             )
     wall = time.perf_counter() - t0
     tier = engine.host_tier.snapshot() if engine.host_tier is not None else None
+    disk = engine.disk_tier.snapshot() if engine.disk_tier is not None else None
     engine.close()
+    if disk_dir:
+        shutil.rmtree(disk_dir, ignore_errors=True)
     later = [t for t in turns if t.turn > 0]
-    blocks = {k: sum(getattr(t, k) for t in later) for k in ("pool", "tier", "computed")}
+    blocks = {k: sum(getattr(t, k) for t in later) for k in ("pool", "tier", "disk", "computed")}
     total = sum(blocks.values()) or 1
     return {
         "config": name,
@@ -139,8 +156,9 @@ def run_config(
         "later_ttft_p50_s": percentile([t.ttft_s for t in later], 0.5),
         "later_ttft_p90_s": percentile([t.ttft_s for t in later], 0.9),
         "later_blocks": blocks,
-        "later_hit_rate": {k: blocks[k] / total for k in ("pool", "tier")},
+        "later_hit_rate": {k: blocks[k] / total for k in ("pool", "tier", "disk")},
         "tier": dataclasses.asdict(tier) if tier is not None else None,
+        "disk": dataclasses.asdict(disk) if disk is not None else None,
         "wall_s": wall,
         "turns": [dataclasses.asdict(t) for t in turns],
     }
@@ -161,7 +179,7 @@ def main() -> int:
     ap.add_argument(
         "--host-factor", type=float, default=1.25, help="the host tier as a multiple of the working set"
     )
-    ap.add_argument("--configs", default="tiers,pool,off")
+    ap.add_argument("--configs", default="tiers,disk,pool,off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="a --model source (default %(default)s)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tier_bench.json")
@@ -186,22 +204,23 @@ def main() -> int:
     )
     results: list[dict[str, Any]] = []
     for name in args.configs.split(","):
-        results.append(run_config(name, args, model_dir, pool_blocks, host_bytes))
+        results.append(run_config(name, args, model_dir, pool_blocks, host_bytes, bb))
 
     print()
     print(
-        "| config | TTFT p50 | TTFT p90 | later turns p50 | later turns p90 | later blocks: pool | tier | "
-        "computed | tier stores / evictions / corrupt | wall |"
+        "| config | TTFT p50 | TTFT p90 | later turns p50 | later turns p90 | later blocks: pool | host | "
+        "disk | computed | tier stores / evictions / corrupt | wall |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        tier = r["tier"]
+        tier = r["tier"] or r["disk"]
         t = f"{tier['stores']} / {tier['evictions']} / {tier['corrupt']}" if tier else "–"
         b, rate = r["later_blocks"], r["later_hit_rate"]
         print(
             f"| {r['config']} | {r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p90_s'] * 1000:.0f} ms | "
             f"{r['later_ttft_p50_s'] * 1000:.0f} ms | {r['later_ttft_p90_s'] * 1000:.0f} ms | "
-            f"{rate['pool']:.1%} | {rate['tier']:.1%} | {b['computed']} | {t} | {r['wall_s']:.0f} s |"
+            f"{rate['pool']:.1%} | {rate['tier']:.1%} | {rate['disk']:.1%} | {b['computed']} | {t} | "
+            f"{r['wall_s']:.0f} s |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
