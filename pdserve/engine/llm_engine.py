@@ -524,9 +524,9 @@ class LLMEngine:
         (before its new owner writes it). A failure loses the block from the tiers, never a request."""
         try:
             data = self.cache.read_blocks([block])
-            if self.host_tier is not None:
+            if self.host_tier is not None and self.host_tier.max_blocks:
                 self.host_tier.put(block_hash, data)
-            elif self.disk_tier is not None:
+            elif self.disk_tier is not None:  # no host tier (or one too small for a block)
                 self.disk_tier.put(block_hash, data)
         except Exception:
             log.exception("tiers: block %d not stored", block)

@@ -44,19 +44,19 @@ class TierReader:
         return len(self._where(hashes))
 
     def read(self, hashes: list[bytes]) -> list[bytes]:
-        """Each block from the tier that holds it; the run ends at the first miss or failed check."""
+        """Each block from the highest tier that holds it (the disk tier's copy when the host tier's
+        fails its checksum); the run ends at the first block no tier gives."""
         good: list[bytes] = []
         host = disk = 0
         for h in hashes:
+            data = None
             if self.tier is not None and h in self.tier:
-                got = self.tier.read([h])
+                got = self.tier.read([h])  # a failed checksum drops the entry: the disk may hold it
                 data = got[0] if got else None
                 host += data is not None
-            elif self.disk is not None:
+            if data is None and self.disk is not None:
                 data = self.disk.read_one(h)
                 disk += data is not None
-            else:
-                data = None
             if data is None:
                 break
             good.append(data)

@@ -15,10 +15,11 @@ import pytest
 from pdserve.block_hash import chain_hashes
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.disk_tier import HEADER, DiskTier, tier_id
-from pdserve.engine.host_tier import TierNamespace
+from pdserve.engine.host_tier import HostTier, TierNamespace
 from pdserve.engine.kv_layout import block_bytes
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.tier_reader import TierReader
 from tests.engine.test_prefix_cache import BS, assert_same, ids, run
 
 NS = TierNamespace("w" * 32, "f32", "float32", "block_major", BS, 64)
@@ -250,3 +251,22 @@ def test_two_writers_on_one_directory_keep_its_byte_bound(tmp_path) -> None:
         assert len(list(a.dir.glob("*.kv"))) <= 6
     assert a.stats.evictions + b.stats.evictions == 14
     assert b.read([h(19)]) == [block(19)]  # a's latest write, read by b
+
+
+def test_a_block_whose_host_copy_is_corrupt_comes_from_its_disk_copy(tiny_model_dir, tmp_path) -> None:
+    """The host tier's entry fails its checksum (dropped, counted); the same block's file on disk
+    (written when the host tier evicted it earlier) serves it instead of a recompute."""
+    host = HostTier(8 * 64, NS)
+    disk = DiskTier(tmp_path, 8 * FILE, NS, background=False)
+    written: list[tuple[list[int], bytes]] = []
+    reader = TierReader(host, lambda blocks, data: written.append((blocks, data)), disk)
+    for i in range(3):
+        host.put(h(i), block(i))
+        disk.put(h(i), block(i))
+    entry = host._entries[host.key(h(1))]
+    entry.data = bytes([7]) + entry.data[1:]  # flipped in host memory
+    assert reader.plan([h(0), h(1), h(2)]) == 3
+    assert reader.read([h(0), h(1), h(2)]) == [block(0), block(1), block(2)]
+    assert host.stats.corrupt == 1 and host.stats.hits == 2 and disk.stats.hits == 1
+    reader.missed(0)
+    assert host.stats.misses == 1 and disk.stats.misses == 0  # the host tier missed one, disk none
