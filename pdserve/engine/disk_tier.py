@@ -41,6 +41,7 @@ import queue
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +108,7 @@ class DiskTier:
         self._lock = threading.Lock()  # the engine's thread and the writer's share what follows
         self._known: dict[bytes, float] = {}  # chain hash -> file mtime, as of the last listing/write
         self._changes: dict[bytes, bool] | None = None
+        self.on_change: Callable[[], None] | None = None  # told after the writer changed the files
         self._scanned_at = 0.0
         self._dir_mtime = 0  # the directory's mtime as of this process's last listing or change
         self._scan()  # what a previous run (or another instance) left: held from the start
@@ -192,6 +194,8 @@ class DiskTier:
                 if item is None:
                     return
                 self._write(*item)
+                if self.on_change is not None and q.empty():  # once a burst is written
+                    self.on_change()
             except Exception:
                 log.exception("disk tier: a block was not written")
             finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +284,9 @@ class EchoEngine:
 
     def disk_hashes(self) -> list[bytes]:
         return []
+
+    def watch_disk(self, callback: Callable[[], None]) -> None:
+        pass
 
     def cancel_reservation(self, request_id: str) -> bool:
         blocks = self.reserved.pop(request_id, None)

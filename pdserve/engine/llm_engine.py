@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -545,6 +546,12 @@ class LLMEngine:
     def take_disk_changes(self) -> dict[bytes, bool]:
         """Block hashes the disk tier gained or lost since the last call (any thread may call it)."""
         return self.disk_tier.take_changes() if self.disk_tier is not None else {}
+
+    def watch_disk(self, callback: Callable[[], None]) -> None:
+        """Have the disk tier's writer thread call ``callback`` after it wrote a burst of files (the
+        worker wakes its prefix publisher: the writes land after the step that queued them)."""
+        if self.disk_tier is not None:
+            self.disk_tier.on_change = callback
 
     def disk_hashes(self) -> list[bytes]:
         """Every block hash the disk tier holds; its recorded changes are dropped (any thread)."""

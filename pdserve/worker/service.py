@@ -155,6 +155,14 @@ class WorkerService:
             if self.engine.facts.prefix_caching:
                 index = PrefixIndex(self.redis, self.keys, self.settings.ttl_s)
                 self.prefix_publisher = PrefixPublisher(index, self.id, self.engine, self.disk_tier_id)
+                if self.disk_tier_id is not None:  # its writes land after the step: publish them then
+                    loop, wake = asyncio.get_running_loop(), self.prefix_publisher.wake
+
+                    def written() -> None:
+                        with contextlib.suppress(RuntimeError):  # the loop closed: nothing to tell
+                            loop.call_soon_threadsafe(wake.set)
+
+                    self.engine.watch_disk(written)
             await self.heartbeat.start()
             await self._serve()
         finally:
