@@ -10,6 +10,10 @@ bitwise the layer path's, so batch-invariant mode and every exactness test hold 
 
 It runs the steps whose every token decodes (the runner gives a batch-invariant step's padding
 tokens a decode group too); a step with a prefill chunk takes the layer path.
+
+numba's cache keeps the callees' code inside this function's entry and checks only this file's
+stamp: a change to a kernel it calls must come with a change here, or a cached step keeps the old
+kernels (as it kept serial builds of the parallel ones before ``attention._renamed``).
 """
 
 from __future__ import annotations

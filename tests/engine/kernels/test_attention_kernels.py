@@ -4,8 +4,12 @@ bitwise batch invariance with the kernel on (MKL_CBWR=AUTO,STRICT, set in confte
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -192,6 +196,46 @@ def test_swiglu_matches_paddle(kernel, n: int, inter: int) -> None:
     got = kernel.swiglu(gate_up)
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+
+
+def test_serial_and_parallel_builds_have_cache_entries_of_their_own(kernel) -> None:
+    """numba's cache names an entry by function, not by build options: when both builds of a kernel
+    shared one, the first compiled (the serial one) was loaded for both, and every "parallel" kernel
+    ran on one thread."""
+    fns = kernel.compiled
+    for name in ("decode", "rope_write", "swiglu", "add_rms_norm", "rms_norm"):
+        parallel, serial = fns[name], fns[name + "_serial"]
+        assert parallel.targetoptions["parallel"] and not serial.targetoptions.get("parallel")
+        paths = {f._cache._cache_file._index_path for f in (parallel, serial)}
+        assert len(paths) == 2, (name, paths)
+
+
+def test_a_parallel_kernel_works_on_two_threads(kernel) -> None:
+    """The parallel SwiGLU over 512 rows: the engine's second thread takes part (CPU time on a
+    thread other than the caller's), which a serial build loaded in its place would not."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one usable core")
+    gate_up = np.random.default_rng(0).standard_normal((512, 2 * 1536), dtype=np.float32)
+    before = thread_cpu_ticks()
+    threads, kernel.threads = kernel.threads, 2
+    try:
+        for _ in range(200):
+            kernel.swiglu(gate_up)
+    finally:
+        kernel.threads = threads
+    spent = {t: c - before.get(t, 0) for t, c in thread_cpu_ticks().items()}
+    caller = str(threading.get_native_id())
+    assert sum(c for t, c in spent.items() if t != caller) > 0, spent
+
+
+def thread_cpu_ticks() -> dict[str, int]:
+    """User + system clock ticks of each of this process's threads, by thread id."""
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError):
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks[tid] = int(fields[11]) + int(fields[12])
+    return ticks
 
 
 def test_the_kernels_exp_is_within_1e7_of_float64() -> None:
