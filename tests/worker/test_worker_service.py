@@ -223,3 +223,39 @@ def test_the_prefix_index_follows_the_cache_and_comes_back_when_redis_loses_it(
     published, restored, gone = asyncio.run(main())
     assert published == restored == set(chain_hashes(prompt, 16)[:2])
     assert gone
+
+
+def test_a_decoding_worker_renews_its_prefix_set_rarely_not_every_step(
+    redis_url, tmp_path, tiny_model_dir, cluster
+) -> None:
+    """Steps that change nothing in the cache write nothing to the index but a renewed expiry, and
+    that at most once per sixth of the TTL: 96 decode steps of one request, counted in Redis's own
+    command statistics (PEXPIRE is the prefix index's alone), not one call per step."""
+
+    async def main() -> tuple[int, float, int]:
+        redis, keys = await router_registered(redis_url, cluster)
+        service = WorkerService(
+            dataclasses.replace(
+                settings(redis_url, tmp_path, cluster), model_dir=tiny_model_dir, engine_kind="model"
+            )
+        )
+        task = await started(service)
+        try:
+            await ask(redis, keys, service.id, "warm", 1, list(range(100, 140)))
+            await asyncio.sleep(0.2)  # the publisher's write after that request
+            before = (await redis.info("commandstats")).get("cmdstat_pexpire", {}).get("calls", 0)
+            t0 = time.monotonic()
+            tokens = await ask(redis, keys, service.id, "long", 96, list(range(200, 210)))
+            elapsed = time.monotonic() - t0
+            after = (await redis.info("commandstats")).get("cmdstat_pexpire", {}).get("calls", 0)
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+        await redis.aclose()
+        return after - before, elapsed, len(tokens)
+
+    renewals, elapsed, steps = asyncio.run(main())
+    assert steps == 96
+    # ttl_s 3: a renewal at most every 0.5 s (and one at either end), besides the writes of the
+    # blocks the request fills (106 tokens: 6 full blocks of 16), whose pipelines renew it too
+    assert renewals <= 2 + 6 + elapsed / 0.5, (renewals, elapsed)
