@@ -1,7 +1,9 @@
 """``pdserve plan``: observe, decide, say why, and (``--apply``) switch roles; every ``--interval``.
 
-Stateless across restarts: what the rule remembers (its last change, for the cooldowns) is read
-back from the decisions stream (``Keys.plan``) at start. Each decision goes to that stream with its
+Stateless across restarts: what the rule remembers (its last change, for the cooldowns; the last
+switch's motive, still to be judged; a failed switch still to be undone and the direction held
+back: ``rule.restored``) is read back from the decisions stream (``Keys.plan``) at start. The
+learned prefill rate is not: the next windows teach it again. Each decision goes to that stream with its
 inputs (``pdserve status`` shows the last; ``redis-cli XREVRANGE`` the rest) and to the planner's
 endpoint (``--metrics-port``, ``endpoint.py``): the desired instances per role are what
 Kubernetes' autoscalers read (KEDA's metrics-api trigger, or the HPA through a metrics adapter),
@@ -22,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.errors import ControlPlaneError, PdserveError
 from pdserve.planner.observe import observe
-from pdserve.planner.rule import Decision, PlannerState, Targets, decide
+from pdserve.planner.rule import Decision, Motive, PlannerState, Targets, decide, restored
 from pdserve.planner.switch import switch_role
 from pdserve.scheduler import Keys
 from pdserve.scheduler.connection import redis_errors
@@ -37,7 +39,9 @@ NAMES = (
     "pdserve_plan_current_instances",
     "pdserve_plan_ttft_pressure",
     "pdserve_plan_itl_pressure",
+    "pdserve_plan_queue_pressure",
     "pdserve_plan_decisions_total",
+    "pdserve_plan_verdicts_total",
 )
 
 
@@ -46,6 +50,7 @@ class PlannerMetrics:
     metric an autoscaler scales each role's instances by."""
 
     def __init__(self) -> None:
+        self._verdict: tuple[Motive, str, int] | None = None  # the last verdict counted
         self.registry = r = CollectorRegistry()
         self.desired = Gauge(
             "pdserve_plan_desired_instances", "instances the planner wants, per role", ["role"], registry=r
@@ -55,19 +60,36 @@ class PlannerMetrics:
         )
         self.ttft = Gauge("pdserve_plan_ttft_pressure", "TTFT p90 over its target (1: at it)", registry=r)
         self.itl = Gauge("pdserve_plan_itl_pressure", "inter-token latency p90 over its target", registry=r)
+        self.queue = Gauge(
+            "pdserve_plan_queue_pressure",
+            "prompt tokens queued per prefill instance over what the TTFT target allows",
+            registry=r,
+        )
         self.decisions = Counter(
             "pdserve_plan_decisions", "decisions by action (hold, switch, scale)", ["action"], registry=r
+        )
+        self.verdicts = Counter(
+            "pdserve_plan_verdicts",
+            "switches judged after their effect window, by outcome (relieved, failing, failed, kept)",
+            ["outcome"],
+            registry=r,
         )
 
     def update(self, decision: Decision) -> None:
         for role in ROLES:
             self.desired.labels(role).set(decision.desired.get(role, 0))
             self.current.labels(role).set(decision.current.get(role, 0))
-        for gauge, key in ((self.ttft, "ttft_pressure"), (self.itl, "itl_pressure")):
+        pairs = ((self.ttft, "ttft_pressure"), (self.itl, "itl_pressure"), (self.queue, "queue_pressure"))
+        for gauge, key in pairs:
             value = decision.inputs.get(key)
             if value is not None:
                 gauge.set(value)
         self.decisions.labels(decision.action).inc()
+        v = decision.verdict
+        if v is not None and (v.motive, v.outcome, v.failing) != self._verdict:
+            # a failed switch's verdict rides on every decision until its undo: counted once
+            self._verdict = (v.motive, v.outcome, v.failing)
+            self.verdicts.labels(v.outcome).inc()
 
 
 class Planner:
@@ -90,17 +112,14 @@ class Planner:
         self.last: Decision | None = None  # what the endpoint's /desired shows
 
     async def restore(self) -> None:
-        """The last change from the decisions stream: a restarted planner keeps its cooldowns."""
+        """What the rule remembers, from the decisions stream: a restarted planner keeps its
+        cooldowns, judges its last switch, undoes a failed one and keeps its direction held back."""
         with redis_errors("reading the planner's decisions"):
             entries = await self.redis.xrevrange(self.keys.plan, count=500)
-        for _, fields in entries or ():
-            decision = last_decision(fields)
-            if decision["action"] != "hold":
-                self.state.last_change_at = decision["at"]
-                share = decision["desired"]["prefill"] - decision["current"]["prefill"]
-                self.state.last_direction = (share > 0) - (share < 0)
-                log.info("the last change was at %.0f: %s", decision["at"], decision["reason"])
-                return
+        decisions = [last_decision(fields) for _, fields in entries or ()]
+        self.state = restored(decisions, self.clock())
+        if self.state.last_change_at > float("-inf"):
+            log.info("the last change was at %.0f", self.state.last_change_at)
 
     async def once(self) -> Decision | None:
         """One observation and its decision (None when no instance serves the model)."""

@@ -1,11 +1,26 @@
 """The planner's rule: from what the cluster serves now to the prefill:decode split it should have.
 
 Given targets for the 90th percentiles of time to first token and of inter-token latency (the
-SLOs), each observation gives two pressures: ``rt = ttft_p90 / target`` (prefill's) and ``ri =
-itl_p90 / target`` (decode's). With both met (≤ 1) nothing changes; otherwise the split follows
-them: of the ``n`` instances that take part in splits (prefill and decode), prefill gets ``round(n
-× rt / (rt + ri))``, at least one and at most ``n - 1``, the rest decode, moving one instance per
-change (the latencies answer a switch unevenly: the next observation says whether another helps). Instances move between
+SLOs), each observation gives two pressures, prefill's and decode's:
+
+* decode's is ``ri = itl_p90 / target``;
+* prefill's is the larger of ``rt = ttft_p90 / target`` and the **queue pressure** ``rq``: the
+  prompt tokens waiting at the prefill instances behind the one each is prefilling, per prefill
+  instance, over the tokens one instance prefills in the TTFT target (its rate: the most prompt
+  tokens per second per prefill instance the routers' windows have shown, a lower bound of its
+  capacity, so ``rq`` rather over- than under-states the wait). Why: a p90 of *finished* requests
+  moves only once the prompts that waited have finished, a window later, while a queue is seen in
+  the instances' registrations at once; a prefill-heavy shift shows in ``rq`` observations before
+  it shows in ``rt``. The prompt each instance is prefilling is left out, so a light load whose
+  every prompt starts at once has no queue pressure; the queue must stay long for ``patience``
+  observations in a row like any other signal, so a passing burst moves nothing.
+
+With both met (≤ 1) nothing changes; otherwise the split follows them: of the ``n`` instances
+that take part in splits (prefill and decode), prefill gets ``round(n × rt / (rt + ri))`` (``rt``:
+prefill's pressure), at least one and at most ``n - 1``, the rest decode, moving one instance per
+change (the latencies answer a switch unevenly: the next observation says whether another helps).
+Below ``min_requests`` finished requests the p90s are not trusted: then only a queue pressure over
+1 acts, against the last trusted ``ri`` (1, "at its target", before any). Instances move between
 the two roles by switches (``SetRole``): a decode instance can always become a prefill instance; a
 prefill instance becomes a decode instance only when it is ``switchable`` (its cache must be
 where peers write), the least loaded ones first. Where instances may be added (``max_instances``
@@ -21,18 +36,37 @@ Hysteresis, so a steady load never makes it flap:
   measured over the routers' last 30 s);
 * none reversing the last one's direction within ``reverse_s`` (default 300 s): on a steady load
   that sits between two splits, at most one change in five minutes;
-* nothing at all from fewer than ``min_requests`` finished requests (too few to estimate a p90).
+* nothing from fewer than ``min_requests`` finished requests (too few to estimate a p90) but a
+  queue that already says prefill is short.
+
+Learning from a switch's effect. More instances of a role add capacity only while that role is
+what the host is short of: on a 2-core host a third decode instance adds no decode capacity, it
+takes CPU from prefill. So each switch records what it meant to relieve (:class:`Motive`: its
+direction and both pressures then). Once its effect window (``cooldown_s``) has passed, each
+trusted observation judges it (:class:`Verdict`): *relieved* when the pressure it meant to
+relieve is met or fell by ``margin`` (15 %); *failing* when it did not while the other side's rose
+by ``margin``. ``patience`` failing observations in a row make it *failed*: the switch is undone
+(one instance moved back) and its direction held back for ``hold_s`` (default 3 × ``reverse_s``),
+each decision's reason saying so. An undo is a reversal and waits for ``reverse_s`` like any
+other: the five-minute bound on a steady load (whose noise alone can look like a failed switch)
+holds with it; until then nothing else moves. A verdict not reached within ``reverse_s`` after
+the effect window is dropped: by then the traffic says more than the switch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pdserve.planner.observe import Member, Observation
 
 IDLE = 0.5
 """Both pressures under this (with instances to spare): one instance fewer would still meet them."""
+
+MIN_RATE_WINDOW_S = 5.0
+"""A prefill rate is learned only from windows this long: a shorter one's few requests may have
+been prefilled before it began, overstating the rate."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +81,50 @@ class Targets:
     min_requests: int = 20
     min_instances: int = 2
     max_instances: int | None = None  # None: the count is not the planner's to change
+    prefill_rate: float | None = None  # prompt tokens/s one prefill instance prefills; None: learned
+    margin: float = 0.15  # a switch relieved its pressure when it fell by this share
+    hold_s: float | None = None  # a failed switch's direction held back this long; None: 3 x reverse_s
+
+    @property
+    def failed_hold_s(self) -> float:
+        return self.hold_s if self.hold_s is not None else 3 * self.reverse_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Motive:
+    """What a switch meant to relieve: kept until its effect is judged."""
+
+    at: float
+    direction: int  # +1: toward prefill, -1: toward decode
+    pressure: float  # the pressure it meant to relieve (prefill's toward prefill), at the switch
+    other: float  # the other side's, at the switch
+
+    @property
+    def relieves(self) -> str:
+        return "prefill" if self.direction > 0 else "decode"
+
+    @property
+    def other_side(self) -> str:
+        return "decode" if self.direction > 0 else "prefill"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A switch's effect judged after its effect window: ``relieved``, ``failing`` (k of
+    ``patience``), ``failed`` (to be undone), ``kept`` (failed, but the targets were met by the time
+    the undo was allowed)."""
+
+    motive: Motive
+    outcome: str
+    pressure: float  # the pressure it meant to relieve, now
+    other: float  # the other side's, now
+    hold_until: float | None = None  # failed or kept: no move in the motive's direction before this
+    failing: int = 0
+    repeats: int = 1  # failed switches in this direction in a row (each doubles the hold, up to 8x)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Verdict:
+        return cls(**{**raw, "motive": Motive(**raw["motive"])})
 
 
 @dataclasses.dataclass
@@ -57,6 +135,12 @@ class PlannerState:
     streak: int = 0
     last_change_at: float = float("-inf")
     last_direction: int = 0  # +1: toward prefill, -1: toward decode, 0: none yet
+    prefill_rate: float = 0.0  # learned: the most prompt tokens/s one prefill instance served
+    last_ri: float | None = None  # the last trusted inter-token pressure
+    pending: Motive | None = None  # the last switch, its effect not judged yet
+    failing: int = 0  # trusted observations in a row that found it failing
+    undo: Verdict | None = None  # a failed switch waiting to be undone
+    blocked: Verdict | None = None  # a failed switch whose direction is held back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,22 +161,90 @@ class Decision:
     desired: dict[str, int]
     switches: tuple[Switch, ...] = ()
     inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    motive: Motive | None = None  # a switch's: what it means to relieve
+    verdict: Verdict | None = None  # a switch's effect, as judged at this observation
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def decide(obs: Observation, targets: Targets, state: PlannerState) -> Decision:
-    """The decision for ``obs``; ``state`` is updated (a change resets the streak)."""
-    p, d = obs.count("prefill"), obs.count("decode")
-    current = {"prefill": p, "decode": d, "mixed": obs.count("mixed")}
+@dataclasses.dataclass(frozen=True)
+class Pressures:
+    """One observation's pressures; ``prefill`` and ``decode`` are what the split follows (None:
+    nothing to judge by)."""
+
+    ttft: float | None
+    itl: float | None
+    queue: float | None
+    prefill: float | None
+    decode: float | None
+    trusted: bool  # the p90s rest on at least min_requests finished requests
+    decode_basis: str = "trusted"  # untrusted: "last trusted" ri, or "assumed" at its target (none yet)
+
+
+def pressures(obs: Observation, targets: Targets, state: PlannerState) -> Pressures:
+    """The pressures of ``obs`` (the prefill rate learned from it first)."""
+    _learn_rate(obs, state)
     rt = obs.ttft_p90_s / targets.ttft_p90_s if obs.ttft_p90_s is not None else None
     ri = obs.itl_p90_s / targets.itl_p90_s if obs.itl_p90_s is not None else None
-    inputs = {
+    rq = queue_pressure(obs, targets, state)
+    if obs.requests >= targets.min_requests and rt is not None and ri is not None:
+        state.last_ri = ri
+        return Pressures(rt, ri, rq, max(rt, rq or 0.0), ri, True)
+    if rq is not None and rq > 1:  # a queue says it before enough requests finish
+        if state.last_ri is not None:
+            return Pressures(rt, ri, rq, rq, state.last_ri, False, "last trusted")
+        return Pressures(rt, ri, rq, rq, 1.0, False, "assumed")
+    return Pressures(rt, ri, rq, None, None, False)
+
+
+def queue_pressure(obs: Observation, targets: Targets, state: PlannerState) -> float | None:
+    """The prompt tokens queued at the prefill instances behind the ones they are prefilling, per
+    prefill instance, over what one prefills in the TTFT target; None without a prefill instance
+    or a rate."""
+    rate = targets.prefill_rate or state.prefill_rate
+    prefills = [m for m in obs.members if m.role == "prefill" and not m.draining]
+    if not prefills or rate <= 0:
+        return None
+    return _tokens_ahead(prefills) / len(prefills) / (rate * targets.ttft_p90_s)
+
+
+def _tokens_ahead(prefills: list[Member]) -> float:
+    """The queued prompt tokens not being prefilled: of an instance's ``waiting`` (which counts the
+    one it prefills), all but one mean prompt."""
+    return sum(m.waiting_prefill_tokens * (m.waiting - 1) / m.waiting for m in prefills if m.waiting > 0)
+
+
+def _learn_rate(obs: Observation, state: PlannerState) -> None:
+    """Raise the learned prefill rate to what the window's finished prompts show per prefill
+    instance (a lower bound of what one can do: the highest seen is the best estimate)."""
+    p = obs.count("prefill")
+    if p and obs.requests and obs.window_s >= MIN_RATE_WINDOW_S:
+        state.prefill_rate = max(state.prefill_rate, obs.prompt_tokens / obs.window_s / p)
+
+
+def decide(obs: Observation, targets: Targets, state: PlannerState) -> Decision:
+    """The decision for ``obs``; ``state`` is updated (a change resets the streak). The last
+    switch's verdict, when this observation judged it, is in the decision and its reason."""
+    pr = pressures(obs, targets, state)
+    verdict = _judge(obs, pr, targets, state)
+    decision = _decide(obs, pr, targets, state)
+    if verdict is not None and decision.verdict is None:
+        reason = f"{decision.reason}; {verdict_text(verdict, obs.at, targets)}"
+        decision = dataclasses.replace(decision, reason=reason, verdict=verdict)
+    return decision
+
+
+def _inputs(obs: Observation, pr: Pressures, state: PlannerState) -> dict[str, Any]:
+    return {
         "ttft_p90_s": obs.ttft_p90_s,
         "itl_p90_s": obs.itl_p90_s,
-        "ttft_pressure": rt,
-        "itl_pressure": ri,
+        "ttft_pressure": pr.ttft,
+        "itl_pressure": pr.itl,
+        "queue_pressure": _round(pr.queue),
+        "prefill_pressure": _round(pr.prefill),
+        "decode_pressure": _round(pr.decode),
+        "prefill_rate_per_instance": round(state.prefill_rate, 1),
         "requests": obs.requests,
         "window_s": obs.window_s,
         "prompt_tokens_per_request": round(obs.prompt_tokens / obs.requests, 1) if obs.requests else None,
@@ -100,6 +252,9 @@ def decide(obs: Observation, targets: Targets, state: PlannerState) -> Decision:
         if obs.requests
         else None,
         "queued": {role: obs.queued(role) for role in ("prefill", "decode", "mixed")},
+        "queued_prefill_tokens": sum(
+            m.waiting_prefill_tokens for m in obs.members if m.role == "prefill" and not m.draining
+        ),
         "kv_use": {role: obs.kv_use(role) for role in ("prefill", "decode", "mixed")},
         "unswitchable": sum(
             1 for m in obs.members if m.role in ("prefill", "decode") and not m.switchable and not m.draining
@@ -108,14 +263,28 @@ def decide(obs: Observation, targets: Targets, state: PlannerState) -> Decision:
         "kv_transfer_mean_s": obs.kv_transfer_mean_s,
     }
 
-    def hold(reason: str) -> Decision:
-        state.candidate, state.streak = None, 0
-        return Decision(obs.at, "hold", reason, current, current, inputs=inputs)
 
-    if obs.requests < targets.min_requests or rt is None or ri is None:
+def _round(value: float | None) -> float | None:
+    return round(value, 4) if value is not None else None
+
+
+def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerState) -> Decision:
+    p, d = obs.count("prefill"), obs.count("decode")
+    current = {"prefill": p, "decode": d, "mixed": obs.count("mixed")}
+    inputs = _inputs(obs, pr, state)
+
+    def hold(reason: str, verdict: Verdict | None = None) -> Decision:
+        """No change (the streak starts over)."""
+        state.candidate, state.streak = None, 0
+        return Decision(obs.at, "hold", reason, current, current, inputs=inputs, verdict=verdict)
+
+    if state.undo is not None and p >= 1 and d >= 1:
+        return _undo(obs, pr, targets, state, current, inputs, hold)
+    if pr.prefill is None or pr.decode is None:
         return hold(f"too little traffic to judge ({obs.requests} requests finished lately)")
     if p < 1 or d < 1:
         return hold("no prefill/decode split to adjust")
+    rt, ri = pr.prefill, pr.decode
     target = _target(p, d, rt, ri, targets)
     if target == (p, d):
         return hold(
@@ -128,53 +297,190 @@ def decide(obs: Observation, targets: Targets, state: PlannerState) -> Decision:
     desired = {"prefill": target[0], "decode": target[1], "mixed": current["mixed"]}
     share = target[0] / (target[0] + target[1]) - p / (p + d)  # of prefill, toward the target
     direction = (share > 0) - (share < 0)
-    why = f"TTFT p90 at {rt:.2f}x its target, inter-token p90 at {ri:.2f}x"
+    why = _why(pr)
+
+    def wait(reason: str) -> Decision:
+        return Decision(obs.at, "hold", f"{why}: {reason}", current, desired, inputs=inputs)
+
     if state.streak < targets.patience:
-        return Decision(
-            obs.at,
-            "hold",
-            f"{why}: waiting ({state.streak}/{targets.patience})",
-            current,
-            desired,
-            inputs=inputs,
-        )
+        return wait(f"waiting ({state.streak}/{targets.patience})")
     since = obs.at - state.last_change_at
     if since < targets.cooldown_s:
-        return Decision(
-            obs.at,
-            "hold",
-            f"{why}: cooling down ({since:.0f} s since the last change)",
-            current,
-            desired,
-            inputs=inputs,
-        )
+        return wait(f"cooling down ({since:.0f} s since the last change)")
     if direction and direction == -state.last_direction and since < targets.reverse_s:
-        return Decision(
-            obs.at,
-            "hold",
-            f"{why}: not reversing the last change within {targets.reverse_s:g} s",
-            current,
-            desired,
-            inputs=inputs,
+        return wait(f"not reversing the last change within {targets.reverse_s:g} s")
+    blocked = state.blocked
+    held_for = (blocked.hold_until or 0) - obs.at if blocked is not None else 0.0
+    if blocked is not None and direction == blocked.motive.direction and held_for > 0:
+        return wait(
+            f"not moving toward {blocked.motive.relieves} again for {held_for:.0f} s "
+            f"(the switch {obs.at - blocked.motive.at:.0f} s ago did not relieve {blocked.motive.relieves})"
         )
     switches: list[Switch] = []
+    motive = None
     if target[0] + target[1] != p + d:  # a count change: for whoever starts and stops instances
         action = "scale"
     else:
         switches = _switches(obs.members, p, target[0])
         action = "switch"
         if not switches:
-            return Decision(
-                obs.at,
-                "hold",
-                f"{why}: no instance can take the role (start workers --switchable)",
-                current,
-                desired,
-                inputs=inputs,
-            )
+            return wait("no instance can take the role (start workers --switchable)")
+        mine, other = (rt, ri) if direction > 0 else (ri, rt)
+        motive = Motive(obs.at, direction, round(mine, 4), round(other, 4))
     state.last_change_at, state.last_direction = obs.at, direction or state.last_direction
     state.candidate, state.streak = None, 0
-    return Decision(obs.at, action, why, current, desired, tuple(switches), inputs)
+    state.pending, state.failing = motive, 0
+    return Decision(obs.at, action, why, current, desired, tuple(switches), inputs, motive=motive)
+
+
+def _why(pr: Pressures) -> str:
+    """The pressures in words (the queue named when it is what drives prefill's)."""
+    itl = {
+        "trusted": f"inter-token p90 at {pr.decode:.2f}x",
+        "last trusted": f"inter-token p90 at {pr.decode:.2f}x (the last trusted)",
+        "assumed": "inter-token p90 not trusted yet (taken as at its target)",
+    }[pr.decode_basis]
+    if pr.queue is not None and pr.queue > 1 and (pr.ttft is None or not pr.trusted or pr.queue > pr.ttft):
+        ttft = (
+            f"TTFT p90 at {pr.ttft:.2f}x"
+            if pr.trusted and pr.ttft is not None
+            else "TTFT p90 not trusted yet"
+        )
+        return f"prefill queue at {pr.queue:.2f}x what the TTFT target allows ({ttft}), {itl}"
+    return f"TTFT p90 at {pr.prefill:.2f}x its target, {itl}"
+
+
+def _judge(obs: Observation, pr: Pressures, targets: Targets, state: PlannerState) -> Verdict | None:
+    """Judge the last switch once its effect window has passed, on trusted observations only."""
+    m = state.pending
+    if m is None or obs.at < m.at + targets.cooldown_s:
+        return None
+    if obs.at > m.at + targets.cooldown_s + targets.reverse_s:
+        state.pending, state.failing = None, 0  # too late: the traffic says more than the switch
+        return None
+    if not pr.trusted or pr.prefill is None or pr.decode is None:
+        return None
+    now, other = (pr.prefill, pr.decode) if m.direction > 0 else (pr.decode, pr.prefill)
+    now, other = round(now, 4), round(other, 4)
+    if now <= 1 or now <= m.pressure * (1 - targets.margin):
+        state.pending, state.failing = None, 0
+        if state.blocked is not None and state.blocked.motive.direction == m.direction:
+            state.blocked = None  # this direction helps again: its failures start over
+        return Verdict(m, "relieved", now, other)
+    if other < m.other * (1 + targets.margin):
+        state.failing = 0  # not relieved, but no worse elsewhere: keep watching
+        return None
+    state.failing += 1
+    if state.failing < targets.patience:
+        return Verdict(m, "failing", now, other, failing=state.failing)
+    prev = state.blocked
+    repeats = prev.repeats + 1 if prev is not None and prev.motive.direction == m.direction else 1
+    hold_until = obs.at + _hold_s(targets, repeats)
+    failed = Verdict(m, "failed", now, other, hold_until, state.failing, repeats)
+    state.pending, state.failing, state.undo, state.blocked = None, 0, failed, failed
+    return failed
+
+
+def _hold_s(targets: Targets, repeats: int) -> float:
+    """How long a failed switch's direction is held back: ``hold_s``, doubled for each failure in
+    that direction before it (a load that keeps asking for a move that does not help asks less
+    often), at most 8 times."""
+    return targets.failed_hold_s * 2 ** min(repeats - 1, 3)
+
+
+def verdict_text(v: Verdict, now: float, targets: Targets, undoing: bool = False) -> str:
+    """A verdict in words, for the decisions' reasons (``undoing``: said by the undo itself)."""
+    m = v.motive
+    switch = f"the switch toward {m.relieves} {now - m.at:.0f} s ago"
+    if v.outcome == "relieved":
+        return f"{switch} relieved {m.relieves} ({m.pressure:.2f}x -> {v.pressure:.2f}x)"
+    missed = (
+        f"did not relieve {m.relieves} ({m.pressure:.2f}x -> {v.pressure:.2f}x) while {m.other_side} "
+        f"worsened ({m.other:.2f}x -> {v.other:.2f}x)"
+    )
+    if v.outcome == "failing":
+        return f"{switch} {missed} ({v.failing}/{targets.patience})"
+    held = f"no move toward {m.relieves} for {(v.hold_until or now) - now:.0f} s"
+    if v.outcome == "kept":
+        return f"{switch} {missed}, but the targets are met now: kept; {held}"
+    return f"{switch} {missed}: {'undone now' if undoing else 'to be undone'}; {held}"
+
+
+def _undo(
+    obs: Observation,
+    pr: Pressures,
+    targets: Targets,
+    state: PlannerState,
+    current: dict[str, int],
+    inputs: dict[str, Any],
+    hold: Callable[[str, Verdict | None], Decision],
+) -> Decision:
+    """Move one instance back against a failed switch, once a reversal is allowed (``reverse_s``
+    after the switch); nothing else moves meanwhile."""
+    v = state.undo
+    assert v is not None
+    back = -v.motive.direction
+    p = current["prefill"]
+    if pr.trusted and pr.prefill is not None and pr.decode is not None and max(pr.prefill, pr.decode) <= 1:
+        state.undo = None
+        kept = dataclasses.replace(v, outcome="kept")
+        state.blocked = kept
+        return hold(verdict_text(kept, obs.at, targets), kept)
+    text = verdict_text(v, obs.at, targets)
+    since = obs.at - state.last_change_at
+    if since < targets.reverse_s:
+        return hold(
+            f"{text}; the undo waits {targets.reverse_s - since:.0f} s more (no reversal within reverse_s)", v
+        )
+    if not 1 <= p + back < p + current["decode"]:  # the split changed since: nothing to undo
+        state.undo = None
+        return hold(f"{text}, but the split changed since: not undoing it", v)
+    switches = _switches(obs.members, p, p + back)
+    if not switches:
+        return hold(f"{text}, but no instance can take the role (start workers --switchable)", v)
+    desired = {**current, "prefill": p + back, "decode": current["decode"] - back}
+    v = dataclasses.replace(v, hold_until=obs.at + _hold_s(targets, v.repeats))  # from the undo on
+    state.undo, state.pending, state.failing, state.blocked = None, None, 0, v
+    state.last_change_at, state.last_direction = obs.at, back
+    state.candidate, state.streak = None, 0
+    return Decision(
+        obs.at,
+        "switch",
+        verdict_text(v, obs.at, targets, undoing=True),
+        current,
+        desired,
+        tuple(switches),
+        inputs,
+        verdict=v,
+    )
+
+
+def restored(decisions: Iterable[dict[str, Any]], now: float) -> PlannerState:
+    """The state the rule had, from its decisions (newest first, as ``Decision.as_dict`` wrote
+    them): the last change (the cooldowns), the switch whose effect is still to be judged, a failed
+    switch still to be undone and the direction held back."""
+    state = PlannerState()
+    newer: Verdict | None = None  # the newest verdict made after the last change
+    change: dict[str, Any] | None = None
+    for decision in decisions:
+        verdict = Verdict.from_dict(decision["verdict"]) if decision.get("verdict") else None
+        if verdict is not None and state.blocked is None and verdict.outcome in ("failed", "kept"):
+            state.blocked = verdict  # its hold may be over: it still counts the failures in a row
+        if change is None:
+            if verdict is not None and newer is None:
+                newer = verdict
+                if verdict.outcome == "failed" and decision["action"] == "hold":
+                    state.undo = verdict
+            if decision["action"] != "hold":
+                change = decision
+    if change is not None:
+        state.last_change_at = change["at"]
+        share = change["desired"]["prefill"] - change["current"]["prefill"]
+        state.last_direction = (share > 0) - (share < 0)
+        motive = Motive(**change["motive"]) if change.get("motive") else None
+        judged = newer is not None and newer.outcome != "failing" and newer.motive == motive
+        state.pending = None if judged else motive
+    return state
 
 
 def _target(p: int, d: int, rt: float, ri: float, t: Targets) -> tuple[int, int]:

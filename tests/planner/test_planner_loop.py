@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import httpx
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from redis_support import run
 from router_support import instance
@@ -128,3 +129,31 @@ def test_the_planner_decides_records_exports_and_remembers(redis_url: str) -> No
         assert again is not None and again.action == "hold" and "cooling down" in again.reason
 
     run(redis_url, main)
+
+
+def test_a_restarted_planner_reads_a_failed_switch_back_from_the_stream(redis_url: str) -> None:
+    """The decisions of a switch that did not help, up to its failed verdict, as the planner wrote
+    them: a planner started then still owes the undo (and its metrics count the verdict once)."""
+    from test_rule_signals import TARGETS as WORLD_TARGETS
+    from test_rule_signals import decode_short_world, run_world
+
+    decisions = run_world(decode_short_world, WORLD_TARGETS, 120)
+    failed_at = next(d.at for d in decisions if d.verdict is not None and d.verdict.outcome == "failed")
+
+    async def main(redis) -> None:
+        await redis.delete(KEYS.plan)
+        for d in decisions:
+            if d.at <= failed_at:
+                await redis.xadd(KEYS.plan, {"m": orjson.dumps(d.as_dict())})
+        planner = Planner(redis, KEYS, WORLD_TARGETS, clock=lambda: failed_at + 5)
+        await planner.restore()
+        assert planner.state.undo is not None and planner.state.undo.motive.direction == -1
+        assert planner.state.blocked is not None and planner.state.pending is None
+        assert planner.state.last_change_at == next(d.at for d in decisions if d.action == "switch")
+
+    run(redis_url, main)
+    metrics = PlannerMetrics()
+    for d in decisions:
+        metrics.update(d)
+    failed = metrics.registry.get_sample_value("pdserve_plan_verdicts_total", {"outcome": "failed"})
+    assert failed == 1  # the undo and the holds before it carry the same verdict
