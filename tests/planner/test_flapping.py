@@ -6,7 +6,9 @@ minutes of one steady mixed load (``benchmarks/plan_bench.py --record-trace``). 
 on it with each switch applied to the observed roles (the pressures stay as recorded: the load did
 not change) and targets put where this load sits on the border between two splits, the hardest case:
 its noise alone moves the wanted split back and forth. Without hysteresis it flaps there (checked
-below, so the trace can tell); with the defaults it must not.
+below, so the trace can tell); with the defaults it must not. The same holds with both of the
+rule's signals acting (the prefill queues alone where too few requests finished to trust a p90) and
+with its verdicts on each switch (an undo is a switch too: it counts).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import statistics
 from pathlib import Path
 
 from pdserve.planner.observe import Observation
-from pdserve.planner.rule import PlannerState, Targets, decide
+from pdserve.planner.rule import Decision, PlannerState, Targets, decide
 
 TRACE = Path(__file__).parent / "data" / "steady_trace.jsonl"
 FIVE_MINUTES = 300.0
@@ -38,14 +40,19 @@ def border_targets(observations: list[Observation], **hysteresis: float) -> Targ
 
 def replay(observations: list[Observation], targets: Targets) -> list[float]:
     """The times of the switches the rule makes over the trace, each applied to the roles seen after it."""
-    state, roles, switched = PlannerState(), dict[str, str](), []
+    return [d.at for d in decisions(observations, targets) for _ in d.switches]
+
+
+def decisions(observations: list[Observation], targets: Targets) -> list[Decision]:
+    """The rule's decisions over the trace, each switch applied to the roles seen after it."""
+    state, roles, out = PlannerState(), dict[str, str](), []
     for obs in observations:
         members = tuple(dataclasses.replace(m, role=roles.get(m.id, m.role)) for m in obs.members)
         decision = decide(dataclasses.replace(obs, members=members), targets, state)
         for s in decision.switches:
             roles[s.instance] = s.to_role
-            switched.append(decision.at)
-    return switched
+        out.append(decision)
+    return out
 
 
 def most_in_five_minutes(times: list[float]) -> int:
@@ -69,5 +76,30 @@ def test_without_hysteresis_the_rule_flaps_on_this_trace() -> None:
 def test_with_its_hysteresis_the_planner_switches_at_most_once_in_five_minutes() -> None:
     observations = trace()
     for targets in (border_targets(observations), border_targets(observations, patience=2, cooldown_s=30)):
+        switched = replay(observations, targets)
+        assert most_in_five_minutes(switched) <= 1, (targets, switched)
+
+
+def test_with_both_signals_and_its_verdicts_a_steady_load_still_switches_at_most_once_in_five_minutes() -> (
+    None
+):
+    """Trusting a p90 only from 25 finished requests, about a third of this trace's observations
+    leave prefill's pressure to the queues alone, and on others the queue is the larger: the queue
+    signal acts, and without hysteresis the two flap; with it, at most one switch in five minutes."""
+    observations = trace()
+
+    def both(**hysteresis: float) -> Targets:
+        return dataclasses.replace(border_targets(observations, **hysteresis), min_requests=25)
+
+    eager = decisions(observations, both(patience=1, cooldown_s=0, reverse_s=0))
+    by_queue = [
+        d
+        for d in eager
+        if (d.inputs["queue_pressure"] or 0) > 1
+        and d.inputs["queue_pressure"] == d.inputs["prefill_pressure"]
+    ]
+    assert len(by_queue) >= 5  # the queue signal drives prefill's pressure on this trace
+    assert most_in_five_minutes([d.at for d in eager for _ in d.switches]) >= 3
+    for targets in (both(), both(patience=2, cooldown_s=30)):
         switched = replay(observations, targets)
         assert most_in_five_minutes(switched) <= 1, (targets, switched)
