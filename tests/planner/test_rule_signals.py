@@ -180,3 +180,20 @@ def test_each_failure_in_a_row_doubles_the_hold() -> None:
     holds = [(d.verdict.hold_until or 0) - d.at for d in undos if d.verdict is not None]
     assert [d.verdict.repeats for d in undos if d.verdict is not None][:2] == [1, 2]
     assert holds[:2] == [TARGETS.failed_hold_s, 2 * TARGETS.failed_hold_s]
+
+
+def test_decisions_written_before_motives_and_verdicts_still_restore_the_cooldowns() -> None:
+    """A stream written by the rule before this one: no ``motive`` or ``verdict`` in its decisions."""
+    old = {
+        "at": 100.0,
+        "action": "switch",
+        "reason": "TTFT p90 at 3.00x its target, inter-token p90 at 0.50x",
+        "current": {"prefill": 2, "decode": 2, "mixed": 0},
+        "desired": {"prefill": 3, "decode": 1, "mixed": 0},
+        "switches": [{"instance": "d0", "from_role": "decode", "to_role": "prefill"}],
+        "inputs": {},
+    }
+    hold = {**old, "at": 110.0, "action": "hold", "desired": old["current"], "switches": []}
+    state = restored([hold, old], 120.0)
+    assert (state.last_change_at, state.last_direction) == (100.0, 1)
+    assert state.pending is None and state.undo is None and state.blocked is None
