@@ -42,7 +42,8 @@ Hysteresis, so a steady load never makes it flap:
 Learning from a switch's effect. More instances of a role add capacity only while that role is
 what the host is short of: on a 2-core host a third decode instance adds no decode capacity, it
 takes CPU from prefill. So each switch records what it meant to relieve (:class:`Motive`: its
-direction and both pressures then). Once its effect window (``cooldown_s``) has passed, each
+direction and both pressures then). Once its effect window has passed (``cooldown_s``, and at
+least the routers' traffic window, so that the p90s are of requests served after it), each
 trusted observation judges it (:class:`Verdict`): *relieved* when the pressure it meant to
 relieve is met or fell by ``margin`` (15 %); *failing* when it did not while the other side's rose
 by ``margin``. ``patience`` failing observations in a row make it *failed*: the switch is undone
@@ -351,11 +352,14 @@ def _why(pr: Pressures) -> str:
 
 
 def _judge(obs: Observation, pr: Pressures, targets: Targets, state: PlannerState) -> Verdict | None:
-    """Judge the last switch once its effect window has passed, on trusted observations only."""
+    """Judge the last switch once its effect window has passed, on trusted observations only. The
+    window is the cooldown, and at least the routers' traffic window: the p90s that judge a switch
+    must be of requests served after it (a queue answers at once, a p90 a window later)."""
     m = state.pending
-    if m is None or obs.at < m.at + targets.cooldown_s:
+    effect_s = max(targets.cooldown_s, obs.window_s)
+    if m is None or obs.at < m.at + effect_s:
         return None
-    if obs.at > m.at + targets.cooldown_s + targets.reverse_s:
+    if obs.at > m.at + effect_s + targets.reverse_s:
         state.pending, state.failing = None, 0  # too late: the traffic says more than the switch
         return None
     if not pr.trusted or pr.prefill is None or pr.decode is None:

@@ -197,3 +197,13 @@ def test_decisions_written_before_motives_and_verdicts_still_restore_the_cooldow
     state = restored([hold, old], 120.0)
     assert (state.last_change_at, state.last_direction) == (100.0, 1)
     assert state.pending is None and state.undo is None and state.blocked is None
+
+
+def test_a_switch_is_judged_only_once_the_routers_window_holds_requests_served_after_it() -> None:
+    """With a cooldown (8 s) shorter than the routers' window (30 s) the first verdict waits for the
+    window: the p90s before it are partly of the split before the switch."""
+    short = Targets(ttft_p90_s=1.0, itl_p90_s=0.1, patience=2, cooldown_s=8, reverse_s=60, min_requests=10)
+    decisions = run_world(decode_short_world, short, 120)
+    first_at = switches(decisions)[0][0]
+    judged = [d.at for d in decisions if d.verdict is not None]
+    assert judged and min(judged) >= first_at + 30.0
