@@ -47,8 +47,9 @@ least the routers' traffic window, so that the p90s are of requests served after
 trusted observation judges it (:class:`Verdict`): *relieved* when the pressure it meant to
 relieve is met or fell by ``margin`` (15 %); *failing* when it did not while the other side's rose
 by ``margin``. ``patience`` failing observations in a row make it *failed*: the switch is undone
-(one instance moved back) and its direction held back for ``hold_s`` (default 3 × ``reverse_s``),
-each decision's reason saying so. An undo is a reversal and waits for ``reverse_s`` like any
+(one instance moved back) and its direction held back for ``hold_s`` (default 3 × ``reverse_s``)
+from the undo, doubled for each failure in that direction in a row (at most 8×: a load that keeps
+asking for a move that does not help asks less often), each decision's reason saying so. An undo is a reversal and waits for ``reverse_s`` like any
 other: the five-minute bound on a steady load (whose noise alone can look like a failed switch)
 holds with it; until then nothing else moves. A verdict not reached within ``reverse_s`` after
 the effect window is dropped: by then the traffic says more than the switch.
