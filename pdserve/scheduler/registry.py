@@ -301,11 +301,16 @@ class Heartbeat(Generic[InfoT]):
     async def _run(self) -> None:
         failures = 0
         while True:
-            await asyncio.sleep(self.interval_s if failures == 0 else self._backoff(failures))
+            wait = self.interval_s if failures == 0 else self._backoff(failures)
+            due = time.monotonic() + wait
+            await asyncio.sleep(wait)
+            woke, previous = time.monotonic(), self.last_ok
             try:
                 await self._beat()
                 if failures:
                     logger.info("heartbeat of %s recovered after %d failures", self._member_id, failures)
+                elif previous is not None:
+                    self._check_gap(previous, woke - due, time.monotonic() - woke)
                 failures = 0
             except ControlPlaneError as e:
                 failures += 1
@@ -319,6 +324,22 @@ class Heartbeat(Generic[InfoT]):
             except Exception:  # a bug in info(): log it, keep beating
                 failures += 1
                 logger.exception("heartbeat of %s could not build its registration", self._member_id)
+
+    def _check_gap(self, previous: float, late_s: float, write_s: float) -> None:
+        """Say so when two beats were more than two intervals apart: the key may have expired
+        between them, and routers then took this member for dead. Which of the two held it: the
+        event loop (the beat woke ``late_s`` after it was due) or Redis (the write took ``write_s``)."""
+        gap = time.monotonic() - previous
+        if gap > 2 * self.interval_s:
+            logger.warning(
+                "heartbeat of %s came %.1f s after the last one (TTL %.1f s): woke %.1f s late "
+                "(the event loop was busy), the write took %.1f s",
+                self._member_id,
+                gap,
+                self.registry.ttl_s,
+                late_s,
+                write_s,
+            )
 
     def _backoff(self, failures: int) -> float:
         """Never longer than a healthy beat's interval: a key lost with a restarted or failed-over

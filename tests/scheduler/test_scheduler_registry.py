@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -191,6 +192,25 @@ def test_heartbeat_renews_reports_load_and_deregisters(redis_url: str, redis_cli
         assert await registry.live() == [] and not await r.exists(KEYS.instance("d0"))
 
     run(redis_url, main)
+
+
+def test_a_heartbeat_held_past_two_intervals_says_what_held_it(
+    redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An event loop blocked past the TTL lets the key expire with no failed beat to log: the next
+    beat says how long it came after the last one, and that the loop (not Redis) held it."""
+
+    async def main(r: aioredis.Redis) -> None:
+        registry = InstanceRegistry(r, KEYS, ttl_s=0.3)  # beats every 0.1 s
+        async with Heartbeat(registry, lambda: info("d0")):
+            await asyncio.sleep(0.15)
+            time.sleep(0.5)  # the loop held (an engine call on it, say): the key expires meanwhile
+            await asyncio.sleep(0.15)
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.scheduler.registry"):
+        run(redis_url, main)
+    late = [rec.getMessage() for rec in caplog.records if "came" in rec.getMessage()]
+    assert any(float(m.split("woke ")[1].split(" s")[0]) >= 0.3 for m in late), late
 
 
 def test_heartbeat_survives_errors_and_re_registers(redis_url: str, redis_client: redis.Redis) -> None:
