@@ -53,12 +53,6 @@ class LocalIndex:
     def __init__(self) -> None:
         self._held: dict[str, OrderedDict[bytes, None]] = {}
 
-    async def tiered_blocks(
-        self, instance_ids: Sequence[str], hashes: Sequence[bytes], tiered: Sequence[str] = ()
-    ) -> dict[str, tuple[int, int]]:
-        """No host tiers here: what the router sent is all it knows."""
-        return {i: (n, n) for i, n in (await self.cached_blocks(instance_ids, hashes)).items()}
-
     async def held_blocks(
         self,
         instance_ids: Sequence[str],

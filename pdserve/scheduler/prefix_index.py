@@ -136,15 +136,6 @@ class PrefixIndex:
             answers = await pipe.execute()
         return {i: _leading(held) for i, held in zip(instance_ids, answers)}
 
-    async def tiered_blocks(
-        self, instance_ids: Sequence[str], hashes: Sequence[bytes], tiered: Sequence[str] = ()
-    ) -> dict[str, tuple[int, int]]:
-        """For each instance, how many leading blocks of ``hashes`` its pool holds, and how many it
-        holds in its pool or (for the instances in ``tiered``, which have one) its host tier, each
-        block in either (one round trip)."""
-        held = await self.held_blocks(instance_ids, hashes, tiered)
-        return {i: (pool, host) for i, (pool, host, _) in held.items()}
-
     async def held_blocks(
         self,
         instance_ids: Sequence[str],

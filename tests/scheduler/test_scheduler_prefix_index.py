@@ -53,6 +53,11 @@ def test_the_set_expires_unless_refreshed(redis_url, redis_client) -> None:
     assert not refreshed_after_expiry and not redis_client.exists(KEYS.prefix_index("x"))
 
 
+async def pool_and_host(index: PrefixIndex, *args, **kwargs) -> dict[str, tuple[int, ...]]:
+    """Per instance, the leading blocks in its pool, and in its pool or host tier."""
+    return {i: held[:2] for i, held in (await index.held_blocks(*args, **kwargs)).items()}
+
+
 def test_a_host_tier_set_extends_the_pools_run_and_is_its_own(redis_url, redis_client) -> None:
     """An instance with a host tier has a second set: a block in either counts toward the leading
     run, the pool's own run is said apart; each set is written, replaced and removed by tier."""
@@ -63,13 +68,13 @@ def test_a_host_tier_set_extends_the_pools_run_and_is_its_own(redis_url, redis_c
         await index.replace("a", HASHES[2:4], "host")  # evicted from the pool into the host tier
         await index.replace("b", HASHES[:1])
         await index.apply("b", {HASHES[1]: True}, "host")
-        first = await index.tiered_blocks(["a", "b", "c"], HASHES, tiered=["a", "b"])
-        untiered = await index.tiered_blocks(["a"], HASHES)  # a registration without a tier: pool only
+        first = await pool_and_host(index, ["a", "b", "c"], HASHES, tiered=["a", "b"])
+        untiered = await pool_and_host(index, ["a"], HASHES)  # a registration without a tier: pool only
         await index.apply("a", {HASHES[2]: False}, "host")  # the tier evicted block 2
-        second = await index.tiered_blocks(["a"], HASHES, tiered=["a"])
+        second = await pool_and_host(index, ["a"], HASHES, tiered=["a"])
         sizes = (await index.sizes(["a"]), await index.sizes(["a"], "host"))
         await index.remove("a")
-        return [first, untiered, second, sizes, await index.tiered_blocks(["a"], HASHES, tiered=["a"])]
+        return [first, untiered, second, sizes, await pool_and_host(index, ["a"], HASHES, tiered=["a"])]
 
     first, untiered, second, sizes, gone = run(redis_url, main)
     assert first == {"a": (2, 4), "b": (1, 2), "c": (0, 0)}
@@ -95,7 +100,7 @@ def test_a_disk_tier_set_is_one_per_tier_and_extends_the_runs_of_its_instances(
         first = await index.held_blocks(["a", "b", "c"], HASHES, ["a"], {"a": "t1", "b": "t1"})
         await index.apply_disk("t1", {HASHES[3]: False})  # someone evicted block 3
         second = await index.held_blocks(["a", "b"], HASHES, ["a"], {"a": "t1", "b": "t1"})
-        pair = await index.tiered_blocks(["a"], HASHES, ["a"])  # the pool-and-host view as before
+        pair = await pool_and_host(index, ["a"], HASHES, ["a"])  # the pool-and-host view as before
         await index.remove("a")
         refreshed = await index.refresh_disk("t1")
         return [first, second, pair, refreshed, await index.held_blocks(["b"], HASHES, (), {"b": "t1"})]
