@@ -40,6 +40,13 @@ def settings(redis_url: str, tmp_path, cluster: str) -> WorkerSettings:
     )
 
 
+def model_settings(redis_url: str, tmp_path, cluster: str, model_dir) -> WorkerSettings:
+    """``settings`` with a real engine on ``model_dir`` instead of the echo engine."""
+    return dataclasses.replace(
+        settings(redis_url, tmp_path, cluster), model_dir=model_dir, engine_kind="model"
+    )
+
+
 async def started(service: WorkerService) -> asyncio.Task:
     task = asyncio.create_task(service.run())
     deadline = time.monotonic() + 20
@@ -193,11 +200,7 @@ def test_the_prefix_index_follows_the_cache_and_comes_back_when_redis_loses_it(
 
     async def main() -> tuple[set, set, bool]:
         redis, keys = await router_registered(redis_url, cluster)
-        service = WorkerService(
-            dataclasses.replace(
-                settings(redis_url, tmp_path, cluster), model_dir=tiny_model_dir, engine_kind="model"
-            )
-        )
+        service = WorkerService(model_settings(redis_url, tmp_path, cluster, tiny_model_dir))
         task = await started(service)
         key = keys.prefix_index(service.id)
 
@@ -234,11 +237,7 @@ def test_a_decoding_worker_renews_its_prefix_set_rarely_not_every_step(
 
     async def main() -> tuple[int, float, int]:
         redis, keys = await router_registered(redis_url, cluster)
-        service = WorkerService(
-            dataclasses.replace(
-                settings(redis_url, tmp_path, cluster), model_dir=tiny_model_dir, engine_kind="model"
-            )
-        )
+        service = WorkerService(model_settings(redis_url, tmp_path, cluster, tiny_model_dir))
         task = await started(service)
         try:
             await ask(redis, keys, service.id, "warm", 1, list(range(100, 140)))
