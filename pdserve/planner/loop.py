@@ -2,7 +2,7 @@
 
 Stateless across restarts: what the rule remembers (its last change, for the cooldowns; the last
 switch's motive, still to be judged; a failed switch still to be undone and the direction held
-back: ``rule.restored``) is read back from the decisions stream (``Keys.plan``) at start. The
+back: ``restore.restored``) is read back from the decisions stream (``Keys.plan``) at start. The
 learned prefill rate is not: the next windows teach it again. Each decision goes to that stream with its
 inputs (``pdserve status`` shows the last; ``redis-cli XREVRANGE`` the rest) and to the planner's
 endpoint (``--metrics-port``, ``endpoint.py``): the desired instances per role are what
@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.errors import ControlPlaneError, PdserveError
 from pdserve.planner.observe import observe
-from pdserve.planner.rule import Decision, Motive, PlannerState, Targets, decide, restored
+from pdserve.planner.restore import restored
+from pdserve.planner.rule import Decision, Motive, PlannerState, Targets, decide
 from pdserve.planner.switch import switch_role
 from pdserve.scheduler import Keys
 from pdserve.scheduler.connection import redis_errors
