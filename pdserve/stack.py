@@ -27,6 +27,7 @@ from typing import NoReturn
 import httpx
 
 from pdserve.cache_transfer import shm
+from pdserve.engine.kernels.cpu import usable_cores
 from pdserve.engine.model_store import ResolvedModel, resolve_model
 from pdserve.errors import ConfigError
 from pdserve.flags import env, to_argv
@@ -36,7 +37,7 @@ from pdserve.scheduler.redis_settings import RedisSettings, redact_url
 from pdserve.stack_autoscale import WorkerScaler
 from pdserve.stack_banner import banner, waiting_line
 from pdserve.stack_record import record_path, write_private
-from pdserve.stack_spec import OMP_PASSIVE_ENV, StackSpec, planner_argv, usable_cores, worker_threads
+from pdserve.stack_spec import OMP_PASSIVE_ENV, StackSpec, planner_argv, worker_threads
 from pdserve.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
@@ -23,14 +22,6 @@ GIVEN_LAYOUT = {"prefill": 1, "decode": 1, "mixed": 0}
 # What omp_passive puts in a worker's environment (a variable set in up's own environment wins).
 OMP_PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 LAYOUT_HELP = "(default: the layout picked for this host's cores, see --mixed-below-cores; {} when another of --prefill/--decode/--mixed is given)"
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask: taskset, cpusets), not the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def worker_threads(cores: int, workers: int) -> int:

@@ -10,9 +10,10 @@ import sys
 import pytest
 
 from pdserve.cli import build_parser
+from pdserve.engine.kernels.cpu import usable_cores
 from pdserve.errors import ConfigError
 from pdserve.flags import from_args
-from pdserve.stack_spec import StackSpec, usable_cores, worker_threads
+from pdserve.stack_spec import StackSpec, worker_threads
 
 
 def counts(spec: StackSpec) -> tuple[int | None, int | None, int | None]:
@@ -91,11 +92,15 @@ def test_worker_threads_split_the_usable_cores() -> None:
 
 
 def test_usable_cores_follow_the_affinity_mask() -> None:
-    """taskset or a cpuset narrows what `up` counts (os.cpu_count() would not)."""
+    """taskset or a cpuset narrows what `up` and an engine count (os.cpu_count() would not): one
+    allowed core, one thread for Paddle by default."""
     code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-    code += "from pdserve.stack_spec import usable_cores; print(usable_cores())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.strip() == "1"
+    code += "from pdserve.engine.kernels.cpu import usable_cores; "
+    code += "from pdserve.engine.paddle_executor import set_threads; print(usable_cores(), set_threads(None))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split()[-2:] == ["1", "1"]
     assert usable_cores() == len(os.sched_getaffinity(0))
 
 

@@ -98,7 +98,7 @@ class EngineConfig:
     )
     threads: int | None = setting(
         None,
-        "CPU threads for Paddle (default: all cores; `pdserve up`: usable cores / workers, at least 1)",
+        "CPU threads for Paddle (default: the cores this process may run on, its affinity mask; `pdserve up`: those / workers, at least 1)",
         kind=int,
     )
     kernels: str | None = setting(

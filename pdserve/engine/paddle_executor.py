@@ -4,14 +4,13 @@ memory (a shared-memory segment on a decode instance, which a same-host prefill 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels.attention import select_attention
-from pdserve.engine.kernels.cpu import choose_kernels
+from pdserve.engine.kernels.cpu import choose_kernels, usable_cores
 from pdserve.engine.kernels.fused_decode import select_decode
 from pdserve.engine.kernels.gemm import select_gemm
 from pdserve.engine.kernels.int8 import select_weights
@@ -30,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 def set_threads(n: int | None) -> int:
-    """Paddle pins OpenMP to one thread at import; raise it (there is no public setter)."""
-    n = n or os.cpu_count() or 1
+    """Paddle pins OpenMP to one thread at import; raise it (there is no public setter). Default:
+    the cores this process may run on (``usable_cores``), not the machine's."""
+    n = n or usable_cores()
     paddle.base.core.set_num_threads(n)
     return n
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.engine.kernels.cpu import usable_cores
 from pdserve.localredis.embedded import free_port
-from pdserve.stack_spec import StackSpec, usable_cores
+from pdserve.stack_spec import StackSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

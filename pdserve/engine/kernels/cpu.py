@@ -59,6 +59,15 @@ class CpuInfo:
         return f"{self.model or self.arch} ({self.vendor or 'unknown vendor'}; {', '.join(simd)})"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: taskset, cpusets, a container's
+    cpuset), not the machine's: the default thread count of an engine and of `up`'s workers."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def parse_cpuinfo(text: str, arch: str) -> CpuInfo:
     """Read the first processor's ``vendor_id``, ``model name`` and ``flags`` from /proc/cpuinfo."""
     fields: dict[str, str] = {}
