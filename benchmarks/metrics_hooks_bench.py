@@ -25,8 +25,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.serving import StatusSend
+from pdserve.router.http.metrics import RouterMetrics
+from pdserve.router.http.serving import StatusSend
 from pdserve.scheduler.messages import RequestDelta, Timing, Usage
 
 ROOT = Path(__file__).resolve().parent.parent

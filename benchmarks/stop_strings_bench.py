@@ -37,7 +37,7 @@ PROMPT_LEN = 32
 
 
 def router_default(name: str) -> int:
-    from pdserve.router.settings import RouterSettings
+    from pdserve.router.http.settings import RouterSettings
 
     return next(f.default for f in dataclasses.fields(RouterSettings) if f.name == name)
 

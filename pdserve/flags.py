@@ -1,6 +1,6 @@
 """Command-line flags whose defaults come from ``PDSERVE_<FLAG>`` environment variables.
 
-Shared by ``pdserve.cli`` and ``pdserve.router.settings``; imports nothing from pdserve, so any
+Shared by ``pdserve.cli`` and ``pdserve.router.http.settings``; imports nothing from pdserve, so any
 layer may use it.
 """
 

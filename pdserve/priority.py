@@ -2,7 +2,7 @@
 themselves nicer than the process, so decode steps (and the router's relaying) get the cores first.
 
 Shared by the worker (its preparation threads, ``worker/engine_client.py``) and the router (its
-long prompts tokenized for prefix routing, ``router/prompt_ids.py``); imports nothing from pdserve.
+long prompts tokenized for prefix routing, ``router/routing/prompt_ids.py``); imports nothing from pdserve.
 
 On Linux niceness is per thread (``setpriority(PRIO_PROCESS, <native thread id>)``) and threads
 inherit their creator's; lowering it needs no privilege, raising it back does, so such a pool's

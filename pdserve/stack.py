@@ -32,7 +32,7 @@ from pdserve.engine.model_store import ResolvedModel, resolve_model
 from pdserve.errors import ConfigError
 from pdserve.flags import env, to_argv
 from pdserve.localredis.embedded import EmbeddedRedis, dies_with_parent, free_port, port_is_free
-from pdserve.router.settings import RouterSettings
+from pdserve.router.http.settings import RouterSettings
 from pdserve.scheduler.redis_settings import RedisSettings, redact_url
 from pdserve.stack_autoscale import WorkerScaler
 from pdserve.stack_banner import banner, waiting_line

@@ -215,7 +215,7 @@ def test_settings_survive_the_trip_through_a_child_command_line(tmp_path, monkey
     """What `pdserve up` decides reaches each child exactly, whatever the child's environment says."""
     from pdserve.engine.config import EngineConfig
     from pdserve.flags import to_argv
-    from pdserve.router.settings import RouterSettings, settings_from_args
+    from pdserve.router.http.settings import RouterSettings, settings_from_args
     from pdserve.worker.settings import WorkerSettings
 
     engine = EngineConfig(num_blocks=64, block_size=8, max_model_len=512, threads=2, kernels="composed")

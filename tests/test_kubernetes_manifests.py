@@ -438,8 +438,8 @@ def selector_matches(selector: Obj, labels: dict[str, str]) -> bool:
 def test_router_is_probed_on_ready_and_health_routes_it_serves(stack: Stack) -> None:
     """Readiness is /ready (Redis answers and a decode instance is live), liveness /health (the
     process), both on the port the router listens on, and both GET routes of the router app."""
-    from pdserve.router.app import create_app
-    from pdserve.router.settings import RouterSettings
+    from pdserve.router.http.app import create_app
+    from pdserve.router.http.settings import RouterSettings
 
     router = stack.workload("router")
     assert router["kind"] == "Deployment"
@@ -841,7 +841,7 @@ def test_each_pdserve_container_environment_makes_valid_settings(monkeypatch: py
     """What the container's command would build from its variables: flags' types and choices, and
     the settings' own checks (the image's entrypoint is `pdserve`)."""
     from pdserve.batch.settings import BatchWorkerSettings
-    from pdserve.router.settings import settings_from_args
+    from pdserve.router.http.settings import settings_from_args
     from pdserve.worker.settings import WorkerSettings
 
     for stack, obj, container in pdserve_containers():

@@ -30,10 +30,10 @@ from pdserve.batchstore.batch_queue import BatchQueue
 from pdserve.batchstore.batches import BatchError, BatchObject, BatchStore
 from pdserve.batchstore.files import FileStore
 from pdserve.errors import ControlPlaneError, NotFoundError, PdserveError
-from pdserve.router.app import RouterApp, create_app
-from pdserve.router.input_limits import InputLimits
-from pdserve.router.state import RouterState
-from pdserve.router.tenants import TENANT_HEADER, TrustedTenant
+from pdserve.router.api.input_limits import InputLimits
+from pdserve.router.http.app import RouterApp, create_app
+from pdserve.router.http.state import RouterState
+from pdserve.router.http.tenants import TENANT_HEADER, TrustedTenant
 from pdserve.scheduler.messages import InstanceInfo
 from pdserve.scheduler.tasks import cancel_and_wait
 

@@ -10,7 +10,7 @@ import socket
 
 from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting
-from pdserve.router.settings import RouterSettings
+from pdserve.router.http.settings import RouterSettings
 
 NO_LISTENER = 0
 """The port a batch worker's in-process router registers: it listens on none."""

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from pdserve.router.state import RouterState
+from pdserve.router.http.state import RouterState
 from pdserve.scheduler.connection import memory_room
 from pdserve.scheduler.messages import InstanceInfo
 

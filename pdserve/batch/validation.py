@@ -10,9 +10,9 @@ import orjson
 
 from pdserve.batchstore.batches import ENDPOINTS, BatchError
 from pdserve.errors import InvalidRequestError, PdserveError
-from pdserve.router.input_limits import InputLimits
-from pdserve.router.protocol import parse_chat, parse_completion
-from pdserve.router.selection import model_len, resolve_model, vocab_size
+from pdserve.router.api.input_limits import InputLimits
+from pdserve.router.api.protocol import parse_chat, parse_completion
+from pdserve.router.routing.selection import model_len, resolve_model, vocab_size
 from pdserve.scheduler.messages import InstanceInfo
 
 logger = logging.getLogger(__name__)

@@ -118,7 +118,7 @@ class BatchObject(BaseModel):
     """How many rq jobs the lines were split into (pdserve's, not shown to clients)."""
     chunk_lines: int = Field(default=0, exclude=True)
     owner: str = Field(default="", exclude=True)
-    """The tenant that made it (a digest of its API key, ``router.tenants``; ``""``: anonymous):
+    """The tenant that made it (a digest of its API key, ``router.http.tenants``; ``""``: anonymous):
     only it sees the batch, its output files are its, and its lines run with its prefix-cache salt."""
     validation_failures: int = Field(default=0, exclude=True)
     """Validation jobs of this batch that raised (the batch fails after a few)."""

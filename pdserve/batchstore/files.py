@@ -121,7 +121,7 @@ class FileObject(BaseModel):
     purpose: Purpose
     status: Literal["processed"] = "processed"
     owner: str = Field(default="", exclude=True)
-    """The tenant that made it (a digest of its API key, ``router.tenants``; ``""``: anonymous).
+    """The tenant that made it (a digest of its API key, ``router.http.tenants``; ``""``: anonymous).
     Stored with the metadata, never shown to clients."""
 
     def visible_to(self, owner: str | None) -> bool:

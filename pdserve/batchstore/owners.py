@@ -1,4 +1,4 @@
-"""What each owner (a tenant: a digest of its API key, ``router.tenants``) holds in the Batch API,
+"""What each owner (a tenant: a digest of its API key, ``router.http.tenants``) holds in the Batch API,
 kept per owner: its listing indexes, what it uses (files, their bytes, batches in flight) and the
 quotas that bound it.
 

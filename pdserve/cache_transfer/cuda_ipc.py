@@ -22,7 +22,7 @@ torch does. These two methods are private API (checked with torch 2.11): the GPU
 
 Trust model: as with ``shm``, any process of the host that gets the handle (and can use the GPU)
 can write into the cache; the endpoint lives in Redis only and the router never serves the handle
-over HTTP (``router.app.BUFFER_FIELDS``). torch is imported inside functions only: importing this
+over HTTP (``router.http.app.BUFFER_FIELDS``). torch is imported inside functions only: importing this
 module (and ``transports``) loads no torch, and a CPU instance never does.
 """
 

@@ -244,7 +244,7 @@ class VerifyInfo(_Model):
 
 
 class TrafficInfo(_Model):
-    """What a router served over its last ``window_s`` seconds (``router/traffic.py``): finished
+    """What a router served over its last ``window_s`` seconds (``router/http/traffic.py``): finished
     requests, their prompt and generated tokens, and its TTFT and inter-token latency histograms'
     bucket counts over the window (``*_counts[i]`` observations at most ``*_bounds[i]`` seconds, the
     last past every bound), for a planner to merge across routers."""

@@ -38,7 +38,7 @@ def test_bad_values_name_their_flag(argv: list[str], flag: str) -> None:
 
 
 def test_a_router_refuses_port_0_which_only_batch_workers_use() -> None:
-    from pdserve.router.server import run_router
+    from pdserve.router.http.server import run_router
 
     with pytest.raises(ConfigError, match="--port"):
         run_router(build_parser().parse_args(["router", "--port", "0"]))

@@ -106,7 +106,7 @@ def test_any_exception_a_line_meets_is_its_error(monkeypatch: pytest.MonkeyPatch
     """Whatever raises while one line is checked (a bug that line's content meets), the other lines
     are checked and the batch's errors name that line, with the exception's type."""
     from pdserve.batch import validation
-    from pdserve.router.input_limits import InputLimits
+    from pdserve.router.api.input_limits import InputLimits
 
     parse_chat = validation.parse_chat
 

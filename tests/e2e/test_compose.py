@@ -282,7 +282,7 @@ def dashboard_metric_names() -> set[str]:
 def test_dashboard_uses_only_exported_metrics() -> None:
     """Each metric of the Grafana dashboard is declared by the router's or the workers' metrics
     module (tests/e2e/test_metrics.py checks that those are exactly what the processes expose)."""
-    from pdserve.router.metrics import NAMES as ROUTER
+    from pdserve.router.http.metrics import NAMES as ROUTER
     from pdserve.worker.metrics import NAMES as WORKER
 
     used = dashboard_metric_names()

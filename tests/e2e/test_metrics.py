@@ -12,9 +12,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.localredis.embedded import free_port
-from pdserve.router import metrics as router_metrics
-from pdserve.router.app import create_app
-from pdserve.router.settings import RouterSettings
+from pdserve.router.http import metrics as router_metrics
+from pdserve.router.http.app import create_app
+from pdserve.router.http.settings import RouterSettings
 from pdserve.worker import metrics as worker_metrics
 from tests.e2e.test_serving import client, model_name, start_stack
 
@@ -177,7 +177,7 @@ def test_loop_histogram_matches_prometheus_client() -> None:
     """The router's lock-free histogram exposes what prometheus_client's Histogram would."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from pdserve.router.metrics import ITL_BUCKETS, LoopHistogram
+    from pdserve.router.http.metrics import ITL_BUCKETS, LoopHistogram
 
     mine, theirs = CollectorRegistry(), CollectorRegistry()
     a = LoopHistogram("pdserve_x_seconds", "x", ITL_BUCKETS, mine)
@@ -194,7 +194,7 @@ def test_loop_counters_and_labelled_histograms_match_prometheus_client() -> None
     prometheus_client's Counter and Histogram would, zero-valued unlabelled counter included."""
     from prometheus_client import CollectorRegistry, Counter, Histogram
 
-    from pdserve.router.metrics import REDIS_BUCKETS, LoopCounter, LoopHistogram
+    from pdserve.router.http.metrics import REDIS_BUCKETS, LoopCounter, LoopHistogram
 
     mine, theirs = CollectorRegistry(), CollectorRegistry()
     plain = LoopCounter("pdserve_a", "a", mine)

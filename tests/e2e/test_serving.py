@@ -953,7 +953,7 @@ def test_a_too_long_prompt_is_refused_as_offline(stack, tiny_model_dir) -> None:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.errors import RequestTooLongError
-    from pdserve.router.errors import ERROR_MAP
+    from pdserve.router.api.errors import ERROR_MAP
     from pdserve.sampling_params import SamplingParams
 
     prompt = "word " * 1500  # > the stack's --max-model-len 1024

@@ -18,8 +18,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sequence import Sequence
 from pdserve.errors import EngineError, InvalidRequestError
-from pdserve.router.input_limits import InputLimits
-from pdserve.router.protocol import parse_chat, parse_completion
+from pdserve.router.api.input_limits import InputLimits
+from pdserve.router.api.protocol import parse_chat, parse_completion
 
 PROMPT = "Describe the server as JSON: "
 SCHEMA = {

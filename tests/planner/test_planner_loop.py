@@ -18,8 +18,8 @@ from pdserve.localredis.embedded import free_port
 from pdserve.planner.endpoint import endpoint_app, serve_endpoint
 from pdserve.planner.loop import Planner, PlannerMetrics
 from pdserve.planner.rule import Targets
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.traffic import TrafficWindow
+from pdserve.router.http.metrics import RouterMetrics
+from pdserve.router.http.traffic import TrafficWindow
 from pdserve.scheduler import InstanceRegistry, Keys, RouterInfo, RouterRegistry
 from pdserve.scheduler.messages import RoleChange
 from pdserve.status import read, render

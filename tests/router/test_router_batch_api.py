@@ -19,7 +19,7 @@ from rq.job import Job, JobStatus
 
 from pdserve.batchstore.batch_queue import VALIDATE_JOB, BatchQueue
 from pdserve.localredis.embedded import free_port
-from pdserve.router.state import RouterState
+from pdserve.router.http.state import RouterState
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}}\n'
 FILE_FIELDS = {"id", "object", "bytes", "created_at", "expires_at", "filename", "purpose", "status"}

@@ -13,8 +13,8 @@ import redis
 from router_support import FakeWorker, answer, instance, redis_conn, router, run
 
 from pdserve.errors import InvalidRequestError, RequestTimeoutError
-from pdserve.router.admission import Admission
-from pdserve.router.errors import OverloadedError
+from pdserve.router.api.errors import OverloadedError
+from pdserve.router.http.admission import Admission
 from pdserve.scheduler import GenerateRequest, InboxMessage, RequestDelta, Usage
 from pdserve.scheduler.messages import Tokenize
 

@@ -12,7 +12,7 @@ import redis
 from router_support import FakeWorker, answer, instance, redis_conn, router, run, served_router, silent
 
 import pdserve
-import pdserve.router.app  # imports every router module that may add classes to the tree
+import pdserve.router.http.app  # imports every router module that may add classes to the tree
 import pdserve.scheduler
 from pdserve.errors import (
     ConfigError,
@@ -28,7 +28,7 @@ from pdserve.errors import (
     class_of_kind,
     error_classes,
 )
-from pdserve.router.errors import (
+from pdserve.router.api.errors import (
     ERROR_MAP,
     AuthenticationError,
     BodyTooLargeError,
@@ -52,7 +52,7 @@ def test_every_class_of_the_tree_is_mapped_deliberately() -> None:
     """Workers' exceptions never cross into the router as Python exceptions (they arrive as
     ErrorInfo), so the tree the router can meet is pdserve.errors + scheduler + router."""
     missing = {cls.__qualname__ for cls in {PdserveError, *_subclasses(PdserveError)} if cls not in ERROR_MAP}
-    assert not missing, f"add these to pdserve.router.errors.ERROR_MAP: {sorted(missing)}"
+    assert not missing, f"add these to pdserve.router.api.errors.ERROR_MAP: {sorted(missing)}"
 
 
 @pytest.mark.parametrize(
@@ -116,9 +116,9 @@ def test_every_kind_any_producer_can_send_is_mapped() -> None:
     """Producers send ``ErrorInfo.of(exc)``, so the kinds on the wire are the tree's classes' kinds:
     each class has its own deliberate entry, and no two classes share a kind."""
     classes = error_classes()
-    assert {c.__module__ for c in classes} >= {"pdserve.errors", "pdserve.router.errors"}
+    assert {c.__module__ for c in classes} >= {"pdserve.errors", "pdserve.router.api.errors"}
     unmapped = [c.__name__ for c in classes if c not in ERROR_MAP]
-    assert not unmapped, f"no entry in router.errors.ERROR_MAP for {unmapped}"
+    assert not unmapped, f"no entry in router.api.errors.ERROR_MAP for {unmapped}"
     kinds = [c.kind for c in classes]
     assert len(kinds) == len(set(kinds)), kinds
     for c in classes:

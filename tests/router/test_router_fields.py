@@ -11,8 +11,8 @@ import pytest
 import redis
 from router_support import FakeWorker, instance, redis_conn, router, run
 
-from pdserve.router import request_models
-from pdserve.router.request_fields import (
+from pdserve.router.api import request_models
+from pdserve.router.api.request_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     EXTRAS,
@@ -193,8 +193,8 @@ def test_non_finite_numbers_are_a_400_naming_the_field(field: str, value: str) -
     """JSON has no infinities, but 1e309 parses as one (and pydantic-core takes Infinity/NaN): the
     router refuses them rather than let a worker meet them."""
     from pdserve.errors import InvalidRequestError
-    from pdserve.router.input_limits import InputLimits
-    from pdserve.router.protocol import parse_completion
+    from pdserve.router.api.input_limits import InputLimits
+    from pdserve.router.api.protocol import parse_completion
 
     body = f'{{"prompt": "hi", "{field}": {value}}}'.encode()
     with pytest.raises(InvalidRequestError) as info:

@@ -19,7 +19,7 @@ from router_support import KEYS, redis_conn, router, run, served_router
 
 from pdserve.batchstore.files import CHUNK_BYTES, FileStore
 from pdserve.errors import ControlPlaneError, InvalidRequestError
-from pdserve.router.state import RouterState
+from pdserve.router.http.state import RouterState
 
 BOUNDARY = "pdserve-test-boundary"
 

@@ -945,9 +945,9 @@ def test_a_slow_reader_is_not_taken_for_a_stalled_worker(redis_url: str, redis_c
     """The stall check measures the worker's progress (when the router receives its deltas), not
     the client's pace: a caller that pauses past stall_timeout_s while the worker keeps producing
     gets its whole text from the same attempt, with no migration."""
-    from pdserve.router.generation import open_generations
-    from pdserve.router.input_limits import InputLimits
-    from pdserve.router.protocol import parse_completion
+    from pdserve.router.api.input_limits import InputLimits
+    from pdserve.router.api.protocol import parse_completion
+    from pdserve.router.routing.generation import open_generations
 
     texts = [f" t{i}" for i in range(12)]
 

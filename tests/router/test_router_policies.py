@@ -9,18 +9,18 @@ import pytest
 from router_support import instance
 
 from pdserve.errors import InvalidRequestError
-from pdserve.router.errors import ModelNotFoundError, NoCapacityError
-from pdserve.router.policies import POLICIES, PolicyRequest, PrefixCache, PrefixWeights, make_policy
-from pdserve.router.policies.least_load import LeastLoad
-from pdserve.router.policies.prefix_affinity import (
+from pdserve.router.api.errors import ModelNotFoundError, NoCapacityError
+from pdserve.router.routing.policies import POLICIES, PolicyRequest, PrefixCache, PrefixWeights, make_policy
+from pdserve.router.routing.policies.least_load import LeastLoad
+from pdserve.router.routing.policies.prefix_affinity import (
     MAX_EXTRA_LOAD,
     PREFIX_CHARS,
     PrefixAffinity,
     prefix_key,
     rank,
 )
-from pdserve.router.policies.simple import Random, RoundRobin
-from pdserve.router.selection import Selector, kv_mismatch, resolve_model, transfer_protocol
+from pdserve.router.routing.policies.simple import Random, RoundRobin
+from pdserve.router.routing.selection import Selector, kv_mismatch, resolve_model, transfer_protocol
 from pdserve.scheduler.messages import KVInfo
 
 TINY = PolicyRequest("tiny")
@@ -222,7 +222,7 @@ def test_a_cpu_cache_and_a_gpu_cache_are_never_paired(caplog) -> None:
     gpu.kv.device = "cuda"
     assert kv_mismatch(p0, gpu) == "p0 with d1: different KV caches (device cpu vs cuda)"
     assert kv_mismatch(p0, cpu) is None and KVInfo.model_fields["device"].default == "cpu"
-    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+    with caplog.at_level("WARNING", logger="pdserve.router.routing.selection"):
         route = sel.route([p0, gpu], TINY)
     assert route.prefill is None and route.decode.id == "d1"  # d1 serves it alone
     assert "not pairing p0 with d1: different KV caches (device cpu vs cuda)" in caplog.text
@@ -251,7 +251,7 @@ def test_instances_with_different_kv_geometry_are_never_paired(caplog) -> None:
     d16 = instance("d0", "decode", host="a")
     d32 = instance("d1", "decode", host="a")
     d32.kv.block_size = 32
-    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+    with caplog.at_level("WARNING", logger="pdserve.router.routing.selection"):
         routes = [sel.route([p0, d32], TINY) for _ in range(3)]
     assert all(r.prefill is None and r.decode.id == "d1" for r in routes)  # d1 serves it alone
     assert "not pairing p0 with d1: different KV caches (block_size 16 vs 32)" in caplog.text
@@ -281,7 +281,7 @@ def test_instances_differing_in_any_kv_geometry_are_never_paired(field: str, val
         instance(i, r, host="a") for i, r in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
     )
     setattr(other.kv, field, value)
-    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+    with caplog.at_level("WARNING", logger="pdserve.router.routing.selection"):
         route = sel.route([p0, other], TINY)
     assert route.prefill is None and route.decode.id == "d1"  # d1 serves it alone, never paired
     assert f"not pairing p0 with d1: different KV caches ({field} " in caplog.text
@@ -298,7 +298,7 @@ def test_instances_of_two_weight_precisions_are_never_paired(caplog) -> None:
         instance(i, r, host="a") for i, r in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
     )
     p0.kv.weights, older.kv.weights, int8.kv.weights = "f32", None, "int8"
-    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+    with caplog.at_level("WARNING", logger="pdserve.router.routing.selection"):
         route = sel.route([p0, int8], TINY)
     assert route.prefill is None and route.decode.id == "d1"
     assert "not pairing p0 with d1: different KV caches (weights f32 vs int8)" in caplog.text
@@ -338,7 +338,7 @@ def test_aggregated_fallback_is_said_and_can_be_turned_off(caplog) -> None:
         instance("d0", "decode", host="a"),
         instance("p0", "prefill", host="b", protocols=("shm",)),
     )
-    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+    with caplog.at_level("WARNING", logger="pdserve.router.routing.selection"):
         route = Selector("round_robin", "round_robin").route([decode], TINY)
     assert route.mode == "aggregated" and route.headers() == {
         "x-pdserve-mode": "aggregated",
@@ -508,7 +508,7 @@ def test_instances_of_two_models_under_one_name_are_never_paired(
     else:
         setattr(other.kv, field, value)
     assert kv_mismatch(p0, other) == f"p0 with d1: different models ({said})"
-    with caplog.at_level("WARNING", logger="pdserve.router.selection"):
+    with caplog.at_level("WARNING", logger="pdserve.router.routing.selection"):
         route = sel.route([p0, other], TINY)
     assert route.prefill is None and route.decode.id == "d1"
     assert f"not pairing p0 with d1: different models ({said})" in caplog.text

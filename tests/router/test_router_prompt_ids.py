@@ -1,4 +1,4 @@
-"""The router's prompt ids (pdserve/router/prompt_ids.py) from the tokenizer a worker publishes in a
+"""The router's prompt ids (pdserve/router/routing/prompt_ids.py) from the tokenizer a worker publishes in a
 real Redis: the same ids as the engine's, on SmolLM2-135M and on the tiny model."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from router_support import FakeWorker, answer, instance, redis_conn, router, run
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.router.policies import PolicyRequest
-from pdserve.router.prompt_ids import PromptTokenizer
+from pdserve.router.routing.policies import PolicyRequest
+from pdserve.router.routing.prompt_ids import PromptTokenizer
 from pdserve.scheduler import (
     GenerateRequest,
     InboxMessage,

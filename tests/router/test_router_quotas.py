@@ -10,8 +10,8 @@ import httpx
 import redis
 from router_support import CLUSTER, router, run
 
-from pdserve.router.state import RouterState
-from pdserve.router.tenants import key_digest
+from pdserve.router.http.state import RouterState
+from pdserve.router.http.tenants import key_digest
 from pdserve.status import read, render
 
 A_KEY, B_KEY = "key-a-quota", "key-b-quota"

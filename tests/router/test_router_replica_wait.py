@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.errors import ControlPlaneError
 from pdserve.localredis.embedded_ha import EmbeddedSentinel
-from pdserve.router.sender import InboxSender
+from pdserve.router.routing.sender import InboxSender
 from pdserve.scheduler import GenerateRequest, Keys, RedisSettings
 from pdserve.scheduler.connection import ReplicaWait
 from pdserve.scheduler.redis_settings import RedisClient

@@ -10,7 +10,7 @@ import redis
 from router_support import KEYS, redis_conn, run
 
 from pdserve.errors import ControlPlaneError, InvalidRequestError
-from pdserve.router.sender import InboxSender
+from pdserve.router.routing.sender import InboxSender
 from pdserve.scheduler import Abort, GenerateRequest, Inbox
 from pdserve.scheduler.connection import ReplicaWait
 
@@ -69,7 +69,7 @@ def test_an_unreachable_redis_fails_every_message(redis_url: str) -> None:
 
 def test_round_trips_and_failures_reach_the_observer(redis_url: str, redis_client: redis.Redis) -> None:
     """The metrics hook: one timed round trip per batch, and the error of a failed one."""
-    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.http.metrics import RouterMetrics
 
     redis_client.set(KEYS.inbox("broken2"), "not a stream")
     metrics = RouterMetrics()
@@ -92,7 +92,7 @@ def test_a_message_that_cannot_be_encoded_fails_only_its_own_send(
 ) -> None:
     """Encoded before it joins the batch: its send raises InvalidRequestError (a 400), the other
     messages of the same iteration (an Abort too) are delivered, and no Redis error is counted."""
-    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.http.metrics import RouterMetrics
     from pdserve.sampling_params import SamplingParams
 
     spec: dict = {}

@@ -21,8 +21,8 @@ from router_support import CLUSTER
 from pdserve.errors import ConfigError
 from pdserve.localredis.embedded import free_port
 from pdserve.router import RouterSettings, add_router_arguments
-from pdserve.router.server import uvicorn_config
-from pdserve.router.settings import settings_from_args
+from pdserve.router.http.server import uvicorn_config
+from pdserve.router.http.settings import settings_from_args
 
 
 def test_defaults_and_router_id() -> None:

@@ -12,7 +12,7 @@ import redis
 from router_support import KEYS, FakeWorker, answer, instance, redis_conn, router, run
 
 from pdserve.block_hash import chain_hashes, salt_key
-from pdserve.router.tenants import key_digest, tenant_salt
+from pdserve.router.http.tenants import key_digest, tenant_salt
 from pdserve.scheduler import GenerateRequest
 
 A, B = "tenant-a-key", "tenant-b-key"

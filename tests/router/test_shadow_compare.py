@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from pdserve.router.shadow import LOGPROB_TOLERANCE, ShadowVerifier, divergence
+from pdserve.router.routing.shadow import LOGPROB_TOLERANCE, ShadowVerifier, divergence
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import LogprobInfo, TopLogprob
 

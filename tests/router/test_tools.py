@@ -11,9 +11,9 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.errors import InvalidRequestError
-from pdserve.router.input_limits import InputLimits
-from pdserve.router.protocol import parse_chat
-from pdserve.router.tools import ToolUse
+from pdserve.router.api.input_limits import InputLimits
+from pdserve.router.api.protocol import parse_chat
+from pdserve.router.api.tools import ToolUse
 from pdserve.tokenizer import Tokenizer
 
 LIMITS = InputLimits(1024, 256, 256, 300, 64)

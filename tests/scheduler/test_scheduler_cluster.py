@@ -15,7 +15,7 @@ from router_support import instance
 
 from pdserve.batchstore.files import CHUNK_BYTES, FileStore
 from pdserve.localredis.embedded_ha import EmbeddedCluster
-from pdserve.router.sender import InboxSender
+from pdserve.router.routing.sender import InboxSender
 from pdserve.scheduler import (
     GenerateRequest,
     Inbox,

@@ -16,8 +16,8 @@ import orjson
 from pdserve import status
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.weights import DIGEST_CACHE, weights_digest
-from pdserve.router.policies import PolicyRequest
-from pdserve.router.selection import Selector, kv_mismatch
+from pdserve.router.routing.policies import PolicyRequest
+from pdserve.router.routing.selection import Selector, kv_mismatch
 from pdserve.scheduler import InstanceInfo, InstanceRegistry, Keys, RedisSettings
 from pdserve.worker.service import WorkerService
 from pdserve.worker.settings import WorkerSettings
