@@ -5,6 +5,6 @@ Modules: ``policies/`` (the policy registry: round_robin, random, least_load, pr
 prefix_cache), ``selection`` (model check, pair rules, transfer protocol), ``prefix_lookup`` and
 ``prompt_ids`` (a prompt's cached prefix per candidate, from its token ids), ``sender`` (coalesced
 inbox XADDs), ``dispatch`` (shared routing state, the watcher), ``generation`` (one choice's attempts,
-retries, migrations, and what the router relies on from workers), ``shadow`` (``--verify-fraction``'s
-replays).
+retries, migrations), ``worker_contract`` (what the router sends a worker per attempt and relies on
+in return), ``shadow`` (``--verify-fraction``'s replays).
 """

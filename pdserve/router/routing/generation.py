@@ -4,36 +4,8 @@ Every way a request can end arrives as a final :class:`RequestDelta` in its queu
 generation has a single loop: worker deltas (from the OutboxReader), a timer's ``timeout``, the
 watcher's ``instance_unavailable``, a client disconnect, a Redis outage (``ANY_ATTEMPT``).
 
-What the router relies on from workers (the contract):
-
-- Per attempt the router XADDs exactly ONE :class:`GenerateRequest`: to the prefill instance's
-  inbox with ``disaggregate_info`` (splitwise), or to a mixed/decode instance's inbox without it
-  (that instance serves the whole request, prefill included). ``request_id`` is the router's
-  own uuid4 hex (``<id>-<i>`` per choice when a request has several: ``i = prompt * n + choice``),
-  never the client's ``x-request-id``; ``router_id`` names the
-  outbox to publish to; exactly one of ``prompt``/``prompt_token_ids``/``messages`` is set (messages
-  are ``{role, content: str[, name]}``; the worker tokenizes and applies the chat template);
-  ``echo`` asks for the prompt's text in the first token's delta (``prompt_text``), and
-  ``sampling.prompt_logprobs`` for the prompt's logprobs there (``prompt_logprobs``; in splitwise
-  the prefill instance computes them);
-  ``sampling`` is the choice's validated SamplingParams, and ``fill_max_tokens`` means "up to the
-  model length minus the prompt length"; ``deadline`` ends the whole request (unix s); ``attempt``
-  counts from 0.
-- Deltas for the request go to the router's outbox with the request's ``attempt``. The router
-  relays the current attempt's deltas in stream order, whoever sent them: in splitwise, prefill
-  publishes the first token, then decode publishes the rest. ``seq`` numbers an attempt's deltas
-  0, 1, 2, ... across both: a repeat (a retried XADD) is dropped, a gap fails the attempt
-  (retryable). ``text`` is the new text (the pieces
-  concatenate to the completion); ``logprobs`` has one entry per token when asked. The final
-  delta has ``finish_reason`` and ``usage`` (the OpenAI usage comes from it). A failure is a final
-  ``RequestDelta.failure`` with an HTTP-like ``code``; ``retryable=True`` (another instance may
-  succeed, e.g. no KV blocks, or the instance died) lets the router re-submit with ``attempt + 1``:
-  to a fresh pair before any token, or, once tokens were delivered, to ONE mixed/decode instance
-  with ``resume_token_ids`` (a migration: it continues after them). Empty non-final deltas are
-  ignored; ``ANY_ATTEMPT`` applies to the current one.
-- :class:`Abort` ``{request_id, reason, attempt}`` goes to every instance of an attempt the router
-  gives up on (client gone, deadline, instance gone, before a retry); it may name a request the
-  instance no longer (or never) had.
+What it sends a worker per attempt and relies on in return is
+:mod:`pdserve.router.routing.worker_contract`.
 """
 
 from __future__ import annotations
@@ -56,14 +28,13 @@ from pdserve.router.routing.policies import PolicyRequest
 from pdserve.router.routing.prefix_lookup import PromptBlocks
 from pdserve.router.routing.selection import Route
 from pdserve.router.routing.shadow import Served
+from pdserve.router.routing.worker_contract import attempt_message
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import (
     ANY_ATTEMPT,
-    DisaggregateInfo,
     ErrorInfo,
     GenerateRequest,
     LogprobInfo,
-    PhaseDeadlines,
     RequestDelta,
     Usage,
 )
@@ -411,41 +382,18 @@ class RoutedGeneration:
             delay = min(2 * delay, SEND_RETRY_MAX_S)
 
     def _message(self, route: Route, now: float) -> GenerateRequest:
-        d = self.dispatcher
-        info = None
-        if route.prefill is not None:
-            s = d.settings
-            deadlines = PhaseDeadlines(
-                reserve=min(now + s.reserve_timeout_s, self.deadline),
-                transfer=min(now + (s.transfer_timeout_s or s.first_token_timeout_s), self.deadline),
-                first_token=min(now + s.first_token_timeout_s, self.deadline),
-            )
-            info = DisaggregateInfo(
-                request_id=self.request_id,
-                router_id=d.router_id,
-                prefill=d.peer(route.prefill),
-                decode=d.peer(route.decode),
-                protocol=route.protocol or "",
-                deadlines=deadlines,
-            )
-        p = self.prompt
-        # fill_max_tokens when the client gave no max_tokens (chat): the worker then fills in
-        # "model length - prompt length", which only it knows after tokenizing.
-        return GenerateRequest(
+        return attempt_message(
+            self.dispatcher,
+            route,
+            now,
             request_id=self.request_id,
-            router_id=d.router_id,
-            prompt=p.text,
-            prompt_token_ids=p.token_ids,
-            messages=p.messages,
-            tools=p.tools,
+            prompt=self.prompt,
             sampling=self.sampling,
-            fill_max_tokens=self.parsed.fill_max_tokens or None,
+            fill_max_tokens=self.parsed.fill_max_tokens,
             deadline=self.deadline,
             attempt=self.attempt,
-            disaggregate_info=info,
-            resume_token_ids=list(self.delivered) or None,
-            echo=True if self._echo and p.token_ids is not None else None,
-            background=True if d.settings.background else None,
+            delivered=self.delivered,
+            echo=self._echo,
         )
 
     def _may_retry(self, error: ErrorInfo) -> bool:
