@@ -153,11 +153,11 @@ def test_redis_command_stops_its_server_on_sigterm_and_wants_a_password_beyond_l
     assert out.returncode == 2 and "give it a --password" in out.stderr
 
 
-def readme_flag_table() -> list[tuple[list[str], list[str], list[str]]]:
-    """(variables, flags, commands) per row of the README's flag table."""
+def documented_flag_table() -> list[tuple[list[str], list[str], list[str]]]:
+    """(variables, flags, commands) per row of docs/operations.md's flag table."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
     table = text[text.index("## Flags and environment variables") :].split("\n## ")[0]
     rows = []
     for line in table.splitlines():
@@ -181,12 +181,13 @@ def command_helps() -> dict[str, str]:
     return helps
 
 
-def test_readme_flag_table_matches_help() -> None:
-    """Each README row's flags exist, with their variable, on the commands it names; and every
-    PDSERVE_* variable that some --help mentions has a README row naming that command."""
+def test_documented_flag_table_matches_help() -> None:
+    """Each row of docs/operations.md's flag table names flags that exist, with their variable, on the
+    commands it names; and every PDSERVE_* variable that some --help mentions has a row naming that
+    command."""
     helps = command_helps()
     documented: set[tuple[str, str]] = set()
-    for variables, flags, commands in readme_flag_table():
+    for variables, flags, commands in documented_flag_table():
         if not flags:
             continue  # variables read outside argparse (PDSERVE_CACHE_DIR, PDSERVE_TEST_REDIS_URL)
         for command in commands:
@@ -199,7 +200,7 @@ def test_readme_flag_table_matches_help() -> None:
         for var in set(re.findall(r"\[env (PDSERVE_\w+)\]", text))
         if (command, var) not in documented
     )
-    assert not missing, f"README's flag table lacks {missing}"
+    assert not missing, f"docs/operations.md's flag table lacks {missing}"
 
 
 def parse_worker(argv: list[str]):

@@ -1,9 +1,11 @@
-"""Every shell command and Python snippet in the README works when pasted into a fresh shell.
+"""Every shell command and Python snippet in the README and in docs/ works when pasted into a fresh shell.
 
 As a new user would run them after ``make up``: from a checkout folder holding the project's
 ``.venv`` (a link to the venv running these tests), with a fresh ``HOME`` (so ``~/.cache/pdserve``
-is new), no ``PDSERVE_*`` or ``MKL_*`` variables, the venv not on ``PATH``, and the README's ports
-(8000, 8001, 6379) replaced by free ones so the test can run next to anything else.
+is new), no ``PDSERVE_*`` or ``MKL_*`` variables, the venv not on ``PATH``, and the documented ports
+(8000, 8001, 6379) replaced by free ones so the test can run next to anything else. A block is found
+by a line it holds, in whichever file shows it (README.md or a page of docs/): the README keeps the
+first request, the pieces, two hosts and the GPU; docs/ the rest, some of them shown in both.
 """
 
 from __future__ import annotations
@@ -26,12 +28,19 @@ from pdserve.localredis.embedded import free_port
 from pdserve.stack_spec import StackSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+# The README and every page of docs/, by path: every ```bash and ```python block in them is run below
+# or listed in NOT_RUN.
+DOCS = {
+    p.relative_to(ROOT).as_posix(): p.read_text()
+    for p in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))]
+}
 VENV = Path(sys.executable).parent.parent
 
 # Every ```bash block is one of these, recognised by a line it contains.
 AFTER_UP, PIECES, OFFLINE = "curl http://127.0.0.1:8000", "pdserve redis --port", "pdserve generate"
 SENTINEL = "pdserve redis --sentinel"
+# Every ```python block is one of these, each run below.
+PYTHON = ("Once upon a time", "tool_choice=", "client.batches.create", "from pdserve import LLM")
 NOT_RUN = {
     "make test": "the two commands: this test runs what `make up` runs, and `make test` runs this test",
     "benchmarks/engine_bench.py": "a benchmark of about 15 minutes, run by hand",
@@ -40,18 +49,23 @@ NOT_RUN = {
 }
 
 
-def blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", README, flags=re.S | re.M)
+def blocks(lang: str, where: str | None = None) -> list[str]:
+    """The ```lang blocks of one file (``where``, e.g. "README.md"), or of the README and all of docs/."""
+    texts = [DOCS[where]] if where else list(DOCS.values())
+    return [b for text in texts for b in re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M)]
 
 
 def block(lang: str, marker: str) -> str:
-    (found,) = [b for b in blocks(lang) if marker in b]
-    return found
+    """The block holding ``marker``; one shown in several files must be the same in each."""
+    found = {b for b in blocks(lang) if marker in b}
+    assert len(found) == 1, f"{len(found)} different ```{lang} blocks hold {marker!r}"
+    (one,) = found
+    return one
 
 
 @pytest.fixture
 def shell(tmp_path: Path, smollm2_dir: Path):
-    """A fresh shell's environment in a fresh checkout folder, and the README's ports remapped. The
+    """A fresh shell's environment in a fresh checkout folder, and the documented ports remapped. The
     fresh HOME's model cache holds the real model this test run already fetched (fetched once a run)."""
     assert (VENV / "bin" / "pdserve").is_file(), f"tests must run from the project's venv, not {VENV}"
     work, home = tmp_path / "checkout", tmp_path / "home"
@@ -92,12 +106,24 @@ def shell(tmp_path: Path, smollm2_dir: Path):
     return work, env, ports, remap, run, python
 
 
-def test_every_bash_block_is_covered() -> None:
-    """A new README block must be added here: run by the test below, or excluded with a reason."""
-    for b in blocks("bash"):
-        kinds = [m for m in (AFTER_UP, PIECES, OFFLINE, SENTINEL, *NOT_RUN) if m in b]
-        assert len(kinds) == 1, f"README block not covered by tests/e2e/test_readme.py:\n{b}"
-    assert len(blocks("python")) == 4  # the client, tools, batches and the offline API: each run below
+def test_every_block_is_covered() -> None:
+    """A new block in the README or docs/ must be added here: run by the tests below, or excluded
+    with a reason."""
+    for where in DOCS:
+        for b in blocks("bash", where):
+            kinds = [m for m in (AFTER_UP, PIECES, OFFLINE, SENTINEL, *NOT_RUN) if m in b]
+            assert len(kinds) == 1, f"{where}: block not covered by tests/e2e/test_readme.py:\n{b}"
+        for b in blocks("python", where):  # the client, tools, batches and the offline API
+            kinds = [m for m in PYTHON if m in b]
+            assert len(kinds) == 1, f"{where}: block not covered by tests/e2e/test_readme.py:\n{b}"
+    for marker in (AFTER_UP, PIECES, OFFLINE, SENTINEL):  # each shown once, or the same wherever shown
+        block("bash", marker)
+    for marker in PYTHON:
+        block("python", marker)
+    # the README's own: the first request and the client after `make up`, the pieces, two hosts, a GPU
+    readme = blocks("bash", "README.md") + blocks("python", "README.md")
+    for marker in ("make test", AFTER_UP, PYTHON[0], PIECES, "# host B", "--device cuda"):
+        assert any(marker in b for b in readme), f"README.md lost its block holding {marker!r}"
 
 
 def documented_key_patterns() -> list[re.Pattern]:
@@ -265,7 +291,7 @@ def test_readme_commands_work_in_a_fresh_shell(shell) -> None:
 
 
 def test_the_high_availability_commands_serve_through_sentinel(shell) -> None:
-    """The README's Sentinel block, each command in a fresh shell of its own: `pdserve redis
+    """docs/operations.md's Sentinel block, each command in a fresh shell of its own: `pdserve redis
     --sentinel` in the background, then `pdserve up` on its redis+sentinel:// URL; a chat completion
     goes through, and Ctrl-C stops each (every Redis process with the first)."""
     work, env, _, remap, _, _ = shell
