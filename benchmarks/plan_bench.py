@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serve_bench import bench_cpu_name
+from harness import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANNER_ENV = {  # the planner child's flags, as their variables (``up`` passes the targets)
@@ -380,7 +380,7 @@ def main() -> int:
                 f"{s['goodput_req_s']:>8.2f} {ttft:>9} {tpot:>9}"
             )
     report = {
-        "machine": {"cpu": bench_cpu_name(), "cores": os.cpu_count()},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
         "date": time.strftime("%Y-%m-%d"),
         "settings": vars(args) | {"out": str(args.out)},
         "planner_env": PLANNER_ENV,
