@@ -195,7 +195,10 @@ def print_table(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(*headers, title=title, box=box.MARKDOWN, title_justify="left", show_edge=True)
+    lead = "\n" if title and title.startswith("\n") else ""
+    table = Table(
+        *headers, title=title and title.strip(), box=box.MARKDOWN, title_justify="left", show_edge=True
+    )
     for i, col in enumerate(table.columns):
         col.justify = "left" if i == 0 else "right"
         col.no_wrap = True
@@ -204,7 +207,7 @@ def print_table(
     buf = io.StringIO()
     Console(file=buf, width=250, highlight=False, soft_wrap=True, color_system=None).print(table)
     lines = [line.rstrip() for line in buf.getvalue().splitlines() if line.strip()]
-    print("\n".join(lines), file=file or sys.stdout, flush=True)
+    print(lead + "\n".join(lines), file=file or sys.stdout, flush=True)
 
 
 # ---- the JSON ------------------------------------------------------------------------------------
