@@ -220,8 +220,8 @@ def args_dict(args: argparse.Namespace | dict | None) -> dict[str, Any]:
 def document(content: dict | list, args: argparse.Namespace | dict | None = None) -> dict[str, Any]:
     """``{"machine", "args", ...content}``: a list is put under ``rows``; the content's own
     ``machine`` facts are kept over the harness's."""
-    body = {"rows": content} if isinstance(content, list) else dict(content)
-    own = body.pop("machine", None) or {}
+    body: dict[str, Any] = {"rows": content} if isinstance(content, list) else dict(content)
+    own: dict[str, Any] = body.pop("machine", None) or {}
     return {"machine": {**machine(), **own}, "args": args_dict(args), **body}
 
 
