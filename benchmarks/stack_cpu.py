@@ -35,13 +35,13 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+from harness import medians as round_medians
 from harness import print_table, write_json
 
 from pdserve import bench
@@ -210,7 +210,7 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    medians = {name: {k: statistics.median(x[k] for x in got) for k in got[0]} for name, got in rows.items()}
+    medians = {name: round_medians(got) for name, got in rows.items()}
     cols = (*PARTS, "served overhead", "up", "client", "tok/s")
     print_table(
         ["", *medians],
