@@ -96,7 +96,7 @@ def main() -> int:
         same_text = f"{same}/{len(prompts)}" if same is not None else "-"
         rows.append([name, f"{diff:.3f}", f"{agree}/{total}", same_text])
     print_table(
-        ["variant", "max |d logit| (first)", "top-1 agreement", "same greedy run"],
+        ["variant", "max abs d logit (first)", "top-1 agreement", "same greedy run"],
         rows,
         title=f"\nSmolLM2-135M-Instruct, {len(prompts)} prompts x {args.tokens} greedy tokens of pdserve float32",
     )
