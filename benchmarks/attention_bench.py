@@ -7,18 +7,18 @@ engine: prefill tok/s of a 512-token prompt (best of 2 after a warm-up; prefill 
 path either way), then decode tok/s at batch 1, 8, 32 with 512 tokens of context (median step of
 ``--steps``; the history is faked through the KV hand-off API, its bytes are irrelevant).
 
-    python benchmarks/attention_bench.py [--presets tiny,small] [--rounds 5] [--steps 10]
+    python benchmarks/attention_bench.py [--presets tiny,small] [--rounds 5] [--steps 10] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from harness import RESULTS, median, print_table, write_json
 from step_timing import median_step_ms
 
 from pdserve import SamplingParams
@@ -56,7 +56,7 @@ def measure(engine: LLMEngine, steps: int, tag: str, out: dict[str, list[float]]
         engine.step()
 
 
-def run_preset(preset: str, rounds: int, steps: int, models: Path) -> None:
+def run_preset(preset: str, rounds: int, steps: int, models: Path) -> dict:
     model_dir = models / preset
     if not model_dir.exists():
         init_model(model_dir, preset=preset)
@@ -75,12 +75,22 @@ def run_preset(preset: str, rounds: int, steps: int, models: Path) -> None:
     threads = engines["kernel"].threads
     for engine in engines.values():
         engine.close()
-    print(f"\n{preset}: tok/s, median of {rounds} rounds, {threads} threads")
-    print(f"| {'metric':<12} | {'reference':>9} | {'kernel':>9} | {'kernel/ref':>10} |")
-    print(f"|{'-' * 14}|{'-' * 11}|{'-' * 11}|{'-' * 12}|")
-    for key in results["kernel"]:
-        ref, ker = statistics.median(results["reference"][key]), statistics.median(results["kernel"][key])
-        print(f"| {key:<12} | {ref:>9.1f} | {ker:>9.1f} | {ker / ref:>9.2f}x |")
+    figures = {
+        key: {
+            "reference": median(results["reference"][key]),
+            "kernel": median(results["kernel"][key]),
+        }
+        for key in results["kernel"]
+    }
+    print_table(
+        ["metric", "reference", "kernel", "kernel/ref"],
+        [
+            [key, f"{f['reference']:.1f}", f"{f['kernel']:.1f}", f"{f['kernel'] / f['reference']:.2f}x"]
+            for key, f in figures.items()
+        ],
+        title=f"\n{preset}: tok/s, median of {rounds} rounds, {threads} threads",
+    )
+    return {"threads": threads, "rounds": rounds, "tok_s": figures}
 
 
 def main() -> int:
@@ -91,10 +101,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default %(default)s)")
     p.add_argument("--steps", type=int, default=10, help="measured decode steps per batch size")
     p.add_argument("--models", type=Path, help="where presets are created (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=RESULTS / "attention_bench.json")
     args = p.parse_args()
     models = args.models or Path(tempfile.mkdtemp(prefix="pdserve-attention-bench-"))
-    for preset in args.presets.split(","):
-        run_preset(preset.strip(), args.rounds, args.steps, models)
+    presets = {
+        p.strip(): run_preset(p.strip(), args.rounds, args.steps, models) for p in args.presets.split(",")
+    }
+    write_json(args.out, {"statistic": "median over rounds", "presets": presets}, args)
     return 0
 
 

@@ -26,8 +26,6 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import dataclasses
-import json
 import os
 import random
 import re
@@ -41,6 +39,18 @@ import orjson
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from batch_clients import (  # noqa: E402
+    ENDPOINT,
+    Timed,
+    cancel_batch,
+    create_batch,
+    get_batch,
+    online,
+    wait_batch,
+    wait_idle,
+)
+from batch_report import pooled, print_table, summary_line, ttft  # noqa: E402
+from harness import write_json  # noqa: E402
 from router_overhead import TICK, cpu_seconds  # noqa: E402  (a sibling script)
 
 from pdserve import bench  # noqa: E402
@@ -49,9 +59,6 @@ from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.localredis.embedded import free_port  # noqa: E402
 from pdserve.stack import Stack, StackSpec  # noqa: E402
 
-ENDPOINT = "/v1/chat/completions"
-GOAL = 1.10  # the issue's acceptance: online TTFT with a batch running within 10 % of without
-OTHERS_WARN = 0.15  # cores used by processes not of this benchmark past which a phase is flagged
 SETTLE_S = 2.0  # online load runs this long before a phase's measurement starts
 WORKER_SERIES = re.compile(
     r"^pdserve_worker_(step_seconds|batch_size)_(sum|count)\{[^}]*role=\"(\w+)\"[^}]*\} (\S+)$", re.M
@@ -83,123 +90,6 @@ def batch_file(model: str, items: list[bench.Prompt]) -> bytes:
             orjson.dumps({"custom_id": f"line-{i}", "method": "POST", "url": ENDPOINT, "body": body})
         )
     return b"\n".join(lines) + b"\n"
-
-
-async def create_batch(client: httpx.AsyncClient, content: bytes) -> dict:
-    r = await client.post(
-        "/v1/files", files={"file": ("batch.jsonl", content, "application/jsonl")}, data={"purpose": "batch"}
-    )
-    r.raise_for_status()
-    body = {"input_file_id": r.json()["id"], "endpoint": ENDPOINT, "completion_window": "24h"}
-    r = await client.post("/v1/batches", json=body)
-    r.raise_for_status()
-    return r.json()
-
-
-async def get_batch(client: httpx.AsyncClient, batch_id: str) -> dict:
-    r = await client.get(f"/v1/batches/{batch_id}")
-    r.raise_for_status()
-    return r.json()
-
-
-async def wait_batch(
-    client: httpx.AsyncClient, batch_id: str, done: Any, timeout_s: float, every_s: float = 0.25
-) -> dict:
-    """Poll the batch until ``done(batch)``; raises after ``timeout_s``."""
-    deadline = time.perf_counter() + timeout_s
-    while True:
-        batch = await get_batch(client, batch_id)
-        if done(batch):
-            return batch
-        if time.perf_counter() > deadline:
-            counts = batch["request_counts"]
-            raise TimeoutError(f"batch {batch_id} still {batch['status']} ({counts}) after {timeout_s:.0f} s")
-        await asyncio.sleep(every_s)
-
-
-async def cancel_batch(client: httpx.AsyncClient, batch_id: str) -> dict:
-    """Cancel and wait until ``cancelled`` (or it ended otherwise meanwhile)."""
-    r = await client.post(f"/v1/batches/{batch_id}/cancel")
-    if r.status_code != 200 and "cannot cancel" not in r.text:
-        r.raise_for_status()
-    final = ("cancelled", "completed", "failed", "expired")
-    return await wait_batch(client, batch_id, lambda b: b["status"] in final, 120)
-
-
-async def wait_idle(client: httpx.AsyncClient, timeout_s: float = 30) -> None:
-    """Until every instance reports nothing running or waiting (what a cancelled batch had in flight)."""
-    deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
-        loads = [i["load"] for i in (await client.get("/v1/instances")).json()["instances"]]
-        if all(load["running"] == 0 and load["waiting"] == 0 for load in loads):
-            return
-        await asyncio.sleep(0.25)
-    print(
-        f"warning: instances still busy {timeout_s:.0f} s after the batch ended", file=sys.stderr, flush=True
-    )
-
-
-@dataclasses.dataclass
-class Timed:
-    """One online request: client-side TTFT (to the first content chunk) and the server's ``timing``
-    (pdserve's extra field: the first token's instance-side time, its engine queue, prefill, KV write)."""
-
-    t0: float
-    ttft_ms: float | None = None
-    error: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    timing: dict[str, float | None] = dataclasses.field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.ttft_ms is not None and not self.error
-
-
-async def request(client: httpx.AsyncClient, model: str, prompt: bench.Prompt) -> Timed:
-    body = {
-        "model": model,
-        **prompt.body,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    out = Timed(t0)
-    try:
-        async with client.stream("POST", ENDPOINT, json=body) as r:
-            if r.status_code != 200:
-                out.error = f"HTTP {r.status_code}"
-                return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = orjson.loads(line[6:])
-                if "error" in chunk:
-                    out.error = str(chunk["error"].get("code") or "error")
-                    return out
-                out.timing = chunk.get("timing") or out.timing
-                if chunk.get("usage"):
-                    out.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    out.output_tokens = chunk["usage"]["completion_tokens"]
-                if out.ttft_ms is None and any(
-                    (c.get("delta") or {}).get("content") for c in chunk["choices"]
-                ):
-                    out.ttft_ms = (time.perf_counter() - t0) * 1e3
-    except httpx.HTTPError as e:
-        out.error = type(e).__name__
-    if out.ttft_ms is None and not out.error:
-        out.error = "no token"
-    return out
-
-
-async def online(client: httpx.AsyncClient, model: str, make: Any, stop_at: list[float], out: list) -> None:
-    """One closed-loop client: a request after the other until ``stop_at[0]`` (which may move).
-    Every prompt is new (``make()``): a repeated one would hit the prefix cache, which the batch's
-    lines evict, and B would pay for what A got free."""
-    while time.perf_counter() < stop_at[0]:
-        out.append(await request(client, model, make()))
 
 
 # ---- what the processes did ----------------------------------------------------------------------
@@ -399,10 +289,6 @@ async def throughput(stack: Stack, args: argparse.Namespace, content: bytes, lin
 
 
 # ---- the run ---------------------------------------------------------------------------------------
-def pooled(rows: list[dict], kind: str) -> dict[str, Any]:
-    values = [x for r in rows if r["phase"] == kind for x in r["ttft_ms"]]
-    s = ttft(values)
-    return {"requests": len(values), "p50": s["p50"], "p99": s["p99"]}
 
 
 async def run(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
@@ -457,127 +343,6 @@ async def run(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
         },
         "batch_alone": alone,
     }
-
-
-def ttft(values: list[float]) -> dict[str, float]:
-    return bench.stats(values, (50, 99)) if values else {"p50": float("nan"), "p99": float("nan")}
-
-
-def summary_line(row: dict) -> str:
-    s = ttft(row["ttft_ms"])
-    text = f"{row['requests']} requests, TTFT p50 {s['p50']:.1f} ms, p99 {s['p99']:.1f} ms"
-    if row["phase"] == "B":
-        text += f", {row['batch_lines_done']} batch lines done" + (
-            "" if row["valid"] else f" (VOID: {row['void_reason']})"
-        )
-    return text
-
-
-def print_table(result: dict, args: argparse.Namespace, layout: str) -> None:
-    a, p = result["pooled"]["A"], result["pooled"]["B"]
-    rows = result["phases"]
-    tokens_in = sum(r["prompt_tokens_mean"] * r["requests"] for r in rows) / max(
-        1, sum(r["requests"] for r in rows)
-    )
-    print(
-        f"\ntiny model, {layout}, {os.cpu_count()} cores; {args.clients} closed-loop online clients (streaming chat, "
-        f"{tokens_in:.0f} prompt tokens on average, {args.max_tokens} out); B: a {args.batch_lines}-line batch "
-        f"(lines alike), batch worker --max-load {args.max_load} --concurrency {args.batch_concurrency}; "
-        f"{args.phase_s:.0f} s measured per phase"
-    )
-    head = (
-        "phase",
-        "round",
-        "online req",
-        "TTFT p50 ms",
-        "p99 ms",
-        "p50 B/A",
-        "p99 B/A",
-        "batch lines",
-        "stall s",
-        "note",
-    )
-    table = []
-    for r in rows:
-        s, b = ttft(r["ttft_ms"]), r["phase"] == "B"
-        table.append(
-            (
-                r["phase"],
-                str(r["round"]),
-                str(r["requests"]) + (f" ({r['failed']} failed)" if r["failed"] else ""),
-                f"{s['p50']:.1f}",
-                f"{s['p99']:.1f}",
-                f"{s['p50'] / a['p50']:.3f}" if b else "",
-                f"{s['p99'] / a['p99']:.3f}" if b else "",
-                str(r["batch_lines_done"]) if b else "-",
-                f"{r['batch_longest_stall_s']:.0f}" if b else "",
-                ("ok" if r["valid"] else f"VOID: {r['void_reason']}") if b else "",
-            )
-        )
-    pooled = result["pooled"]
-    done = sum(r["batch_lines_done"] for r in rows if r["phase"] == "B")
-    table.append(
-        ("A pooled", "all", str(a["requests"]), f"{a['p50']:.1f}", f"{a['p99']:.1f}", "", "", "-", "", "")
-    )
-    table.append(
-        (
-            "B pooled",
-            "all",
-            str(p["requests"]),
-            f"{p['p50']:.1f}",
-            f"{p['p99']:.1f}",
-            f"{pooled['ratio_p50']:.3f}",
-            f"{pooled['ratio_p99']:.3f}",
-            str(done),
-            "",
-            "ok" if pooled["all_b_valid"] else "VOID: a B phase's batch did not run throughout",
-        )
-    )
-    widths = [max(len(c) for c in col) for col in zip(head, *table)]
-    for row in (head, *table):
-        print(
-            "  ".join(
-                c.ljust(w) if i in (0, 9) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-            ).rstrip()
-        )
-    verdict = "met" if max(pooled["ratio_p50"], pooled["ratio_p99"]) <= GOAL else "NOT met"
-    void = "" if pooled["all_b_valid"] else " (void: the batch did not run throughout every B phase)"
-    print(f"goal, B/A of TTFT p50 and p99 <= {GOAL:.2f}: {verdict}{void}")
-    busy = [
-        f"{r['phase']}{r['round']} {r['cpu_cores']['others']:.2f}"
-        for r in rows
-        if r["cpu_cores"]["others"] > OTHERS_WARN
-    ]
-    if busy:
-        print(
-            f"WARNING: other processes on this host used CPU during phases (cores): {', '.join(busy)}; "
-            "the comparison is skewed by them"
-        )
-    t = result["batch_alone"]
-    print(
-        f"batch alone (no online load): {t['completed']} of {t['lines']} lines in {t['duration_s']:.1f} s from "
-        f"creation to completed ({t['validating_s']:.1f} s validating): {t['lines_per_s']:.2f} lines/s, "
-        f"{t['tokens_per_s']:.1f} generated tok/s ({t['completion_tokens']} tokens)"
-    )
-    print(
-        "\nwhere the time went, per phase: the prefill instance's side of TTFT p50/p99 ms (timing: s_ttft = "
-        "its engine queue + prefill); each worker's mean step ms / mean batch size / share of time in steps; "
-        "CPU in cores (clients: this process; host: all busy CPU, steal: taken by the hypervisor)"
-    )
-    for r in [*rows, {"phase": "alone", "round": "-", **t}]:
-        side = ""
-        if "s_ttft_ms" in r:
-            side = " ".join(
-                f"{key} {r[f'{key}_ms']['p50']:.1f}/{r[f'{key}_ms']['p99']:.1f}"
-                for key in ("s_ttft", "queue")
-            )
-            side = f"{side} | "
-        engine = "  ".join(
-            f"{name} {e['step_ms'] or 0:.1f}/{e['batch_size']:.1f}/{e['busy']:.0%}"
-            for name, e in r["engine"].items()
-        )
-        cpu = " ".join(f"{name} {c:.2f}" for name, c in r["cpu_cores"].items())
-        print(f"  {r['phase']:<5} {r['round']!s:>2}: {side}{engine} | CPU {cpu}")
 
 
 def main() -> int:
@@ -672,12 +437,9 @@ def main() -> int:
         "layout": layout,
         "cores": os.cpu_count(),
         "wall_s": time.perf_counter() - t0,
-        "args": {k: str(v) for k, v in vars(args).items()},
     }
     print_table(result, args, layout)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.out}")
+    write_json(args.out, result, args)
     return 0
 
 

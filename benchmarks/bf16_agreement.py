@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import write_json
 
 PRESETS = ("tiny", "small", "smollm2-shape", "smollm2-135m")
 FIRST_ID = 3  # prompt tokens from here up (0..2 are the presets' special tokens)
@@ -162,7 +163,7 @@ def main() -> int:
             print(json.dumps(r), flush=True)
             results.append(r)
     if a.out:
-        a.out.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(a.out, {"results": results}, a)
     for r in results:
         gap = r["f32_top2_gap_median_nats"]
         print(

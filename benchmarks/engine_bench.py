@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import fmt, print_table, write_json
 from step_timing import decode_figures, median_step_ms
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -313,44 +314,50 @@ def main() -> int:
                 for name, runs in peers.items()
                 if runs
             }
-    print_table(report, [label for label, _ in variants])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    print_report(report, [label for label, _ in variants])
+    write_json(args.out, report, args)
     return 0
 
 
-def print_table(report: dict, labels: list[str]) -> None:
+def print_report(report: dict, labels: list[str]) -> None:
     base = labels[0]
-    print(f"\n{report['machine']['cpu']}, {report['machine']['threads']} threads; tok/s, medians of rounds")
-    print(
-        f"{'preset':<7} {'variant':<24} {'metric':<18} {'engine':>9} {'bare':>9} {'ratio':>6} {'vs ' + base:>9}"
+    print_table(
+        ["preset", "variant", "metric", "engine", "bare", "ratio", "vs " + base],
+        [
+            [
+                preset,
+                label,
+                key,
+                fmt(v["engine"]),
+                fmt(v["bare"]),
+                fmt(v["ratio"], ".2f"),
+                fmt(v["engine"] / res[base][key]["engine"], ".2f"),
+            ]
+            for preset, res in report["presets"].items()
+            for label in labels
+            for key in METRICS
+            if (v := res[label][key])
+        ],
+        title=f"\n{report['machine']['cpu']}, {report['machine']['threads']} threads; tok/s, medians of rounds",
     )
-    for preset, res in report["presets"].items():
-        for label in labels:
-            for key in METRICS:
-                v, ref = res[label][key], res[base][key]["engine"]
-                print(
-                    f"{preset:<7} {label:<24} {key:<18} {v['engine']:>9.1f} {v['bare']:>9.1f} "
-                    f"{v['ratio']:>6.2f} {v['engine'] / ref:>9.2f}"
-                )
     for preset, res in report["presets"].items():
         peers = res["peers"]
         if not peers:
             continue
-        print(f"\n{preset}: pdserve (each variant) against the peers; 'x' = pdserve / peer")
-        print(
-            f"{'variant':<24} {'metric':<18} {'pdserve':>9}"
-            + "".join(f" {name:>16} {'x':>5}" for name in peers)
-        )
+        rows = []
         for label in labels:
             for key in METRICS:
                 mine = res[label][key]["engine"]
-                line = f"{label:<24} {key:<18} {mine:>9.1f}"
+                row = [label, key, fmt(mine)]
                 for figures in peers.values():
                     theirs = figures.get(key)
-                    line += f" {theirs:>16.1f} {mine / theirs:>5.2f}" if theirs else f" {'-':>16} {'':>5}"
-                print(line)
+                    row += [fmt(theirs), fmt(theirs and mine / theirs, ".2f", "")]
+                rows.append(row)
+        print_table(
+            ["variant", "metric", "pdserve", *(h for name in peers for h in (name, "x"))],
+            rows,
+            title=f"\n{preset}: pdserve (each variant) against the peers; 'x' = pdserve / peer",
+        )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ Jobs run in this order, so that a short --budget-s (or a kill) cuts what matters
 
 Bounds: decode tok/s <= batch x (measured copy bandwidth) / (weight bytes + KV bytes read per step);
 prefill tok/s <= (measured GEMM rate) / (2 x matmul parameters per token). The datasheet's figures of
-the card (where nvidia-smi's name is one of gpu_jobs.DATASHEETS) are shown beside, for reference.
+the card (where nvidia-smi's name is one of gpu_cells.DATASHEETS) are shown beside, for reference.
 
     python benchmarks/gpu_bench.py --out gpu-out/gpu_bench.json     # on the GPU machine
     python benchmarks/gpu_bench.py --device cpu                     # the dry run: torch's CPU device,
@@ -44,7 +44,6 @@ import dataclasses
 import json
 import logging
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -57,7 +56,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from gpu_jobs import AGREEMENT_FLOOR, EXACT_TOLERANCE, Opts, datasheet  # noqa: E402
+from gpu_cells import Opts, datasheet  # noqa: E402
+from gpu_report import add_bounds, add_ratios, print_table  # noqa: E402
+from harness import cpu_model, write_json  # noqa: E402
 
 from pdserve.localredis.embedded import dies_with_parent  # noqa: E402
 
@@ -210,8 +211,10 @@ class Results:
     renamed: a reader, or a kill at any moment, finds the previous version or the next, never half
     of one). A run killed at any point keeps every figure it had measured."""
 
-    def __init__(self, path: Path, jobs: list[Job], head: dict) -> None:
-        self.path, self.head, self.t0 = path, head, time.monotonic()
+    def __init__(
+        self, path: Path, jobs: list[Job], head: dict, args: argparse.Namespace | None = None
+    ) -> None:
+        self.path, self.head, self.t0, self.args = path, head, time.monotonic(), args
         self.jobs = {j.name: {"job": j.name, "status": "pending", "limit_s": j.limit_s} for j in jobs}
         self.cells: dict[str, list[dict]] = {j.name: [] for j in jobs}
         self.complete = False
@@ -266,11 +269,7 @@ class Results:
         }
 
     def write(self) -> dict:
-        doc = self.document()
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(doc, indent=2, default=float))
-        os.replace(tmp, self.path)
-        return doc
+        return write_json(self.path, self.document(), self.args, quiet=True)
 
 
 def read_cells(path: Path) -> list[dict]:
@@ -384,10 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         "device": o.device,
         "dry_run": o.quick,
         "budget_s": args.budget_s,
-        "machine": machine_facts(),
         "opts": dataclasses.asdict(o),
     }
-    results = Results(args.out, jobs, head)
+    results = Results(args.out, jobs, head, args)
     print(
         f"gpu_bench on {head['card']}: {len(jobs)} jobs, budget {args.budget_s:.0f} s; {args.out}", flush=True
     )
@@ -422,13 +420,7 @@ def card_name(device: str) -> str | None:
     """What ran the cells: the GPU's name (nvidia-smi; else the ceilings job's torch name, later),
     or this CPU's model for the dry run."""
     if device == "cpu":
-        model = platform.processor() or platform.machine()
-        with contextlib.suppress(OSError):
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-        return f"cpu: {model} (dry run: the figures mean nothing)"
+        return f"cpu: {cpu_model()} (dry run: the figures mean nothing)"
     with contextlib.suppress(Exception):
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
@@ -440,125 +432,6 @@ def card_name(device: str) -> str | None:
         if names:
             return names[0]
     return None
-
-
-def machine_facts() -> dict:
-    facts: dict[str, Any] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
-    with contextlib.suppress(Exception):
-        out = subprocess.run(
-            [
-                "nvidia-smi",
-                "--query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem",
-                "--format=csv,noheader",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        facts["nvidia_smi"] = out.stdout.strip()
-    return facts
-
-
-# --------------------------------------------------------------------------- derived figures
-def add_bounds(cells: list[dict], measured: dict, sheet: dict | None) -> None:
-    """Each speed cell's bound at this run's measured ceilings (``bound_tok_s``, ``of_bound``) and at
-    the card's datasheet (``datasheet_bound_tok_s``, ``of_datasheet``), from what the cell recorded."""
-    bw, flops = measured.get("copy_bandwidth_B_s"), measured.get("gemm_flop_s")
-    for c in cells:
-        if c["status"] != "ok" or not c.get("tok_s"):
-            continue
-        if "bytes_per_step" in c:  # decode: bandwidth-bound
-            rates = {"": bw, "datasheet_": sheet and sheet["bandwidth_B_s"]}
-            per = {k: r and c["batch"] * r / c["bytes_per_step"] for k, r in rates.items()}
-        elif "flop_per_token" in c:  # prefill: compute-bound
-            rates = {"": flops, "datasheet_": sheet and sheet["bf16_flop_s"]}
-            per = {k: r and r / c["flop_per_token"] for k, r in rates.items()}
-        else:
-            continue
-        if per[""]:
-            c["bound_tok_s"], c["of_bound"] = per[""], c["tok_s"] / per[""]
-        if per["datasheet_"]:
-            c["datasheet_bound_tok_s"], c["of_datasheet"] = per["datasheet_"], c["tok_s"] / per["datasheet_"]
-
-
-def add_ratios(cells: list[dict]) -> None:
-    """pdserve / eager for each speed cell that both ran."""
-    by = {(c["job"], c["cell"]): c for c in cells}
-    for c in cells:
-        if not c["job"].startswith("pdserve/") or c["status"] != "ok":
-            continue
-        other = by.get(("eager/" + c["job"].split("/", 1)[1], c["cell"]))
-        if other and other["status"] == "ok" and other.get("tok_s"):
-            c["eager_tok_s"] = other["tok_s"]
-            c["vs_eager"] = round(c["tok_s"] / other["tok_s"], 3)
-
-
-def _f(x: Any, fmt: str = ".1f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def print_table(doc: dict) -> None:
-    cells = doc["cells"]
-    by = {(c["job"], c["cell"]): c for c in cells}
-    m, sheet = doc["measured"], doc["datasheet"]
-    bw, gemm = m.get("copy_bandwidth_B_s"), m.get("gemm_flop_s")
-    print(f"\ncard: {doc['card']}")
-    print(
-        f"measured this run: copy {_f(bw and bw / 1e12, '.2f')} TB/s (read + written), "
-        f"GEMM {_f(gemm and gemm / 1e12, '.0f')} TFLOP/s"
-        + (
-            f"; datasheet ({sheet['card']}): {sheet['bandwidth_B_s'] / 1e12:.2f} TB/s, "
-            f"{sheet['bf16_flop_s'] / 1e12:.0f} TFLOP/s bf16"
-            if sheet
-            else ""
-        )
-    )
-    print(
-        "\nbound: tok/s at this run's measured ceilings (decode: batch x copy bandwidth / (weight + KV "
-        "bytes per step); prefill: GEMM rate / (2 x matmul params per token)); of sheet: of the datasheet's"
-    )
-    print(
-        f"{'preset':<14} {'cell':<13} {'pdserve tok/s':>13} {'bound tok/s':>11} {'of bound':>8} "
-        f"{'of sheet':>8} {'eager tok/s':>11} {'pdserve/eager':>13}  status"
-    )
-    for c in cells:
-        if not c["job"].startswith("pdserve/") or c["cell"] == "load":
-            continue
-        preset = c["job"].split("/", 1)[1]
-        eager = by.get(("eager/" + preset, c["cell"]), {})
-        status = (
-            c["status"] if eager.get("status", "ok") == "ok" else f"{c['status']} / eager {eager['status']}"
-        )
-        print(
-            f"{preset:<14} {c['cell']:<13} {_f(c.get('tok_s')):>13} {_f(c.get('bound_tok_s')):>11} "
-            f"{_f(c.get('of_bound'), '.1%'):>8} {_f(c.get('of_datasheet'), '.1%'):>8} "
-            f"{_f(eager.get('tok_s')):>11} {_f(c.get('vs_eager'), '.2f'):>13}  {status}"
-        )
-    for c in cells:
-        if c["job"] == "handoff":
-            print(
-                f"\nhand-off cuda_ipc: {c.get('tokens', '-')} tokens, {_f(c.get('bytes') and c['bytes'] / 2**20)} MiB: "
-                f"{_f(c.get('push_ms_median'), '.3f')} ms per push, {_f(c.get('GB_s'))} GB/s "
-                f"(in one process {_f(c.get('local_GB_s'))} GB/s; bytes checked: {c.get('bytes_match', '-')})"
-                f"  {c['status']}"
-            )
-    print(f"\n{'exactness':<30} {'figure':>10} {'limit':>8}  status")
-    for c in cells:
-        if not c["job"].startswith("exact/"):
-            continue
-        name = f"{c['job'].split('/', 1)[1]}/{c['cell']}"
-        if c["cell"] == "f32_logits":
-            fig, lim = _f(c.get("rel_err"), ".2e"), f"{EXACT_TOLERANCE:.0e}"
-        else:
-            fig, lim = _f(c.get("agreement"), ".2%"), f">={AGREEMENT_FLOOR:.0%}"
-        print(f"{name:<30} {fig:>10} {lim:>8}  {c['status']}")
-    print(
-        "\njobs: "
-        + ", ".join(f"{j['job']} {j['status']} {_f(j.get('seconds'), '.0f')} s" for j in doc["jobs"])
-    )
-    for c in cells:
-        if c["status"] not in ("ok",):
-            print(f"  {c['job']} {c['cell']}: {c['status']}: {str(c.get('error', ''))[:300]}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gpu_jobs import (
+from gpu_cells import (
     AGREEMENT_FLOOR,
     EXACT_TOLERANCE,
     FIRST_ID,

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import numpy as np
-from gpu_jobs import Opts, Recorder, Skip, preset_name, torch_setup
+from gpu_cells import Opts, Recorder, Skip, preset_name, torch_setup
 
 
 def ipc_backend(flat: Any, block_bytes: int, shared: bool) -> Any:

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import write_json
+
 HERE = Path(__file__).resolve().parent
 ALIASES = ("smollm2-135m", "smollm2-shape", "smollm2")
 PROMPTS = [
@@ -191,9 +193,7 @@ class Steps:
         """The JSON as it stands (a temporary file renamed: never half written); the failed steps."""
         bad = [name for name, r in self.results.items() if r["status"] != "ok"]
         doc = {"card": self.card, "complete": complete, "ok": complete and not bad, "failed": bad}
-        tmp = self.out.with_name(f".{self.out.name}.tmp")
-        tmp.write_text(json.dumps({**doc, "steps": self.results}, indent=2))
-        os.replace(tmp, self.out)
+        write_json(self.out, {**doc, "steps": self.results}, quiet=True)
         return bad
 
     def left(self) -> float:

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -30,6 +29,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from harness import fmt, print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_BYTES = 1 << 20
@@ -189,9 +190,7 @@ def main() -> int:
                         stack.stop()
         finally:
             redis.stop()
-    print(
-        f"\n{'tree':<28} {'phase':<18} {'small reqs':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'max ms':>8} {'1 GiB write ms':>15}"
-    )
+    table = []
     summary: dict[str, dict[str, dict[str, float | None]]] = {}
     for tree, phases in results.items():
         for name, runs in phases.items():
@@ -201,22 +200,29 @@ def main() -> int:
             } | {"small_requests": sum(run["small_requests"] for run in runs)}
             summary.setdefault(tree, {})[name] = merged
             write = f"{merged['big_kv_write_ms']:.0f}" if name != "alone" else "-"
-            print(
-                f"{Path(tree).name:<28} {name:<18} {merged['small_requests']:>10} {merged['small_ttft_p50_ms']:>12.1f}"
-                f" {merged['small_ttft_p99_ms']:>12.1f} {merged['small_ttft_max_ms']:>8.0f} {write:>15}"
+            table.append(
+                [
+                    Path(tree).name,
+                    name,
+                    merged["small_requests"],
+                    fmt(merged["small_ttft_p50_ms"]),
+                    fmt(merged["small_ttft_p99_ms"]),
+                    fmt(merged["small_ttft_max_ms"], ".0f"),
+                    write,
+                ]
             )
+    print()
+    print_table(
+        ["tree", "phase", "small reqs", "TTFT p50 ms", "TTFT p99 ms", "max ms", "1 GiB write ms"], table
+    )
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "date": time.strftime("%Y-%m-%d"),
         "block_bytes": BLOCK_BYTES,
         "kv_checksum": not args.no_checksum,
         "big_tokens": BIG_TOKENS,
         "rounds": results,
         "summary": summary,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    write_json(args.out, report, args)
     return 0
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from engine_bench import run_llamacpp_script
+from harness import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -82,8 +83,7 @@ def main() -> int:
             }
     total = sum(len(g.token_ids) for g in reference)
     report: dict = {"model": DEFAULT_MODEL, "prompts": len(prompts), "tokens": total, "variants": {}}
-    print(f"\nSmolLM2-135M-Instruct, {len(prompts)} prompts x {args.tokens} greedy tokens of pdserve float32")
-    print(f"{'variant':<28} {'max |d logit| (first)':>22} {'top-1 agreement':>16} {'same greedy run':>16}")
+    rows = []
     for name, v in variants.items():
         diff = max(float(np.abs(np.asarray(f) - g.logits[0]).max()) for f, g in zip(v["first"], reference))
         agree = sum(int(a == t) for arg, g in zip(v["argmax"], reference) for a, t in zip(arg, g.token_ids))
@@ -94,10 +94,13 @@ def main() -> int:
             "same_greedy_run": same,
         }
         same_text = f"{same}/{len(prompts)}" if same is not None else "-"
-        print(f"{name:<28} {diff:>22.3f} {f'{agree}/{total}':>16} {same_text:>16}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+        rows.append([name, f"{diff:.3f}", f"{agree}/{total}", same_text])
+    print_table(
+        ["variant", "max abs d logit (first)", "top-1 agreement", "same greedy run"],
+        rows,
+        title=f"\nSmolLM2-135M-Instruct, {len(prompts)} prompts x {args.tokens} greedy tokens of pdserve float32",
+    )
+    write_json(args.out, report, args)
     return 0
 
 

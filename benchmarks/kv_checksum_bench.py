@@ -23,7 +23,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -33,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from harness import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads of 64, f32, 16-token blocks
@@ -116,21 +116,21 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv_checksum.json")
     args = ap.parse_args()
     rates = hash_rates(args.reps)
-    print(f"\nhashing {NUM_BLOCKS} SmolLM2 KV blocks ({NUM_BLOCKS * BLOCK_BYTES / 2**20:.0f} MiB), one core:")
-    print(f"{'algorithm':<40} {'best GB/s':>10} {'median GB/s':>12} {'ms per MiB':>11}")
-    for name, r in rates.items():
-        print(f"{name:<40} {r['best_gb_s']:>10.2f} {r['median_gb_s']:>12.2f} {r['median_ms_per_mib']:>11.3f}")
+    print_table(
+        ["algorithm", "best GB/s", "median GB/s", "ms per MiB"],
+        [
+            [name, f"{r['best_gb_s']:.2f}", f"{r['median_gb_s']:.2f}", f"{r['median_ms_per_mib']:.3f}"]
+            for name, r in rates.items()
+        ],
+        title=f"\nhashing {NUM_BLOCKS} SmolLM2 KV blocks ({NUM_BLOCKS * BLOCK_BYTES / 2**20:.0f} MiB), one core:",
+    )
     report: dict[str, object] = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "date": time.strftime("%Y-%m-%d"),
         "block_bytes": BLOCK_BYTES,
         "hash_rates": rates,
     }
     if not args.no_serve:
         report["served"] = serve_ab(args.model, args.rounds, args.prompts, [512, 2048])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    write_json(args.out, report, args)
     return 0
 
 
@@ -169,17 +169,24 @@ def serve_ab(
     out: dict[str, dict[str, dict[str, float]]] = {}
     for setting, by_len in samples.items():
         out[setting] = {str(n): {k: statistics.median(v) for k, v in m.items()} for n, m in by_len.items()}
-    print(
-        f"\n{'prompt':>7} {'TTFT on/off (ms)':>18} {'KV write on/off (ms)':>22} {'2nd token on/off (ms)':>22} {'TTFT share':>11}"
-    )
+    rows = []
     for n in lengths:
         on, off = out["on"][str(n)], out["off"][str(n)]
         share = (on["kv_transfer_ms"] - off["kv_transfer_ms"]) / off["ttft_ms"]
         out.setdefault("share", {})[str(n)] = {"ttft_share": share}
-        print(
-            f"{n:>7} {on['ttft_ms']:>8.0f} / {off['ttft_ms']:<8.0f} {on['kv_transfer_ms']:>10.2f} / {off['kv_transfer_ms']:<10.2f}"
-            f" {on['second_token_ms']:>10.1f} / {off['second_token_ms']:<10.1f} {share:>10.2%}"
+        rows.append(
+            [
+                n,
+                f"{on['ttft_ms']:.0f} / {off['ttft_ms']:.0f}",
+                f"{on['kv_transfer_ms']:.2f} / {off['kv_transfer_ms']:.2f}",
+                f"{on['second_token_ms']:.1f} / {off['second_token_ms']:.1f}",
+                f"{share:.2%}",
+            ]
         )
+    print()
+    print_table(
+        ["prompt", "TTFT on/off (ms)", "KV write on/off (ms)", "2nd token on/off (ms)", "TTFT share"], rows
+    )
     return out
 
 

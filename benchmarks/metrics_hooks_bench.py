@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from harness import print_table, run_rounds, write_json
 
 from pdserve.router.http.metrics import RouterMetrics
 from pdserve.router.http.serving import StatusSend
@@ -98,15 +99,23 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "metrics_hooks.json")
     args = ap.parse_args()
     metrics = RouterMetrics()
-    hooks, base = [], []
-    for _ in range(args.rounds):
-        hooks.append(asyncio.run(with_hooks(metrics, args.requests)))
-        base.append(asyncio.run(without_hooks(args.requests)))
+    pairs = run_rounds(
+        args.rounds,
+        lambda _: (
+            asyncio.run(with_hooks(metrics, args.requests)),
+            asyncio.run(without_hooks(args.requests)),
+        ),
+    )
+    hooks, base = [h for h, _ in pairs], [b for _, b in pairs]
     cost_us = statistics.median(h - b for h, b in zip(hooks, base, strict=True)) * 1e6
-    print(f"{'loop':<14}{'CPU us/request (median of ' + str(args.rounds) + ')':>36}")
-    print(f"{'with hooks':<14}{statistics.median(hooks) * 1e6:>36.1f}")
-    print(f"{'without':<14}{statistics.median(base) * 1e6:>36.1f}")
-    print(f"{'hooks cost':<14}{cost_us:>36.1f}")
+    print_table(
+        ["loop", f"CPU us/request (median of {args.rounds})"],
+        [
+            ["with hooks", f"{statistics.median(hooks) * 1e6:.1f}"],
+            ["without", f"{statistics.median(base) * 1e6:.1f}"],
+            ["hooks cost", f"{cost_us:.1f}"],
+        ],
+    )
     report: dict[str, Any] = {
         "requests": args.requests,
         "rounds": args.rounds,
@@ -118,9 +127,7 @@ def main() -> None:
         share = cost_us / (args.router_cpu_ms * 1e3) * 100
         report["share_of_router_cpu_percent"] = share
         print(f"= {share:.2f} % of {args.router_cpu_ms:g} ms router CPU per request")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    write_json(args.out, report, args)
 
 
 if __name__ == "__main__":

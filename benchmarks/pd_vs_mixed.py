@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
 from pathlib import Path
+
+from harness import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {"prefill-heavy": (1000, 2), "decode-heavy": (100, 128)}
@@ -74,30 +75,49 @@ def main() -> int:
                 rows.append({"layout": layout, "workload": workload, **s})
         finally:
             stack.stop()
-    print_table(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2))
-    print(f"\nwrote {args.out}")
+    print_rows(rows)
+    write_json(args.out, rows, args)
     return 0
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"\ntiny model, {os.cpu_count()} cores; ms unless noted")
-    print(
-        f"{'workload':<14} {'layout':<8} {'ok':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'p99':>8} "
-        f"{'S_TTFT p50':>10} {'p99':>8} {'decode tok/s p50':>16}"
-    )
+def print_rows(rows: list[dict]) -> None:
+    table = []
     for r in sorted(rows, key=lambda r: (r["workload"], r["layout"])):
         m = r["metrics"]
 
         def get(key: str, stat: str, m=m) -> str:
             return f"{m[key][stat]:.1f}" if key in m else "-"
 
-        print(
-            f"{r['workload']:<14} {r['layout']:<8} {r['successful_requests']:>4} {r['request_throughput']:>7.2f} "
-            f"{r['output_throughput']:>9.1f} {get('ttft_ms', 'p50'):>9} {get('ttft_ms', 'p99'):>8} "
-            f"{get('s_ttft_ms', 'p50'):>10} {get('s_ttft_ms', 'p99'):>8} {get('decode_tok_s', 'p50'):>16}"
+        table.append(
+            [
+                r["workload"],
+                r["layout"],
+                r["successful_requests"],
+                f"{r['request_throughput']:.2f}",
+                f"{r['output_throughput']:.1f}",
+                get("ttft_ms", "p50"),
+                get("ttft_ms", "p99"),
+                get("s_ttft_ms", "p50"),
+                get("s_ttft_ms", "p99"),
+                get("decode_tok_s", "p50"),
+            ]
         )
+    print_table(
+        [
+            "workload",
+            "layout",
+            "ok",
+            "req/s",
+            "out tok/s",
+            "TTFT p50",
+            "p99",
+            "S_TTFT p50",
+            "p99",
+            "decode tok/s p50",
+        ],
+        table,
+        title=f"\ntiny model, {os.cpu_count()} cores; ms unless noted",
+    )
 
 
 if __name__ == "__main__":

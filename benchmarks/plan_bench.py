@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serve_bench import bench_cpu_name
+from harness import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANNER_ENV = {  # the planner child's flags, as their variables (``up`` passes the targets)
@@ -368,27 +368,33 @@ def main() -> int:
             f"{s['failed']} failed ({time.perf_counter() - t:.0f} s with start and stop)",
             flush=True,
         )
-    print(
-        f"\n{'config':>8} {'phase':>8} {'requests':>8} {'failed':>6} {'SLO met':>8} {'goodput':>8} {'TTFT p90':>9} {'TPOT p90':>9}"
-    )
+    table = []
     for name, got in runs.items():
         for label, s in got["score"].items():
             ttft = f"{s['ttft_p90_s']:.2f} s" if s["ttft_p90_s"] is not None else "-"
             tpot = f"{s['tpot_p90_s'] * 1000:.0f} ms" if s["tpot_p90_s"] is not None else "-"
-            print(
-                f"{name:>8} {label:>8} {s['requests']:>8} {s['failed']:>6} {s['attainment']:>7.1%} "
-                f"{s['goodput_req_s']:>8.2f} {ttft:>9} {tpot:>9}"
+            table.append(
+                [
+                    name,
+                    label,
+                    s["requests"],
+                    s["failed"],
+                    f"{s['attainment']:.1%}",
+                    f"{s['goodput_req_s']:.2f}",
+                    ttft,
+                    tpot,
+                ]
             )
+    print()
+    print_table(
+        ["config", "phase", "requests", "failed", "SLO met", "goodput", "TTFT p90", "TPOT p90"], table
+    )
     report = {
-        "machine": {"cpu": bench_cpu_name(), "cores": os.cpu_count()},
-        "date": time.strftime("%Y-%m-%d"),
         "settings": vars(args) | {"out": str(args.out)},
         "planner_env": PLANNER_ENV,
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    write_json(args.out, report, args)
     return 0
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import random
 import re
 import sys
@@ -39,6 +38,8 @@ from typing import Any
 
 import httpx
 import orjson
+from harness import print_table as harness_table
+from harness import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = [
@@ -310,11 +311,7 @@ def print_table(rows: list[dict]) -> None:
         )
         for r in rows
     ]
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *table)]
-    for row in (head, *table):
-        print(
-            "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        )
+    harness_table(head, table)
 
 
 def main() -> int:
@@ -363,11 +360,7 @@ def main() -> int:
         caching, router = CONFIGS[name]
         rows.append(run_config(name, caching, router, args, model, systems))
     print_table(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2)
-    )
-    print(f"\nwrote {args.out}")
+    write_json(args.out, {"rows": rows}, args)
     return 0
 
 

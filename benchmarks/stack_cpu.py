@@ -31,19 +31,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import platform
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+from harness import medians as round_medians
+from harness import print_table, write_json
 
 from pdserve import bench
 
@@ -211,36 +210,24 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    medians = {name: {k: statistics.median(x[k] for x in got) for k in got[0]} for name, got in rows.items()}
+    medians = {name: round_medians(got) for name, got in rows.items()}
     cols = (*PARTS, "served overhead", "up", "client", "tok/s")
-    print(
-        f"\nCPU-ms per generated token ({args.requests} requests x {args.output_len} tokens, "
-        f"concurrency {args.concurrency}, {args.model}, --threads {args.threads}; medians of {args.rounds}):"
+    print_table(
+        ["", *medians],
+        [[col, *(f"{m[col]:.3f}" for m in medians.values())] for col in cols],
+        title=f"\nCPU-ms per generated token ({args.requests} requests x {args.output_len} tokens, "
+        f"concurrency {args.concurrency}, {args.model}, --threads {args.threads}; medians of {args.rounds}):",
     )
-    print(f"{'':<22}" + "".join(f"{name:>12}" for name in medians))
-    for col in cols:
-        print(f"{col:<22}" + "".join(f"{m[col]:>12.3f}" for m in medians.values()))
     report = {
-        "machine": {"cpu": bench_cpu(), "cores": os.cpu_count()},
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "loadavg_start": load0,
         "loadavg_end": os.getloadavg(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "median": medians,
         "rounds": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"load average {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; wrote {args.out}")
+    write_json(args.out, report, args)
+    print(f"load average {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     return 0
-
-
-def bench_cpu() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import statistics
@@ -30,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_STOPS = 1000
@@ -225,39 +226,49 @@ def main() -> int:
         },
         "rounds": rounds,
     }
-    print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    print_report(report)
+    write_json(args.out, report, args)
     return 0
 
 
-def print_table(r: dict) -> None:
-    print(
-        f"\n{r['model']}, batch {r['batch']}, {r['tokens']} tokens each, threads {r['machine']['threads']}; "
-        f"{r['statistic']}"
-    )
-    print(f"{'variant':<38} {'decode s':>9} {'ms/step':>8} {'setup ms':>9} {'vs none':>8} {'cpu vs':>7}")
+def print_report(r: dict) -> None:
     label = f"{r['stop_strings']} stops x {r['stop_string_len']} chars"
-    for name, shown, vs, cpu in (
-        ("none", "no stop strings", 1.0, 1.0),
-        ("stops", label, r["decode_ratio"], r["decode_cpu_ratio"]),
-    ):
-        print(
-            f"{shown:<38} {r['decode_s'][name]:>9.3f} {r['decode_ms_per_step'][name]:>8.2f} "
-            f"{1e3 * r['setup_s'][name]:>9.2f} {vs:>8.3f} {cpu:>7.3f}"
-        )
-    print(f"\nmatcher alone over the generated text ({r['alphabet']} distinct characters)")
-    print(f"{'matcher':<38} {'us/token':>9} {'build ms':>9} {'of decode':>9}")
-    for name, shown in (
-        ("none", "no stop strings"),
-        ("aho_corasick", f"Aho-Corasick, {label}"),
-        ("previous", f"previous, {label}"),
-    ):
-        print(
-            f"{shown:<38} {r['matcher_us_per_token'][name]:>9.2f} {r['matcher_build_ms'][name]:>9.2f} "
-            f"{100 * r['matcher_share_of_decode'][name]:>8.2f}%"
-        )
+    print_table(
+        ["variant", "decode s", "ms/step", "setup ms", "vs none", "cpu vs"],
+        [
+            [
+                shown,
+                f"{r['decode_s'][name]:.3f}",
+                f"{r['decode_ms_per_step'][name]:.2f}",
+                f"{1e3 * r['setup_s'][name]:.2f}",
+                f"{vs:.3f}",
+                f"{cpu:.3f}",
+            ]
+            for name, shown, vs, cpu in (
+                ("none", "no stop strings", 1.0, 1.0),
+                ("stops", label, r["decode_ratio"], r["decode_cpu_ratio"]),
+            )
+        ],
+        title=f"\n{r['model']}, batch {r['batch']}, {r['tokens']} tokens each, threads {r['machine']['threads']}; "
+        f"{r['statistic']}",
+    )
+    print_table(
+        ["matcher", "us/token", "build ms", "of decode"],
+        [
+            [
+                shown,
+                f"{r['matcher_us_per_token'][name]:.2f}",
+                f"{r['matcher_build_ms'][name]:.2f}",
+                f"{100 * r['matcher_share_of_decode'][name]:.2f}%",
+            ]
+            for name, shown in (
+                ("none", "no stop strings"),
+                ("aho_corasick", f"Aho-Corasick, {label}"),
+                ("previous", f"previous, {label}"),
+            )
+        ],
+        title=f"\nmatcher alone over the generated text ({r['alphabet']} distinct characters)",
+    )
 
 
 if __name__ == "__main__":

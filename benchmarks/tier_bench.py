@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import random
 import shutil
 import sys
@@ -37,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from harness import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 16
@@ -206,35 +206,50 @@ def main() -> int:
     for name in args.configs.split(","):
         results.append(run_config(name, args, model_dir, pool_blocks, host_bytes, bb))
 
-    print()
-    print(
-        "| config | TTFT p50 | TTFT p90 | later turns p50 | later turns p90 | later blocks: pool | host | "
-        "disk | computed | tier stores / evictions / corrupt | wall |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    table = []
     for r in results:
         tier = r["tier"] or r["disk"]
         t = f"{tier['stores']} / {tier['evictions']} / {tier['corrupt']}" if tier else "–"
         b, rate = r["later_blocks"], r["later_hit_rate"]
-        print(
-            f"| {r['config']} | {r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p90_s'] * 1000:.0f} ms | "
-            f"{r['later_ttft_p50_s'] * 1000:.0f} ms | {r['later_ttft_p90_s'] * 1000:.0f} ms | "
-            f"{rate['pool']:.1%} | {rate['tier']:.1%} | {rate['disk']:.1%} | {b['computed']} | {t} | "
-            f"{r['wall_s']:.0f} s |"
+        table.append(
+            [
+                r["config"],
+                f"{r['ttft_p50_s'] * 1000:.0f} ms",
+                f"{r['ttft_p90_s'] * 1000:.0f} ms",
+                f"{r['later_ttft_p50_s'] * 1000:.0f} ms",
+                f"{r['later_ttft_p90_s'] * 1000:.0f} ms",
+                f"{rate['pool']:.1%}",
+                f"{rate['tier']:.1%}",
+                f"{rate['disk']:.1%}",
+                b["computed"],
+                t,
+                f"{r['wall_s']:.0f} s",
+            ]
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print()
+    print_table(
+        [
+            "config",
+            "TTFT p50",
+            "TTFT p90",
+            "later turns p50",
+            "later turns p90",
+            "later blocks: pool",
+            "host",
+            "disk",
+            "computed",
+            "tier stores / evictions / corrupt",
+            "wall",
+        ],
+        table,
+    )
     meta = {
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
         "pool_blocks": pool_blocks,
         "host_bytes": host_bytes,
         "block_bytes": bb,
         "working_set_blocks": working_set,
-        "at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(f"\nwritten to {args.out}", file=sys.stderr)
+    write_json(args.out, {"meta": meta, "results": results}, args)
     return 0
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from harness import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,10 +139,7 @@ def main() -> int:
     base = {
         k: statistics.median(rate(x, k) for x in runs[0.0]) for k in ("clients_s", "until_last_verdict_s")
     }
-    print(
-        f"\n{'fraction':>8} {'clients req/s':>14} {'vs 0':>7} {'whole work req/s':>17} {'vs 0':>7}  verdicts"
-    )
-    summary = {}
+    table, summary = [], {}
     for fraction, got in runs.items():
         c = statistics.median(rate(x, "clients_s") for x in got)
         w = statistics.median(rate(x, "until_last_verdict_s") for x in got)
@@ -157,21 +154,25 @@ def main() -> int:
             "whole_vs_0": w / base["until_last_verdict_s"],
             "verdicts": verdicts,
         }
-        print(
-            f"{fraction:>8} {c:>14.2f} {c / base['clients_s']:>6.3f}x {w:>17.2f} "
-            f"{w / base['until_last_verdict_s']:>6.3f}x  {verdicts or '-'}"
+        table.append(
+            [
+                fraction,
+                f"{c:.2f}",
+                f"{c / base['clients_s']:.3f}x",
+                f"{w:.2f}",
+                f"{w / base['until_last_verdict_s']:.3f}x",
+                verdicts or "-",
+            ]
         )
+    print()
+    print_table(["fraction", "clients req/s", "vs 0", "whole work req/s", "vs 0", "verdicts"], table)
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "date": time.strftime("%Y-%m-%d"),
         "model": args.model,
         "settings": vars(args) | {"out": str(args.out)},
         "runs": {str(k): v for k, v in runs.items()},
         "summary": summary,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    write_json(args.out, report, args)
     return 0
 
 

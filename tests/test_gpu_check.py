@@ -19,7 +19,7 @@ BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import gpu_bench  # noqa: E402
-from gpu_jobs import Opts  # noqa: E402
+from gpu_cells import Opts  # noqa: E402
 from gpu_smoke import Smoke  # noqa: E402
 
 

@@ -21,7 +21,7 @@ def test_the_bf16_agreement_script_measures_the_tiny_model(tiny_model_dir: Path,
     args = ["--presets", "tiny", "--tokens", "48", "--models", str(tiny_model_dir.parent), "--out", str(out)]
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    (r,) = json.loads(out.read_text())
+    (r,) = json.loads(out.read_text())["results"]
     assert r["preset"] == "tiny" and r["tokens"] == 48
     assert r["f32_self_agreement"] == 1.0  # f32's prefill and decode steps pick the same tokens
     assert r["agreement"] >= 0.95 and r["f32_token_changes"] > 0.5  # varied text, not a collapse
