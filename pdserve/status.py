@@ -25,7 +25,7 @@ from pdserve.scheduler import (
     wait_for_redis,
 )
 from pdserve.scheduler.keys import INBOX_GROUP
-from pdserve.scheduler.redis_settings import redact_url
+from pdserve.scheduler.redis_client import redact_url
 from pdserve.status_roles import last_plan, role_history, role_lines
 
 RECENT_BATCHES = 5

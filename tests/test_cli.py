@@ -591,7 +591,7 @@ def test_up_stops_everything_within_10_s_of_sigterm_with_a_batch_running(tmp_pat
 
 
 def test_status_watch_shows_the_redis_url_without_its_password() -> None:
-    from pdserve.scheduler.redis_settings import redact_url
+    from pdserve.scheduler.redis_client import redact_url
     from pdserve.status import unreachable
 
     shown = unreachable("redis://:pw-sentinel@h:1/0", ConnectionError("refused"))

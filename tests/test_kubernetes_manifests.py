@@ -35,7 +35,7 @@ import yaml  # type: ignore[import-untyped]
 from pdserve.cli import build_parser
 from pdserve.cli_commands import engine_config
 from pdserve.flags import from_args
-from pdserve.scheduler.redis_settings import RedisSettings
+from pdserve.scheduler.redis_client import RedisSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"

@@ -31,9 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.batchstore.owners import PAGE, OwnerIndex, Quotas
 from pdserve.errors import ConflictError, ControlPlaneError, InvalidRequestError, NotFoundError
-from pdserve.scheduler.connection import memory_room, redis_errors
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import memory_room, redis_errors
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from pdserve.router.request_fields import validate_body
 from pdserve.router.state import RouterState
 from pdserve.router.strict import StrictModel
 from pdserve.router.tenants import tenant_of
-from pdserve.scheduler.connection import redis_errors
+from pdserve.scheduler.redis_server import redis_errors
 
 logger = logging.getLogger(__name__)
 

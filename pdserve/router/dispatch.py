@@ -27,7 +27,7 @@ from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.messages import Abort, InstanceInfo, PeerInfo
 from pdserve.scheduler.outbox_reader import OutboxReader
 from pdserve.scheduler.prefix_index import PrefixIndex
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
 from pdserve.scheduler.registry import LiveSetCache
 from pdserve.scheduler.tasks import cancel_and_wait
 

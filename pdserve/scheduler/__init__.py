@@ -12,12 +12,6 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "connection": (
-        "MIN_REDIS_VERSION",
-        "check_server_version",
-        "redis_errors",
-        "wait_for_redis",
-    ),
     "keys": (
         "DEFAULT_CLUSTER",
         "INBOX_GROUP",
@@ -67,9 +61,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "outbox_reader": ("OutboxReader",),
     "prefix_index": ("PrefixIndex",),
-    "redis_settings": (
-        "RedisSettings",
+    "redis_client": ("RedisSettings",),
+    "redis_server": (
+        "MIN_REDIS_VERSION",
+        "check_server_version",
         "redis_address",
+        "redis_errors",
+        "wait_for_redis",
     ),
     "registry": (
         "DEFAULT_TTL_S",

@@ -43,7 +43,7 @@ from pdserve.scheduler import (
     redis_errors,
     wait_for_redis,
 )
-from pdserve.scheduler.connection import outage_limit_s
+from pdserve.scheduler.redis_server import outage_limit_s
 from pdserve.scheduler.tasks import cancel_and_wait
 from pdserve.tokenizer import pack_tokenizer_files, read_tokenizer_files
 from pdserve.worker.clock import Clock

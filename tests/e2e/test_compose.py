@@ -115,7 +115,7 @@ def test_compose_refuses_to_start_without_a_redis_password_and_keeps_it_off_argv
 def test_the_sentinel_overlay_sends_every_pdserve_service_through_the_sentinels(files) -> None:
     """A replica and three Sentinels (quorum 2) join the stack; every service that talks to Redis
     finds the primary through all three Sentinels, and waits for them to be healthy."""
-    from pdserve.scheduler.redis_settings import RedisSettings
+    from pdserve.scheduler.redis_client import RedisSettings
 
     need("docker-compose")
     services = compose_config(files, PDSERVE_REDIS_PASSWORD="x")["services"]
