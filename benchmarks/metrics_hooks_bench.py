@@ -27,7 +27,7 @@ from typing import Any
 
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.serving import StatusSend
-from pdserve.scheduler.messages import RequestDelta, Timing, Usage
+from pdserve.scheduler.outbox_messages import RequestDelta, Timing, Usage
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 16

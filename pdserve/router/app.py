@@ -47,7 +47,7 @@ from pdserve.router.settings import RouterSettings
 from pdserve.router.state import RouterState
 from pdserve.router.tenants import ANONYMOUS, TENANT, key_digest
 from pdserve.router.tokenize import TokenizeEndpoint
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo
 
 logger = logging.getLogger(__name__)
 

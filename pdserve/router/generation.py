@@ -57,16 +57,8 @@ from pdserve.router.protocol import ParsedPrompt, ParsedRequest
 from pdserve.router.selection import Route
 from pdserve.router.shadow import Served
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.messages import (
-    ANY_ATTEMPT,
-    DisaggregateInfo,
-    ErrorInfo,
-    GenerateRequest,
-    LogprobInfo,
-    PhaseDeadlines,
-    RequestDelta,
-    Usage,
-)
+from pdserve.scheduler.inbox_messages import DisaggregateInfo, GenerateRequest, PhaseDeadlines
+from pdserve.scheduler.outbox_messages import ANY_ATTEMPT, ErrorInfo, LogprobInfo, RequestDelta, Usage
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from pdserve.router.responses import timing as timing_fields
 from pdserve.router.selection import model_len, resolve_model, vocab_size
 from pdserve.router.state import RouterState
 from pdserve.router.tenants import tenant_of, tenant_salt
-from pdserve.scheduler.messages import ErrorInfo, RequestDelta, Timing
+from pdserve.scheduler.outbox_messages import ErrorInfo, RequestDelta, Timing
 
 logger = logging.getLogger(__name__)
 

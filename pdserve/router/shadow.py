@@ -36,8 +36,10 @@ from pdserve.router.selection import Route, model_mismatch
 from pdserve.router.sender import InboxSender
 from pdserve.router.settings import RouterSettings
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.messages import Abort, GenerateRequest, InstanceInfo, LogprobInfo, VerifyInfo
+from pdserve.scheduler.inbox_messages import Abort, GenerateRequest
+from pdserve.scheduler.outbox_messages import LogprobInfo
 from pdserve.scheduler.outbox_reader import OutboxReader
+from pdserve.scheduler.registration import InstanceInfo, VerifyInfo
 from pdserve.scheduler.registry import LiveSetCache
 
 logger = logging.getLogger(__name__)

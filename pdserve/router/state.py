@@ -23,10 +23,10 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.settings import RouterSettings
 from pdserve.router.traffic import TrafficWindow
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.messages import RouterInfo
 from pdserve.scheduler.outbox_reader import OutboxReader
 from pdserve.scheduler.redis_client import RedisClient, RedisSettings
 from pdserve.scheduler.redis_server import outage_limit_s, wait_for_redis
+from pdserve.scheduler.registration import RouterInfo
 from pdserve.scheduler.registry import Heartbeat, InstanceRegistry, LiveSetCache, RouterRegistry
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from pdserve.errors import (
 )
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.lean_redis import bulk, lean_connection, pack, pack_head
-from pdserve.scheduler.messages import ANY_ATTEMPT, RequestDelta, StepOutput, decode_as
+from pdserve.scheduler.messages import decode_as
+from pdserve.scheduler.outbox_messages import ANY_ATTEMPT, RequestDelta, StepOutput
 from pdserve.scheduler.redis_client import RedisClient
 from pdserve.scheduler.redis_server import (
     REDIS_OUTAGE_S,

@@ -21,7 +21,7 @@ from pdserve.planner.rule import Targets
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.traffic import TrafficWindow
 from pdserve.scheduler import InstanceRegistry, Keys, RouterInfo, RouterRegistry
-from pdserve.scheduler.messages import RoleChange
+from pdserve.scheduler.registration import RoleChange
 from pdserve.status import read, render
 
 CLUSTER = "plan-test"
