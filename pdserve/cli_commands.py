@@ -416,7 +416,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     redis_url, cluster = stack_redis(args)
     if args.watch is not None:
-        from pdserve.status import watch
+        from pdserve.status_watch import watch
 
         return watch(redis_url, cluster, args.watch)
     if args.batch_output is not None:

@@ -22,7 +22,8 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.traffic import TrafficWindow
 from pdserve.scheduler import InstanceRegistry, Keys, RouterInfo, RouterRegistry
 from pdserve.scheduler.registration import RoleChange
-from pdserve.status import read, render
+from pdserve.status_read import read
+from pdserve.status_table import render
 
 CLUSTER = "plan-test"
 KEYS = Keys(CLUSTER)
