@@ -748,7 +748,7 @@ def test_redis_keeps_batch_data_on_a_claim_of_its_own_within_its_memory_limit() 
     own, and has a maxmemory with noeviction (a full Redis refuses writes rather than drop keys)
     that holds at least one full-size batch (input, outcomes, output: 3 x the upload limit) and
     stays under the container's memory limit with room for a fork's copies and an upload."""
-    from pdserve.batchstore.files import DEFAULT_MAX_FILE_BYTES
+    from pdserve.batchstore.file_object import DEFAULT_MAX_FILE_BYTES
 
     stack = stack_at(KUBE / "redis-sentinel")
     redis = stack.workload("redis")

@@ -28,7 +28,7 @@ from typing import Any, Literal, cast
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.batchstore.files import new_id
+from pdserve.batchstore.file_object import new_id
 from pdserve.batchstore.owners import OwnerIndex, Quotas, owner_name
 from pdserve.errors import InvalidRequestError, NotFoundError
 from pdserve.scheduler.keys import Keys

@@ -16,7 +16,7 @@ import orjson
 from redis.exceptions import ResponseError
 
 from pdserve.batchstore.batches import FINAL_STATUSES
-from pdserve.batchstore.files import DEFAULT_FILE_TTL_S
+from pdserve.batchstore.file_object import DEFAULT_FILE_TTL_S
 from pdserve.batchstore.owners import PAGE, OwnerIndex, owner_name
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.redis_client import RedisClient

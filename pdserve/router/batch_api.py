@@ -26,7 +26,8 @@ from starlette.datastructures import QueryParams, UploadFile
 from starlette.requests import ClientDisconnect
 
 from pdserve.batchstore.batches import ENDPOINTS, BatchObject, BatchStore, window_seconds
-from pdserve.batchstore.files import CHUNK_BYTES, HOLD_GRACE_S, PURPOSES, FileObject, FileStore, new_id
+from pdserve.batchstore.file_object import HOLD_GRACE_S, PURPOSES, FileObject, new_id
+from pdserve.batchstore.files import CHUNK_BYTES, FileStore
 from pdserve.errors import ControlPlaneError, InvalidRequestError, NotFoundError, PdserveError
 from pdserve.router.asgi import (
     MAX_LENGTH_DIGITS,

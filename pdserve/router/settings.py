@@ -12,7 +12,7 @@ import secrets
 import socket
 from pathlib import Path
 
-from pdserve.batchstore.files import DEFAULT_FILE_TTL_S, DEFAULT_MAX_FILE_BYTES
+from pdserve.batchstore.file_object import DEFAULT_FILE_TTL_S, DEFAULT_MAX_FILE_BYTES
 from pdserve.batchstore.owners import DEFAULT_QUOTA_BATCHES, DEFAULT_QUOTA_FILES, Quotas
 from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting

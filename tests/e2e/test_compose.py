@@ -184,7 +184,7 @@ def test_redis_keeps_the_batch_data_on_a_volume_of_its_own(files) -> None:
     its own, and has a maxmemory with noeviction (a full Redis refuses writes instead of dropping
     keys) that holds at least one full-size batch: its input, outcomes and output, 3 x the upload
     limit."""
-    from pdserve.batchstore.files import DEFAULT_MAX_FILE_BYTES
+    from pdserve.batchstore.file_object import DEFAULT_MAX_FILE_BYTES
 
     need("docker-compose")
     config = compose_config(files, PDSERVE_REDIS_PASSWORD="x")
