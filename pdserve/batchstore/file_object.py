@@ -12,19 +12,12 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 Purpose = Literal["batch", "batch_output"]
-
-
 PURPOSES: tuple[str, ...] = ("batch", "batch_output")
 """What a client may upload (``batch``) and what pdserve writes (a batch's output and error files)."""
 
-
 DEFAULT_MAX_FILE_BYTES = 100 * 1024 * 1024
-
-
 DEFAULT_FILE_TTL_S = 30 * 24 * 3600
 """Thirty days, as OpenAI keeps a batch's output files."""
-
-
 HOLD_GRACE_S = 3600
 """How long past its batch's expiry an input file is kept at least (an expiring batch's error file
 names the lines that did not run by their ``custom_id``, read from the input file)."""

@@ -43,12 +43,9 @@ from pdserve.scheduler.redis_server import memory_room, redis_errors
 
 logger = logging.getLogger(__name__)
 
-
 CHUNK_BYTES = 1024 * 1024
 """The most of a file one Redis command (or one write or read in ``--files-dir``) carries: a file is
 stored and read in pieces of this size, so storing or sending one holds no more of it at once."""
-
-
 PARTIAL_TTL_S = 600
 """How long a file being stored lasts past its latest piece (its partial key's TTL, renewed with
 each piece; in ``--files-dir``, the age at which a temporary file is swept): an upload that fails,

@@ -49,10 +49,7 @@ prefill writes at the blocks' offsets, which a staged endpoint refuses), ``Prefi
 ``last_switch`` (an older instance dead-letters a ``set_role``; an older router ignores the fields).
 """
 
-
 Role = Literal["prefill", "decode", "mixed"]
-
-
 _M = TypeVar("_M", bound=BaseModel)
 
 

@@ -28,7 +28,6 @@ Message = Annotated[
 ]
 """Every stream message, discriminated by ``type``."""
 
-
 MESSAGE_TYPES: dict[str, type[BaseModel]] = {
     cls.model_fields["type"].default: cls
     for cls in (GenerateRequest, ReserveBlocks, ReserveReply, Prefilled, Abort, Tokenize, SetRole, StepOutput)

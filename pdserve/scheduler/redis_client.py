@@ -32,31 +32,15 @@ from redis.sentinel import Sentinel as SyncSentinel
 from pdserve.errors import ConfigError, ControlPlaneError
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
-
-
 RedisClient: TypeAlias = "aioredis.Redis | aioredis.RedisCluster"
 """What :meth:`RedisSettings.connect` returns: a client of one server (direct or through Sentinel) or
 of a Redis Cluster. pdserve uses only commands both route the same way (multi-key ones on one slot)."""
-
-
 RedisPipeline: TypeAlias = "Pipeline | ClusterPipeline"
-
-
 Mode = Literal["single", "sentinel", "cluster"]
-
-
 SENTINEL_PORT = 26379
-
-
 _SSL_CERT_REQS = ("none", "optional", "required")
-
-
 _QUERY_OPTIONS = ("db", "ssl_cert_reqs", "ssl_ca_certs", "client_name")
-
-
 _SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
-
-
 _SCHEMES = "redis://, rediss://, unix://, redis+sentinel:// or redis+cluster://"
 
 
@@ -404,13 +388,9 @@ class ReplicaWait:
 
 
 NO_WAIT = ReplicaWait()
-
-
 WAIT_REPLICAS_HELP = (
     "make every inbox send and outbox publish wait until this many replicas hold it (Redis WAIT), so "
     "a Sentinel failover cannot lose a message already counted as sent; a write not replicated in time "
     "fails (retried). 0: off (default %(default)s)"
 )
-
-
 WAIT_TIMEOUT_HELP = "how long --redis-wait-replicas waits, in ms (default %(default)s)"

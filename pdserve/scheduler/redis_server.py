@@ -26,10 +26,8 @@ from pdserve.scheduler.redis_client import RedisClient, _join_host
 
 logger = logging.getLogger(__name__)
 
-
 MIN_REDIS_VERSION = (6, 2)
 """XAUTOCLAIM, XTRIM MINID, GETDEL and ZRANGE's BYSCORE/REV forms all arrived in Redis 6.2."""
-
 
 RedisObserver = Callable[[str, "float | None", "BaseException | None"], None]
 """``observe(op, seconds, error)`` after a Redis round trip of the kind ``op``: its duration (None
