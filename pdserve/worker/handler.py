@@ -9,8 +9,9 @@ Roles:
   sequence over and decode it as an ordinary request of this instance.
 
 Every request ends with an event in its router's outbox, those of a router that is gone too (a
-retryable failure nobody may read: if Redis only lost the router's key, the router retries). The
-instance's lifecycle (Redis, heartbeat, loops, drain) is service.py's job.
+retryable failure nobody may read: if Redis only lost the router's key, the router retries); which
+routers are gone is router_watch.py's. The instance's lifecycle (Redis, drain) is service.py's job,
+its loops loops.py's, its registration presence.py's.
 """
 
 from __future__ import annotations
