@@ -28,7 +28,7 @@ from harness import print_table, run_rounds, write_json
 
 from pdserve.router.http.metrics import RouterMetrics
 from pdserve.router.http.serving import StatusSend
-from pdserve.scheduler.messages import RequestDelta, Timing, Usage
+from pdserve.scheduler.outbox_messages import RequestDelta, Timing, Usage
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 16

@@ -233,7 +233,7 @@ def _is_loopback(address: str) -> bool:
 
 def cmd_redis(args: argparse.Namespace) -> int:
     from pdserve.localredis.embedded import EmbeddedRedis
-    from pdserve.scheduler.redis_settings import RedisSettings
+    from pdserve.scheduler.redis_client import RedisSettings
 
     if args.sentinel or args.cluster is not None:
         return cmd_redis_ha(args)
@@ -262,7 +262,7 @@ def cmd_redis_ha(args: argparse.Namespace) -> int:
     import time
 
     from pdserve.localredis.embedded_ha import EmbeddedCluster, EmbeddedSentinel
-    from pdserve.scheduler.redis_settings import redact_url
+    from pdserve.scheduler.redis_client import redact_url
 
     mode = "--sentinel" if args.sentinel else f"--cluster {args.cluster}"
     exposed = [a for a in args.bind or [] if not _is_loopback(a)]
@@ -329,7 +329,7 @@ def stack_redis(args: argparse.Namespace) -> tuple[str, str]:
     """The Redis URL and cluster a command names, else those of the `pdserve up` running here, else
     the defaults."""
     from pdserve.scheduler.keys import DEFAULT_CLUSTER
-    from pdserve.scheduler.redis_settings import DEFAULT_URL
+    from pdserve.scheduler.redis_client import DEFAULT_URL
     from pdserve.stack_record import running_stack
 
     stack = running_stack() if args.redis_url is None else None
@@ -416,7 +416,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     redis_url, cluster = stack_redis(args)
     if args.watch is not None:
-        from pdserve.status import watch
+        from pdserve.status_watch import watch
 
         return watch(redis_url, cluster, args.watch)
     if args.batch_output is not None:

@@ -80,7 +80,7 @@ class SamplingParams:
     and ``stop_token_ids`` a request may carry is a router setting (``--max-stop-strings`` ...), checked
     by the router's parser: the worker's stop matching costs the same per token whatever they are.
 
-    Constructing one validates it. As a field of a control-plane message (scheduler/messages.py)
+    Constructing one validates it. As a field of a control-plane message (scheduler/inbox_messages.py)
     pydantic checks only its types, and unknown keys are refused: the router validated the values,
     and a worker must not ignore a setting it does not know.
     """

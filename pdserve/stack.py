@@ -33,7 +33,7 @@ from pdserve.errors import ConfigError
 from pdserve.flags import env, to_argv
 from pdserve.localredis.embedded import EmbeddedRedis, dies_with_parent, free_port, port_is_free
 from pdserve.router.http.settings import RouterSettings
-from pdserve.scheduler.redis_settings import RedisSettings, redact_url
+from pdserve.scheduler.redis_client import RedisSettings, redact_url
 from pdserve.stack_autoscale import WorkerScaler
 from pdserve.stack_banner import banner, waiting_line
 from pdserve.stack_record import record_path, write_private

@@ -21,8 +21,8 @@ from typing import Protocol
 from pdserve.errors import ControlPlaneError
 from pdserve.planner.loop import last_decision
 from pdserve.scheduler import InstanceInfo, Keys, decode_as
-from pdserve.scheduler.connection import redis_errors
-from pdserve.scheduler.redis_settings import RedisSettings
+from pdserve.scheduler.redis_client import RedisSettings
+from pdserve.scheduler.redis_server import redis_errors
 from pdserve.stack_spec import StackSpec
 from pdserve.worker.settings import WorkerSettings
 

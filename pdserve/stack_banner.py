@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
-from pdserve.scheduler.redis_settings import redact_url
+from pdserve.scheduler.redis_client import redact_url
 from pdserve.stack_spec import StackSpec
 
 

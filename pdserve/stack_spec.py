@@ -10,8 +10,8 @@ from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
 from pdserve.planner.settings import plan_default
-from pdserve.scheduler.connection import NO_WAIT, WAIT_REPLICAS_HELP, WAIT_TIMEOUT_HELP
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
+from pdserve.scheduler.redis_client import NO_WAIT, WAIT_REPLICAS_HELP, WAIT_TIMEOUT_HELP
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.worker.settings import ENGINES, KV_TRANSFERS
 from pdserve.worker.settings import default as worker_default

@@ -344,7 +344,8 @@ def test_status_finds_the_final_batches_behind_many_active_ones(redis_url, redis
 
 def test_status_without_batches_or_rq_says_so_quietly(redis_url, redis_client, capsys) -> None:
     """No batch: no batch section. A Redis Cluster URL has no rq queue (None, "n/a"), never an error."""
-    from pdserve.status import batch_queue, render
+    from pdserve.status_read import batch_queue
+    from pdserve.status_table import render
 
     assert main(["status", "--redis-url", redis_url, "--cluster", "quiet"]) == 0
     assert capsys.readouterr().out == "cluster quiet: 0 instance(s), 0 router(s)\n"
@@ -592,8 +593,8 @@ def test_up_stops_everything_within_10_s_of_sigterm_with_a_batch_running(tmp_pat
 
 
 def test_status_watch_shows_the_redis_url_without_its_password() -> None:
-    from pdserve.scheduler.redis_settings import redact_url
-    from pdserve.status import unreachable
+    from pdserve.scheduler.redis_client import redact_url
+    from pdserve.status_watch import unreachable
 
     shown = unreachable("redis://:pw-sentinel@h:1/0", ConnectionError("refused"))
     assert "pw-sentinel" not in shown and "redis://:***@h:1/0" in shown

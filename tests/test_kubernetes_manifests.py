@@ -35,7 +35,7 @@ import yaml  # type: ignore[import-untyped]
 from pdserve.cli import build_parser
 from pdserve.cli_commands import engine_config
 from pdserve.flags import from_args
-from pdserve.scheduler.redis_settings import RedisSettings
+from pdserve.scheduler.redis_client import RedisSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -748,7 +748,7 @@ def test_redis_keeps_batch_data_on_a_claim_of_its_own_within_its_memory_limit() 
     own, and has a maxmemory with noeviction (a full Redis refuses writes rather than drop keys)
     that holds at least one full-size batch (input, outcomes, output: 3 x the upload limit) and
     stays under the container's memory limit with room for a fork's copies and an upload."""
-    from pdserve.batchstore.files import DEFAULT_MAX_FILE_BYTES
+    from pdserve.batchstore.file_object import DEFAULT_MAX_FILE_BYTES
 
     stack = stack_at(KUBE / "redis-sentinel")
     redis = stack.workload("redis")

@@ -117,7 +117,8 @@ def test_watch_fits_80_columns(redis_url) -> None:
     from rich.console import Console
     from router_support import instance
 
-    from pdserve.status import collect, view
+    from pdserve.status_read import collect
+    from pdserve.status_watch import view
 
     ids = ("prefill-0-1a2b3c", "decode-0-4d5e6f", "mixed-0-7a8b9c")
     register(
@@ -162,7 +163,8 @@ def test_watch_shows_the_batches(redis_url, redis_client) -> None:
 
     from rich.console import Console
 
-    from pdserve.status import batch_queue, collect, view
+    from pdserve.status_read import batch_queue, collect
+    from pdserve.status_watch import view
     from tests.test_cli import make_batches
 
     running, done = make_batches(redis_url, "wbatch", finished=1)
@@ -185,7 +187,8 @@ def test_status_says_which_instances_run_int8_weights(redis_url) -> None:
 
     from router_support import instance
 
-    from pdserve.status import collect, render
+    from pdserve.status_read import collect
+    from pdserve.status_table import render
 
     f32, int8 = instance("decode-0-aaaaaa", "decode"), instance("decode-1-bbbbbb", "decode")
     int8.kv.weights = "int8"
@@ -205,7 +208,9 @@ def test_status_shows_each_instances_device_dtype_and_memory(redis_url) -> None:
     from rich.console import Console
     from router_support import instance
 
-    from pdserve.status import collect, render, view
+    from pdserve.status_read import collect
+    from pdserve.status_table import render
+    from pdserve.status_watch import view
 
     cpu, gpu = instance("decode-0-aaaaaa", "decode"), instance("decode-1-bbbbbb", "decode")
     gpu.kv.device, gpu.kv.dtype, gpu.kv.device_name = "cuda", "bfloat16", "NVIDIA H200 (cuda:0)"
@@ -235,7 +240,9 @@ def test_status_shows_a_prefill_instances_hand_offs_after_its_waiting_requests(r
     from rich.console import Console
     from router_support import instance
 
-    from pdserve.status import collect, render, view
+    from pdserve.status_read import collect
+    from pdserve.status_table import render
+    from pdserve.status_watch import view
 
     busy, idle = instance("prefill-0-aaaaaa", "prefill", waiting=1), instance("prefill-1-bbbbbb", "prefill")
     busy.load.handing_off = 3
@@ -258,7 +265,8 @@ def test_status_shows_each_host_tier(redis_url) -> None:
     from router_support import instance
 
     from pdserve.scheduler import TierInfo
-    from pdserve.status import collect, render
+    from pdserve.status_read import collect
+    from pdserve.status_table import render
 
     plain, tiered = instance("mixed-0-aaaaaa", "mixed"), instance("mixed-1-bbbbbb", "mixed")
     tiered.tier = TierInfo(
@@ -282,7 +290,8 @@ def test_status_shows_the_pool_host_and_disk_tiers_of_an_instance(redis_url) -> 
     from router_support import instance
 
     from pdserve.scheduler import DiskTierInfo, PoolInfo
-    from pdserve.status import collect, render
+    from pdserve.status_read import collect
+    from pdserve.status_table import render
 
     disked = instance("mixed-2-cccccc", "mixed")
     disked.pool = PoolInfo(hits=30, lookups=120, evictions=44)

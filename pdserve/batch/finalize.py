@@ -29,7 +29,7 @@ from pdserve.batchstore.batches import BatchError, BatchObject, BatchStore
 from pdserve.batchstore.files import FileStore
 from pdserve.batchstore.output_move import OutputMove
 from pdserve.errors import ControlPlaneError, NotFoundError, PdserveError
-from pdserve.scheduler.connection import redis_errors
+from pdserve.scheduler.redis_server import redis_errors
 
 logger = logging.getLogger(__name__)
 

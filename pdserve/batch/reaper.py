@@ -26,7 +26,7 @@ from pdserve.batch.runner import VALIDATION_CHUNK, BatchRunner
 from pdserve.batchstore.batch_queue import job_attempt
 from pdserve.batchstore.batches import BatchObject
 from pdserve.errors import NotFoundError, PdserveError
-from pdserve.scheduler.connection import redis_errors
+from pdserve.scheduler.redis_server import redis_errors
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from pdserve.router.api.input_limits import InputLimits
 from pdserve.router.http.app import RouterApp, create_app
 from pdserve.router.http.state import RouterState
 from pdserve.router.http.tenants import TENANT_HEADER, TrustedTenant
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo
 from pdserve.scheduler.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)

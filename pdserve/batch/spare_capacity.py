@@ -10,8 +10,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pdserve.router.http.state import RouterState
-from pdserve.scheduler.connection import memory_room
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.redis_server import memory_room
+from pdserve.scheduler.registration import InstanceInfo
 
 logger = logging.getLogger(__name__)
 

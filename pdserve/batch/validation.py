@@ -13,7 +13,7 @@ from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.router.api.input_limits import InputLimits
 from pdserve.router.api.protocol import parse_chat, parse_completion
 from pdserve.router.routing.selection import model_len, resolve_model, vocab_size
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pdserve.batch.runner import BatchMetrics, BatchRunner
 from pdserve.batch.settings import BatchWorkerSettings
 from pdserve.batchstore.batch_queue import BatchQueue
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.redis_settings import RedisSettings
+from pdserve.scheduler.redis_client import RedisSettings
 
 logger = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ from typing import Any, Literal, cast
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.batchstore.files import new_id
+from pdserve.batchstore.file_object import new_id
 from pdserve.batchstore.owners import OwnerIndex, Quotas, owner_name
 from pdserve.errors import InvalidRequestError, NotFoundError
-from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import redis_errors
 
 logger = logging.getLogger(__name__)
 

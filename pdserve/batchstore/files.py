@@ -1,5 +1,6 @@
-"""The files of the Batch API (``/v1/files``): OpenAI's file objects, kept where every router and
-batch worker reads them.
+"""The files of the Batch API (``/v1/files``) stored: :class:`FileStore` keeps OpenAI's file objects
+(file_object.py) where every router and batch worker reads them, holds them for the batches reading
+them, and deletes them.
 
 Metadata always lives in Redis (``Keys.file``, expiring with the file). The bytes live in Redis too
 by default (``Keys.file_content``): a docker-compose stack or a Kubernetes deployment then needs no
@@ -20,33 +21,28 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
-from typing import Literal, cast
+from typing import cast
 
-import orjson
-from pydantic import BaseModel, ConfigDict, Field
-
+from pdserve.batchstore.file_object import (
+    DEFAULT_FILE_TTL_S,
+    DEFAULT_MAX_FILE_BYTES,
+    PURPOSES,
+    FileObject,
+    _stored,
+    new_id,
+)
+from pdserve.batchstore.file_scripts import _DELETE, _HOLD, _PUBLISH
 from pdserve.batchstore.owners import PAGE, OwnerIndex, Quotas
 from pdserve.errors import ConflictError, ControlPlaneError, InvalidRequestError, NotFoundError
-from pdserve.scheduler.connection import memory_room, redis_errors
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import memory_room, redis_errors
 
 logger = logging.getLogger(__name__)
 
-Purpose = Literal["batch", "batch_output"]
-PURPOSES: tuple[str, ...] = ("batch", "batch_output")
-"""What a client may upload (``batch``) and what pdserve writes (a batch's output and error files)."""
-
-DEFAULT_MAX_FILE_BYTES = 100 * 1024 * 1024
-DEFAULT_FILE_TTL_S = 30 * 24 * 3600
-"""Thirty days, as OpenAI keeps a batch's output files."""
-HOLD_GRACE_S = 3600
-"""How long past its batch's expiry an input file is kept at least (an expiring batch's error file
-names the lines that did not run by their ``custom_id``, read from the input file)."""
 CHUNK_BYTES = 1024 * 1024
 """The most of a file one Redis command (or one write or read in ``--files-dir``) carries: a file is
 stored and read in pieces of this size, so storing or sending one holds no more of it at once."""
@@ -54,89 +50,6 @@ PARTIAL_TTL_S = 600
 """How long a file being stored lasts past its latest piece (its partial key's TTL, renewed with
 each piece; in ``--files-dir``, the age at which a temporary file is swept): an upload that fails,
 or whose router dies, leaves nothing behind for longer."""
-
-# KEYS[1] metadata, KEYS[2] content (absent with --files-dir), KEYS[3] the set of batches reading it;
-# ARGV[1] batch id, ARGV[2] keep for at least this many ms, ARGV[3] the expiry that makes (unix s).
-# Returns the metadata, or nil when there is no file.
-_HOLD = """
-local raw = redis.call('GET', KEYS[1])
-if not raw then return nil end
-redis.call('SADD', KEYS[3], ARGV[1])
-local want = tonumber(ARGV[2])
-local ttl = redis.call('PTTL', KEYS[1])
-if ttl >= 0 and ttl < want then
-  local info = cjson.decode(raw)
-  info.expires_at = tonumber(ARGV[3])
-  raw = cjson.encode(info)
-  redis.call('SET', KEYS[1], raw, 'PX', want)
-  if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('PEXPIRE', KEYS[2], want) end
-  ttl = want
-end
-if ttl >= 0 then redis.call('PEXPIRE', KEYS[3], ttl) end
-return raw
-"""
-
-# KEYS[1] the partial content, KEYS[2] the content, KEYS[3] the metadata; ARGV[1] the metadata,
-# ARGV[2] the TTL in ms, ARGV[3] the size the file has. The stored pieces become the file's content,
-# and its metadata appears, at once. Returns -1 (also when the file was published already: a batch's
-# output, published by two finalizations); or, when the partial content is not ARGV[3] bytes (a piece
-# was lost: the partial key expired or was deleted meanwhile), deletes it and returns its size.
-_PUBLISH = """
-if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-local size = redis.call('STRLEN', KEYS[1])
-if size ~= tonumber(ARGV[3]) then
-  redis.call('DEL', KEYS[1])
-  return size
-end
-if size > 0 then
-  redis.call('RENAME', KEYS[1], KEYS[2])
-  redis.call('PEXPIRE', KEYS[2], ARGV[2])
-else
-  redis.call('SET', KEYS[2], '', 'PX', ARGV[2])
-end
-redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
-return -1
-"""
-
-# KEYS as _HOLD's. Deletes the file unless some batch reads it: -1 then, else 1 (0: no file).
-_DELETE = """
-if redis.call('SCARD', KEYS[3]) > 0 then return -1 end
-local existed = redis.call('DEL', KEYS[1])
-redis.call('DEL', KEYS[2])
-return existed
-"""
-
-
-class FileObject(BaseModel):
-    """OpenAI's file object."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    id: str
-    object: Literal["file"] = "file"
-    bytes: int
-    created_at: int
-    expires_at: int | None = None
-    filename: str
-    purpose: Purpose
-    status: Literal["processed"] = "processed"
-    owner: str = Field(default="", exclude=True)
-    """The tenant that made it (a digest of its API key, ``router.http.tenants``; ``""``: anonymous).
-    Stored with the metadata, never shown to clients."""
-
-    def visible_to(self, owner: str | None) -> bool:
-        """``owner`` may see the file (None: pdserve itself, which sees every file)."""
-        return owner is None or self.owner == owner
-
-
-def _stored(info: FileObject) -> bytes:
-    """A file's metadata as Redis keeps it: the client's view plus the owner."""
-    return orjson.dumps({**info.model_dump(mode="json"), "owner": info.owner})
-
-
-def new_id(prefix: str) -> str:
-    """An id in OpenAI's style (``file-…``, ``batch_…``), valid as a key component."""
-    return prefix + secrets.token_hex(12)
 
 
 class FileStore:

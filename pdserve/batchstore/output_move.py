@@ -29,9 +29,10 @@ from collections.abc import AsyncIterator
 from typing import cast
 
 from pdserve.batchstore.batches import BatchObject, BatchStore
-from pdserve.batchstore.files import CHUNK_BYTES, FileObject, FileStore, new_id
+from pdserve.batchstore.file_object import FileObject, new_id
+from pdserve.batchstore.files import CHUNK_BYTES, FileStore
 from pdserve.errors import PdserveError
-from pdserve.scheduler.connection import memory_room, redis_errors
+from pdserve.scheduler.redis_server import memory_room, redis_errors
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 from typing import cast
 
 from pdserve.errors import QuotaExceededError
-from pdserve.scheduler.connection import MemoryRoom, redis_errors
 from pdserve.scheduler.keys import ANONYMOUS_OWNER, Keys
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import MemoryRoom, redis_errors
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ import orjson
 from redis.exceptions import ResponseError
 
 from pdserve.batchstore.batches import FINAL_STATUSES
-from pdserve.batchstore.files import DEFAULT_FILE_TTL_S
+from pdserve.batchstore.file_object import DEFAULT_FILE_TTL_S
 from pdserve.batchstore.owners import PAGE, OwnerIndex, owner_name
-from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import redis_errors
 
 logger = logging.getLogger(__name__)
 

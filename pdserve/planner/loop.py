@@ -28,8 +28,8 @@ from pdserve.planner.restore import restored
 from pdserve.planner.rule import Decision, Motive, PlannerState, Targets, decide
 from pdserve.planner.switch import switch_role
 from pdserve.scheduler import Keys
-from pdserve.scheduler.connection import redis_errors
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import redis_errors
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from pdserve.scheduler import InstanceInfo, InstanceRegistry, Keys, RouterInfo, RouterRegistry, TrafficInfo
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
 
 
 @dataclasses.dataclass(frozen=True)

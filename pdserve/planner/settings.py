@@ -8,7 +8,7 @@ from pdserve.errors import ConfigError
 from pdserve.flags import setting
 from pdserve.planner.rule import Targets
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
-from pdserve.scheduler.redis_settings import DEFAULT_URL
+from pdserve.scheduler.redis_client import DEFAULT_URL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import cast
 
 from pdserve.errors import ConfigError, NotFoundError, UnavailableError
 from pdserve.scheduler import InstanceRegistry, Keys, Role, SetRole, SwitchOutcome, send_to_inbox
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
 
 ROLES = ("prefill", "decode", "mixed")
 

@@ -33,8 +33,8 @@ from redis._parsers.base import BaseParser
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
-from pdserve.scheduler.connection import connection_kwargs
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import connection_kwargs
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,12 @@ from pdserve.errors import (
     PdserveError,
     RouterStoppingError,
 )
-from pdserve.scheduler.connection import (
+from pdserve.scheduler.keys import Keys
+from pdserve.scheduler.lean_redis import bulk, lean_connection, pack, pack_head
+from pdserve.scheduler.messages import decode_as
+from pdserve.scheduler.outbox_messages import ANY_ATTEMPT, RequestDelta, StepOutput
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import (
     REDIS_OUTAGE_S,
     RedisObserver,
     ServerIdentity,
@@ -32,10 +37,6 @@ from pdserve.scheduler.connection import (
     server_identity,
     server_role,
 )
-from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.lean_redis import bulk, lean_connection, pack, pack_head
-from pdserve.scheduler.messages import ANY_ATTEMPT, RequestDelta, StepOutput, decode_as
-from pdserve.scheduler.redis_settings import RedisClient
 from pdserve.scheduler.streams import FIELD
 from pdserve.scheduler.tasks import cancel_and_wait
 

@@ -34,9 +34,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import redis_errors
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 
 log = logging.getLogger(__name__)

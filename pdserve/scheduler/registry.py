@@ -14,14 +14,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar, cast
 
 from pdserve.errors import ControlPlaneError, MessageError
-from pdserve.scheduler.connection import (
-    RedisObserver,
-    redis_errors,
-    require_bytes_responses,
-)
 from pdserve.scheduler.keys import Keys, Kind
-from pdserve.scheduler.messages import InstanceInfo, RouterInfo, decode_as, encode
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.messages import decode_as, encode
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import RedisObserver, redis_errors, require_bytes_responses
+from pdserve.scheduler.registration import InstanceInfo, RouterInfo
 from pdserve.scheduler.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)

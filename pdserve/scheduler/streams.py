@@ -28,24 +28,13 @@ from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
 from pdserve.errors import MessageError, PdserveError
-from pdserve.scheduler.connection import (
-    NO_WAIT,
-    ReplicaWait,
-    redis_errors,
-    require_block_below_timeout,
-    require_bytes_responses,
-)
+from pdserve.scheduler.inbox_messages import InboxMessage
 from pdserve.scheduler.keys import INBOX_GROUP, Keys, validate_id
 from pdserve.scheduler.lean_redis import bulk, lean_connection, pack, pack_head
-from pdserve.scheduler.messages import (
-    ANY_ATTEMPT,
-    InboxMessage,
-    RequestDelta,
-    StepOutput,
-    decode_message,
-    encode,
-)
-from pdserve.scheduler.redis_settings import RedisClient, RedisPipeline
+from pdserve.scheduler.messages import decode_message, encode
+from pdserve.scheduler.outbox_messages import ANY_ATTEMPT, RequestDelta, StepOutput
+from pdserve.scheduler.redis_client import NO_WAIT, RedisClient, RedisPipeline, ReplicaWait
+from pdserve.scheduler.redis_server import redis_errors, require_block_below_timeout, require_bytes_responses
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from pdserve.errors import InvalidRequestError, RequestTooLongError
 from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, check_optional_properties
 from pdserve.priority import PREPARE_NICE, preparation_pool
 from pdserve.sampling_params import SamplingParams, guided_param
-from pdserve.scheduler.messages import GenerateRequest, Tokenize
+from pdserve.scheduler.inbox_messages import GenerateRequest, Tokenize
 from pdserve.worker.metrics import WorkerMetrics
 
 T = TypeVar("T")

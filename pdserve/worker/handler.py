@@ -9,8 +9,9 @@ Roles:
   sequence over and decode it as an ordinary request of this instance.
 
 Every request ends with an event in its router's outbox, those of a router that is gone too (a
-retryable failure nobody may read: if Redis only lost the router's key, the router retries). The
-instance's lifecycle (Redis, heartbeat, loops, drain) is service.py's job.
+retryable failure nobody may read: if Redis only lost the router's key, the router retries); which
+routers are gone is router_watch.py's. The instance's lifecycle (Redis, drain) is service.py's job,
+its loops loops.py's, its registration presence.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import (
-    ControlPlaneError,
     InvalidRequestError,
     PdserveError,
     RequestTimeoutError,
@@ -47,19 +47,18 @@ from pdserve.worker.engine_client import Prepared
 from pdserve.worker.handoff_context import Context
 from pdserve.worker.messenger import Owner, engine_key, merge_deltas, to_delta
 from pdserve.worker.roles import RoleState
+from pdserve.worker.router_watch import ROUTER_CHECK_S, RouterWatch
 from pdserve.worker.splitwise import Splitwise
 
 log = logging.getLogger(__name__)
 
-ROUTER_CHECK_S = 1.0  # how often the liveness of the routers we serve is checked
-FORGET_MISSING_ROUTER_S = 300.0  # a router missing this long with no work here is no longer tracked
 SEEN_GENERATES = 65536  # how many recent (request id, attempt) pairs a repeated generate is checked against
 MAX_DISPATCHED = 64
 """Messages handled as tasks of their own (:meth:`RequestHandler.dispatch`) at most at once: beyond,
 the inbox loop reads no more (:meth:`RequestHandler.room`) until some are done."""
 
 
-class RequestHandler:
+class RequestHandler(RouterWatch):
     def __init__(
         self,
         ctx: Context,
@@ -451,66 +450,6 @@ class RequestHandler:
         if now - self._routers_checked_at >= ROUTER_CHECK_S:
             self._routers_checked_at = now
             await self._drop_orphans()
-
-    def control_plane_failed(self) -> None:
-        """Redis failed us: a router's key found missing before now is no evidence that it died (a
-        restarted or failed-over Redis lacks it until the router's next heartbeat)."""
-        self._routers_missing_since.clear()
-
-    async def _routers_gone(self, routers: set[str]) -> set[str]:
-        """Those of ``routers`` whose key has been missing in every check for one TTL, with Redis
-        answering all along: a live router renews its key every TTL/3, so one missing read is no
-        proof (Redis may have restarted, or failed over to a replica the key had not reached)."""
-        now = self.ctx.clock.monotonic()
-        try:
-            alive = await self.routers.alive(routers)
-        except ControlPlaneError:
-            self.control_plane_failed()
-            return set()
-        missing = self._routers_missing_since
-        for router_id in alive:
-            missing.pop(router_id, None)
-            self._routers_seen[router_id] = now
-        return {r for r in routers - alive if now - missing.setdefault(r, now) >= self.routers.ttl_s}
-
-    def _router_gone_error(self) -> ControlPlaneError:
-        return ControlPlaneError(
-            f"this request's router has not been registered in Redis for {self.routers.ttl_s:g} s;"
-            f" instance {self.ctx.instance_id} dropped it"
-        )
-
-    async def _drop_orphans(self) -> None:
-        """Abort the requests of routers that are gone, and tell those routers (retryable): if one is
-        alive after all, its requests are retried or migrated rather than left waiting."""
-        routers = {o.router_id for o in self.owners.values()} | self.splitwise.router_ids()
-        now = self.ctx.clock.monotonic()
-        self._routers_missing_since = {
-            r: t
-            for r, t in self._routers_missing_since.items()
-            if r in routers or now - t < FORGET_MISSING_ROUTER_S
-        }
-        self._routers_seen = {r: t for r, t in self._routers_seen.items() if now - t < ROUTER_CHECK_S}
-        if not routers:
-            return
-        gone = await self._routers_gone(routers)
-        if not gone:
-            return
-        told: list[tuple[Owner, bool]] = []
-        for key, owner in list(self.owners.items()):
-            if owner.router_id in gone:
-                log.info("router %s is gone: aborting %s", owner.router_id, owner.request_id)
-                self._forget(key)
-                await self.ctx.engine.abort(key, "router gone")
-                told.append((owner, True))
-        told += [(owner, True) for owner in await self.splitwise.drop_routers(gone)]
-        await self.ctx.messenger.fail_many(told, self._router_gone_error())
-
-    async def _router_alive(self, router_id: str) -> bool:
-        """Checked at most once a second per router while it is seen: new work of a router that is
-        gone is refused."""
-        if self.ctx.clock.monotonic() - self._routers_seen.get(router_id, float("-inf")) < ROUTER_CHECK_S:
-            return True
-        return router_id not in await self._routers_gone({router_id})
 
     async def fail_all(self, message: str) -> None:
         """Every request still here gets a clear final event (retryable if no token went out yet);

@@ -10,7 +10,7 @@ in the order they were made, and a hand-off to a peer follows the tokens it come
 
 A send that Redis fails is retried with backoff (50 ms doubling to 1 s) for up to one
 registration TTL, and at least as long as routers wait for an unreachable Redis
-(``connection.outage_limit_s``: 5 s, plus a Sentinel's failover time with replica waits), so a
+(``redis_server.outage_limit_s``: 5 s, plus a Sentinel's failover time with replica waits), so a
 Redis blip, restart or Sentinel failover loses no token: the buffer is sent in order once Redis
 answers, and while it is failing the engine loop waits for it (no unbounded backlog). Past that
 this instance's key has expired, or routers have failed its requests; the send is then logged and
@@ -41,8 +41,8 @@ from pdserve.scheduler import (
     Usage,
     send_to_inbox,
 )
-from pdserve.scheduler.connection import NO_WAIT, ReplicaWait, redis_errors
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import NO_WAIT, RedisClient, ReplicaWait
+from pdserve.scheduler.redis_server import redis_errors
 
 log = logging.getLogger(__name__)
 

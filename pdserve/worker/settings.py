@@ -17,14 +17,14 @@ from pdserve.errors import ConfigError
 from pdserve.flags import setting
 from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_HELP
 from pdserve.priority import PREPARE_NICE, PREPARE_NICE_HELP
-from pdserve.scheduler.connection import (
+from pdserve.scheduler.keys import DEFAULT_CLUSTER
+from pdserve.scheduler.redis_client import (
+    DEFAULT_URL,
     NO_WAIT,
     WAIT_REPLICAS_HELP,
     WAIT_TIMEOUT_HELP,
     ReplicaWait,
 )
-from pdserve.scheduler.keys import DEFAULT_CLUSTER
-from pdserve.scheduler.redis_settings import DEFAULT_URL
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 from pdserve.scheduler.streams import MAX_DELIVERIES
 

@@ -22,7 +22,7 @@ from pdserve.batch.finalize import MAX_FINALIZE_TRIES
 from pdserve.batch.reaper import Reaper
 from pdserve.batch.runner import BatchRunner
 from pdserve.batchstore.batches import BatchObject
-from pdserve.batchstore.files import FileObject
+from pdserve.batchstore.file_object import FileObject
 from pdserve.cli_commands import write_batch_output
 from pdserve.errors import NotFoundError
 

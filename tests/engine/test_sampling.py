@@ -141,7 +141,8 @@ def test_logit_bias_is_validated_and_crosses_the_wire_as_json() -> None:
     import orjson
 
     from pdserve.errors import InvalidRequestError
-    from pdserve.scheduler.messages import GenerateRequest, decode_message, encode
+    from pdserve.scheduler.inbox_messages import GenerateRequest
+    from pdserve.scheduler.messages import decode_message, encode
 
     params = SamplingParams(logit_bias={"17": 5, 3: -100.0})
     assert params.logit_bias == {17: 5, 3: -100.0}

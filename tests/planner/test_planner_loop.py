@@ -21,8 +21,9 @@ from pdserve.planner.rule import Targets
 from pdserve.router.http.metrics import RouterMetrics
 from pdserve.router.http.traffic import TrafficWindow
 from pdserve.scheduler import InstanceRegistry, Keys, RouterInfo, RouterRegistry
-from pdserve.scheduler.messages import RoleChange
-from pdserve.status import read, render
+from pdserve.scheduler.registration import RoleChange
+from pdserve.status_read import read
+from pdserve.status_table import render
 
 CLUSTER = "plan-test"
 KEYS = Keys(CLUSTER)

@@ -16,7 +16,7 @@ from pdserve.errors import InvalidRequestError, RequestTimeoutError
 from pdserve.router.api.errors import OverloadedError
 from pdserve.router.http.admission import Admission
 from pdserve.scheduler import GenerateRequest, InboxMessage, RequestDelta, Usage
-from pdserve.scheduler.messages import Tokenize
+from pdserve.scheduler.inbox_messages import Tokenize
 
 MODEL_LEN = 2048  # what router_support.instance() registers
 CHARS = MODEL_LEN * 32  # the most characters the default --max-prompt-chars-per-token lets through

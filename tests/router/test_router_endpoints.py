@@ -230,7 +230,7 @@ def test_every_endpoint_answers_json_and_errors_the_same_way(
 
 def _with_endpoints(instance_id: str):
     """A decode registration that advertises shm and mooncake endpoints (a buffer address included)."""
-    from pdserve.scheduler.messages import TransferInfo
+    from pdserve.scheduler.registration import TransferInfo
 
     endpoint = {
         "shm": f"pdserve-{instance_id}",

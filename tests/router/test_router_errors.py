@@ -131,7 +131,7 @@ def test_no_producer_builds_an_error_info_by_hand() -> None:
     for path in package.rglob("*.py"):
         text = path.read_text()
         hits = [n for n in re.findall(r"ErrorInfo\((?!\))", text)]
-        if path.name != "messages.py":
+        if path.name != "outbox_messages.py":
             assert not hits, f"{path} builds ErrorInfo(...) directly; use ErrorInfo.of(exc)"
 
 

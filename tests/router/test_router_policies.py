@@ -21,7 +21,7 @@ from pdserve.router.routing.policies.prefix_affinity import (
 )
 from pdserve.router.routing.policies.simple import Random, RoundRobin
 from pdserve.router.routing.selection import Selector, kv_mismatch, resolve_model, transfer_protocol
-from pdserve.scheduler.messages import KVInfo
+from pdserve.scheduler.registration import KVInfo
 
 TINY = PolicyRequest("tiny")
 """A request of model tiny whose prompt the router does not know (the request-blind policies)."""

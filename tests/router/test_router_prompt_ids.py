@@ -35,7 +35,8 @@ from pdserve.tokenizer import (
     read_tokenizer_files,
     unpack_tokenizer_files,
 )
-from pdserve.worker.service import TOKENIZER_TTL_S, WorkerService
+from pdserve.worker.presence import TOKENIZER_TTL_S
+from pdserve.worker.service import WorkerService
 from pdserve.worker.settings import WorkerSettings
 from tests.worker.test_worker_service import ROUTER, router_registered, started
 

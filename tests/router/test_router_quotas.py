@@ -12,7 +12,8 @@ from router_support import CLUSTER, router, run
 
 from pdserve.router.http.state import RouterState
 from pdserve.router.http.tenants import key_digest
-from pdserve.status import read, render
+from pdserve.status_read import read
+from pdserve.status_table import render
 
 A_KEY, B_KEY = "key-a-quota", "key-b-quota"
 A, B = {"Authorization": f"Bearer {A_KEY}"}, {"Authorization": f"Bearer {B_KEY}"}

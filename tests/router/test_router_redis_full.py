@@ -10,7 +10,7 @@ import redis
 from router_support import router, run
 
 from pdserve.localredis.embedded import EmbeddedRedis
-from pdserve.scheduler.connection import SERVING_RESERVE_MIN_BYTES
+from pdserve.scheduler.redis_server import SERVING_RESERVE_MIN_BYTES
 
 SECRET = b"line-that-must-not-be-echoed"
 LINE = (

@@ -16,8 +16,7 @@ from pdserve.errors import ControlPlaneError
 from pdserve.localredis.embedded_ha import EmbeddedSentinel
 from pdserve.router.routing.sender import InboxSender
 from pdserve.scheduler import GenerateRequest, Keys, RedisSettings
-from pdserve.scheduler.connection import ReplicaWait
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient, ReplicaWait
 
 pytestmark = pytest.mark.timeout(120)
 KEYS = Keys("wait-test")

@@ -12,7 +12,7 @@ from router_support import KEYS, redis_conn, run
 from pdserve.errors import ControlPlaneError, InvalidRequestError
 from pdserve.router.routing.sender import InboxSender
 from pdserve.scheduler import Abort, GenerateRequest, Inbox
-from pdserve.scheduler.connection import ReplicaWait
+from pdserve.scheduler.redis_client import ReplicaWait
 
 
 def gen(request_id: str) -> GenerateRequest:

@@ -8,7 +8,7 @@ import random
 
 from pdserve.router.routing.shadow import LOGPROB_TOLERANCE, ShadowVerifier, divergence
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.messages import LogprobInfo, TopLogprob
+from pdserve.scheduler.outbox_messages import LogprobInfo, TopLogprob
 
 
 def lp(token: int, logprob: float, *top: tuple[int, float]) -> LogprobInfo:

@@ -32,7 +32,7 @@ from pdserve.scheduler.lean_redis import (
     pack,
     pack_head,
 )
-from pdserve.scheduler.redis_settings import RedisSettings
+from pdserve.scheduler.redis_client import RedisSettings
 
 T = TypeVar("T")
 NAME = "lean-redis-test"

@@ -17,8 +17,9 @@ import pytest
 from pdserve.localredis.embedded import EmbeddedRedis
 from pdserve.localredis.embedded_ha import EmbeddedSentinel
 from pdserve.scheduler import Keys, OutboxReader, RedisSettings
-from pdserve.scheduler.connection import REDIS_OUTAGE_S, ReplicaWait, outage_limit_s, server_identity
 from pdserve.scheduler.messages import encode
+from pdserve.scheduler.redis_client import ReplicaWait
+from pdserve.scheduler.redis_server import REDIS_OUTAGE_S, outage_limit_s, server_identity
 from pdserve.scheduler.streams import FIELD, Outbox
 from tests.redis_support import one_delta_step as step
 from tests.redis_support import seqs_until

@@ -15,8 +15,9 @@ import redis.asyncio as aioredis
 
 from pdserve.localredis.embedded import EmbeddedRedis
 from pdserve.scheduler import Keys, OutboxReader, RedisSettings
-from pdserve.scheduler.connection import ReplicaWait, server_identity
 from pdserve.scheduler.messages import encode
+from pdserve.scheduler.redis_client import ReplicaWait
+from pdserve.scheduler.redis_server import server_identity
 from pdserve.scheduler.streams import FIELD, Outbox
 from tests.redis_support import one_delta_step as step
 from tests.redis_support import seqs_until

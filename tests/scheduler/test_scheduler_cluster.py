@@ -26,7 +26,7 @@ from pdserve.scheduler import (
     RedisSettings,
     RequestDelta,
 )
-from pdserve.scheduler.connection import server_info
+from pdserve.scheduler.redis_server import server_info
 
 pytestmark = pytest.mark.timeout(120)
 KEYS = Keys("cl-test")

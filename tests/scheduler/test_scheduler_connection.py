@@ -25,8 +25,8 @@ from pdserve.scheduler import (
     redis_errors,
     wait_for_redis,
 )
-from pdserve.scheduler.connection import ReplicaWait
-from pdserve.scheduler.redis_settings import redact_url, redis_address
+from pdserve.scheduler.redis_client import ReplicaWait, redact_url
+from pdserve.scheduler.redis_server import redis_address
 
 KEYS = Keys("conn-test")
 

@@ -11,7 +11,7 @@ import uuid
 
 from redis_support import outbox_deltas
 
-from pdserve import status
+from pdserve import status_read, status_table
 from pdserve.engine.config import EngineConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import (
@@ -88,10 +88,10 @@ def test_a_message_that_crashed_every_restart_is_dead_lettered_and_its_client_to
             assert [t for d in fine for t in d.token_ids] == [7, 8, 7] and fine[-1].error is None
             (dead,) = await redis.xrange(keys.dead_letters(instance_id))
             assert b'"request_id":"poison"' in dead[1][b"m"]
-            shown = await status.read(redis, cluster)
+            shown = await status_read.read(redis, cluster)
             (row,) = [i for i in shown["instances"] if i["id"] == instance_id]
             assert row["inbox_dead"] == 1 and row["inbox_pending"] == 0
-            assert "0 (0 pending, 1 dead)" in status.render(shown)
+            assert "0 (0 pending, 1 dead)" in status_table.render(shown)
             assert not task.done() and service.failed is None
         finally:
             service.begin_drain()

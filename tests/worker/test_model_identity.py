@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 
-from pdserve import status
+from pdserve import status_read, status_table
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.weights import DIGEST_CACHE, weights_digest
 from pdserve.router.routing.policies import PolicyRequest
@@ -76,7 +76,7 @@ def test_two_checkpoints_under_one_name_are_never_paired(
         redis = RedisSettings.from_url(redis_url).connect()
         for info in (p, old_d, same_d):  # registered again as they were live: what status reads
             await InstanceRegistry(redis, Keys(cluster), ttl_s=30).register(info)
-        shown = status.render(await status.read(redis, cluster))
+        shown = status_table.render(await status_read.read(redis, cluster))
         await redis.aclose()
         return p, old_d, same_d, shown
 

@@ -44,7 +44,7 @@ from pdserve.errors import (
     UnavailableError,
     class_of_kind,
 )
-from pdserve.scheduler.messages import ErrorInfo
+from pdserve.scheduler.outbox_messages import ErrorInfo
 
 RETRY_AFTER_S = 1
 """``Retry-After`` of 503 answers: the live set refreshes twice a second, a retry soon may succeed."""

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from pdserve.router.api.tools import ToolStream, ToolUse
-from pdserve.scheduler.messages import LogprobInfo, RequestDelta, Timing, Usage
+from pdserve.scheduler.outbox_messages import LogprobInfo, RequestDelta, Timing, Usage
 
 DONE = b"data: [DONE]\n\n"
 

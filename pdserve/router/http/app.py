@@ -47,7 +47,7 @@ from pdserve.router.http.settings import RouterSettings
 from pdserve.router.http.state import RouterState
 from pdserve.router.http.tenants import ANONYMOUS, TENANT, key_digest
 from pdserve.router.http.tokenize import TokenizeEndpoint
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from starlette.datastructures import QueryParams, UploadFile
 from starlette.requests import ClientDisconnect
 
 from pdserve.batchstore.batches import ENDPOINTS, BatchObject, BatchStore, window_seconds
-from pdserve.batchstore.files import CHUNK_BYTES, HOLD_GRACE_S, PURPOSES, FileObject, FileStore, new_id
+from pdserve.batchstore.file_object import HOLD_GRACE_S, PURPOSES, FileObject, new_id
+from pdserve.batchstore.files import CHUNK_BYTES, FileStore
 from pdserve.errors import ControlPlaneError, InvalidRequestError, NotFoundError, PdserveError
 from pdserve.router.api.errors import BodyTooLargeError, NoCapacityError
 from pdserve.router.api.request_fields import validate_body
@@ -42,7 +43,7 @@ from pdserve.router.http.asgi import (
 )
 from pdserve.router.http.state import RouterState
 from pdserve.router.http.tenants import tenant_of
-from pdserve.scheduler.connection import redis_errors
+from pdserve.scheduler.redis_server import redis_errors
 
 logger = logging.getLogger(__name__)
 

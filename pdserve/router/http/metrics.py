@@ -17,12 +17,12 @@ from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.scheduler.messages import RequestDelta
+from pdserve.scheduler.outbox_messages import RequestDelta
 
 if TYPE_CHECKING:
     from pdserve.router.routing.policies import PolicyRequest
     from pdserve.router.routing.selection import Route
-    from pdserve.scheduler.messages import InstanceInfo
+    from pdserve.scheduler.registration import InstanceInfo
     from pdserve.scheduler.registry import LiveSetCache
 
 LATENCY_BUCKETS = (

@@ -11,7 +11,7 @@ from starlette.types import ASGIApp
 from pdserve.errors import ConfigError
 from pdserve.router.http.app import create_app
 from pdserve.router.http.settings import RouterSettings, settings_from_args
-from pdserve.scheduler.redis_settings import RedisSettings
+from pdserve.scheduler.redis_client import RedisSettings
 
 logger = logging.getLogger(__name__)
 

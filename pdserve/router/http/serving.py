@@ -37,7 +37,7 @@ from pdserve.router.http.state import RouterState
 from pdserve.router.http.tenants import tenant_of, tenant_salt
 from pdserve.router.routing.generation import RoutedGeneration, open_generations
 from pdserve.router.routing.selection import model_len, resolve_model, vocab_size
-from pdserve.scheduler.messages import ErrorInfo, RequestDelta, Timing
+from pdserve.scheduler.outbox_messages import ErrorInfo, RequestDelta, Timing
 
 logger = logging.getLogger(__name__)
 

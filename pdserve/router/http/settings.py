@@ -12,7 +12,7 @@ import secrets
 import socket
 from pathlib import Path
 
-from pdserve.batchstore.files import DEFAULT_FILE_TTL_S, DEFAULT_MAX_FILE_BYTES
+from pdserve.batchstore.file_object import DEFAULT_FILE_TTL_S, DEFAULT_MAX_FILE_BYTES
 from pdserve.batchstore.owners import DEFAULT_QUOTA_BATCHES, DEFAULT_QUOTA_FILES, Quotas
 from pdserve.errors import ConfigError
 from pdserve.flags import add_flags, from_args, setting
@@ -20,14 +20,14 @@ from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL
 from pdserve.priority import PREPARE_NICE, PREPARE_NICE_HELP
 from pdserve.router.routing.policies import POLICY_NAMES, PrefixWeights
 from pdserve.router.routing.prefix_lookup import INDEX_KINDS
-from pdserve.scheduler.connection import (
+from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
+from pdserve.scheduler.redis_client import (
+    DEFAULT_URL,
     NO_WAIT,
     WAIT_REPLICAS_HELP,
     WAIT_TIMEOUT_HELP,
     ReplicaWait,
 )
-from pdserve.scheduler.keys import DEFAULT_CLUSTER, validate_id
-from pdserve.scheduler.redis_settings import DEFAULT_URL
 from pdserve.scheduler.registry import DEFAULT_TTL_S
 
 MIB = 1024 * 1024

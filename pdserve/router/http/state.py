@@ -22,11 +22,11 @@ from pdserve.router.http.metrics import RouterMetrics
 from pdserve.router.http.settings import RouterSettings
 from pdserve.router.http.traffic import TrafficWindow
 from pdserve.router.routing.dispatch import Dispatcher
-from pdserve.scheduler.connection import outage_limit_s, wait_for_redis
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.messages import RouterInfo
 from pdserve.scheduler.outbox_reader import OutboxReader
-from pdserve.scheduler.redis_settings import RedisClient, RedisSettings
+from pdserve.scheduler.redis_client import RedisClient, RedisSettings
+from pdserve.scheduler.redis_server import outage_limit_s, wait_for_redis
+from pdserve.scheduler.registration import RouterInfo
 from pdserve.scheduler.registry import Heartbeat, InstanceRegistry, LiveSetCache, RouterRegistry
 
 logger = logging.getLogger(__name__)

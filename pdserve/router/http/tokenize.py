@@ -34,7 +34,9 @@ from pdserve.router.http.asgi import (
 from pdserve.router.http.state import RouterState
 from pdserve.router.routing.selection import model_len, resolve_model
 from pdserve.sampling_params import MAX_TOKEN_ID, shown
-from pdserve.scheduler.messages import InstanceInfo, RequestDelta, Tokenize
+from pdserve.scheduler.inbox_messages import Tokenize
+from pdserve.scheduler.outbox_messages import RequestDelta
+from pdserve.scheduler.registration import InstanceInfo
 
 TOKENIZE_TIMEOUT_S = 30.0
 

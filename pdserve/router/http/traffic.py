@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.router.http.metrics import ITL_BUCKETS, LATENCY_BUCKETS, RouterMetrics
-from pdserve.scheduler.messages import TrafficInfo
+from pdserve.scheduler.registration import TrafficInfo
 
 
 class _Snapshot:

@@ -23,11 +23,12 @@ from pdserve.router.routing.prompt_ids import PromptTokenizer
 from pdserve.router.routing.selection import Route, Selector
 from pdserve.router.routing.sender import InboxSender
 from pdserve.router.routing.shadow import ShadowVerifier
+from pdserve.scheduler.inbox_messages import Abort, PeerInfo
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.messages import Abort, InstanceInfo, PeerInfo
 from pdserve.scheduler.outbox_reader import OutboxReader
 from pdserve.scheduler.prefix_index import PrefixIndex
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.registration import InstanceInfo
 from pdserve.scheduler.registry import LiveSetCache
 from pdserve.scheduler.tasks import cancel_and_wait
 

@@ -30,14 +30,8 @@ from pdserve.router.routing.selection import Route
 from pdserve.router.routing.shadow import Served
 from pdserve.router.routing.worker_contract import attempt_message
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.messages import (
-    ANY_ATTEMPT,
-    ErrorInfo,
-    GenerateRequest,
-    LogprobInfo,
-    RequestDelta,
-    Usage,
-)
+from pdserve.scheduler.inbox_messages import GenerateRequest
+from pdserve.scheduler.outbox_messages import ANY_ATTEMPT, ErrorInfo, LogprobInfo, RequestDelta, Usage
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pdserve.errors import ControlPlaneError
 from pdserve.router.routing.policies import PolicyRequest
 from pdserve.router.routing.prompt_ids import PromptTokenizer
 from pdserve.router.routing.selection import Route
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo
 
 log = logging.getLogger(__name__)
 

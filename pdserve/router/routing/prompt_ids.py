@@ -27,9 +27,9 @@ import orjson
 from pdserve.errors import ConfigError
 from pdserve.priority import PREPARE_NICE, preparation_pool
 from pdserve.router.routing.policies.base import PolicyRequest
-from pdserve.scheduler.connection import redis_errors
 from pdserve.scheduler.keys import Keys
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.redis_client import RedisClient
+from pdserve.scheduler.redis_server import redis_errors
 from pdserve.tokenizer import Tokenizer, tokenizer_digest, unpack_tokenizer_files
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pdserve.errors import InvalidRequestError
 from pdserve.router.api.errors import ModelNotFoundError, NoCapacityError
 from pdserve.router.routing.policies import Policy, PolicyRequest, PrefixCache, PrefixWeights, make_policy
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,12 @@ import time
 from typing import Any
 
 from pdserve.errors import ControlPlaneError, InvalidRequestError
-from pdserve.scheduler.connection import NO_WAIT, RedisObserver, ReplicaWait
+from pdserve.scheduler.inbox_messages import InboxMessage
 from pdserve.scheduler.keys import Keys
 from pdserve.scheduler.lean_redis import lean_connection, pack
-from pdserve.scheduler.messages import InboxMessage, encode
-from pdserve.scheduler.redis_settings import RedisClient
+from pdserve.scheduler.messages import encode
+from pdserve.scheduler.redis_client import NO_WAIT, RedisClient, ReplicaWait
+from pdserve.scheduler.redis_server import RedisObserver
 from pdserve.scheduler.streams import pack_inbox_send, send_to_inbox
 
 logger = logging.getLogger(__name__)

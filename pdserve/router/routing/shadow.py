@@ -36,8 +36,10 @@ from pdserve.router.http.settings import RouterSettings
 from pdserve.router.routing.selection import Route, model_mismatch
 from pdserve.router.routing.sender import InboxSender
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.messages import Abort, GenerateRequest, InstanceInfo, LogprobInfo, VerifyInfo
+from pdserve.scheduler.inbox_messages import Abort, GenerateRequest
+from pdserve.scheduler.outbox_messages import LogprobInfo
 from pdserve.scheduler.outbox_reader import OutboxReader
+from pdserve.scheduler.registration import InstanceInfo, VerifyInfo
 from pdserve.scheduler.registry import LiveSetCache
 
 logger = logging.getLogger(__name__)

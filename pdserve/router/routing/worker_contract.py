@@ -39,7 +39,7 @@ from pdserve.router.api.protocol import ParsedPrompt
 from pdserve.router.routing.dispatch import Dispatcher
 from pdserve.router.routing.selection import Route
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.messages import DisaggregateInfo, GenerateRequest, PhaseDeadlines
+from pdserve.scheduler.inbox_messages import DisaggregateInfo, GenerateRequest, PhaseDeadlines
 
 
 def attempt_message(

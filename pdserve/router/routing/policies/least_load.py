@@ -6,7 +6,7 @@ import random
 from collections.abc import Mapping, Sequence
 
 from pdserve.router.routing.policies.base import PolicyRequest, Stage
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo
 
 
 def requests_on(info: InstanceInfo, in_flight: Mapping[str, int]) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from pdserve.router.routing.policies.base import PolicyRequest, Stage
 from pdserve.router.routing.policies.least_load import LeastLoad, requests_on
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo
 
 PREFIX_CHARS = 256
 """Characters of a text prompt (or of a chat's messages) that make its key."""

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 from pdserve.router.routing.policies.base import PolicyRequest, PrefixWeights, Stage
 from pdserve.router.routing.policies.least_load import requests_on
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

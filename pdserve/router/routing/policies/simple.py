@@ -6,7 +6,7 @@ import random
 from collections.abc import Mapping, Sequence
 
 from pdserve.router.routing.policies.base import PolicyRequest
-from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo
 
 
 class RoundRobin:

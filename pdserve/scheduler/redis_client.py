@@ -1,11 +1,13 @@
-"""Where Redis is: a URL parsed into :class:`RedisSettings`, which makes the asyncio client the rest
-of pdserve uses (:data:`RedisClient`), and the addresses shown in messages, never with a password.
+"""Where Redis is and the client for it: a URL parsed into :class:`RedisSettings`, which makes the
+asyncio client the rest of pdserve uses (:data:`RedisClient`), and :class:`ReplicaWait`, the setting
+that makes writes wait for replicas. A reader follows URL → settings → client here, in that order;
+what a client then says to its server is redis_server.py's.
 
 Three deployments, one client type to the rest of pdserve: a single server (``redis://``,
 ``rediss://``, ``unix://``), a primary found through Redis Sentinel (``redis+sentinel://``: every new
 connection asks the Sentinels where the primary is, so a failover needs no restart), and a Redis
 Cluster (``redis+cluster://``: commands and pipelines are routed to the shard owning each key's slot).
-What a client then learns from its server, and how its errors are reported, is connection.py's.
+URLs are shown in messages without their password (:func:`redact_url`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 from redis.sentinel import Sentinel as SyncSentinel
 
-from pdserve.errors import ConfigError
+from pdserve.errors import ConfigError, ControlPlaneError
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 RedisClient: TypeAlias = "aioredis.Redis | aioredis.RedisCluster"
@@ -268,30 +270,6 @@ class RedisSettings:
         return redis.Redis(host=self.host, port=self.port, **kwargs)
 
 
-def redis_address(client: RedisClient) -> str:
-    """Where a client points, for messages (never includes the password)."""
-    if isinstance(client, aioredis.RedisCluster):
-        nodes = ",".join(
-            sorted(node.name for node in client.get_nodes()) or client.nodes_manager.startup_nodes
-        )
-        return f"cluster {nodes}"
-    pool = client.connection_pool
-    kw = pool.connection_kwargs
-    if isinstance(pool, SentinelConnectionPool):
-        sentinels = ",".join(
-            _join_host(
-                s.connection_pool.connection_kwargs.get("host", "?"),
-                s.connection_pool.connection_kwargs.get("port", "?"),
-            )
-            for s in pool.sentinel_manager.sentinels
-        )
-        primary = f", primary {_join_host(*pool.master_address)}" if pool.master_address else ""
-        return f"service {pool.service_name!r} via Sentinels {sentinels}{primary} (db {kw.get('db', 0)})"
-    if kw.get("path"):
-        return f"unix://{kw['path']}?db={kw.get('db', 0)}"
-    return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
-
-
 def _query(query_string: str, known: tuple[str, ...]) -> dict[str, str]:
     query = {k: v[-1] for k, v in parse_qs(query_string).items()}
     unknown = sorted(set(query) - set(known))
@@ -365,3 +343,54 @@ def redact_url(url: str) -> str:
     if at and ":" in userinfo:
         netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
     return re.sub(r"(?<=sentinel_password=)[^&]*", "***", f"{scheme}{sep}{netloc}{slash}{tail}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaWait:
+    """``WAIT replicas timeout_ms`` after a batch of writes, on the same connection in the same round
+    trip: the writes count as done only once ``replicas`` replicas hold them, so a failover to one
+    of those replicas keeps them (Redis replication is otherwise asynchronous). ``replicas`` 0: off.
+    """
+
+    replicas: int = 0
+    timeout_ms: int = 500
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0 or self.timeout_ms < 1:
+            raise ConfigError(
+                f"--redis-wait-replicas must be >= 0 and --redis-wait-timeout-ms >= 1, "
+                f"got {self.replicas} and {self.timeout_ms}"
+            )
+
+    def check_url(self, url: str) -> None:
+        """A cluster pipeline spreads writes over shards; one WAIT cannot cover them all."""
+        if self.replicas and url and RedisSettings.from_url(url).mode == "cluster":
+            raise ConfigError(
+                "--redis-wait-replicas needs one primary (redis://, redis+sentinel://): on a Redis Cluster "
+                "each shard would need its own WAIT"
+            )
+
+    def stage(self, pipe: RedisPipeline) -> bool:
+        """Queue the WAIT as the pipeline's last command; True if one was queued."""
+        if self.replicas:
+            pipe.execute_command("WAIT", self.replicas, self.timeout_ms)
+        return bool(self.replicas)
+
+    def check(self, acknowledged: object, what: str) -> None:
+        """Raise ControlPlaneError when WAIT's reply says fewer replicas than asked hold the writes."""
+        if isinstance(acknowledged, BaseException):
+            raise ControlPlaneError(f"Redis failed while {what}: {acknowledged}")
+        if not isinstance(acknowledged, int) or acknowledged < self.replicas:
+            raise ControlPlaneError(
+                f"{what}: {acknowledged} of {self.replicas} replicas acknowledged within {self.timeout_ms} ms "
+                "(a failover could lose it)"
+            )
+
+
+NO_WAIT = ReplicaWait()
+WAIT_REPLICAS_HELP = (
+    "make every inbox send and outbox publish wait until this many replicas hold it (Redis WAIT), so "
+    "a Sentinel failover cannot lose a message already counted as sent; a write not replicated in time "
+    "fails (retried). 0: off (default %(default)s)"
+)
+WAIT_TIMEOUT_HELP = "how long --redis-wait-replicas waits, in ms (default %(default)s)"
