@@ -23,18 +23,19 @@ from pdserve.engine.batcher import Batch, Batcher, BatcherConfig, blocks_for
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from pdserve.engine.disk_tier import DiskTier
+from pdserve.engine.executor import Platform
 from pdserve.engine.grammar import GrammarMatcher, Grammars
-from pdserve.engine.host_tier import HostTier, TierNamespace
 from pdserve.engine.memory import resident_bytes
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.model_config import ModelConfig
+from pdserve.engine.models.weights import weights_digest
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
-from pdserve.engine.platform import Platform, resolve_device
+from pdserve.engine.platform import select_platform
 from pdserve.engine.sampler import Sample, Sampler, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step_sampling import StepSampling
-from pdserve.engine.tier_reader import TierReader
-from pdserve.engine.weights import weights_digest
+from pdserve.engine.tiers.disk_tier import DiskTier
+from pdserve.engine.tiers.host_tier import HostTier, TierNamespace
+from pdserve.engine.tiers.tier_reader import TierReader
 from pdserve.errors import EngineError, InvalidRequestError, RequestTooLongError
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
@@ -49,19 +50,6 @@ class _Request:
     stop: StopStringMatcher
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """One per prompt position, filled as its prefill chunks run; handed out with the first token."""
-
-
-def select_platform(config: EngineConfig) -> Platform:
-    """The platform ``config.device`` names (``auto`` resolved here)."""
-    assert config.device is not None  # EngineConfig.__post_init__ resolves it
-    device = resolve_device(config.device)
-    if device == "cuda":
-        from pdserve.engine.torch_executor import TorchPlatform
-
-        return TorchPlatform(f"cuda:{config.gpu or 0}")
-    from pdserve.engine.paddle_executor import PaddlePlatform
-
-    return PaddlePlatform()
 
 
 class LLMEngine:

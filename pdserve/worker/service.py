@@ -21,8 +21,8 @@ from typing import Any
 
 from pdserve.cache_transfer import shm, transports
 from pdserve.cache_transfer.base import LocalCache
-from pdserve.engine.disk_tier import tier_id
 from pdserve.engine.outputs import EngineLoad
+from pdserve.engine.tiers.disk_tier import tier_id
 from pdserve.errors import ConfigError, ControlPlaneError, EngineError
 from pdserve.scheduler import (
     DiskTierInfo,
