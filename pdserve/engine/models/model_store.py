@@ -57,7 +57,12 @@ FETCHED_PRESETS = {
         size_mb=93,
     ),  # HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0), its Q4_1 GGUF
 }
-MADE_PRESETS = ("tiny", "small", "smollm2-shape", "llama3-8b-shape")  # pdserve.engine.models.model_init writes these
+MADE_PRESETS = (
+    "tiny",
+    "small",
+    "smollm2-shape",
+    "llama3-8b-shape",
+)  # pdserve.engine.models.model_init writes these
 SEEDED_PRESETS = ("smollm2-shape", "llama3-8b-shape")  # made without weight files (generated at load)
 PRESETS = (*FETCHED_PRESETS, *MADE_PRESETS)
 MODEL_HELP = (

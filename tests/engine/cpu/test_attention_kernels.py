@@ -18,7 +18,8 @@ from pdserve import SamplingParams
 from pdserve.engine.batcher import blocks_for
 from pdserve.engine.block_manager import NULL_BLOCK
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu.attention import AttentionKernels, select_attention
+from pdserve.engine.cpu.attention import select_attention
+from pdserve.engine.cpu.compiled_attention import AttentionKernels
 from pdserve.engine.cpu.host_cpu import Kernels
 from pdserve.engine.cpu.kv_cache import KVCache
 from pdserve.engine.cpu.paddle_model import Model
