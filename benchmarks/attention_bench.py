@@ -24,7 +24,7 @@ from step_timing import median_step_ms
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.model_init import init_model
+from pdserve.engine.models.model_init import init_model
 
 CTX = 512
 BATCHES = (1, 8, 32)

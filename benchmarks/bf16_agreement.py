@@ -39,7 +39,7 @@ TEXT_PROMPT = (
 
 
 def real_checkpoint(preset: str) -> bool:
-    from pdserve.engine.model_store import FETCHED_PRESETS
+    from pdserve.engine.models.model_store import FETCHED_PRESETS
 
     return preset in FETCHED_PRESETS
 
@@ -47,8 +47,8 @@ def real_checkpoint(preset: str) -> bool:
 def model_folder(preset: str, models: Path) -> Path:
     """A made preset under ``models`` (seeded weights for the shaped ones), or the real checkpoint
     from pdserve's model cache (fetched and imported there the first time)."""
-    from pdserve.engine.model_init import init_model
-    from pdserve.engine.model_store import SEEDED_PRESETS, resolve_model
+    from pdserve.engine.models.model_init import init_model
+    from pdserve.engine.models.model_store import SEEDED_PRESETS, resolve_model
 
     if real_checkpoint(preset):
         return resolve_model(preset).path
@@ -60,8 +60,8 @@ def model_folder(preset: str, models: Path) -> Path:
 
 def new_engine(folder: Path, dtype: str, device: str, max_len: int) -> Any:
     from pdserve.engine.config import EngineConfig
+    from pdserve.engine.cuda.torch_executor import TorchPlatform
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.torch_executor import TorchPlatform
 
     config = EngineConfig(
         device="cpu" if device == "cpu" else "cuda",

@@ -1,7 +1,7 @@
 """The bare baseline of engine_bench.py: the model's forward over a dense per-sequence KV cache.
 
 No batcher, no block tables, no sampling or detokenization: the same weights, norms, RoPE and MLP
-as ``pdserve.engine.model.Model`` (its own methods, the same kernel choice), with K/V kept per
+as ``pdserve.engine.cpu.paddle_model.Model`` (its own methods, the same kernel choice), with K/V kept per
 sequence in a dense ``[batch, kv_heads, max_len, head_dim]`` tensor per layer and greedy argmax.
 What the engine adds on top of this is what the benchmark's ratio measures.
 """
@@ -14,13 +14,13 @@ import numpy as np
 from step_timing import decode_figures, median_step_ms
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kernels.cpu import choose_kernels
-from pdserve.engine.kernels.paddle_setup import HOST, paddle
-from pdserve.engine.kernels.paddle_setup import functional as F
-from pdserve.engine.model import Model
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.paddle_executor import set_threads
-from pdserve.engine.weights import load_weights
+from pdserve.engine.cpu.host_cpu import choose_kernels
+from pdserve.engine.cpu.paddle_executor import set_threads
+from pdserve.engine.cpu.paddle_model import Model
+from pdserve.engine.cpu.paddle_setup import HOST, paddle
+from pdserve.engine.cpu.paddle_setup import functional as F
+from pdserve.engine.models.model_config import ModelConfig
+from pdserve.engine.models.weights import load_weights
 
 
 class DenseRunner:

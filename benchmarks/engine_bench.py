@@ -238,9 +238,9 @@ def main() -> int:
         ap.error(
             f"--vllm-python {args.vllm_python}: no such file (create it: bash benchmarks/vllm_cpu_env.sh)"
         )
-    from pdserve.engine.kernels.paddle_setup import HOST, TUNING
-    from pdserve.engine.model_init import init_model
-    from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+    from pdserve.engine.cpu.paddle_setup import HOST, TUNING
+    from pdserve.engine.models.model_init import init_model
+    from pdserve.engine.models.model_store import DEFAULT_MODEL, resolve_model
 
     variants = [("as is", {}), *args.env]
     report: dict = {

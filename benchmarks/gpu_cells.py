@@ -179,7 +179,7 @@ def free_memory(o: Opts) -> None:
 # ---- models ------------------------------------------------------------------------------------
 def preset_name(want: str) -> str:
     """The model_init preset for ``want`` (the contract's name or the one the presets carry)."""
-    from pdserve.engine.model_init import PRESETS
+    from pdserve.engine.models.model_init import PRESETS
 
     for name in ALIASES.get(want, (want,)):
         if name in PRESETS:
@@ -189,7 +189,7 @@ def preset_name(want: str) -> str:
 
 def model_dir(o: Opts, want: str) -> Path:
     """A seeded folder of preset ``want`` (``NAME-2l``: NAME with 2 layers), made once under --models."""
-    from pdserve.engine.model_init import init_model
+    from pdserve.engine.models.model_init import init_model
 
     layers = None
     if want.endswith("-2l"):
@@ -213,7 +213,7 @@ def new_engine(o: Opts, folder: Path, **config: Any) -> Any:
     from pdserve.engine.llm_engine import LLMEngine
 
     if o.device == "cpu":
-        from pdserve.engine.torch_executor import TorchPlatform
+        from pdserve.engine.cuda.torch_executor import TorchPlatform
 
         return LLMEngine(folder, EngineConfig(device="cpu", **config), platform=TorchPlatform("cpu"))
     return LLMEngine(folder, EngineConfig(device="cuda", **config))

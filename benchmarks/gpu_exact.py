@@ -35,7 +35,7 @@ def real_checkpoint(want: str) -> Path | None:
     """The real SmolLM2-135M-Instruct where pdserve's model cache on this machine holds its import
     (PDSERVE_CACHE_DIR; never fetched here): the agreement is measured on it, since seeded random
     weights in its shape collapse to one repeated token (benchmarks/bf16_agreement.py)."""
-    from pdserve.engine.model_store import FETCHED_PRESETS, models_dir
+    from pdserve.engine.models.model_store import FETCHED_PRESETS, models_dir
 
     if want != "smollm2-135m":
         return None

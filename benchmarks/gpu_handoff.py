@@ -74,7 +74,7 @@ def job_handoff(rec: Recorder, o: Opts, preset: str | None) -> None:
         torch = torch_setup(o)
         import multiprocessing as mp
 
-        from pdserve.engine.model_init import PRESETS
+        from pdserve.engine.models.model_init import PRESETS
 
         cfg = PRESETS[preset_name("llama3-8b")]
         block_size, itemsize = 16, 2

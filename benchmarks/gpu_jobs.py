@@ -293,7 +293,7 @@ def job_eager(rec: Recorder, o: Opts, preset: str) -> None:
             from transformers import LlamaConfig, LlamaForCausalLM
         except ImportError as e:
             raise Skip(f"transformers is not installed ({e})") from None
-        from pdserve.engine.weights import hf_tensors
+        from pdserve.engine.models.weights import hf_tensors
         from pdserve.tokenizer import Tokenizer
 
         folder = model_dir(o, preset)

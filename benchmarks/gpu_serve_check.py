@@ -101,7 +101,7 @@ def free_port() -> int:
 
 
 def seeded_model(preset: str, models: Path) -> Path:
-    from pdserve.engine.model_init import PRESETS, init_model
+    from pdserve.engine.models.model_init import PRESETS, init_model
 
     names = ALIASES if preset in ALIASES else (preset,)
     name = next((n for n in names if n in PRESETS), None)

@@ -164,7 +164,7 @@ def main() -> int:
     args = ap.parse_args()
     trees = [t.resolve() for t in (args.tree or [ROOT])]
 
-    from pdserve.engine.model_init import init_model
+    from pdserve.engine.models.model_init import init_model
     from pdserve.localredis.embedded import EmbeddedRedis
 
     rng = random.Random(0)

@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "int8_accuracy.json")
     args = ap.parse_args()
     from pdserve import LLM, SamplingParams
-    from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+    from pdserve.engine.models.model_store import DEFAULT_MODEL, resolve_model
 
     model = resolve_model(DEFAULT_MODEL).path
     greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)

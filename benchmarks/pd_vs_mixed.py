@@ -33,7 +33,7 @@ def main() -> int:
 
     from pdserve import bench
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.models.model_store import resolve_model
     from pdserve.localredis.embedded import free_port
     from pdserve.stack import Stack, StackSpec
     from pdserve.tokenizer import Tokenizer

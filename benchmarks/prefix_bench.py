@@ -278,7 +278,7 @@ def run_config(
 
 def _block_bytes(model_dir: Path, block_size: int) -> int:
     from pdserve.engine.kv_layout import block_bytes
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.models.model_config import ModelConfig
 
     return block_bytes(ModelConfig.from_dir(model_dir), block_size)
 
@@ -349,7 +349,7 @@ def main() -> int:
     if unknown:
         ap.error(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
 
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.models.model_store import resolve_model
     from pdserve.tokenizer import Tokenizer
 
     model = resolve_model(args.model)

@@ -182,7 +182,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.models.model_store import resolve_model
     from pdserve.localredis.embedded import free_port
     from pdserve.stack import Stack, StackSpec
 

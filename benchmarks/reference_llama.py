@@ -7,7 +7,7 @@ SwiGLU MLP + residual; final RMSNorm and lm_head), widened to every preset pdser
 ``lm_head``, q/k/v and MLP biases, and ERNIE-4.5's interleaved RoPE (each pair of adjacent
 dimensions rotated together, as transformers' Ernie4_5 does it; pdserve instead permutes q/k rows
 at load and rotates halves, so the two paths are independent). Weights come under their Hugging
-Face names from ``pdserve.engine.weights.hf_tensors`` (seeded presets included). No KV cache: one causal forward over
+Face names from ``pdserve.engine.models.weights.hf_tensors`` (seeded presets included). No KV cache: one causal forward over
 prompt + generated tokens gives the logits of every step at once.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.engine.weights import hf_tensors
+from pdserve.engine.models.weights import hf_tensors
 
 INTERLEAVED_ROPE = {"Ernie4_5ForCausalLM"}
 

@@ -313,7 +313,7 @@ def main() -> int:
     ap.add_argument("--peers-venv", type=Path, default=Path.home() / ".cache" / "pdserve" / "peers-venv")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "router_overhead.json")
     args = ap.parse_args()
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.models.model_store import resolve_model
 
     systems = args.systems.split(",")
     if args.workers == "model" and {"sglang", "vllm"} & set(systems):

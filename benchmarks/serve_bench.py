@@ -283,7 +283,7 @@ def main() -> int:
     if bad:
         ap.error(f"--workloads: unknown {', '.join(sorted(bad))}")
 
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.models.model_store import resolve_model
     from pdserve.tokenizer import Tokenizer
 
     model_dir = resolve_model("smollm2-135m").path

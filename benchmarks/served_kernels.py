@@ -59,7 +59,7 @@ def main() -> int:
 
     from pdserve import bench
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.model_init import init_model
+    from pdserve.engine.models.model_init import init_model
     from pdserve.localredis.embedded import free_port
     from pdserve.stack import Stack, StackSpec
     from pdserve.tokenizer import Tokenizer

@@ -161,7 +161,7 @@ def main() -> int:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.detokenizer import StopStringMatcher
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.model_init import init_model
+    from pdserve.engine.models.model_init import init_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or Path(tmp) / "tiny"

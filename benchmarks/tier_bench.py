@@ -78,8 +78,8 @@ def run_config(
     name: str, args: argparse.Namespace, model_dir: Path, pool_blocks: int, host_bytes: int, block_bytes: int
 ) -> dict:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.disk_tier import HEADER
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.tiers.disk_tier import HEADER
     from pdserve.sampling_params import SamplingParams
 
     disk_dir = tempfile.mkdtemp(prefix="tier-bench-") if name == "disk" else ""
@@ -186,8 +186,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from pdserve.engine.kv_layout import block_bytes
-    from pdserve.engine.model_config import ModelConfig
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.models.model_config import ModelConfig
+    from pdserve.engine.models.model_store import resolve_model
 
     model_dir = Path(resolve_model(args.model).path)
     bb = block_bytes(ModelConfig.from_dir(model_dir), BLOCK)

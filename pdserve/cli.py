@@ -67,7 +67,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     # here, not at the top: importing pdserve.cli loads no worker code (both modules are light)
     from pdserve.batch.settings import BatchWorkerSettings
-    from pdserve.engine.model_store import MODEL_HELP, PRESETS
+    from pdserve.engine.models.model_store import MODEL_HELP, PRESETS
     from pdserve.scheduler.redis_client import DEFAULT_URL
     from pdserve.stack import StackSpec
     from pdserve.worker.settings import WorkerSettings

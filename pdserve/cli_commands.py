@@ -41,8 +41,8 @@ def sampling_params(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 # ---- pdserve model init -------------------------------------------------------------------------
 def cmd_model_init(args: argparse.Namespace) -> int:
-    from pdserve.engine.model_init import init_model
-    from pdserve.engine.model_store import FETCHED_PRESETS, fetch_preset
+    from pdserve.engine.models.model_init import init_model
+    from pdserve.engine.models.model_store import FETCHED_PRESETS, fetch_preset
 
     if args.preset in FETCHED_PRESETS:
         if args.seeded:
@@ -57,7 +57,7 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 
 def cmd_model_import(args: argparse.Namespace) -> int:
-    from pdserve.engine.model_store import import_source
+    from pdserve.engine.models.model_store import import_source
 
     path = import_source(args.source, args.dir, overwrite=args.overwrite)
     print(f"imported {args.source} to {path}")
@@ -69,7 +69,7 @@ def resolve_model_flag(
 ) -> str:
     """Make ``--model`` (``args.<dest>``) a folder, importing or fetching it on first use; returns
     the name clients should use for it."""
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.models.model_store import resolve_model
 
     try:
         resolved = resolve_model(getattr(args, dest), check=check)

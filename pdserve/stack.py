@@ -27,8 +27,8 @@ from typing import NoReturn
 import httpx
 
 from pdserve.cache_transfer import shm
-from pdserve.engine.kernels.cpu import usable_cores
-from pdserve.engine.model_store import ResolvedModel, resolve_model
+from pdserve.engine.cpu.host_cpu import usable_cores
+from pdserve.engine.models.model_store import ResolvedModel, resolve_model
 from pdserve.errors import ConfigError
 from pdserve.flags import env, to_argv
 from pdserve.localredis.embedded import EmbeddedRedis, dies_with_parent, free_port, port_is_free

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from pdserve.engine.model_store import cache_dir
+from pdserve.engine.models.model_store import cache_dir
 
 
 def record_path(pid: int | None = None) -> Path:

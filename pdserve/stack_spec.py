@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP
+from pdserve.engine.models.model_store import DEFAULT_MODEL, MODEL_HELP
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
 from pdserve.planner.settings import plan_default

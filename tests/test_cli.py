@@ -706,7 +706,7 @@ def test_the_kernel_compile_says_it_takes_a_minute(monkeypatch, caplog) -> None:
     """A worker's first start on a CPU compiles the numba kernels (about a minute): it says so, and
     how long it took, rather than sit silent while requests get 503."""
     pytest.importorskip("numba")
-    from pdserve.engine.kernels import attention
+    from pdserve.engine.cpu import attention
 
     monkeypatch.setattr(attention, "_compiled", None)  # as in a fresh worker process
     with caplog.at_level(logging.INFO, logger=attention.__name__):

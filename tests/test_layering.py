@@ -7,6 +7,9 @@ engine or worker code (docs/design.md, "Layout"). ``errors``, ``flags``, ``sampl
 ``block_hash`` and ``tokenizer`` are leaves every layer may use; ``cli``, ``cli_commands``, ``stack``,
 ``status``, ``bench`` and the package root are the composition root and may import anything. No
 import cycle inside the package, counting imports inside functions and under ``TYPE_CHECKING``.
+Inside the engine: the core, ``models/`` and ``tiers/`` name no tensor library and no platform
+package, ``cpu/`` (Paddle) never names torch, Triton or ``cuda/``, ``cuda/`` (torch) never names
+Paddle, numba or ``cpu/``; ``platform`` is the seam, naming the platforms inside functions only.
 """
 
 from __future__ import annotations
@@ -179,6 +182,103 @@ def test_imports_follow_the_rule(path: Path) -> None:
             assert layer(target) in ALLOWED[mine], f"{me}:{line} imports {target} ({mine} -> {layer(target)})"
 
 
+# The engine's groups (docs/design.md, "Layout"): a device-free core, models/ (model sources),
+# tiers/ (KV tiers), cpu/ (the Paddle platform) and cuda/ (the torch platform). Per group, what no
+# import statement in it may name (module level, inside functions, under TYPE_CHECKING alike).
+DEVICE_LIBRARIES = ("paddle", "torch", "numba", "llvmlite", "triton")
+ENGINE_GROUP_FORBIDS = {
+    "core": (*DEVICE_LIBRARIES, "pdserve.engine.cpu", "pdserve.engine.cuda"),
+    "models": (*DEVICE_LIBRARIES, "pdserve.engine.cpu", "pdserve.engine.cuda"),
+    "tiers": (*DEVICE_LIBRARIES, "pdserve.engine.cpu", "pdserve.engine.cuda"),
+    "cpu": ("torch", "triton", "pdserve.engine.cuda"),
+    "cuda": ("paddle", "numba", "llvmlite", "pdserve.engine.cpu"),
+}
+# The seam: the one core module that may name the platforms (and torch, to probe for a GPU), and
+# only inside functions, so that importing it loads neither.
+SEAM = "pdserve.engine.platform"
+SEAM_MAY_NAME = ("torch", "pdserve.engine.cpu", "pdserve.engine.cuda")
+
+
+def engine_group(module: str) -> str:
+    """core, models, tiers, cpu or cuda for a module of pdserve.engine."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in ENGINE_GROUP_FORBIDS else "core"
+
+
+def names(target: str, prefix: str) -> bool:
+    return target == prefix or target.startswith(prefix + ".")
+
+
+def module_level_imports(path: Path) -> set[int]:
+    """Line numbers of the import statements outside every function (module and class bodies)."""
+    found: set[int] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.add(child.lineno)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def engine_group_violations(package: Path = PACKAGE) -> list[str]:
+    """Every import in pdserve.engine that its group's rule forbids."""
+    bad = []
+    for path in sorted((package / "engine").rglob("*.py")):
+        me = module_name(path, package)
+        forbidden = ENGINE_GROUP_FORBIDS[engine_group(me)]
+        top = module_level_imports(path)
+        for line, target in imports(path):
+            if me == SEAM and line not in top and any(names(target, s) for s in SEAM_MAY_NAME):
+                continue  # the seam, inside a function
+            if any(names(target, f) for f in forbidden):
+                bad.append(f"{me}:{line} imports {target} ({engine_group(me)})")
+    return bad
+
+
+def test_the_engine_groups_keep_to_their_side_of_the_seam() -> None:
+    """The core, models/ and tiers/ name no tensor library and no platform package; cpu/ never
+    names torch, Triton or cuda/; cuda/ never names Paddle, numba or cpu/; platform.py names the
+    platforms inside functions only."""
+    assert not engine_group_violations(), "\n".join(engine_group_violations())
+
+
+@pytest.mark.parametrize(
+    ("module", "added", "inside_a_function"),
+    [
+        ("llm_engine", "import pdserve.engine.cpu.paddle_executor", True),
+        ("platform", "import pdserve.engine.cuda.torch_executor", False),
+        ("platform", "import paddle", True),
+        ("sampler", "import torch", True),
+        ("models/weights", "import pdserve.engine.cuda.torch_cache", True),
+        ("models/weights", "import paddle", False),
+        ("tiers/host_tier", "import numba", True),
+        ("cpu/gemm", "import torch", True),
+        ("cpu/gemm", "import pdserve.engine.cuda.layer_ops", False),
+        ("cuda/torch_cache", "import paddle", True),
+        ("cuda/torch_cache", "import numba", False),
+        ("cuda/torch_cache", "from pdserve.engine.cpu.kv_cache import KVCache", True),
+    ],
+)
+def test_the_group_check_finds_an_import_added_on_purpose(
+    tmp_path: Path, module: str, added: str, inside_a_function: bool
+) -> None:
+    """The same check over a copy of the package with one forbidden import added."""
+    import shutil
+
+    copy = tmp_path / "pdserve"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    path = copy / "engine" / f"{module}.py"
+    line = f"\n\ndef _late() -> None:\n    {added}  # noqa\n" if inside_a_function else f"\n{added}  # noqa\n"
+    path.write_text(path.read_text() + line)
+    found = engine_group_violations(copy)
+    assert len(found) == 1 and added.split()[1] in found[0], found
+
+
 LOAD_CHECKS = {
     # module to import in a fresh interpreter -> what must not be loaded afterwards
     **{
@@ -211,12 +311,32 @@ LOAD_CHECKS = {
     },
     # the CPU path never loads torch, the torch (CUDA) path never loads Paddle
     **{
-        f"pdserve.engine.{m}": ("torch", "triton")
-        for m in ("paddle_executor", "platform", "model", "kv_cache", "model_runner", "step_input")
+        f"pdserve.engine.{m}": ("torch", "triton", "pdserve.engine.cuda")
+        for m in (
+            "cpu.paddle_executor",
+            "platform",
+            "cpu.paddle_model",
+            "cpu.kv_cache",
+            "model_runner",
+            "step_input",
+        )
     },
     **{
-        f"pdserve.engine.{m}": ("paddle", "redis", "pdserve.worker", "pdserve.router")
-        for m in ("torch_executor", "torch_model", "torch_cache", "cuda_graphs", "kernels.triton_attention")
+        f"pdserve.engine.{m}": (
+            "paddle",
+            "numba",
+            "redis",
+            "pdserve.engine.cpu",
+            "pdserve.worker",
+            "pdserve.router",
+        )
+        for m in (
+            "cuda.torch_executor",
+            "cuda.torch_model",
+            "cuda.torch_cache",
+            "cuda.cuda_graphs",
+            "cuda.triton_attention",
+        )
     },
     "pdserve.engine.config": ("paddle", "torch", "numba", "redis", "pdserve.worker"),
     "pdserve.sampling_params": ("paddle", "redis", "pdserve.worker", "pdserve.router"),
@@ -248,6 +368,38 @@ def test_imports_load_only_what_the_rule_allows() -> None:
         if bad:
             failures.append(f"import {module} loads {', '.join(bad[:5])}")
     assert not failures, "\n".join(failures)
+
+
+ENGINE_SIDES = {  # modules imported together in a fresh interpreter -> what must not load afterwards
+    "core": (*DEVICE_LIBRARIES, "pdserve.engine.cpu", "pdserve.engine.cuda"),
+    "models": (*DEVICE_LIBRARIES, "pdserve.engine.cpu", "pdserve.engine.cuda"),
+    "tiers": (*DEVICE_LIBRARIES, "pdserve.engine.cpu", "pdserve.engine.cuda"),
+    "cpu": ("torch", "triton", "pdserve.engine.cuda"),
+    "cuda": ("paddle", "numba", "llvmlite", "pdserve.engine.cpu"),
+}
+
+
+@pytest.mark.parametrize("group", sorted(ENGINE_SIDES))
+def test_importing_an_engine_group_loads_nothing_of_the_other_side(group: str) -> None:
+    """Every module of the group at once: the core, models/ and tiers/ load neither Paddle nor
+    torch (nor numba, Triton or a platform package); the CPU platform loads no torch, the CUDA
+    platform (where torch and Triton are installed) no Paddle and no numba."""
+    if group == "cuda":
+        pytest.importorskip("torch")
+        pytest.importorskip("triton")
+    members = [m for m in MODULES if m.startswith("pdserve.engine.") and engine_group(m) == group]
+    code = (
+        "import importlib, json, sys\n"
+        "for m in sys.argv[1:]:\n"
+        "    importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, *members], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded = __import__("json").loads(out.stdout)
+    forbidden = ENGINE_SIDES[group]
+    bad = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)]
+    assert members and not bad, f"importing {group} ({len(members)} modules) loads {', '.join(bad[:5])}"
 
 
 def test_batcher_and_block_manager_run_with_paddle_and_redis_blocked() -> None:

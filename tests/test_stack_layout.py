@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.engine.kernels.cpu import usable_cores
+from pdserve.engine.cpu.host_cpu import usable_cores
 from pdserve.errors import ConfigError
 from pdserve.flags import from_args
 from pdserve.stack_spec import StackSpec, worker_threads
@@ -95,8 +95,10 @@ def test_usable_cores_follow_the_affinity_mask() -> None:
     """taskset or a cpuset narrows what `up` and an engine count (os.cpu_count() would not): one
     allowed core, one thread for Paddle by default."""
     code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-    code += "from pdserve.engine.kernels.cpu import usable_cores; "
-    code += "from pdserve.engine.paddle_executor import set_threads; print(usable_cores(), set_threads(None))"
+    code += "from pdserve.engine.cpu.host_cpu import usable_cores; "
+    code += (
+        "from pdserve.engine.cpu.paddle_executor import set_threads; print(usable_cores(), set_threads(None))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )

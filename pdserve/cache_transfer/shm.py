@@ -295,7 +295,7 @@ class ShmWriter(KVTransport):
 
 class ShmBackend(TransportBackend):
     """Same host, one copy: a decode instance's cache already lives in a segment (the engine creates
-    it, ``engine/kv_cache.py``); its name is the endpoint, and peers attach to it and copy."""
+    it, ``engine/cpu/kv_cache.py``); its name is the endpoint, and peers attach to it and copy."""
 
     protocol = PROTOCOL
 

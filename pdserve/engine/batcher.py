@@ -65,7 +65,7 @@ class Batch:
 
 class ReadBack(Protocol):
     """The tiers below the pool that blocks can be read back from (the engine's host and disk
-    tiers, :class:`pdserve.engine.tier_reader.TierReader`)."""
+    tiers, :class:`pdserve.engine.tiers.tier_reader.TierReader`)."""
 
     def plan(self, hashes: list[bytes]) -> int:
         """How many leading ``hashes`` the tier holds (nothing read, nothing counted)."""

@@ -8,16 +8,17 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from pdserve.engine.kernels.attention import ATTENTION_MODES
-from pdserve.engine.kernels.cpu import KERNEL_MODES
-from pdserve.engine.kernels.fused_decode import DECODE_MODES
-from pdserve.engine.kernels.gemm import GEMM_MODES
-from pdserve.engine.kernels.int8 import WEIGHT_TYPES
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
 
 DEVICES = ("auto", "cpu", "cuda")  # --device: platform.py resolves auto
 DTYPES = ("auto", "bfloat16", "float32")
+# The CPU platform's kernel choices (cpu/: host_cpu, attention, gemm, fused_decode, int8 check them).
+KERNEL_MODES: tuple[str, ...] = ("auto", "fused", "composed")
+ATTENTION_MODES: tuple[str, ...] = ("auto", "kernel", "reference")
+GEMM_MODES: tuple[str, ...] = ("auto", "packed", "paddle")
+DECODE_MODES: tuple[str, ...] = ("auto", "fused", "layers")
+WEIGHT_TYPES: tuple[str, ...] = ("f32", "int8")
 
 # The choice settings left unset: read from PDSERVE_<NAME>, else this default (said in each help).
 _CHOICE_DEFAULTS = {
@@ -182,3 +183,14 @@ class EngineConfig:
             raise ConfigError(f"kv_disk_bytes must be >= 0, got {self.kv_disk_bytes}")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto`` → bfloat16 on cuda, float32 on cpu; the CPU engine computes in float32 only."""
+    from pdserve.errors import ConfigError
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return dtype

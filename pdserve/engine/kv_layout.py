@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.model_config import ModelConfig
 
 
 def block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int = 4) -> int:

@@ -1,12 +1,8 @@
 """LLMEngine: requests in, per-step outputs out. One step = schedule, run the model, sample, detokenize.
 
-Also the KV hand-off used by prefill/decode instances:
-
-* prefill side: ``add_request(..., prefill_only=True)``; the step that samples the first token
-  reports ``prefilled=True`` and keeps the sequence's blocks until ``release_prefilled``;
-  ``prefilled_blocks`` / ``export_kv`` give its KV in block-table order.
-* decode side: ``reserve`` blocks, receive the bytes (``import_kv``, or a same-host peer writes them
-  straight into this engine's shared-memory cache), then ``add_prefilled`` to continue decoding.
+It also carries the KV hand-off used by prefill/decode instances (``kv_handoff.KVHandoff``) and the
+tiers below its block pool (``tiers/tiered_cache.TieredCache``), inherited from their modules; the
+model runs on the platform ``platform.select_platform`` builds (cpu/ or cuda/).
 """
 
 from __future__ import annotations
@@ -14,28 +10,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pdserve.block_hash import chain_hashes
 from pdserve.engine.batcher import Batch, Batcher, BatcherConfig, blocks_for
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from pdserve.engine.disk_tier import DiskTier
+from pdserve.engine.executor import Platform
 from pdserve.engine.grammar import GrammarMatcher, Grammars
-from pdserve.engine.host_tier import HostTier, TierNamespace
+from pdserve.engine.kv_handoff import KVHandoff
 from pdserve.engine.memory import resident_bytes
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.model_config import ModelConfig
+from pdserve.engine.models.weights import weights_digest
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
-from pdserve.engine.platform import Platform, resolve_device
+from pdserve.engine.platform import select_platform
 from pdserve.engine.sampler import Sample, Sampler, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step_sampling import StepSampling
-from pdserve.engine.tier_reader import TierReader
-from pdserve.engine.weights import weights_digest
-from pdserve.errors import EngineError, InvalidRequestError, RequestTooLongError
+from pdserve.engine.tiers.disk_tier import DiskTier
+from pdserve.engine.tiers.host_tier import HostTier
+from pdserve.engine.tiers.tiered_cache import TieredCache
+from pdserve.errors import InvalidRequestError, RequestTooLongError
 from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
@@ -51,20 +47,7 @@ class _Request:
     """One per prompt position, filled as its prefill chunks run; handed out with the first token."""
 
 
-def select_platform(config: EngineConfig) -> Platform:
-    """The platform ``config.device`` names (``auto`` resolved here)."""
-    assert config.device is not None  # EngineConfig.__post_init__ resolves it
-    device = resolve_device(config.device)
-    if device == "cuda":
-        from pdserve.engine.torch_executor import TorchPlatform
-
-        return TorchPlatform(f"cuda:{config.gpu or 0}")
-    from pdserve.engine.paddle_executor import PaddlePlatform
-
-    return PaddlePlatform()
-
-
-class LLMEngine:
+class LLMEngine(KVHandoff, TieredCache):
     def __init__(
         self, model_dir: str | Path, config: EngineConfig | None = None, platform: Platform | None = None
     ) -> None:
@@ -129,40 +112,6 @@ class LLMEngine:
             ex.weight_bytes / 1e9,
             self.cache.nbytes / 1e9,
         )
-
-    def _tiers(self, config: EngineConfig, ex: Any) -> None:
-        """The tiers below the pool: the host tier (``--kv-host-bytes``), then the disk tier
-        (``--kv-disk-path``, ``--kv-disk-bytes``); an eviction goes one tier down, a read-back
-        comes from the highest tier holding the block."""
-        namespace = TierNamespace(
-            weights_digest=self.weights_digest,
-            weights=ex.weights,
-            dtype=ex.dtype,
-            layout="block_major",
-            block_size=config.block_size,
-            block_bytes=self.cache.block_bytes,
-        )
-        if config.kv_host_bytes:
-            self.host_tier = HostTier(config.kv_host_bytes, namespace)
-            log.info(
-                "host tier: %.1f MiB, %d blocks", config.kv_host_bytes / 2**20, self.host_tier.max_blocks
-            )
-        if config.kv_disk_path and config.kv_disk_bytes:
-            self.disk_tier = DiskTier(config.kv_disk_path, config.kv_disk_bytes, namespace)
-            log.info(
-                "disk tier: %s, %.1f MiB, %d blocks (%d found)",
-                self.disk_tier.dir,
-                config.kv_disk_bytes / 2**20,
-                self.disk_tier.max_files,
-                self.disk_tier.num_blocks,
-            )
-            if self.host_tier is not None:
-                self.host_tier.on_evict = self.disk_tier.put
-        elif config.kv_disk_path or config.kv_disk_bytes:
-            log.warning("the disk tier needs both --kv-disk-path and --kv-disk-bytes: it is off")
-        if self.host_tier is not None or self.disk_tier is not None:
-            self.blocks.on_evict = self._evicted
-            self.batcher.tier = TierReader(self.host_tier, self.cache.write_blocks, self.disk_tier)
 
     def facts(self) -> EngineFacts:
         return EngineFacts(
@@ -466,97 +415,6 @@ class LLMEngine:
         self.requests[seq.request_id] = req
         return req
 
-    # ---- KV hand-off: prefill side ------------------------------------------------------------
-    def prefilled_blocks(self, request_id: str) -> list[int]:
-        """Blocks holding the prompt's K/V, in block-table order."""
-        seq = self.prefilled.get(request_id)
-        if seq is None:
-            raise EngineError(f"request {request_id!r} is not a prefilled sequence on this engine")
-        return seq.block_table[: blocks_for(seq.num_prompt_tokens, self.config.block_size)]
-
-    def kv_view(self) -> Any:
-        """The whole cache as bytes, zero-copy: a numpy uint8 array in host memory, a flat uint8 torch
-        tensor on a GPU (the KV transport reads prefilled blocks from it)."""
-        return self.cache.raw_view()
-
-    def export_kv(self, request_id: str) -> bytes:
-        return self.cache.read_blocks(self.prefilled_blocks(request_id))
-
-    def release_prefilled(self, request_id: str) -> bool:
-        seq = self.prefilled.pop(request_id, None)
-        if seq is None:
-            return False
-        self.batcher.release(seq)
-        seq.status = SequenceStatus.FINISHED
-        return True
-
-    # ---- KV hand-off: decode side ------------------------------------------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int]:
-        """Reserve blocks for an incoming prompt's K/V; raises EngineError when they are not free."""
-        if request_id in self.reserved or request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        need = blocks_for(num_prompt_tokens, self.config.block_size)
-        if not self.blocks.can_allocate(need):
-            raise EngineError(f"cannot reserve {need} KV blocks: {self.blocks.num_free} free")
-        self.reserved[request_id] = self.blocks.allocate(need)
-        return self.reserved[request_id]
-
-    def reserve_prompt(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> tuple[list[int], int] | None:
-        """Blocks for an incoming prompt's K/V, or None when they are not free now. The prompt's
-        longest cached prefix is shared from this engine's prefix cache (its blocks come first;
-        their count is the second value: the prefill side writes only the blocks after them), the
-        rest is allocated."""
-        if request_id in self.reserved or request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        bs = self.config.block_size
-        need = blocks_for(len(prompt_token_ids), bs)
-        hits = self.blocks.lookup(chain_hashes(prompt_token_ids, bs, params.cache_key))
-        if not self.blocks.can_allocate(need - len(hits), hits):
-            return None
-        self.blocks.share(hits)
-        self.reserved[request_id] = hits + self.blocks.allocate(need - len(hits))
-        return self.reserved[request_id], len(hits)
-
-    # ---- the tiers below the pool ---------------------------------------------------------------
-    def _evicted(self, block: int, block_hash: bytes) -> None:
-        """The pool evicts a cached block: keep its bytes in the host tier, else the disk tier
-        (before its new owner writes it). A failure loses the block from the tiers, never a request."""
-        try:
-            data = self.cache.read_blocks([block])
-            if self.host_tier is not None and self.host_tier.max_blocks:
-                self.host_tier.put(block_hash, data)
-            elif self.disk_tier is not None:  # no host tier (or one too small for a block)
-                self.disk_tier.put(block_hash, data)
-        except Exception:
-            log.exception("tiers: block %d not stored", block)
-
-    def take_tier_changes(self) -> dict[bytes, bool]:
-        """Block hashes the host tier gained (True) or lost (False) since the last call."""
-        return self.host_tier.take_changes() if self.host_tier is not None else {}
-
-    def tier_hashes(self) -> list[bytes]:
-        """Every block hash the host tier holds; its recorded changes are dropped."""
-        if self.host_tier is None:
-            return []
-        self.host_tier.take_changes()
-        return self.host_tier.hashes()
-
-    def take_disk_changes(self) -> dict[bytes, bool]:
-        """Block hashes the disk tier gained or lost since the last call (any thread may call it)."""
-        return self.disk_tier.take_changes() if self.disk_tier is not None else {}
-
-    def watch_disk(self, callback: Callable[[], None]) -> None:
-        """Have the disk tier's writer thread call ``callback`` after it wrote a burst of files (the
-        worker wakes its prefix publisher: the writes land after the step that queued them)."""
-        if self.disk_tier is not None:
-            self.disk_tier.on_change = callback
-
-    def disk_hashes(self) -> list[bytes]:
-        """Every block hash the disk tier holds; its recorded changes are dropped (any thread)."""
-        return self.disk_tier.take_hashes() if self.disk_tier is not None else []
-
     # ---- the prefix index: what the cache holds, for routers --------------------------------
     def take_prefix_changes(self) -> dict[bytes, bool]:
         """Block hashes the prefix cache gained (True) or lost (False) since the last call."""
@@ -567,50 +425,6 @@ class LLMEngine:
         list replaces them)."""
         self.blocks.take_changes()
         return self.blocks.hashes()
-
-    def cancel_reservation(self, request_id: str) -> bool:
-        blocks = self.reserved.pop(request_id, None)
-        if blocks is None:
-            return False
-        self.blocks.free(blocks)
-        return True
-
-    def import_kv(self, request_id: str, data: bytes | memoryview) -> None:
-        self.cache.write_blocks(self.reserved[request_id], data)
-
-    def add_prefilled(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        first_token: int,
-        params: SamplingParams,
-        num_cached_tokens: int = 0,
-        background: bool = False,
-    ) -> Sequence:
-        """Continue a request whose prompt K/V now sits in its reserved blocks.
-
-        The first token was already reported by the prefill side; it is replayed through this
-        engine's detokenizer, stop matcher, sampler generator and grammar (without output) so that
-        text, stop holdback, seeded sampling and structured output continue exactly where the
-        prefill side left them.
-        """
-        if request_id not in self.reserved:
-            raise EngineError(f"no reserved blocks for request {request_id!r}")
-        grammar = self._grammar(params)
-        if grammar is not None and not grammar.advance(first_token):
-            raise EngineError(
-                f"the prefill's first token {first_token} does not follow the request's grammar"
-            )
-        blocks = self.reserved.pop(request_id)
-        seq = Sequence(request_id, list(prompt_token_ids), params, background=background)
-        seq.grammar = grammar
-        seq.block_table = blocks
-        seq.num_computed_tokens = len(prompt_token_ids)
-        seq.num_cached_tokens = num_cached_tokens  # what the prefill side took from its cache
-        self._replay(self._track(seq), [first_token])
-        self.batcher.cache_full_blocks(seq)  # the imported prompt serves later requests here too
-        self.batcher.add_running(seq)
-        return seq
 
     def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
         """A constrained request's matcher at the grammar's start (None: no grammar). Tokens

@@ -5,7 +5,7 @@ bucket that depends only on that length (≤ 12.5 % padding with the all-zero nu
 a sequence's attention shape is the same alone or in any batch while a batch of mixed lengths still
 needs only a handful of attention groups. Otherwise all decodes form one group padded to the longest
 context: the fewest ops, as the bare model does it. With the in-place decode kernel
-(kernels/attention.py) all decodes form one group in either mode and carry their block tables and
+(cpu/attention.py) all decodes form one group in either mode and carry their block tables and
 lengths instead of gather ids and a mask: the kernel reads each sequence over exactly its own
 length, so padding the table changes no bits and the buckets are not needed.
 Prefill chunks on the kernel path carry their block table and end the same way, whatever their start

@@ -64,8 +64,8 @@ class EngineLoad:
 
 @dataclasses.dataclass(frozen=True)
 class TierLoad:
-    """A tier's size and counters since the engine started (the host tier, ``engine/host_tier.py``;
-    the disk tier, ``engine/disk_tier.py``)."""
+    """A tier's size and counters since the engine started (the host tier, ``engine/tiers/host_tier.py``;
+    the disk tier, ``engine/tiers/disk_tier.py``)."""
 
     capacity_bytes: int = 0
     used_bytes: int = 0

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pdserve.engine.executor import Executor
 from pdserve.engine.model_runner import PromptRows
-from pdserve.engine.platform import Executor
 from pdserve.engine.sample_plan import SamplingPlanner
 from pdserve.engine.sampler import Sample, Sampler, logprobs_of
 from pdserve.engine.sequence import Sequence

@@ -12,8 +12,8 @@ import logging
 import os
 from typing import Any
 
-from pdserve.engine.disk_tier import tier_id
 from pdserve.engine.outputs import EngineLoad
+from pdserve.engine.tiers.disk_tier import tier_id
 from pdserve.errors import ConfigError, ControlPlaneError
 from pdserve.scheduler import (
     DiskTierInfo,

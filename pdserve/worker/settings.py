@@ -12,7 +12,7 @@ from pathlib import Path
 from pdserve.cache_transfer.mooncake import MOONCAKE_PROTOCOLS
 from pdserve.cache_transfer.transports import KV_TRANSFERS
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_store import MODEL_HELP
+from pdserve.engine.models.model_store import MODEL_HELP
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
 from pdserve.grammar_limits import DEFAULT_MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_HELP

@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.disk_tier import HEADER
 from pdserve.engine.kv_layout import block_bytes
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.model_config import ModelConfig
+from pdserve.engine.tiers.disk_tier import HEADER
 from pdserve.scheduler import Keys
 from pdserve.stack import Stack
 from tests.e2e.test_host_tier_serving import BS, complete, ids, tiers

@@ -12,7 +12,7 @@ import redis
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_layout import block_bytes
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.model_config import ModelConfig
 from pdserve.scheduler import Keys
 from pdserve.scheduler.messages import decode_as
 from pdserve.scheduler.registration import InstanceInfo

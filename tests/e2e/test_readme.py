@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.engine.kernels.cpu import usable_cores
+from pdserve.engine.cpu.host_cpu import usable_cores
 from pdserve.localredis.embedded import free_port
 from pdserve.stack_spec import StackSpec
 

@@ -283,7 +283,7 @@ def test_echo_puts_the_prompt_before_the_completion(stack, tiny_model_dir) -> No
 def test_logit_bias_steers_greedy_output(stack, tiny_model_dir) -> None:
     """+100 on a token makes greedy output only that token (in splitwise the prefill samples the
     first one and the decode the rest: both apply it); -100 bans the token greedy would pick."""
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.models.model_config import ModelConfig
 
     c, tok = client(stack), tokenizer(tiny_model_dir)
     kw = {"model": model_name(stack), "max_tokens": 6, "temperature": 0}
@@ -978,7 +978,7 @@ def test_a_too_long_prompt_is_refused_as_offline(stack, tiny_model_dir) -> None:
 def test_input_limits_are_checked_at_the_router(stack, tiny_model_dir) -> None:
     """Token ids against the vocabulary the workers registered, and the stop limits (default flags):
     refused by the router with the field named; 1024 stop strings of 256 characters are served."""
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.models.model_config import ModelConfig
 
     url, model = stack.urls[0], model_name(stack)
     vocab = ModelConfig.from_dir(tiny_model_dir).vocab_size

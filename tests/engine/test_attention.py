@@ -8,12 +8,12 @@ import pytest
 
 from pdserve.engine.batcher import blocks_for
 from pdserve.engine.block_manager import NULL_BLOCK
-from pdserve.engine.kernels.cpu import Kernels
-from pdserve.engine.kernels.paddle_setup import paddle
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.model import Model
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.cpu.host_cpu import Kernels
+from pdserve.engine.cpu.kv_cache import KVCache
+from pdserve.engine.cpu.paddle_model import Model
+from pdserve.engine.cpu.paddle_setup import paddle
 from pdserve.engine.model_runner import decode_bucket
+from pdserve.engine.models.model_config import ModelConfig
 
 TOL = 1e-4
 CFG = ModelConfig(

@@ -1,4 +1,4 @@
-"""The torch platform's sampler (engine/torch_sampler.py) against the numpy sampler (sampler.py), on
+"""The torch platform's sampler (engine/cuda/torch_sampler.py) against the numpy sampler (sampler.py), on
 torch's CPU device: the same tokens for every setting, the same logprobs, seeded requests that
 reproduce, and only ids crossing to the host.
 
@@ -24,13 +24,13 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch platform needs PyTorch (pip install 'pdserve[cuda]')")
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.cuda.torch_executor import TorchPlatform  # noqa: E402
+from pdserve.engine.cuda.torch_sampler import DeviceSampler, best_first  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import PromptRows  # noqa: E402
 from pdserve.engine.sample_plan import SamplingPlanner  # noqa: E402
 from pdserve.engine.sampler import Sample, Sampler, logprobs_of, make_rng  # noqa: E402
 from pdserve.engine.sequence import Sequence  # noqa: E402
-from pdserve.engine.torch_executor import TorchPlatform  # noqa: E402
-from pdserve.engine.torch_sampler import DeviceSampler, best_first  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB, WIDTH = 640, 656  # the sampler's vocab_limit, and logits rows with 16 padding ids beyond it

@@ -4,7 +4,7 @@ decode in another process with different block ids (MKL_CBWR=AUTO,STRICT, set in
 Every test runs in both kernel paths: ``auto`` (the fused ops this CPU runs) and ``composed`` (the
 plain ops every CPU runs), so a CI machine of either kind covers the code the other kind runs.
 Decode attention is the default one, the in-place kernel where numba compiles (the reference path's
-invariance is tested in tests/engine/kernels/test_attention_kernels.py)."""
+invariance is tested in tests/engine/cpu/test_attention_kernels.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The torch platform on a real GPU: what tests/engine/test_torch_engine.py cannot check on torch's CPU
+"""The torch platform on a real GPU: what tests/engine/cuda/test_torch_engine.py cannot check on torch's CPU
 device. Float32 on CUDA (TF32 off) against the float64 numpy reference, CUDA graphs against eager
 steps, bfloat16 against float32 over 512 greedy tokens, a prefix-cache hit against a miss, and the
 compiled Triton paged-attention kernels against the torch versions (and inside a CUDA graph).
@@ -125,7 +125,7 @@ def test_cuda_graphs_on_and_off_give_the_same_greedy_tokens(
 def real_smollm2() -> Path:
     """The real SmolLM2-135M-Instruct where this machine's pdserve model cache holds its import
     (PDSERVE_CACHE_DIR; never fetched here: the GPU machine reaches no package index)."""
-    from pdserve.engine.model_store import FETCHED_PRESETS, models_dir
+    from pdserve.engine.models.model_store import FETCHED_PRESETS, models_dir
 
     key = f"smollm2-135m-{FETCHED_PRESETS['smollm2-135m'].member_sha256[:12]}"
     found = sorted(models_dir().glob(f"{key}-v*/config.json"))
@@ -224,7 +224,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 def test_triton_decode_attention_matches_torch(dtype: torch.dtype, lengths: list[int]) -> None:
     """Decode over the paged cache: block edges, a partial last block, and a batch small enough that
     the kernel splits each context over several programs and merges them."""
-    from pdserve.engine.kernels import triton_attention as ta
+    from pdserve.engine.cuda import triton_attention as ta
 
     assert ta.triton_unavailable(torch.device("cuda:0")) is None
     cache, tables, lens = paged_inputs(lengths, dtype)
@@ -240,7 +240,7 @@ def test_triton_decode_attention_matches_torch(dtype: torch.dtype, lengths: list
 @pytest.mark.parametrize(("start", "n"), [(0, 64), (200, 100), (37, 1)], ids=["first", "later", "one"])
 def test_triton_prefill_attention_matches_torch(dtype: torch.dtype, start: int, n: int) -> None:
     """A prefill chunk at ``start`` attending causally to everything before it through the table."""
-    from pdserve.engine.kernels import triton_attention as ta
+    from pdserve.engine.cuda import triton_attention as ta
 
     cache, tables, _ = paged_inputs([start + n], dtype, dim=64, seed=3)
     q = torch.randn((n, 8, 64), device="cuda").to(dtype)
@@ -252,7 +252,7 @@ def test_triton_prefill_attention_matches_torch(dtype: torch.dtype, start: int, 
 
 def test_triton_decode_attention_replays_in_a_cuda_graph() -> None:
     """Captured once for a batch and table width, replayed with other lengths: the eager call's output."""
-    from pdserve.engine.kernels import triton_attention as ta
+    from pdserve.engine.cuda import triton_attention as ta
 
     cache, tables, lens = paged_inputs([40, 300, 7, 129], torch.bfloat16, seed=5)
     q = torch.randn((4, 8, 128), device="cuda").to(torch.bfloat16)

@@ -1,6 +1,6 @@
 """The torch platform's fused layer kernels, warm-up, staging and flash prefill on a real GPU: what
-tests/engine/kernels/test_layer_ops.py, tests/engine/test_replay_staging.py and
-tests/engine/test_torch_prefill_attention.py check on the CPU (the interpreter, CPU tensors) and
+tests/engine/cuda/test_layer_ops.py, tests/engine/cuda/test_replay_staging.py and
+tests/engine/cuda/test_torch_prefill_attention.py check on the CPU (the interpreter, CPU tensors) and
 cannot check there: the compiled kernels against their twins, no Triton compile after start while
 serving widths and chunks of every size, the kernels a decode step launches, a replay staged through
 pinned memory without a sync, and the flash kernel for a first chunk (with its time at 2048 tokens).
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.gpu
 
 def compiled_kernels() -> int:
     """Kernels Triton has compiled in this process for the torch platform's jit functions."""
-    from pdserve.engine.kernels import triton_layer_kernels as lk
-    from pdserve.engine.kernels import triton_paged_kernels as pk
+    from pdserve.engine.cuda import triton_layer_kernels as lk
+    from pdserve.engine.cuda import triton_paged_kernels as pk
 
     total = 0
     for fn in (lk.add_rms_norm, lk.rope_write_kv, lk.silu_mul, pk.decode, pk.merge_splits, pk.prefill):
@@ -41,7 +41,7 @@ def compiled_kernels() -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_compiled_fused_kernels_match_their_twins(dtype: Any) -> None:
-    from pdserve.engine.kernels import layer_ops as lo
+    from pdserve.engine.cuda import layer_ops as lo
 
     g = torch.Generator(device="cuda").manual_seed(0)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2**-7}
@@ -98,7 +98,7 @@ def test_a_decode_step_launches_about_ten_kernels_a_layer(tiny_model_dir: Path) 
     per layer 4 GEMMs, 2 norms, RoPE + K/V write, attention (+ a merge when split), SiLU x up."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pdserve.engine.torch_model import DeviceGroup, DeviceStep
+    from pdserve.engine.cuda.torch_model import DeviceGroup, DeviceStep
 
     with cuda_engine(tiny_model_dir, dtype="bfloat16", cuda_graphs=False) as eng:
         model, cache = eng.executor.model, eng.executor.cache.tensor
@@ -164,7 +164,7 @@ def test_a_first_chunk_runs_the_flash_kernel_and_its_time_at_2048_tokens() -> No
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
-    from pdserve.engine.torch_model import TorchModel
+    from pdserve.engine.cuda.torch_model import TorchModel
 
     n, heads, kv_heads, dim = 2048, 32, 8, 128
     qkv = torch.randn((n, (heads + 2 * kv_heads) * dim), device="cuda", dtype=torch.bfloat16)

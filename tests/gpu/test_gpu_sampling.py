@@ -19,9 +19,9 @@ torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch (pip ins
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 import test_device_sampling as cpu  # noqa: E402  (its cases, logits and checks)
 
+from pdserve.engine.cuda.torch_sampler import DeviceSampler  # noqa: E402
 from pdserve.engine.sample_plan import SamplingPlanner  # noqa: E402
 from pdserve.engine.sampler import Sampler  # noqa: E402
-from pdserve.engine.torch_sampler import DeviceSampler  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -15,9 +15,9 @@ import uuid
 from test_worker_service import ask, router_registered, settings, started
 
 from pdserve.block_hash import chain_hashes
-from pdserve.engine.disk_tier import HEADER
 from pdserve.engine.kv_layout import block_bytes
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.model_config import ModelConfig
+from pdserve.engine.tiers.disk_tier import HEADER
 from pdserve.scheduler import InstanceRegistry, Keys
 from pdserve.worker.service import WorkerService
 

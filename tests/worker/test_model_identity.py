@@ -15,7 +15,7 @@ import orjson
 
 from pdserve import status_read, status_table
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.weights import DIGEST_CACHE, weights_digest
+from pdserve.engine.models.weights import DIGEST_CACHE, weights_digest
 from pdserve.router.routing.policies import PolicyRequest
 from pdserve.router.routing.selection import Selector, kv_mismatch
 from pdserve.scheduler import InstanceInfo, InstanceRegistry, Keys, RedisSettings

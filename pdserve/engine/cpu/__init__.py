@@ -1,0 +1,4 @@
+"""The CPU platform: Paddle runs the model (``paddle_executor``, ``paddle_model``, ``kv_cache``), with
+numba and MKL kernels chosen per host (``host_cpu``, ``paddle_setup``, ``attention``, ``gemm``,
+``int8``, ``fused_decode``). It never imports torch, Triton or ``pdserve.engine.cuda``; the engine's
+core reaches it only through ``pdserve.engine.platform``. Importing this package loads nothing."""
