@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.engine.choice import check_mode, load_or_fall_back
 from pdserve.engine.config import ATTENTION_MODES
 from pdserve.engine.cpu.compiled_attention import AttentionKernels
+from pdserve.engine.kernel_choice import check_mode, load_or_fall_back
 
 # numba.prange once _compile has imported numba: importing this module stays light, and a host
 # without numba still imports it.

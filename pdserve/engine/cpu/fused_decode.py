@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.engine.choice import check_mode, load_or_fall_back
 from pdserve.engine.config import DECODE_MODES
 from pdserve.engine.cpu.compiled_attention import SERIAL_ITEMS, AttentionKernels
 from pdserve.engine.cpu.gemm import PackedMkl
 from pdserve.engine.cpu.int8 import Int8Gemm, compile_int8, quantize
+from pdserve.engine.kernel_choice import check_mode, load_or_fall_back
 from pdserve.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.engine.choice import check_mode, load_or_fall_back
 from pdserve.engine.config import GEMM_MODES
+from pdserve.engine.kernel_choice import check_mode, load_or_fall_back
 from pdserve.engine.memory import page_empty
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Literal
 
-from pdserve.engine.choice import check_mode
 from pdserve.engine.config import KERNEL_MODES
+from pdserve.engine.kernel_choice import check_mode
 from pdserve.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.engine.choice import check_mode
 from pdserve.engine.config import WEIGHT_TYPES
+from pdserve.engine.kernel_choice import check_mode
 from pdserve.errors import ConfigError
 
 log = logging.getLogger(__name__)

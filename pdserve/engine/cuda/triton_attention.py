@@ -18,7 +18,7 @@ variants are few and ``warm_up_paged_attention`` compiles them all at start. The
 gather the blocks and compute densely in float32: slow, any device, and the reference the kernels
 are tested against.
 
-``select_paged_attention`` picks one the way ``choice`` picks every fast path. torch is imported
+``select_paged_attention`` picks one the way ``kernel_choice`` picks every fast path. torch is imported
 inside the functions and the kernel module on first use, so importing this one is cheap (settings
 may read ``PAGED_ATTENTION_MODES`` on a host without torch or Triton).
 """
@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.choice import check_mode, load_or_fall_back
+from pdserve.engine.kernel_choice import check_mode, load_or_fall_back
 
 if TYPE_CHECKING:
     import torch
