@@ -3,7 +3,7 @@ the machine it ran on, repeated rounds and their medians, the table it prints an
 
 Every script's JSON has one shape: ``{"machine": {...}, "args": {...}, ...its figures}`` (its figures
 under the keys it always wrote them: ``rows``, ``results``, ``median``, ``presets``...). The tables
-are rich tables in Markdown form, so that a run's output pastes into the README as it is.
+are rich tables in Markdown form, so that a run's output pastes into docs/benchmarks.md as it is.
 
     from harness import print_table, run_rounds, medians, write_json
 """
