@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pdserve.engine.cpu.host_cpu import detect, usable_cores
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 T = TypeVar("T")
@@ -48,22 +50,14 @@ PACKAGES = ("pdserve", "numpy", "paddlepaddle", "numba", "torch", "transformers"
 
 
 # ---- the machine ---------------------------------------------------------------------------------
-def _cpuinfo(key: str) -> str | None:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(key):
-                return line.split(":", 1)[1].strip()
-    return None
-
-
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what the platform module says."""
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
+    """The CPU's model name (/proc/cpuinfo, as the engine reads it), else what the platform module says."""
+    return detect().model or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> list[str]:
     """Which of :data:`FLAGS` this CPU has."""
-    have = set((_cpuinfo("flags") or "").split())
+    have = detect().flags
     return [f for f in FLAGS if f in have]
 
 
@@ -127,7 +121,7 @@ def _static_facts() -> dict[str, Any]:
     facts: dict[str, Any] = {
         "cpu": cpu_model(),
         "cpus": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "affinity": usable_cores(),
         "flags": cpu_flags(),
         "memory_bytes": memory_bytes(),
         "host": platform.node(),
