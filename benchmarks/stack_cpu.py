@@ -117,6 +117,7 @@ class Stack:
         argv += ["--decode", "0", "--batch-workers", "0", "--port", str(self.port)]
         argv += ["--model", args.model, "--threads", str(args.threads), *args.up_arg]
         env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+        log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log.open("w")
         self.proc = subprocess.Popen(
             argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
