@@ -50,7 +50,7 @@ from batch_clients import (  # noqa: E402
     wait_idle,
 )
 from batch_report import pooled, print_table, summary_line, ttft  # noqa: E402
-from harness import write_json  # noqa: E402
+from harness import Layout, write_json  # noqa: E402
 from router_overhead import TICK, cpu_seconds  # noqa: E402  (a sibling script)
 
 from pdserve import bench  # noqa: E402
@@ -414,7 +414,7 @@ def main() -> int:
     args.max_load = float(os.environ.get("PDSERVE_MAX_LOAD") or default.max_load)
     args.batch_concurrency = int(os.environ.get("PDSERVE_CONCURRENCY") or default.concurrency)
 
-    counts = {"mixed": 1, "prefill": 0, "decode": 0} if args.mixed else {"prefill": 1, "decode": 1}
+    counts: Layout = {"mixed": 1, "prefill": 0, "decode": 0} if args.mixed else {"prefill": 1, "decode": 1}
     layout = "1 mixed" if args.mixed else "1P+1D"
     spec = StackSpec(
         model=args.model,

@@ -78,8 +78,8 @@ class DenseRunner:
         g = cfg.num_heads // kvh
         x = F.embedding(paddle.to_tensor(np.asarray(token_ids, np.int64)), m.w["embed"])
         pos = paddle.full([b], position, dtype="int64")
-        mask = np.where(np.arange(self.max_len) <= position, 0.0, -np.inf).astype(np.float32)
-        mask = paddle.to_tensor(mask.reshape(1, 1, 1, -1))
+        visible = np.where(np.arange(self.max_len) <= position, 0.0, -np.inf).astype(np.float32)
+        mask = paddle.to_tensor(visible.reshape(1, 1, 1, -1))
         for layer in range(cfg.num_layers):
             q, k, v = self._qkv(x, layer, pos)
             self.k[layer][:b, :, position] = k
@@ -96,7 +96,10 @@ def bare_worker(model_dir: str, steps: int, prefill_reps: int, ctx: int, batches
     cfg = ModelConfig.from_dir(model_dir)
     res: dict = {"threads": set_threads(None)}
     max_len = ctx + steps + 8
-    model = Model(cfg, load_weights(model_dir, cfg), max_len, choose_kernels(EngineConfig().kernels, HOST))
+    kernels = EngineConfig().kernels
+    if kernels is None:  # EngineConfig.__post_init__ resolves it (the environment, else "auto")
+        raise RuntimeError("EngineConfig().kernels is unresolved")
+    model = Model(cfg, load_weights(model_dir, cfg), max_len, choose_kernels(kernels, HOST))
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, cfg.vocab_size, ctx).tolist()
     runner = DenseRunner(model, 1, max_len)

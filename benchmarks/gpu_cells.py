@@ -226,7 +226,9 @@ def random_prompts(rng: np.random.Generator, n: int, length: int, vocab: int) ->
 def run_engine(engine: Any, requests: dict[str, tuple[list[int], Any]]) -> dict[str, dict]:
     """Add ``requests`` (id -> (prompt ids, SamplingParams)) and step until all finish; per id its
     tokens, kept logits rows, prompt logprobs and error."""
-    out = {rid: {"token_ids": [], "logits": [], "prompt_logprobs": None, "error": None} for rid in requests}
+    out: dict[str, dict[str, Any]] = {
+        rid: {"token_ids": [], "logits": [], "prompt_logprobs": None, "error": None} for rid in requests
+    }
     for rid, (ids, params) in requests.items():
         engine.add_request(rid, prompt_token_ids=ids, params=params)
     while engine.has_unfinished():

@@ -145,17 +145,17 @@ def carried(reqs: list[str], resolved: dict[str, dict]) -> list[str]:
     """name==version of what pdserve needs that the machine lacks: from pdserve's direct requirements
     along each package's own (markers evaluated for the target, with the extras requested), never
     into a package the machine ships (its dependencies are its own business), plus ALWAYS."""
-    from packaging.markers import default_environment
     from packaging.requirements import Requirement
 
-    env = {**default_environment(), "python_version": PYTHON, "python_full_version": f"{PYTHON}.0"}
+    # the target's Python: Marker.evaluate lays these over this interpreter's default_environment()
+    target = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.0"}
 
     def deps(item: dict) -> list[str]:
         out = []
         for text in item["metadata"].get("requires_dist") or []:
             req = Requirement(text)
             extras = ["", *(item.get("requested_extras") or [])]
-            if req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in extras):
+            if req.marker is None or any(req.marker.evaluate({**target, "extra": e}) for e in extras):
                 out.append(norm(req.name))
         return out
 

@@ -29,6 +29,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from harness import fmt, print_table, write_json
 
@@ -96,7 +97,8 @@ async def first_token(client, url: str, model: str, prompt: list[int]) -> tuple[
     """(TTFT, the response's ``timing``) of a streamed 2-token completion."""
     body = {"model": model, "prompt": prompt, "max_tokens": 2, "stream": True, "ignore_eos": True}
     t0 = time.perf_counter()
-    ttft, timing = None, {}
+    ttft: float | None = None
+    timing: dict[str, Any] = {}
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():

@@ -1,5 +1,6 @@
 """What every benchmark here shares, so that each script holds only what it measures: the facts of
-the machine it ran on, repeated rounds and their medians, the table it prints and the JSON it writes.
+the machine it ran on, repeated rounds and their medians, the table it prints and the JSON it writes
+(and, for the scripts that start a pdserve stack, its layout and the model it serves).
 
 Every script's JSON has one shape: ``{"machine": {...}, "args": {...}, ...its figures}`` (its figures
 under the keys it always wrote them: ``rows``, ``results``, ``median``, ``presets``...). The tables
@@ -25,9 +26,12 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from pdserve.engine.cpu.host_cpu import detect, usable_cores
+
+if TYPE_CHECKING:
+    from pdserve.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -241,3 +245,19 @@ def _json_default(x: Any) -> Any:
     with contextlib.suppress(TypeError, ValueError):
         return float(x)  # numpy scalars
     return str(x)
+
+
+# ---- a pdserve stack -----------------------------------------------------------------------------
+class Layout(TypedDict, total=False):
+    """A stack's instance counts, as StackSpec's keyword arguments: ``StackSpec(..., **layout)``."""
+
+    prefill: int
+    decode: int
+    mixed: int
+
+
+def served_model(stack: Stack) -> str:
+    """The model name a started stack serves (``Stack.start()`` resolves the model)."""
+    if stack.model is None:
+        raise RuntimeError("the stack has no model yet: Stack.start() resolves it, call it first")
+    return stack.model.name

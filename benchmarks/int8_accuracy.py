@@ -19,10 +19,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from engine_bench import run_llamacpp_script
 from harness import print_table, write_json
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm import Generation
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -38,6 +42,18 @@ STORY = "Once upon a time, in a small village at the foot of a mountain, there l
 def llamacpp_scores(python: Path, gguf: Path, sequences: list[list[int]], starts: list[int]) -> dict:
     request = json.dumps({"sequences": sequences, "starts": starts})
     return run_llamacpp_script([str(python), str(HERE / "llamacpp_score.py"), str(gguf)], request)
+
+
+def prompt_argmax(scored: Generation, start: int) -> list[int]:
+    """The top-1 token id at each prompt position from ``start`` on, of a run with prompt_logprobs=1."""
+    if scored.prompt_logprobs is None:
+        raise RuntimeError(f"{scored.request_id}: no prompt logprobs, though asked for")
+    best = []
+    for lp in scored.prompt_logprobs[start:]:
+        if not lp.top_logprobs:
+            raise RuntimeError(f"{scored.request_id}: a prompt position without its top logprob")
+        best.append(lp.top_logprobs[0][0])
+    return best
 
 
 def main() -> int:
@@ -67,9 +83,7 @@ def main() -> int:
     free = int8.generate(prompts, greedy)
     scored = int8.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     variants["pdserve int8"] = {
-        "argmax": [
-            [lp.top_logprobs[0][0] for lp in s.prompt_logprobs[start:]] for s, start in zip(scored, starts)
-        ],
+        "argmax": [prompt_argmax(s, start) for s, start in zip(scored, starts)],
         "first": [g.logits[0] for g in free],
         "same_continuation": sum(a.token_ids == b.token_ids for a, b in zip(free, reference)),
     }

@@ -69,9 +69,11 @@ def hash_rates(reps: int) -> dict[str, dict[str, float]]:
     cache = np.random.default_rng(0).integers(0, 256, NUM_BLOCKS * BLOCK_BYTES, dtype=np.uint8)
     views = [cache[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES].data for i in range(NUM_BLOCKS)]
     copy_dst = np.empty_like(cache)
-    fns: dict[str, Callable[[], object]] = {
-        name: (lambda f=f: [f(v) for v in views]) for name, f in candidates().items()
-    }
+
+    def over_views(f: Callable[[memoryview], object]) -> Callable[[], object]:
+        return lambda: [f(v) for v in views]
+
+    fns: dict[str, Callable[[], object]] = {name: over_views(f) for name, f in candidates().items()}
     fns["memcpy (reference)"] = lambda: np.copyto(copy_dst, cache)
     try:
         import torch

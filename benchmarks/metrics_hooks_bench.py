@@ -21,28 +21,31 @@ import asyncio
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from harness import print_table, run_rounds, write_json
 
+from pdserve.router.http.asgi import Message
 from pdserve.router.http.metrics import RouterMetrics
 from pdserve.router.http.serving import StatusSend
+from pdserve.router.routing.selection import Route
 from pdserve.scheduler.outbox_messages import RequestDelta, Timing, Usage
+from pdserve.scheduler.registration import InstanceInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 16
 SENDS = 9  # ASGI sends of a 16-token stream (the router coalesces chunks; measured with strace)
 
 
-async def _noop(message: dict[str, Any]) -> None:
+async def _noop(message: Message) -> None:
     return None
 
 
 async def with_hooks(metrics: RouterMetrics, n: int) -> float:
-    route = SimpleNamespace(
-        prefill=SimpleNamespace(id="prefill-0", role="prefill"),
-        decode=SimpleNamespace(id="decode-0", role="decode"),
+    # on_route reads only each instance's id and role: the rest of a registration is left out
+    route = Route(
+        prefill=InstanceInfo.model_construct(id="prefill-0", role="prefill"),
+        decode=InstanceInfo.model_construct(id="decode-0", role="decode"),
     )
     delta = RequestDelta(request_id="r", token_ids=[5], text="a")
     final = RequestDelta(

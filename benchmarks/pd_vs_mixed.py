@@ -17,11 +17,11 @@ import random
 import sys
 from pathlib import Path
 
-from harness import print_table, write_json
+from harness import Layout, print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {"prefill-heavy": (1000, 2), "decode-heavy": (100, 128)}
-LAYOUTS = {"1P+1D": {"prefill": 1, "decode": 1}, "2 mixed": {"mixed": 2}}
+LAYOUTS: dict[str, Layout] = {"1P+1D": {"prefill": 1, "decode": 1}, "2 mixed": {"mixed": 2}}
 
 
 def main() -> int:
@@ -45,7 +45,7 @@ def main() -> int:
     for layout, counts in LAYOUTS.items():
         spec = StackSpec(
             batch_workers=0,
-            model=model_dir,
+            model=str(model_dir),
             redis_url=None,
             port=free_port(),
             **counts,

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import print_table, write_json
+from harness import print_table, served_model, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANNER_ENV = {  # the planner child's flags, as their variables (``up`` passes the targets)
@@ -127,7 +127,8 @@ def roles_now(url: str) -> str:
 def steady_arrivals(args: argparse.Namespace) -> list[dict[str, Any]]:
     """--steady-s of one mixed load: each arrival is of phase 1's kind or phase 2's, at random."""
     rng = random.Random(args.seed)
-    out, t = [], 0.0
+    out: list[dict[str, Any]] = []
+    t = 0.0
     while True:
         t += rng.expovariate(args.rate_1)
         if t >= args.steady_s:
@@ -168,7 +169,7 @@ def record_trace(args: argparse.Namespace) -> int:
     planner = None
     try:
         stack.wait_ready()
-        url, model = stack.urls[0], stack.model.name
+        url, model = stack.urls[0], served_model(stack)
         args.record_trace.unlink(missing_ok=True)
         planner = subprocess.Popen(
             [
@@ -237,7 +238,7 @@ def run_config(name: str, args: argparse.Namespace, reqs: list[dict[str, Any]]) 
     stack.start()
     try:
         stack.wait_ready()
-        url, model = stack.urls[0], stack.model.name
+        url, model = stack.urls[0], served_model(stack)
         reqs = in_vocab(reqs, url)
         warm = {"model": model, "prompt": [101] * 64, "max_tokens": 4, "temperature": 0}
         for _ in range(2):

@@ -37,7 +37,7 @@ import orjson
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from harness import print_table, write_json  # noqa: E402
+from harness import print_table, served_model, write_json  # noqa: E402
 from router_overhead import cpu_seconds  # noqa: E402  (a sibling script)
 
 import pdserve  # noqa: E402
@@ -86,7 +86,7 @@ def run_config(config: str, args: argparse.Namespace, model: str) -> dict[str, A
         stack.start()
         stack.wait_ready()
         router_pids = [p.pid for _, p in stack.routers]
-        served = stack.model.name
+        served = served_model(stack)
         rng = __import__("random").Random(0)
 
         async def drive(n: int) -> tuple[list[bench.Result], float]:
@@ -182,7 +182,7 @@ def run_failover(args: argparse.Namespace) -> dict[str, Any]:
         stack.wait_ready()
         url = stack.urls[0] + "/v1/completions"
         body = {
-            "model": stack.model.name,
+            "model": served_model(stack),
             "max_tokens": args.failover_tokens,
             "temperature": 0,
             "ignore_eos": True,

@@ -156,6 +156,8 @@ def start_system(
 
         redis = EmbeddedRedis()
         redis.start()
+        if redis.proc is None:  # start() returns only once its server answers
+            raise RuntimeError("EmbeddedRedis.start() returned without a server process")
         procs.procs.append(redis.proc)
         cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
         engine = ["--engine", "echo"] if workers == "echo" else ["--threads", "1"]

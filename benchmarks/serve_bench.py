@@ -208,18 +208,19 @@ COLUMNS = (
 
 def median_rows(rounds: list[dict]) -> dict:
     """server -> workload -> each figure's median over rounds (failures summed)."""
-    out: dict[str, dict[str, dict]] = {}
+    grouped: dict[str, dict[str, list[dict]]] = {}
     for rnd in rounds:
         for server, per in rnd.items():
             for workload, row in per.items():
-                out.setdefault(server, {}).setdefault(workload, []).append(row)  # type: ignore[arg-type]
-    for per in out.values():
-        for workload, rows in per.items():
+                grouped.setdefault(server, {}).setdefault(workload, []).append(row)
+    out: dict[str, dict[str, dict]] = {}
+    for server, runs in grouped.items():
+        for workload, rows in runs.items():
             merged: dict[str, Any] = {"rounds": len(rows), "failed": sum(r["failed"] for r in rows)}
             for _, key, _ in COLUMNS:
                 vals = [r[key] for r in rows if r[key] is not None]
                 merged[key] = statistics.median(vals) if vals else None
-            per[workload] = merged
+            out.setdefault(server, {})[workload] = merged
     return out
 
 
@@ -331,14 +332,14 @@ def main() -> int:
         "median": median_rows(rounds),
     }
     report["served_vs_offline"] = {}
-    for server, threads in OFFLINE_TWINS.items():
-        served_rows = [rnd.get(server, {}).get("rand8") for rnd in rounds]
+    for twin, threads in OFFLINE_TWINS.items():
+        served_rows = [rnd.get(twin, {}).get("rand8") for rnd in rounds]
         itl = [r["itl_p50_ms"] for r in served_rows if r and r["itl_p50_ms"]]
         if itl and not args.no_offline:
             print(f"offline: engine_bench's worker, {threads} threads ...", file=sys.stderr, flush=True)
             offline = offline_decode_b8(model_dir, threads)["decode_b8_tok_s"]
             served = RAND_CONCURRENCY * 1000 / statistics.median(itl)
-            report["served_vs_offline"][server] = {
+            report["served_vs_offline"][twin] = {
                 "threads": threads,
                 "served_tok_s": served,
                 "offline_tok_s": offline,

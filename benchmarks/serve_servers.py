@@ -93,11 +93,15 @@ def available_servers(args: argparse.Namespace, model_dir: Path) -> list[Server]
             "pdserve-int8", free_port(), [*everything, "--weights", "int8"]
         ),
     }
-    binary = args.llama_server
+    binary: Path = args.llama_server
+
+    def llama(name: str, gguf: Path) -> Callable[[], Server]:
+        return lambda: llama_server(name, free_port(), binary, gguf)
+
     for name, ftype in (("llama-f32", "f32"), ("llama-q8", "q8_0")):
         gguf = binary.parent.parent / "models" / f"smollm2-135m-{ftype}.gguf"
         if binary.is_file() and gguf.is_file():
-            made[name] = lambda name=name, gguf=gguf: llama_server(name, free_port(), binary, gguf)
+            made[name] = llama(name, gguf)
     if args.vllm_python.is_file():
         made["vllm"] = lambda: vllm_server(free_port(), args.vllm_python, model_dir)
     out = []

@@ -23,11 +23,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 from harness import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {  # name: the workers' engine settings
+
+
+class Paths(TypedDict):
+    """A variant's EngineConfig settings: ``EngineConfig(..., **paths)``."""
+
+    attention: str
+    gemm: str
+
+
+VARIANTS: dict[str, Paths] = {  # name: the workers' engine settings
     "paddle": {"attention": "reference", "gemm": "paddle"},
     "kernels": {"attention": "kernel", "gemm": "packed"},
 }

@@ -40,7 +40,10 @@ PROMPT_LEN = 32
 def router_default(name: str) -> int:
     from pdserve.router.http.settings import RouterSettings
 
-    return next(f.default for f in dataclasses.fields(RouterSettings) if f.name == name)
+    default = next(f.default for f in dataclasses.fields(RouterSettings) if f.name == name)
+    if not isinstance(default, int):
+        raise TypeError(f"RouterSettings.{name}: its default {default!r} is not an int")
+    return default
 
 
 class PreviousMatcher:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import print_table, write_json
+from harness import print_table, served_model, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def one_round(model: str, fraction: float, prompts: list[str], max_tokens: int, 
     stack.start()
     try:
         stack.wait_ready()
-        url, name = stack.urls[0], stack.model.name
+        url, name = stack.urls[0], served_model(stack)
         body = {"model": name, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
         def ask(prompt: str) -> int:
@@ -140,11 +140,11 @@ def main() -> int:
         k: statistics.median(rate(x, k) for x in runs[0.0]) for k in ("clients_s", "until_last_verdict_s")
     }
     table, summary = [], {}
-    for fraction, got in runs.items():
-        c = statistics.median(rate(x, "clients_s") for x in got)
-        w = statistics.median(rate(x, "until_last_verdict_s") for x in got)
+    for fraction, fraction_runs in runs.items():
+        c = statistics.median(rate(x, "clients_s") for x in fraction_runs)
+        w = statistics.median(rate(x, "until_last_verdict_s") for x in fraction_runs)
         verdicts: dict[str, float] = {}
-        for x in got:
+        for x in fraction_runs:
             for k, v in x["verify"].items():
                 verdicts[k] = verdicts.get(k, 0) + v
         summary[str(fraction)] = {
