@@ -66,7 +66,7 @@ class PaddleExecutor(Executor):
             "CPU %s: kernels %s%s",
             HOST.describe(),
             self.kernels.describe(),
-            f"; applied {', '.join(TUNING)} before importing Paddle" if TUNING else "",
+            f"; applied {', '.join(TUNING)}" if TUNING else "",
         )
         self.attention = select_attention(config.attention, self.threads)
         log.info("attention: %s (%s)", self.attention.impl, self.attention.reason)

@@ -84,7 +84,50 @@ def test_this_process_was_tuned_before_paddle_loaded() -> None:
     if HOST.is_amd:
         assert out.stdout.split()[0] == "5" and "MKL_DEBUG_CPU_TYPE=5" in out.stdout
     else:
-        assert out.stdout.startswith("None []")
+        assert out.stdout.startswith("None [") and "MKL_DEBUG_CPU_TYPE" not in out.stdout
+
+
+SHARED_TEAM = """
+import os, numba, numpy as np
+from pdserve.engine.cpu.paddle_setup import TUNING, paddle
+from pdserve.engine.cpu.gemm import load_packed_mkl
+paddle.base.core.set_num_threads(2)
+mkl = load_packed_mkl()
+mkl.matmul(np.ones((256, 256), np.float32), mkl.pack(np.ones((256, 256), np.float32)))
+before = len(os.listdir("/proc/self/task"))
+@numba.njit(parallel=True)
+def total(a):
+    s = 0.0
+    for i in numba.prange(a.shape[0]):
+        s += a[i]
+    return s
+numba.set_num_threads(2)
+assert total(np.ones(100_000)) == 100_000
+print(numba.threading_layer(), len(os.listdir("/proc/self/task")) - before, TUNING)
+"""
+
+
+@pytest.mark.parametrize("layer", [None, "workqueue"])
+def test_numba_kernels_share_mkls_openmp_team_unless_the_user_chose(layer: str | None) -> None:
+    """numba's parallel kernels run on Paddle's libiomp5 (paddle_setup.share_openmp): a parallel
+    call after an MKL GEMM starts no thread of its own. A threading layer the user chose is kept."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "NUMBA_THREADING_LAYER"}
+    env |= {"NUMBA_THREADING_LAYER": layer} if layer else {}
+    out = subprocess.run(
+        [sys.executable, "-c", SHARED_TEAM], capture_output=True, text=True, env=env, check=True
+    )
+    used, added, tuning = out.stdout.split(maxsplit=2)
+    if layer is None:
+        assert (used, added) == ("omp", "0") and "libiomp5" in tuning
+    else:
+        assert used == layer and int(added) >= 1 and "libiomp5" not in tuning
+
+
+def test_sharing_openmp_needs_paddles_libiomp5(tmp_path) -> None:
+    from pdserve.engine.cpu.paddle_setup import share_openmp
+
+    assert share_openmp(tmp_path, {}) is None  # no libiomp5.so there
+    assert share_openmp(tmp_path, {"NUMBA_THREADING_LAYER": "tbb"}) is None
 
 
 def test_a_cpu_below_the_floor_gets_a_clear_error_from_the_cli(tiny_model_dir) -> None:
