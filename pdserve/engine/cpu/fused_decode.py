@@ -13,7 +13,8 @@ tokens a decode group too); a step with a prefill chunk takes the layer path.
 
 numba's cache keeps the callees' code inside this function's entry and checks only this file's
 stamp: a change to a kernel it calls must come with a change here, or a cached step keeps the old
-kernels (as it kept serial builds of the parallel ones before ``attention._renamed``).
+kernels (as it kept serial builds of the parallel ones before ``attention._renamed``). Last such
+change: the int8 product's activation quantization (its peak found on the row's bits).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from pdserve.engine.config import DECODE_MODES
 from pdserve.engine.cpu.compiled_attention import SERIAL_ITEMS, AttentionKernels
 from pdserve.engine.cpu.gemm import PackedMkl
-from pdserve.engine.cpu.int8 import Int8Gemm, compile_int8, quantize
+from pdserve.engine.cpu.int8 import BROADCAST_ROWS, Int8Gemm, Int8Matrix, compile_int8, quantize
 from pdserve.engine.kernel_choice import check_mode, load_or_fall_back
 from pdserve.errors import ConfigError
 
@@ -48,6 +49,7 @@ _rope_write_serial: Any = None
 _decode_serial: Any = None
 _swiglu_serial: Any = None
 _int8: Any = None
+_int8_blocks: Any = None  # the int8 broadcast product (from int8.BROADCAST_ROWS rows on)
 _sgemm: Any = None  # cblas_sgemm_compute, an LLVM external symbol
 _linear: Any = None  # _any_linear compiled
 
@@ -58,19 +60,24 @@ def _any_linear(
     which: int,
     packed: np.ndarray,
     quantized: tuple[np.ndarray, ...],
+    blocks: tuple[np.ndarray, ...],
     scales: tuple[np.ndarray, ...],
     bias: np.ndarray,
     scratch: np.ndarray,
     out: np.ndarray,
 ) -> None:  # pragma: no cover - compiled by numba
     """out = x @ W (+ bias) for linear ``which`` (0 qkv, 1 o, 2 gate_up, 3 down) of ``layer``: the
-    int8 product (cpu/int8.py) where the model holds int8 weights, else MKL's packed GEMM at
-    the address ``packed[layer, which]`` (PackedMkl.matmul's very call); the bias added as Paddle
-    adds it (one rounding)."""
+    int8 product (cpu/int8.py: the broadcast one on the packed blocks from BROADCAST_ROWS rows on,
+    as Int8Gemm.matmul picks) where the model holds int8 weights, else MKL's packed GEMM at the
+    address ``packed[layer, which]`` (PackedMkl.matmul's very call); the bias added as Paddle adds
+    it (one rounding)."""
     m, k = x.shape
     n = out.shape[1]
     q = quantized[which]
-    if q.shape[1]:
+    b = blocks[which]
+    if q.shape[1] and b.shape[1] and m >= BROADCAST_ROWS:
+        _int8_blocks(x, b[layer], scales[which][layer], scratch, out)
+    elif q.shape[1]:
         _int8(x, q[layer], scales[which][layer], scratch, out)
     else:
         _sgemm(101, 111, 151, m, n, k, x.ctypes.data, k, packed[layer, which], n, np.float32(0.0),
@@ -89,6 +96,7 @@ def _decode_model(
     eps: float,
     packed: np.ndarray,
     quantized: tuple[np.ndarray, ...],
+    blocks: tuple[np.ndarray, ...],
     scales: tuple[np.ndarray, ...],
     scratch: np.ndarray,
     bias_qkv: np.ndarray,
@@ -116,7 +124,8 @@ def _decode_model(
     norms: [2 L + 1, hidden] (layer l's input norm at 2l, its post-attention norm at 2l + 1, the
     final norm last); packed: int64 [L, 4] addresses of the packed qkv, o, gate_up and down weights
     (float32 weights), or quantized/scales: four int8 [L, n, k] and float32 [L, n] stacks (int8
-    weights; [L, 0, 0] and [L, 0] otherwise), scratch the int8 product's; lm_head: the packed
+    weights; [L, 0, 0] and [L, 0] otherwise) and blocks the same bytes packed ([L, n / 8, k / 2, 8,
+    2], or [L, 0, 0, 8, 2]), scratch the int8 product's; lm_head: the packed
     lm_head's address, or lm_quantized/lm_scale: its int8 form ([0, 0] and [0] otherwise);
     bias_*: [L, n] or [L, 0]; rows: the cache as ``[-1, head_dim]``; dims: int64 (layers, heads,
     kv_heads, head_dim, intermediate).
@@ -138,26 +147,26 @@ def _decode_model(
     o, mlp = np.empty((n, hidden), np.float32), np.empty((n, hidden), np.float32)
     gate_up, act = np.empty((n, 2 * inter), np.float32), np.empty((n, inter), np.float32)
     for layer in range(layers):
-        _linear(h, layer, 0, packed, quantized, scales, bias_qkv[layer], scratch, qkv)
+        _linear(h, layer, 0, packed, quantized, blocks, scales, bias_qkv[layer], scratch, qkv)
         if serial:
             _rope_write_serial(qkv, positions, cos, sin, qcos, qsin, rows, write_rows[layer], q, k, v)
             _decode_serial(rows, layers, block_size, KVH, layer, q, tables, lengths, att)
         else:
             _rope_write(qkv, positions, cos, sin, qcos, qsin, rows, write_rows[layer], q, k, v)
             _decode(rows, layers, block_size, KVH, layer, q, tables, lengths, att)
-        _linear(att.reshape(n, H * D), layer, 1, packed, quantized, scales, bias_o[layer], scratch, o)
+        _linear(att.reshape(n, H * D), layer, 1, packed, quantized, blocks, scales, bias_o[layer], scratch, o)
         x_next = np.empty((n, hidden), np.float32)
         if serial:
             _add_rms_norm_serial(x, o, norms[2 * layer + 1], eps, x_next, h)
         else:
             _add_rms_norm(x, o, norms[2 * layer + 1], eps, x_next, h)
         x = x_next
-        _linear(h, layer, 2, packed, quantized, scales, bias_gate_up[layer], scratch, gate_up)
+        _linear(h, layer, 2, packed, quantized, blocks, scales, bias_gate_up[layer], scratch, gate_up)
         if serial:
             _swiglu_serial(gate_up, act)
         else:
             _swiglu(gate_up, act)
-        _linear(act, layer, 3, packed, quantized, scales, bias_down[layer], scratch, mlp)
+        _linear(act, layer, 3, packed, quantized, blocks, scales, bias_down[layer], scratch, mlp)
         x_next = np.empty((n, hidden), np.float32)
         if layer + 1 == layers:
             for t in range(n):
@@ -199,6 +208,7 @@ class FusedWeights:
     packed: np.ndarray  # int64 [L, 4] addresses; zeros with int8 weights
     lm_head: int  # the packed lm_head's address; 0 with int8 weights
     quantized: tuple[np.ndarray, ...]  # qkv, o, gate_up, down: int8 [L, n, k], or [L, 0, 0] each
+    blocks: tuple[np.ndarray, ...]  # the same bytes packed: int8 [L, n / 8, k / 2, 8, 2], or [L, 0, 0, 8, 2]
     scales: tuple[np.ndarray, ...]  # float32 [L, n], or [L, 0] each
     lm_quantized: np.ndarray  # int8 [vocab, hidden], or [0, 0]
     lm_scale: np.ndarray  # float32 [vocab], or [0]
@@ -209,11 +219,23 @@ def no_int8(layers: int) -> dict[str, Any]:
     """FusedWeights' int8 fields for a model of float32 weights."""
     return {
         "quantized": tuple(np.zeros((layers, 0, 0), np.int8) for _ in range(4)),
+        "blocks": no_blocks(layers),
         "scales": tuple(np.zeros((layers, 0), np.float32) for _ in range(4)),
         "lm_quantized": np.zeros((0, 0), np.int8),
         "lm_scale": np.zeros(0, np.float32),
         "scratch": np.zeros(1, np.int16),
     }
+
+
+def packed_blocks(m: Int8Matrix) -> np.ndarray:
+    if m.blocks is None:
+        raise ValueError("an int8 matrix without blocks (its k is odd)")
+    return m.blocks
+
+
+def no_blocks(layers: int) -> tuple[np.ndarray, ...]:
+    """FusedWeights' blocks for weights that have none (float32, or an odd k)."""
+    return tuple(np.zeros((layers, 0, 0, 8, 2), np.int8) for _ in range(4))
 
 
 class FusedDecode:
@@ -249,6 +271,7 @@ class FusedDecode:
             weights.eps,
             weights.packed,
             weights.quantized,
+            weights.blocks,
             weights.scales,
             weights.scratch,
             *weights.biases,
@@ -281,7 +304,8 @@ _compiled: Any = None  # the compiled fused step, made once per process
 
 
 def _compile(kernels: AttentionKernels, mkl: PackedMkl, int8: Int8Gemm) -> FusedDecode:
-    global _rms_norm, _add_rms_norm, _rope_write, _decode, _swiglu, _int8, _sgemm, _linear, _compiled
+    global _rms_norm, _add_rms_norm, _rope_write, _decode, _swiglu, _int8, _int8_blocks, _sgemm, _linear
+    global _compiled
     global _rms_norm_serial, _add_rms_norm_serial, _rope_write_serial, _decode_serial, _swiglu_serial
     import llvmlite.binding
     import numba
@@ -301,7 +325,7 @@ def _compile(kernels: AttentionKernels, mkl: PackedMkl, int8: Int8Gemm) -> Fused
         _rms_norm_serial, _add_rms_norm_serial = fns["rms_norm_serial"], fns["add_rms_norm_serial"]
         _rope_write_serial, _decode_serial = fns["rope_write_serial"], fns["decode_serial"]
         _swiglu_serial = fns["swiglu_serial"]
-        _int8 = int8.fn
+        _int8, _int8_blocks = int8.fn, int8.blocks_fn
         _linear = numba.njit(cache=True, nogil=True)(_any_linear)
         _compiled = numba.njit(cache=True, nogil=True)(_decode_model)
         for quantized in (False, True):
@@ -338,11 +362,12 @@ def _self_test(fused: FusedDecode, kernels: AttentionKernels, mkl: PackedMkl, in
         matmul = {name: lambda x, m=packed[name]: mkl.matmul(x, m) for name in names}
         matmul["lm_head"] = lambda x: mkl.matmul(x, lm_packed)
     else:
-        q = {name: quantize(a) for name, a in w.items()}
+        q = {name: quantize(a, blocks=True) for name, a in w.items()}
         lm_q = quantize(embed, transposed=True)
         weights = FusedWeights(
             packed=np.zeros((L, 4), np.int64), lm_head=0, **common,
             quantized=tuple(np.stack([q[name].q] * L) for name in names),
+            blocks=tuple(np.stack([packed_blocks(q[name])] * L) for name in names),
             scales=tuple(np.stack([q[name].scale] * L) for name in names),
             lm_quantized=lm_q.q, lm_scale=lm_q.scale, scratch=int8.scratch,
         )  # fmt: skip

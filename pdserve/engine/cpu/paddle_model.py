@@ -19,7 +19,8 @@ multiply against weights packed once for MKL, which replace the plain ones; unde
 or composed per ``Kernels`` (docs/design.md, "CPU kernels").
 With the kernels and linear weights packed or quantized, a step whose every token decodes runs as
 one compiled call instead (cpu/fused_decode.py) with bitwise the same logits; with an
-``Int8Gemm`` the linear layers and lm_head hold int8 rows per output channel (cpu/int8.py).
+``Int8Gemm`` the linear layers and lm_head hold int8 rows per output channel (cpu/int8.py), and
+the layers those bytes again in blocks of 8 channels, which a prefill's many rows multiply faster.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pdserve.engine.cpu.fused_decode import FusedDecode, FusedWeights, no_int8
 from pdserve.engine.cpu.gemm import PackedMatrix, PackedMkl
 from pdserve.engine.cpu.host_cpu import Kernels
 from pdserve.engine.cpu.int8 import Int8Gemm, Int8Matrix, quantize
+from pdserve.engine.cpu.int8_tiles import LANES
 from pdserve.engine.cpu.kv_cache import KVCache
 from pdserve.engine.cpu.model_attention import ModelAttention
 from pdserve.engine.cpu.paddle_setup import functional as F
@@ -122,9 +124,10 @@ class Model(ModelAttention):
         self.fused = fused if attention_kernels is not None and linears else None
         self.fused_weights = self._fused_weights() if self.fused is not None else None
 
-    def _int8_stacks(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Empty int8 [L, out, in] and scale [L, out] stacks, one per linear (the fused step takes
-        each linear's layers as one array)."""
+    def _int8_stacks(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Empty int8 [L, out, in], scale [L, out] and blocks [L, out / 8, in / 2, 8, 2] stacks, one
+        per linear (the fused step takes each linear's layers as one array; blocks: int8.pack_blocks,
+        [L, 0, 0, 8, 2] where ``in`` is odd)."""
         cfg = self.cfg
         shapes = {
             "qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
@@ -133,22 +136,33 @@ class Model(ModelAttention):
             "down": (cfg.hidden_size, cfg.intermediate_size),
         }
         L = cfg.num_layers
+
+        def blocks(n: int, k: int) -> tuple[int, ...]:
+            return (L, -(-n // LANES), k // 2, LANES, 2) if k % 2 == 0 else (L, 0, 0, LANES, 2)
+
         return {
-            n: (np.empty((L, *shape), np.int8), np.empty((L, shape[0]), np.float32))
-            for n, shape in shapes.items()
+            name: (
+                np.empty((L, n, k), np.int8),
+                np.empty((L, n), np.float32),
+                np.empty(blocks(n, k), np.int8),
+            )
+            for name, (n, k) in shapes.items()
         }
 
     def _quantize_into_stack(self, name: str, array: np.ndarray) -> Int8Matrix:
-        if name == "lm_head":
+        if name == "lm_head":  # one row per sequence: the dot product's, no blocks
             return quantize(array)
         layer, linear = name.split(".")
-        q, scale = self.stacks[linear]
+        q, scale, blocks = self.stacks[linear]
         i = int(layer[1:])
-        m = quantize(array)
+        m = quantize(array, blocks=bool(blocks.shape[1]))
         if m.q.shape != q.shape[1:]:
             raise ValueError(f"weight {name}: shape {array.shape} does not match the model's config")
         q[i], scale[i] = m.q, m.scale
-        return Int8Matrix(q[i], scale[i])  # views of the stacks
+        if m.blocks is None:
+            return Int8Matrix(q[i], scale[i])  # views of the stacks
+        blocks[i] = m.blocks  # the bytes a prefill's products read (int8.pack_blocks)
+        return Int8Matrix(q[i], scale[i], blocks[i])
 
     def _fused_weights(self) -> FusedWeights:
         cfg, L = self.cfg, self.cfg.num_layers
@@ -174,6 +188,7 @@ class Model(ModelAttention):
                 packed=np.zeros((L, 4), np.int64),
                 lm_head=0,
                 quantized=tuple(self.stacks[n][0] for n in LINEARS),
+                blocks=tuple(self.stacks[n][2] for n in LINEARS),
                 scales=tuple(self.stacks[n][1] for n in LINEARS),
                 lm_quantized=lm.q,
                 lm_scale=lm.scale,

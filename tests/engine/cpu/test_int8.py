@@ -10,11 +10,13 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.engine.cpu.int8 import (
     BLOCK_BYTES,
+    BROADCAST_ROWS,
     ROWS,
     Int8Gemm,
     Int8Matrix,
     activation_limit,
     compile_int8,
+    pack_blocks,
     quantize,
     select_weights,
 )
@@ -61,16 +63,35 @@ def test_activation_limit_keeps_every_sum_in_int32() -> None:
     assert activation_limit(576) == 29356 and activation_limit(1536) == 11008
 
 
+def test_blocks_hold_eight_channels_pair_by_pair() -> None:
+    q = np.arange(-60, 60, dtype=np.int8).reshape(10, 12)  # 10 channels: a second, partial block
+    blocks = pack_blocks(q)
+    assert blocks is not None and blocks.shape == (2, 6, 8, 2) and blocks.flags.c_contiguous
+    for j in range(16):
+        for i in range(12):
+            assert blocks[j // 8, i // 2, j % 8, i % 2] == (q[j, i] if j < 10 else 0)
+    assert pack_blocks(q[:, :11]) is None  # an odd k: no blocks, the dot product serves every row count
+    assert quantize(np.ones((11, 4), np.float32), blocks=True).blocks is None
+
+
 @pytest.mark.parametrize("m", ROW_COUNTS)
-@pytest.mark.parametrize("k,n", [(64, 48), (576, 960), (37, 1001), (1536, 576)])
-def test_products_match_numpy_at_every_row_count(int8: Int8Gemm, m: int, k: int, n: int) -> None:
+@pytest.mark.parametrize("k,n", [(64, 48), (576, 960), (37, 1001), (1536, 576), (90, 13)])
+@pytest.mark.parametrize("blocks", [False, True], ids=["rows", "blocks"])
+def test_products_match_numpy_at_every_row_count(
+    int8: Int8Gemm, m: int, k: int, n: int, blocks: bool
+) -> None:
     """Bitwise-close to the integer model; within the stated bound of float64 x @ dequantized W:
     per output, the activations' half step (max|x[r]| / (2 limit)) times sum_i |W[i, j]|, plus
-    float32's rounding of the result."""
+    float32's rounding of the result. With blocks, from BROADCAST_ROWS rows on the broadcast product
+    runs: bitwise the dot product."""
     rng = np.random.default_rng(m * k + n)
-    w = quantize(rng.standard_normal((k, n), dtype=np.float32))
+    w = quantize(rng.standard_normal((k, n), dtype=np.float32), blocks=blocks)
     x = rng.standard_normal((m, k), dtype=np.float32) * rng.uniform(0.01, 100, (m, 1)).astype(np.float32)
     got = int8.matmul(x, w)
+    if w.blocks is not None:
+        dot = np.empty_like(got)
+        int8.fn(x, w.q, w.scale, int8.scratch, dot)
+        assert np.array_equal(got, dot)
     assert got.shape == (m, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, integer_model(x, w), rtol=1e-6, atol=0)
     w64 = w.dequantize().astype(np.float64)
@@ -83,12 +104,14 @@ def test_products_match_numpy_at_every_row_count(int8: Int8Gemm, m: int, k: int,
 
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(int8: Int8Gemm) -> None:
     """Integer sums are exact: a row alone and the same row inside any batch, tiled differently
-    (row tiles of 4, blocks of rows, a last odd channel), give the same bits."""
+    (row tiles of 4, blocks of rows, a last odd channel, the dot or the broadcast product), give the
+    same bits."""
     rng = np.random.default_rng(7)
     k = 1536
-    w = quantize(rng.standard_normal((k, 1001), dtype=np.float32))
+    w = quantize(rng.standard_normal((k, 1001), dtype=np.float32), blocks=True)
     x = rng.standard_normal((300, k), dtype=np.float32)
     assert BLOCK_BYTES // (2 * k) < 300  # more than one block of rows
+    assert min(ROW_COUNTS) < BROADCAST_ROWS < max(ROW_COUNTS)  # the dot and the broadcast products
     alone = np.concatenate([int8.matmul(x[r : r + 1], w) for r in range(0, 300, 37)])
     for m in (*ROW_COUNTS, 300):
         got = int8.matmul(x[:m], w)
@@ -118,6 +141,11 @@ def test_zero_nonfinite_rows_and_a_small_scratch(int8: Int8Gemm) -> None:
     assert np.array_equal(out, got, equal_nan=True)
     with pytest.raises(ValueError, match="x has 49 columns, the int8 matrix 50 rows"):
         int8.matmul(x[:, :49], w)
+    wb = quantize(rng.standard_normal((50, 70), dtype=np.float32), blocks=True)  # and the broadcast product's
+    xb = np.repeat(x, 3, axis=0)  # 21 rows
+    got = int8.matmul(xb, wb)
+    assert np.array_equal(got[3], np.zeros(70, np.float32))
+    assert np.isnan(got[12:18]).all() and np.array_equal(got[0], int8.matmul(xb[:1], wb)[0])
 
 
 def test_weights_mode() -> None:
@@ -169,3 +197,28 @@ def test_int8_stays_close_to_float32_on_the_real_model(smollm2_dir) -> None:
         agree += sum(a == t for a, t in zip(argmax, g.token_ids))
         total += len(g.token_ids)
     assert agree >= 0.9 * total, f"int8 agrees with float32 on {agree} of {total} greedy tokens"
+
+
+def test_a_step_of_many_sequences_takes_the_broadcast_product_bitwise(tiny_model_dir) -> None:
+    """From BROADCAST_ROWS decoding sequences on, the fused step multiplies by the packed blocks
+    (fused_decode._any_linear): the same bits as the layer path, and as each sequence alone."""
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [f"Request {i} asks the router for a pair." for i in range(BROADCAST_ROWS + 2)]
+    common = {
+        "num_blocks": 128,
+        "max_num_seqs": 32,
+        "keep_logits": True,
+        "weights": "int8",
+        "batch_invariant": True,
+    }
+    fused = LLM(tiny_model_dir, decode_step="fused", **common)
+    stacks = fused.engine.executor.model.stacks
+    assert all(blocks.shape[1] for _, _, blocks in stacks.values())  # the tiny model's k are even
+    batched = fused.generate(prompts, greedy)
+    layers = LLM(tiny_model_dir, decode_step="layers", **common).generate(prompts, greedy)
+    alone = [fused.generate(p, greedy)[0] for p in prompts[:2]]
+    for i, (a, b) in enumerate(zip(batched, layers, strict=True)):
+        assert a.token_ids == b.token_ids
+        assert all(np.array_equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+        if i < len(alone):
+            assert all(np.array_equal(x, y) for x, y in zip(a.logits, alone[i].logits, strict=True))
