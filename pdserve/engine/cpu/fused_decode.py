@@ -30,6 +30,7 @@ from pdserve.engine.config import DECODE_MODES
 from pdserve.engine.cpu.compiled_attention import SERIAL_ITEMS, AttentionKernels
 from pdserve.engine.cpu.gemm import PackedMkl
 from pdserve.engine.cpu.int8 import BROADCAST_ROWS, Int8Gemm, Int8Matrix, compile_int8, quantize
+from pdserve.engine.cpu.int8_tiles import LANES
 from pdserve.engine.kernel_choice import check_mode, load_or_fall_back
 from pdserve.errors import ConfigError
 
@@ -219,7 +220,7 @@ def no_int8(layers: int) -> dict[str, Any]:
     """FusedWeights' int8 fields for a model of float32 weights."""
     return {
         "quantized": tuple(np.zeros((layers, 0, 0), np.int8) for _ in range(4)),
-        "blocks": no_blocks(layers),
+        "blocks": tuple(np.zeros((layers, 0, 0, LANES, 2), np.int8) for _ in range(4)),
         "scales": tuple(np.zeros((layers, 0), np.float32) for _ in range(4)),
         "lm_quantized": np.zeros((0, 0), np.int8),
         "lm_scale": np.zeros(0, np.float32),
@@ -227,15 +228,11 @@ def no_int8(layers: int) -> dict[str, Any]:
     }
 
 
-def packed_blocks(m: Int8Matrix) -> np.ndarray:
+def _blocks_of(m: Int8Matrix) -> np.ndarray:
+    """The self-test's toy matrices have blocks (their k are even)."""
     if m.blocks is None:
         raise ValueError("an int8 matrix without blocks (its k is odd)")
     return m.blocks
-
-
-def no_blocks(layers: int) -> tuple[np.ndarray, ...]:
-    """FusedWeights' blocks for weights that have none (float32, or an odd k)."""
-    return tuple(np.zeros((layers, 0, 0, 8, 2), np.int8) for _ in range(4))
 
 
 class FusedDecode:
@@ -367,7 +364,7 @@ def _self_test(fused: FusedDecode, kernels: AttentionKernels, mkl: PackedMkl, in
         weights = FusedWeights(
             packed=np.zeros((L, 4), np.int64), lm_head=0, **common,
             quantized=tuple(np.stack([q[name].q] * L) for name in names),
-            blocks=tuple(np.stack([packed_blocks(q[name])] * L) for name in names),
+            blocks=tuple(np.stack([_blocks_of(q[name])] * L) for name in names),
             scales=tuple(np.stack([q[name].scale] * L) for name in names),
             lm_quantized=lm_q.q, lm_scale=lm_q.scale, scratch=int8.scratch,
         )  # fmt: skip

@@ -9,6 +9,7 @@ runs on (:func:`share_openmp`). Every pdserve module takes Paddle from here.
 """
 
 import ctypes
+import importlib
 import logging
 import os
 import sys
@@ -59,11 +60,13 @@ def share_openmp(libs: Path, environ: dict[str, str] | os._Environ[str] = os.env
 
     runtime = ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)  # loaded by Paddle already: made global
     try:
-        from numba.np.ufunc import omppool  # noqa: F401  (numba's omp layer, built for GNU OpenMP)
+        importlib.import_module("numba.np.ufunc.omppool")  # numba's omp layer, built for GNU OpenMP
     except ImportError:
         return None
     if not hasattr(runtime, "GOMP_parallel"):  # the entry point numba's omp layer calls
         return None
+    if getattr(importlib.import_module("numba.np.ufunc.parallel"), "_is_initialized", False):
+        return None  # a parallel call ran already: numba's pool is chosen for this process
     # numba.config sets its options through globals(), which its types cannot show
     numba.config.THREADING_LAYER = "omp"  # type: ignore[attr-defined]
     return "NUMBA_THREADING_LAYER=omp on Paddle's libiomp5"
