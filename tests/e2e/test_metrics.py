@@ -97,6 +97,7 @@ def check_stack_metrics(stack, n: int, tokens: int) -> tuple[dict, list[dict]]:
     assert total(router, "pdserve_ttft_seconds_count") == n
     assert total(router, "pdserve_selections_total", role="prefill") == n
     assert total(router, "pdserve_selections_total", role="decode") == n
+    assert total(router, "pdserve_route_picks_total") == n  # prefix_cache (the default) said why, each time
     assert total(router, "pdserve_live_instances", role="prefill") == 1
     assert total(router, "pdserve_live_instances", role="decode") == 1
     assert total(router, "pdserve_in_flight_requests") == 0
