@@ -71,6 +71,10 @@ class PairChoice:
     estimate: Estimate | None = None
 
 
+_Option = tuple[float, float, InstanceInfo, "InstanceInfo | None"]
+"""A pair-or-decode option of :meth:`PrefixCache.pick_pair`: cost, tie-break draw, D, P."""
+
+
 def fleet_rate(instances: Iterable[InstanceInfo]) -> float | None:
     """The median of the measured prefill rates (seconds per prompt token) among ``instances``
     (None when none measured one): what an instance that has not measured its own is taken for."""
@@ -218,9 +222,8 @@ class PrefixCache:
         fleet = fleet_rate({info.id: info for pair in pairs for info in pair}.values())
         prefill_costs: dict[str, float] = {}
         decode_loads: dict[str, float] = {}
-        Option = tuple[float, float, InstanceInfo, InstanceInfo | None]  # cost, tie-break, D, P
-        best: Option | None = None
-        option: Option
+        best: _Option | None = None
+        option: _Option
         for p, d in pairs:
             if p.id not in prefill_costs:
                 prefill_costs[p.id] = self.prefill_cost(p, in_flight, request, fleet)
