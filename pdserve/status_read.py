@@ -105,6 +105,7 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "tier": i.tier.model_dump() if i.tier else None,
                 "disk_tier": i.disk_tier.model_dump() if i.disk_tier else None,
                 "pool": i.pool.model_dump() if i.pool else None,
+                "rates": i.rates.model_dump() if i.rates else None,
                 "role_history": role_history(i),
             }
         )

@@ -264,7 +264,7 @@ def test_status_shows_each_host_tier(redis_url) -> None:
 
     from router_support import instance
 
-    from pdserve.scheduler import TierInfo
+    from pdserve.scheduler import RatesInfo, TierInfo
     from pdserve.status_read import collect
     from pdserve.status_table import render
 
@@ -272,9 +272,18 @@ def test_status_shows_each_host_tier(redis_url) -> None:
     tiered.tier = TierInfo(
         capacity_bytes=64 << 20, used_bytes=16 << 20, blocks=23, stores=30, hits=12, misses=5, evictions=7
     )
+    tiered.rates = RatesInfo(prefill_s_per_token=0.002, host_read_s_per_block=0.0001)
     register(redis_url, "wtier", plain, tiered)
     status = asyncio.run(collect(redis_url, "wtier"))
     assert {i["id"]: bool(i["tier"]) for i in status["instances"]} == {plain.id: False, tiered.id: True}
+    # the rates it measured, as --json prints them (what the routers' prefix_cache weighs)
+    rates = {i["id"]: i["rates"] for i in status["instances"]}
+    assert rates[plain.id] is None and rates[tiered.id] == {
+        "prefill_s_per_token": 0.002,
+        "host_read_s_per_block": 0.0001,
+        "disk_read_s_per_block": None,
+        "transfer_s_per_block": None,
+    }
     lines = [line for line in render(status).splitlines() if line.startswith("host tier")]
     assert lines == [
         f"host tier {tiered.id}: 16/64 MiB, 23 blocks; read back 12, missed 5 (71% hit), stored 30, "

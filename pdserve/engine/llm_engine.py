@@ -25,11 +25,13 @@ from pdserve.engine.models.model_config import ModelConfig
 from pdserve.engine.models.weights import weights_digest
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
 from pdserve.engine.platform import select_platform
+from pdserve.engine.rates import RateMeter
 from pdserve.engine.sampler import Sample, Sampler, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step_sampling import StepSampling
 from pdserve.engine.tiers.disk_tier import DiskTier
 from pdserve.engine.tiers.host_tier import HostTier
+from pdserve.engine.tiers.tier_reader import TierReader
 from pdserve.engine.tiers.tiered_cache import TieredCache
 from pdserve.errors import InvalidRequestError, RequestTooLongError
 from pdserve.sampling_params import SamplingParams
@@ -79,6 +81,10 @@ class LLMEngine(KVHandoff, TieredCache):
         )
         self.host_tier: HostTier | None = None
         self.disk_tier: DiskTier | None = None
+        self.tier_reader: TierReader | None = None  # reads the tiers back (and times it)
+        self.prefill_rate = RateMeter(skip=1)
+        """Seconds per token of the steps that prefilled: their forward and picks over their rows
+        (a decode row in such a step counts as one token); the first is dropped (cold caches)."""
         if config.prefix_caching:
             self._tiers(config, ex)
         elif config.kv_host_bytes or config.kv_disk_bytes:
@@ -151,6 +157,9 @@ class LLMEngine(KVHandoff, TieredCache):
             pool_hits=self.batcher.hit_counts.pool,
             pool_lookups=self.batcher.hit_counts.lookups,
             pool_evictions=self.blocks.num_evicted,
+            prefill_s_per_token=self.prefill_rate.value,
+            host_read_s_per_block=reader.host_rate.value if (reader := self.tier_reader) else None,
+            disk_read_s_per_block=reader.disk_rate.value if reader else None,
         )
 
     # ---- requests ---------------------------------------------------------------------------
@@ -275,12 +284,15 @@ class LLMEngine(KVHandoff, TieredCache):
         batch = self.batcher.schedule()
         if not batch:
             return outputs
+        t0 = time.perf_counter()
         step_input, out_seqs, prompt_rows = self.runner.prepare(batch)
         try:  # the forward, then the picks: the numpy sampler's, or the device's (step_sampling.py)
             picked = self.picking.run(step_input, out_seqs, prompt_rows, lambda: self._computed(batch))
         except Exception as e:  # a Paddle or torch failure must end these requests, not hang them
             log.exception("model step failed")
             return outputs + self._fail_batch(batch, f"model step failed: {e}")
+        if batch.prefills:  # what computing a prompt token costs here (routers weigh it)
+            self.prefill_rate.add(time.perf_counter() - t0, batch.num_tokens)
         if picked is None:
             return outputs
         for span, scored in picked.prompt:  # before the samples: the first token hands them out

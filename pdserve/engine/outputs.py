@@ -60,6 +60,10 @@ class EngineLoad:
     pool_hits: int = 0  # admitted prompts' full blocks found in the prefix cache (first admissions)
     pool_lookups: int = 0  # admitted prompts' full blocks looked up there (first admissions)
     pool_evictions: int = 0  # cached blocks the prefix cache evicted for room
+    prefill_s_per_token: float | None = None
+    """Seconds per token of the recent steps that prefilled (``rates.RateMeter``; None: none yet)."""
+    host_read_s_per_block: float | None = None  # a block read back from the host tier, lately
+    disk_read_s_per_block: float | None = None  # a block read back from the disk tier, lately
 
 
 @dataclasses.dataclass(frozen=True)

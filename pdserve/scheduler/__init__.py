@@ -59,6 +59,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "KVInfo",
         "LoadInfo",
         "PoolInfo",
+        "RatesInfo",
         "RoleChange",
         "RouterInfo",
         "SwitchOutcome",

@@ -134,6 +134,23 @@ class PoolInfo(_Model):
     evictions: int = 0
 
 
+class RatesInfo(_Model):
+    """What this instance measured of its own speed lately (a decaying mean over recent samples,
+    ``engine/rates.py``): the routers' ``prefix_cache`` policy weighs computing a prompt here against
+    reading its blocks back from a tier and against moving its KV by these (docs/design.md, "Prefix
+    routing"). Each field is None until measured (the policy then uses its ``--prefix-*`` weights)."""
+
+    prefill_s_per_token: float | None = None
+    """Seconds per token of its recent steps that prefilled (the forward and picks over their rows)."""
+    host_read_s_per_block: float | None = None
+    """Seconds per block its host tier read back lately: read, checksum, copy into the pool."""
+    disk_read_s_per_block: float | None = None
+    """Seconds per block its disk tier read back lately: file read, checks, copy into the pool."""
+    transfer_s_per_block: dict[str, float] | None = None
+    """Per KV transport (``shm``, ``mooncake``, …): seconds per block its recent hand-offs to decode
+    instances took (a prefill instance's; the block's bytes over the writes' measured rate)."""
+
+
 class InstanceInfo(_Model):
     """Registration value of one inference instance (``pdserve:{<cluster>}:instance:<id>``)."""
 
@@ -167,6 +184,9 @@ class InstanceInfo(_Model):
     """Its disk tier (None: it has none): routers read that tier's set for it too. Optional."""
     pool: PoolInfo | None = None
     """Its prefix cache's counters (None: no prefix cache, or an older instance). Optional."""
+    rates: RatesInfo | None = None
+    """What it measured of its prefill, read-back and hand-off speed (None: nothing yet, or an
+    older instance). Optional (added without a ``v`` bump)."""
     switchable: bool | None = None
     """It can take any role when told: started ``--switchable`` (its KV cache in shared memory,
     every KV transport open) or as a decode instance (which has both); None or False: only the

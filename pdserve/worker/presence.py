@@ -24,6 +24,7 @@ from pdserve.scheduler import (
     KVInfo,
     LoadInfo,
     PoolInfo,
+    RatesInfo,
     TierInfo,
     TransferInfo,
     redis_errors,
@@ -158,10 +159,28 @@ class Presence:
             pool=PoolInfo(hits=load.pool_hits, lookups=load.pool_lookups, evictions=load.pool_evictions)
             if facts.prefix_caching
             else None,
+            rates=self._rates(),
             switchable=self._shared_cache or None,  # a decode instance's start prepared every role
             roles=list(roles.history) or None,
             last_switch=roles.last_switch,
         )
+
+    def _rates(self) -> RatesInfo | None:
+        """What this instance measured lately (None before anything): the engine's prefill and
+        read-back rates from its last load snapshot, and per transport the seconds a block of its
+        recent hand-offs took (the block's bytes over the rate ``Transports`` keeps for pacing)."""
+        assert self.engine is not None
+        load, block_bytes = self.engine.load, self.engine.facts.block_bytes
+        transfer = {
+            p: block_bytes / rate for p in self.transports.backends if (rate := self.transports.rate(p))
+        }
+        rates = RatesInfo(
+            prefill_s_per_token=load.prefill_s_per_token,
+            host_read_s_per_block=load.host_read_s_per_block,
+            disk_read_s_per_block=load.disk_read_s_per_block,
+            transfer_s_per_block=transfer or None,
+        )
+        return rates if rates.model_dump(exclude_none=True) else None
 
     @property
     def protocols(self) -> list[str]:

@@ -97,6 +97,7 @@ def check_stack_metrics(stack, n: int, tokens: int) -> tuple[dict, list[dict]]:
     assert total(router, "pdserve_ttft_seconds_count") == n
     assert total(router, "pdserve_selections_total", role="prefill") == n
     assert total(router, "pdserve_selections_total", role="decode") == n
+    assert total(router, "pdserve_route_picks_total") == n  # prefix_cache (the default) said why, each time
     assert total(router, "pdserve_live_instances", role="prefill") == 1
     assert total(router, "pdserve_live_instances", role="decode") == 1
     assert total(router, "pdserve_in_flight_requests") == 0
@@ -228,4 +229,60 @@ def _samples(registry) -> list[tuple[str, tuple, float]]:
         for f in text_string_to_metric_families(text)
         for s in f.samples
         if not s.name.endswith("_created")
+    )
+
+
+def test_the_route_model_and_its_inputs_are_exposed() -> None:
+    """What prefix_cache expected of each pick (seconds, where rates exist), its picks by source and
+    pricing, and the rates the live instances measured (from the router's cached live set)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families as parse
+
+    from pdserve.router.http.metrics import RouterMetrics
+    from pdserve.router.routing.policies import PolicyRequest
+    from pdserve.router.routing.selection import Selector
+    from pdserve.scheduler.registration import RatesInfo
+    from tests.router_support import instance
+
+    fast = instance("m0")
+    fast.rates = RatesInfo(prefill_s_per_token=0.001, host_read_s_per_block=0.0016)
+    fresh = instance("m1")
+    p0 = instance("p0", "prefill")
+    p0.rates = RatesInfo(prefill_s_per_token=0.002, transfer_s_per_block={"shm": 0.0001})
+    metrics = RouterMetrics()
+    metrics.watch_live(SimpleNamespace(cached=[fast, fresh, p0]))  # the live set as the router caches it
+    sel = Selector("prefix_cache", "prefix_cache")
+    request = PolicyRequest("tiny", text="x", num_tokens=1000, cached_tokens={"m0": 200})
+    tiered = dataclasses.replace(request, tier_tokens={"m0": 640})
+    for r in (tiered, request):
+        metrics.on_prefix(sel.route([fast, fresh], r), r)  # m0 both times: by its rates, then its pool
+    plain = [instance("m0"), instance("m1")]  # no rates: the weights, in tokens
+    metrics.on_prefix(sel.route(plain, PolicyRequest("tiny", text="x", num_tokens=10)), request)
+
+    families = {f.name: f for f in parse(metrics.render().decode())}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
+    }
+    assert samples[("pdserve_route_estimate_seconds_count", ())] == 2  # the tokens-priced pick is not in it
+    assert samples[("pdserve_route_estimate_seconds_sum", ())] == pytest.approx(0.16 + 0.064 + 0.8)
+    picks = {k[1]: v for k, v in samples.items() if k[0] == "pdserve_route_picks_total"}
+    assert picks == {
+        (("priced", "measured"), ("source", "host_tier")): 1,
+        (("priced", "measured"), ("source", "cache_hit")): 1,
+        (("priced", "weights"), ("source", "recompute")): 1,
+    }
+    assert samples[("pdserve_instance_prefill_seconds_per_token", (("instance", "m0"),))] == 0.001
+    assert (
+        "pdserve_instance_prefill_seconds_per_token",
+        (("instance", "m1"),),
+    ) not in samples  # not measured
+    assert (
+        samples[("pdserve_instance_read_back_seconds_per_block", (("instance", "m0"), ("tier", "host")))]
+        == 0.0016
+    )
+    assert (
+        samples[("pdserve_instance_kv_transfer_seconds_per_block", (("instance", "p0"), ("protocol", "shm")))]
+        == 0.0001
     )

@@ -27,10 +27,14 @@ def index_size(redis_url: str, cluster: str, instance_id: str) -> int:
         return r.scard(Keys(cluster).prefix_index(instance_id))
 
 
+def registration(redis_url: str, cluster: str, instance_id: str) -> InstanceInfo:
+    with redis.Redis.from_url(redis_url) as r:
+        return decode_as(InstanceInfo, r.get(Keys(cluster).instance(instance_id)))
+
+
 def open_requests(redis_url: str, cluster: str, instance_id: str) -> int:
     """Running + waiting requests as the instance's last heartbeat told every router."""
-    with redis.Redis.from_url(redis_url) as r:
-        info = decode_as(InstanceInfo, r.get(Keys(cluster).instance(instance_id)))
+    info = registration(redis_url, cluster, instance_id)
     return info.load.running + info.load.waiting
 
 
@@ -117,6 +121,9 @@ def test_turns_follow_their_prefix_move_only_missing_blocks_and_outlive_their_pr
         uncached_equals(turn2, second)
 
         wait_indexed(redis_url, cluster, p, d)
+        # what P measured of its prefills and its hand-offs, which the routers' costs now use
+        rates = registration(redis_url, cluster, p).rates
+        assert rates is not None and rates.prefill_s_per_token > 0 and rates.transfer_s_per_block["shm"] > 0
         next(proc for name, proc in stack.workers if p.startswith(name + "-")).kill()
         t0 = time.monotonic()
         while index_size(redis_url, cluster, p):

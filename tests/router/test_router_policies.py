@@ -21,7 +21,7 @@ from pdserve.router.routing.policies.prefix_affinity import (
 )
 from pdserve.router.routing.policies.simple import Random, RoundRobin
 from pdserve.router.routing.selection import Selector, kv_mismatch, resolve_model, transfer_protocol
-from pdserve.scheduler.registration import KVInfo
+from pdserve.scheduler.registration import KVInfo, RatesInfo
 
 TINY = PolicyRequest("tiny")
 """A request of model tiny whose prompt the router does not know (the request-blind policies)."""
@@ -534,3 +534,107 @@ def test_prefix_cache_counts_a_disk_tier_hit_at_its_read_back_cost() -> None:
     disk_only = dataclasses.replace(cached(1000), disk_tokens={"m2": 800})
     assert policy.pick([a, c], {"m2": 11}, disk_only).id == "m2"
     assert policy.pick([a, c], {"m2": 12}, disk_only).id == "m0"
+
+
+# -- prefix_cache with measured rates (the registration's ``rates``) ------------------------------------
+
+
+def rated(info, **rates):
+    """``info`` with the rates it measured (seconds per prompt token, per block read back or moved)."""
+    info.rates = RatesInfo(**rates)
+    return info
+
+
+def test_a_measured_read_back_beats_a_recompute_only_when_it_is_faster() -> None:
+    """Costs are seconds from the instances' own rates: a slow instance whose host tier holds most of
+    the prompt beats a fast empty one when its measured read-back is quick, and loses when it is
+    slow; the weights alone (no rates) always take the tier."""
+    policy = prefix_cache(load_tokens=64, host_tier=0.1)
+    request = dataclasses.replace(cached(1000), tier_tokens={"m1": 960})
+
+    def fleet(host_read_s: float):
+        fast = rated(instance("m0"), prefill_s_per_token=0.0001)  # 1000 tokens: 0.1 s
+        slow = rated(instance("m1"), prefill_s_per_token=0.001, host_read_s_per_block=host_read_s)
+        return [fast, slow]
+
+    # m1: 40 tokens computed (0.04 s) + 60 blocks read at 0.5 ms (0.03 s) = 0.07 s < 0.1 s
+    assert policy.prefill_cost(fleet(0.0005)[1], {}, request, 0.001) == pytest.approx(0.07)
+    assert policy.pick(fleet(0.0005), {}, request).id == "m1"
+    # at 2 ms a block the read-back alone takes 0.12 s: recomputing on m0 is faster
+    assert policy.pick(fleet(0.002), {}, request).id == "m0"
+    assert policy.pick([instance("m0"), instance("m1")], {}, request).id == "m1"  # by the weights
+
+
+def test_a_measured_disk_read_back_is_weighed_against_a_recompute() -> None:
+    policy = prefix_cache(load_tokens=64)
+    request = dataclasses.replace(cached(1000, m0=200), disk_tokens={"m1": 800})
+    same = {"prefill_s_per_token": 0.001}
+    # m0 computes 800 tokens (0.8 s); m1 computes 200 (0.2 s) and reads 50 blocks from disk
+    quick = [rated(instance("m0"), **same), rated(instance("m1"), **same, disk_read_s_per_block=0.01)]
+    assert policy.pick(quick, {}, request).id == "m1"  # 0.2 + 0.5 s
+    slow = [rated(instance("m0"), **same), rated(instance("m1"), **same, disk_read_s_per_block=0.02)]
+    assert policy.pick(slow, {}, request).id == "m0"  # 0.2 + 1.0 s
+
+
+def test_an_instance_without_rates_is_priced_at_the_fleets_median() -> None:
+    """A fleet where some measured and some did not: the others' token costs are converted at the
+    median measured prefill rate, so the weights' trade-offs hold in seconds too."""
+    policy = prefix_cache(load_tokens=64)
+    a = rated(instance("m0"), prefill_s_per_token=0.001)
+    b = instance("m1")  # not measured yet: taken for a typical instance, 1 ms a token
+    assert policy.token_price(b, 0.001) == 0.001 and policy.token_price(a, None) == 1.0
+    assert policy.pick([a, b], {}, cached(1000, m1=800)).id == "m1"
+    # the same thresholds as in tokens: 12 open requests (768 tokens) < 800 saved, 13 are more
+    assert policy.pick([a, b], {"m1": 12}, cached(1000, m1=800)).id == "m1"
+    assert policy.pick([a, b], {"m1": 13}, cached(1000, m1=800)).id == "m0"
+    # m1 unmeasured, m0 slow and m2 fast: m1 is priced at their median (2 ms), between the two
+    slow, fast = (
+        rated(instance("m0"), prefill_s_per_token=0.003),
+        rated(instance("m2"), prefill_s_per_token=0.001),
+    )
+    _, estimate = policy.choose([slow, b, fast], {}, cached(1000))
+    assert (
+        estimate.cost == pytest.approx(1.0) and estimate.measured and estimate.seconds
+    )  # m2, by its own rate
+    assert policy.prefill_cost(b, {}, cached(1000), 0.002) == pytest.approx(2.0)
+
+
+def test_a_pair_is_priced_at_the_prefill_instances_measured_transfer_rate() -> None:
+    """P's measured seconds per block over each pair's protocol: shm to a decode instance on its host
+    is quick, tcp to another host slow, so a busier decode instance on P's host wins; by the weights
+    (every transfer alike) the idle one does."""
+    policy = prefix_cache(load_tokens=64, transfer=0.05)
+    p0 = instance("p0", "prefill", host="h1")
+    near, far = instance("d0", "decode", host="h1"), instance("d1", "decode", host="h2")
+    pairs = [(p0, near), (p0, far)]
+    in_flight = {"d0": 2}
+    by_weights = policy.pick_pair(pairs, in_flight, cached(1000), transfer_protocol)
+    assert by_weights.decode.id == "d1" and not by_weights.estimate.seconds
+    rated(p0, prefill_s_per_token=0.001, transfer_s_per_block={"shm": 0.0001, "tcp": 0.05})
+    choice = policy.pick_pair(pairs, in_flight, cached(1000), transfer_protocol)
+    assert choice.decode.id == "d0" and choice.estimate.seconds and choice.estimate.measured
+    # 1 s of prefill, 62.5 blocks by shm at 0.1 ms, 2 x 64 tokens of load on d0 at the median 1 ms
+    assert choice.estimate.cost == pytest.approx(1.0 + 0.00625 + 0.128)
+    assert choice.estimate.source == "recompute"
+
+
+def test_the_route_carries_what_the_policy_expected() -> None:
+    sel = Selector("prefix_cache", "prefix_cache")
+    live = [
+        rated(instance("m0"), prefill_s_per_token=0.001),
+        rated(instance("m1"), prefill_s_per_token=0.001, host_read_s_per_block=0.0016),
+    ]
+    request = dataclasses.replace(cached(1000, m1=200), tier_tokens={"m1": 640})
+    route = sel.route(live, request)
+    assert route.decode.id == "m1" and route.estimate is not None
+    # 160 tokens computed + 40 blocks read back at 1.6 ms
+    assert route.estimate.cost == pytest.approx(0.16 + 0.064)
+    assert (route.estimate.source, route.estimate.seconds, route.estimate.measured) == (
+        "host_tier",
+        True,
+        True,
+    )
+    plain = sel.route([instance("m0"), instance("m1")], cached(1000, m1=200))
+    assert plain.estimate is not None and not plain.estimate.seconds and plain.estimate.cost == 800
+    assert plain.estimate.source == "cache_hit"
+    assert Selector("least_load", "least_load").route(live, request).estimate is None

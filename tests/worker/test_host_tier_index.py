@@ -68,6 +68,7 @@ def test_the_index_lists_only_blocks_that_are_where_it_says(
         service = WorkerService(tier_settings(redis_url, tmp_path, cluster, tiny_model_dir))
         task = await started(service)
         try:
+            fresh = await InstanceRegistry(redis, keys).get(service.id)  # nothing measured yet
             first = {rid: await ask(redis, keys, service.id, rid, 4, ids) for rid, ids in prompts.items()}
             pool, host, held_pool, held_host = await settled(redis, keys, service)
             engine = service.engine._engine
@@ -103,6 +104,13 @@ def test_the_index_lists_only_blocks_that_are_where_it_says(
         and got["info"].tier.hits == got["in_tier"]
         and got["info"].tier.stores > 0
     )
+    # the rates it measured ride the same heartbeat: prefill per token, the host tier's read-back per block
+    assert got["fresh"].rates is None
+    rates = got["info"].rates
+    assert rates is not None and rates.prefill_s_per_token > 0 and rates.host_read_s_per_block > 0
+    assert rates.disk_read_s_per_block is None and rates.transfer_s_per_block is None  # no disk, no hand-off
+    reader = got["engine"].tier_reader
+    assert rates.host_read_s_per_block == reader.host_rate.value
 
 
 def test_a_restarted_worker_finds_no_stale_entry_and_answers_the_same(
@@ -234,6 +242,8 @@ def test_the_disk_tier_set_lists_only_blocks_whose_files_are_there(
     listed, files = got["after"]
     assert listed <= files and listed == files and len(files) <= 10 and got["whole"]
     assert got["info"].disk_tier.id == got["a"].disk_tier_id and got["info"].disk_tier.hits == 4
+    rates = got["info"].rates  # b read 4 blocks back from disk: it published what that took
+    assert rates is not None and rates.disk_read_s_per_block > 0 and rates.host_read_s_per_block is None
     assert got["left"] == files
 
 

@@ -249,3 +249,30 @@ def test_a_gpu_instance_asked_for_shm_stops_at_start_and_says_why(redis_url, tmp
         ConfigError, match="--kv-transfer shm: the shm transport copies KV caches in host memory"
     ):
         asyncio.run(service.run())
+
+
+def test_a_prefill_instance_publishes_the_time_its_hand_offs_took_per_block(
+    redis_url, tmp_path, counting
+) -> None:
+    """The rate a hand-off's write measured (``Transports.observe``, what pacing reads) is published
+    per transport as seconds per block in the registration's ``rates``; none before the first."""
+    service = WorkerService(service_settings(redis_url, tmp_path, "prefill", "counting"))
+
+    async def main() -> tuple[Any, Any]:
+        task = asyncio.create_task(service.run())
+        try:
+            while (before := await service.registry.get(service.id)) is None:
+                assert not task.done(), task.exception()
+                await asyncio.sleep(0.05)
+            block_bytes = service.engine.facts.block_bytes
+            service.transports.observe("counting", 4 * block_bytes, 0.02)  # 4 blocks in 20 ms
+            await service._push_heartbeat()
+            after = await service.registry.get(service.id)
+        finally:
+            service.begin_drain()
+            await asyncio.wait_for(task, 30)
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert before.rates is None  # the echo engine measures no prefill; nothing was handed off
+    assert after.rates is not None and after.rates.transfer_s_per_block == {"counting": pytest.approx(0.005)}

@@ -31,6 +31,7 @@ class TieredCache:
     batcher: Batcher
     host_tier: HostTier | None
     disk_tier: DiskTier | None
+    tier_reader: TierReader | None
 
     def _tiers(self, config: EngineConfig, ex: Any) -> None:
         """The tiers below the pool: the host tier (``--kv-host-bytes``), then the disk tier
@@ -64,7 +65,8 @@ class TieredCache:
             log.warning("the disk tier needs both --kv-disk-path and --kv-disk-bytes: it is off")
         if self.host_tier is not None or self.disk_tier is not None:
             self.blocks.on_evict = self._evicted
-            self.batcher.tier = TierReader(self.host_tier, self.cache.write_blocks, self.disk_tier)
+            self.tier_reader = TierReader(self.host_tier, self.cache.write_blocks, self.disk_tier)
+            self.batcher.tier = self.tier_reader
 
     def _evicted(self, block: int, block_hash: bytes) -> None:
         """The pool evicts a cached block: keep its bytes in the host tier, else the disk tier

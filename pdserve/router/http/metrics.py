@@ -47,6 +47,8 @@ LATENCY_BUCKETS = (
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0)
 REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 600.0)
+ESTIMATE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Seconds: what prefix_cache expected a pick to cost (prefill, read-backs, transfer, queue)."""
 
 disable_created_metrics()  # no *_created series: this process's metrics are pdserve's alone
 
@@ -69,6 +71,11 @@ NAMES = (
     "pdserve_prefix_lookup_tokens_total",
     "pdserve_prefix_hit_tokens_total",
     "pdserve_local_prefills_total",
+    "pdserve_route_estimate_seconds",
+    "pdserve_route_picks_total",
+    "pdserve_instance_prefill_seconds_per_token",
+    "pdserve_instance_read_back_seconds_per_block",
+    "pdserve_instance_kv_transfer_seconds_per_block",
     "pdserve_redis_round_trip_seconds",
     "pdserve_redis_errors_total",
     "pdserve_verify_total",
@@ -95,6 +102,46 @@ class _LiveInstances(Collector):
         for role, n in counts.items():
             family.add_metric([role], n)
         yield family
+
+
+class _InstanceRates(Collector):
+    """The rates each live instance measured (its registration's ``rates``: what ``prefix_cache``
+    weighs), from the live set the router already caches; one series per instance (and tier or
+    transport), none for what an instance has not measured."""
+
+    def __init__(self) -> None:
+        self.live: LiveSetCache[InstanceInfo] | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        prefill = GaugeMetricFamily(
+            "pdserve_instance_prefill_seconds_per_token",
+            "seconds per prompt token an instance's recent prefill steps took (its registration's rates)",
+            labels=["instance"],
+        )
+        read_back = GaugeMetricFamily(
+            "pdserve_instance_read_back_seconds_per_block",
+            "seconds per KV block an instance's recent read-backs from a tier took (read, check, copy)",
+            labels=["instance", "tier"],
+        )
+        transfer = GaugeMetricFamily(
+            "pdserve_instance_kv_transfer_seconds_per_block",
+            "seconds per KV block a prefill instance's recent hand-offs took, by transport",
+            labels=["instance", "protocol"],
+        )
+        for info in (self.live.cached if self.live is not None else None) or ():
+            rates = info.rates
+            if rates is None:
+                continue
+            if rates.prefill_s_per_token is not None:
+                prefill.add_metric([info.id], rates.prefill_s_per_token)
+            for tier, value in (("host", rates.host_read_s_per_block), ("disk", rates.disk_read_s_per_block)):
+                if value is not None:
+                    read_back.add_metric([info.id, tier], value)
+            for protocol, value in (rates.transfer_s_per_block or {}).items():
+                transfer.add_metric([info.id, protocol], value)
+        yield prefill
+        yield read_back
+        yield transfer
 
 
 class LoopCounter(Collector):
@@ -260,6 +307,23 @@ class RouterMetrics:
             "tokens (--local-prefill-tokens)",
             r,
         )
+        self.route_estimate = LoopHistogram(
+            "pdserve_route_estimate_seconds",
+            "what prefix_cache expected the instance (or pair) it picked to take for the prompt: "
+            "compute, tier read-backs, KV transfer and its queue, from the instances' measured rates "
+            "(only where some candidate had measured its prefill rate)",
+            ESTIMATE_BUCKETS,
+            r,
+        )
+        self._route_picks = LoopCounter(
+            "pdserve_route_picks",
+            "prefix_cache's picks by where the picked instance gets the prompt's KV beyond computing it "
+            "(source: cache_hit, host_tier or disk_tier read-back, recompute) and how it was priced "
+            "(priced: measured, its own rates; median, the candidates' median prefill rate; weights, "
+            "no candidate had measured one: the --prefix-* weights in tokens)",
+            r,
+            ("source", "priced"),
+        )
         self._redis_time = LoopHistogram(
             "pdserve_redis_round_trip_seconds",
             "the router's Redis round trips by operation: inbox_send (one round trip per event-loop "
@@ -284,9 +348,12 @@ class RouterMetrics:
         )
         self._live = _LiveInstances()
         r.register(self._live)
+        self._rates = _InstanceRates()
+        r.register(self._rates)
 
     def watch_live(self, live: LiveSetCache[InstanceInfo]) -> None:
         self._live.live = live
+        self._rates.live = live
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -332,6 +399,12 @@ class RouterMetrics:
         """An attempt placed with the prompt's length known (prefix routing)."""
         if route.local_prefill:
             self.local_prefills.inc()
+        estimate = route.estimate
+        if estimate is not None:
+            if estimate.seconds:
+                self.route_estimate.observe(estimate.cost)
+            priced = "measured" if estimate.measured else "median" if estimate.seconds else "weights"
+            self._route_picks.inc(estimate.source, priced)
         if request.num_tokens is not None:
             self.prefix_lookup_tokens.inc(amount=request.num_tokens)
             hit = request.cached_tokens.get(route.entry.id, 0)

@@ -66,22 +66,25 @@ class RouterSettings:
     prefix_load_tokens: float = setting(
         PrefixWeights.load_tokens,
         "prefix_cache: what one open request on an instance costs, in prompt tokens to compute "
-        "(default %(default)s)",
+        "(at the instance's measured seconds per token where it has one) (default %(default)s)",
     )
     prefix_transfer_weight: float = setting(
         PrefixWeights.transfer,
         "prefix_cache: what moving one prompt token's KV to the decode instance costs, relative to "
-        "computing it (default %(default)s)",
+        "computing it, where the prefill instance has not measured its hand-offs over the pair's "
+        "transport yet (default %(default)s)",
     )
     prefix_host_tier_weight: float = setting(
         PrefixWeights.host_tier,
         "prefix_cache: what reading one prompt token's KV back from an instance's host tier "
-        "(--kv-host-bytes) costs, relative to computing it (default %(default)s)",
+        "(--kv-host-bytes) costs, relative to computing it, where the instance has not measured its "
+        "read-backs yet (default %(default)s)",
     )
     prefix_disk_tier_weight: float = setting(
         PrefixWeights.disk_tier,
         "prefix_cache: what reading one prompt token's KV back from an instance's disk tier "
-        "(--kv-disk-path) costs, relative to computing it (default %(default)s)",
+        "(--kv-disk-path) costs, relative to computing it, where the instance has not measured its "
+        "read-backs yet (default %(default)s)",
     )
     local_prefill_tokens: int = setting(
         PrefixWeights.local_prefill_tokens,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pdserve.errors import InvalidRequestError
 from pdserve.router.api.errors import ModelNotFoundError, NoCapacityError
 from pdserve.router.routing.policies import Policy, PolicyRequest, PrefixCache, PrefixWeights, make_policy
+from pdserve.router.routing.policies.prefix_cache import Estimate
 from pdserve.scheduler.registration import InstanceInfo
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class Route:
     local_prefill: bool = False
     """A decode instance prefills the request itself by choice: its prefix cache holds all but a
     few of the prompt's tokens (conditional disaggregation, ``--local-prefill-tokens``)."""
+    estimate: Estimate | None = None
+    """What ``prefix_cache`` expected of this pick (None: another policy, or a single candidate)."""
 
     @property
     def entry(self) -> InstanceInfo:
@@ -253,11 +256,18 @@ class Selector:
                 return route
         mixed = [info for info in candidates if info.role == "mixed"]
         if mixed:
-            return Route(decode=self.decode_policy.pick(mixed, self.in_flight, request))
+            return self._whole(mixed, request)
         if not decodes or not self.aggregated_fallback:
             return None
         self._warn_aggregated(bool(prefills))
-        return Route(decode=self.decode_policy.pick(decodes, self.in_flight, request))
+        return self._whole(decodes, request)
+
+    def _whole(self, candidates: list[InstanceInfo], request: PolicyRequest) -> Route:
+        """One of ``candidates`` serves the whole request (with ``prefix_cache``'s estimate)."""
+        if isinstance(self.decode_policy, PrefixCache):
+            info, estimate = self.decode_policy.choose(candidates, self.in_flight, request)
+            return Route(decode=info, estimate=estimate)
+        return Route(decode=self.decode_policy.pick(candidates, self.in_flight, request))
 
     @property
     def reads_prefix_index(self) -> bool:
@@ -271,10 +281,11 @@ class Selector:
             pairs = [(p, d) for p in prefills for d in decodes if self._protocol(p, d)]
             if not pairs:
                 return None
-            choice = self.prefill_policy.pick_pair(pairs, self.in_flight, request)
+            choice = self.prefill_policy.pick_pair(pairs, self.in_flight, request, self._protocol)
             if choice.prefill is None:
-                return Route(decode=choice.decode, local_prefill=True)
-            return Route(choice.decode, choice.prefill, self._protocol(choice.prefill, choice.decode))
+                return Route(decode=choice.decode, local_prefill=True, estimate=choice.estimate)
+            protocol = self._protocol(choice.prefill, choice.decode)
+            return Route(choice.decode, choice.prefill, protocol, estimate=choice.estimate)
         while prefills:
             prefill = self.prefill_policy.pick(prefills, self.in_flight, request)
             usable = {d.id: p for d in decodes if (p := self._protocol(prefill, d))}

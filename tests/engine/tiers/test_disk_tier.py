@@ -165,6 +165,10 @@ def test_a_block_read_back_from_disk_changes_no_bit(tiny_model_dir, tmp_path, ho
     ((warm, cached),) = run(eng, {"b": second}).values()
     assert cached == 4 * BS and disk.stats.hits == 4 and disk.stats.corrupt == 0
     assert eng.batcher.hit_counts.tier == 4
+    load = eng.load()  # the read-back's time per block, for routers: the disk tier's, not the host tier's
+    assert (
+        load.disk_read_s_per_block and load.disk_read_s_per_block > 0 and load.host_read_s_per_block is None
+    )
     assert_same(cold, warm)
     if host_blocks:  # the host tier wrote back what it evicted
         assert eng.host_tier is not None and eng.host_tier.stats.evictions > 0

@@ -110,9 +110,14 @@ def test_a_block_read_back_from_the_tier_changes_no_bit(tiny_model_dir, hit_bloc
     assert eng.blocks.lookup(chain_hashes(shared, BS)) == []  # gone from the pool
     tier = eng.host_tier
     assert tier is not None and tier.stats.stores >= hit_blocks
+    assert eng.load().host_read_s_per_block is None and eng.load().prefill_s_per_token  # nothing read yet
     ((warm, cached),) = run(eng, {"b": second}).values()
     assert cached == hit_blocks * BS and tier.stats.hits == hit_blocks
     assert eng.batcher.hit_counts.tier == hit_blocks
+    load = eng.load()  # the read-back's time per block, for routers; no disk tier read
+    assert (
+        load.host_read_s_per_block and load.host_read_s_per_block > 0 and load.disk_read_s_per_block is None
+    )
     assert_same(cold, warm)
     # read back into the pool, the blocks are cached there again: the next turn hits the pool
     ((again, cached_again),) = run(eng, {"c": second}).values()

@@ -62,10 +62,12 @@ class Policy(Protocol):
 @dataclass(frozen=True)
 class PrefixWeights:
     """The weights of the cost (``--prefix-load-tokens``, ``--prefix-transfer-weight``,
-    ``--local-prefill-tokens``, ``--prefix-host-tier-weight``, ``--prefix-disk-tier-weight``)."""
+    ``--local-prefill-tokens``, ``--prefix-host-tier-weight``, ``--prefix-disk-tier-weight``). The
+    transfer and tier weights stand in for the rates an instance has not measured yet (its
+    registration's ``rates``), relative to its prefill price (``prefix_cache``)."""
 
     load_tokens: float = 64.0
-    """What one open request on an instance costs, in prompt tokens to compute."""
+    """What one open request on an instance costs, in prompt tokens to compute (at its prefill price)."""
     transfer: float = 0.05
     """What moving one token's KV to D costs, relative to computing it."""
     local_prefill_tokens: int = 0
