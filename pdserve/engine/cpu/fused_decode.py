@@ -14,7 +14,8 @@ tokens a decode group too); a step with a prefill chunk takes the layer path.
 numba's cache keeps the callees' code inside this function's entry and checks only this file's
 stamp: a change to a kernel it calls must come with a change here, or a cached step keeps the old
 kernels (as it kept serial builds of the parallel ones before ``attention._renamed``). Last such
-change: the int8 product's activation quantization (its peak found on the row's bits).
+change: the int8 product's activation quantization (its peak found on the row's bits, one
+function for both products).
 """
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ _b32: Any = None
 _b41: Any = None
 _b42: Any = None
 _quantize: Any = None  # _quantize_row compiled
+_rows: Any = None  # _quantize_rows compiled
 _limit: Any = None  # activation_limit compiled
 _group: Any = None  # _product_group compiled
 _bgroup: Any = None  # _blocks_group compiled
@@ -162,14 +163,10 @@ def _quantize_row(
             xq[r, i] = np.int16(np.rint(np.float64(x[r, i]) * inv))
 
 
-def _int8_matmul(
-    x: np.ndarray, q: np.ndarray, scale: np.ndarray, scratch: np.ndarray, out: np.ndarray
-) -> None:  # pragma: no cover - compiled by numba
-    """out = x @ (q * scale)^T: x [m, k] float32, q [n, k] int8 (rows contiguous), scale [n], out
-    [m, n] float32; scratch: int16, where x's quantized rows go when it holds m * k (else a fresh
-    array)."""
+def _quantize_rows(x: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
+    """Both products' activations: x's rows quantized (_quantize_row) into ``scratch`` where it
+    holds them (else a fresh array), and their scales."""
     m, k = x.shape
-    n = q.shape[0]
     fits = scratch.shape[0] >= m * k
     xq = scratch[: m * k].reshape((m, k)) if fits else np.empty((m, k), np.int16)
     sx = np.empty(m, np.float64)
@@ -180,6 +177,18 @@ def _int8_matmul(
     else:
         for r in prange(m):
             _quantize(x, r, limit, xq, sx)
+    return xq, sx
+
+
+def _int8_matmul(
+    x: np.ndarray, q: np.ndarray, scale: np.ndarray, scratch: np.ndarray, out: np.ndarray
+) -> None:  # pragma: no cover - compiled by numba
+    """out = x @ (q * scale)^T: x [m, k] float32, q [n, k] int8 (rows contiguous), scale [n], out
+    [m, n] float32; scratch: int16, where x's quantized rows go when it holds m * k (else a fresh
+    array)."""
+    m, k = x.shape
+    n = q.shape[0]
+    xq, sx = _rows(x, scratch)
     groups = -(-max(n * k // GROUP_BYTES, 1) // GROUPS) * GROUPS
     per = -(-n // groups)
     width = -(-per // COLS) * COLS  # channels per group, a multiple of COLS
@@ -251,12 +260,7 @@ def _blocks_matmul(
     """out = x @ W as _int8_matmul computes it, from W's packed blocks (pack_blocks): the same
     quantized rows, the same exact integer sums and the same scaling, so the same bits."""
     m, k = x.shape
-    fits = scratch.shape[0] >= m * k
-    xq = scratch[: m * k].reshape((m, k)) if fits else np.empty((m, k), np.int16)
-    sx = np.empty(m, np.float64)
-    limit = _limit(k)
-    for r in prange(m):
-        _quantize(x, r, limit, xq, sx)
+    xq, sx = _rows(x, scratch)
     nb = blocks.shape[0]
     groups = -(-nb // B_GROUP)
     per = -(-nb // groups)  # blocks per channel group, the groups as even as they come
@@ -427,7 +431,7 @@ def select_weights(mode: str, threads: int) -> Int8Gemm | None:
 
 def compile_int8(threads: int) -> Int8Gemm:
     """Compile (or load from numba's cache) the int8 product and test it."""
-    global prange, _tile1, _tile2, _tile3, _tile4, _wide1, _quantize, _limit, _group, _compiled
+    global prange, _tile1, _tile2, _tile3, _tile4, _wide1, _quantize, _rows, _limit, _group, _compiled
     global _b11, _b12, _b21, _b22, _b31, _b32, _b41, _b42, _bgroup, _compiled_blocks
     import numba
 
@@ -444,6 +448,7 @@ def compile_int8(threads: int) -> Int8Gemm:
         _group = numba.njit(cache=True, nogil=True)(_product_group)
         _bgroup = numba.njit(cache=True, nogil=True)(_blocks_group)
         _quantize = numba.njit(cache=True, nogil=True)(_quantize_row)
+        _rows = numba.njit(parallel=True, cache=True, nogil=True)(_quantize_rows)
         _compiled = numba.njit(parallel=True, cache=True, nogil=True)(_int8_matmul)
         _compiled_blocks = numba.njit(parallel=True, cache=True, nogil=True)(_blocks_matmul)
         Int8Gemm(_compiled, threads, blocks_fn=_compiled_blocks).self_test()
