@@ -27,8 +27,9 @@ block's 8 channels, so no output pays a reduction: it is the one that wins where
 compute-bound (a prefill). The blocks cost a second int8 copy of the layers (int8 weights take half
 of float32's bytes, not a quarter). Measured on a Zen 3 (AVX2), 512 rows at SmolLM2's shapes, the
 best of 12 runs: one thread, broadcast 1.25-1.4x MKL's packed float32 GEMM, dot 1.0-1.1x; two
-threads, broadcast 1.3-2.0x, dot 1.0-1.5x; at 1 row the dot product reads a quarter of float32's
-bytes (1.6-2.5x MKL).
+threads on MKL's OpenMP team (cpu/paddle_setup.share_openmp; the four shapes in turn, medians of
+40), broadcast 207-222 GFLOP/s-equivalent against MKL's 176-185; at 1 row the dot product reads a
+quarter of float32's bytes (1.6-2.5x MKL).
 
 Batch invariance: integer sums are exact, so a row's bits depend only on the row and the weights,
 never on how many rows share the product, which of the two products ran, how they are tiled or
