@@ -75,14 +75,16 @@ _Option = tuple[float, float, InstanceInfo, "InstanceInfo | None"]
 """A pair-or-decode option of :meth:`PrefixCache.pick_pair`: cost, tie-break draw, D, P."""
 
 
+def own_rate(info: InstanceInfo) -> float | None:
+    """The seconds per prompt token ``info`` measured (None: none yet, or not a positive one)."""
+    rate = info.rates.prefill_s_per_token if info.rates is not None else None
+    return rate if rate is not None and rate > 0 else None
+
+
 def fleet_rate(instances: Iterable[InstanceInfo]) -> float | None:
     """The median of the measured prefill rates (seconds per prompt token) among ``instances``
     (None when none measured one): what an instance that has not measured its own is taken for."""
-    rates = {
-        info.id: rate
-        for info in instances
-        if info.rates is not None and (rate := info.rates.prefill_s_per_token) is not None and rate > 0
-    }
+    rates = {info.id: rate for info in instances if (rate := own_rate(info)) is not None}
     return statistics.median(rates.values()) if rates else None
 
 
@@ -110,10 +112,10 @@ class PrefixCache:
     def token_price(info: InstanceInfo, fleet: float | None) -> float:
         """Seconds per prompt token computed on ``info``: its measured rate, else ``fleet`` (the
         candidates' median); 1 when no candidate measured one (costs in tokens)."""
-        own = info.rates.prefill_s_per_token if info.rates is not None else None
         if fleet is None:
             return 1.0
-        return own if own is not None and own > 0 else fleet
+        own = own_rate(info)
+        return own if own is not None else fleet
 
     def prefill_work(self, info: InstanceInfo, request: PolicyRequest, fleet: float | None = None) -> float:
         """What computing and reading back the prompt's missing KV on ``info`` costs, load aside:
@@ -166,11 +168,6 @@ class PrefixCache:
         """A decode instance's open requests, each ``load_tokens`` at its prefill price."""
         return self.weights.load_tokens * requests_on(info, in_flight) * self.token_price(info, fleet)
 
-    def decode_cost(self, info: InstanceInfo, in_flight: Mapping[str, int], request: PolicyRequest) -> float:
-        """A decode instance's share of a pair's cost in tokens, by the weights alone."""
-        moved = self.weights.transfer * self.new_tokens(info, request)
-        return moved + self.weights.load_tokens * requests_on(info, in_flight)
-
     def estimate(
         self, info: InstanceInfo, request: PolicyRequest, cost: float, fleet: float | None
     ) -> Estimate:
@@ -183,8 +180,7 @@ class PrefixCache:
             source = "cache_hit"
         else:
             source = "recompute"
-        own = info.rates.prefill_s_per_token if info.rates is not None else None
-        return Estimate(cost, fleet is not None, fleet is not None and own is not None and own > 0, source)
+        return Estimate(cost, fleet is not None, fleet is not None and own_rate(info) is not None, source)
 
     def choose(
         self, candidates: Sequence[InstanceInfo], in_flight: Mapping[str, int], request: PolicyRequest
