@@ -34,6 +34,7 @@ import numpy as np
 
 from pdserve.engine.config import ATTENTION_MODES
 from pdserve.engine.cpu.compiled_attention import AttentionKernels
+from pdserve.engine.cpu.mkl_calls import NO_TRANS, TRANS, sgemm_call, threads_local_call
 from pdserve.engine.kernel_choice import check_mode, load_or_fall_back
 
 # numba.prange once _compile has imported numba: importing this module stays light, and a host
@@ -47,6 +48,10 @@ log = logging.getLogger(__name__)
 # imports without numba). libm's expf is a call LLVM cannot vectorize; _exp32 is plain arithmetic.
 _exp: Any = math.exp
 _as_float: Any = None
+# set by _compile: the causal tiles' softmax row and MKL's calls (cpu/mkl_calls.py)
+_softmax_prefix: Any = None
+_sgemm: Any = None
+_mkl_threads_local: Any = None
 
 # reassoc + contract let LLVM vectorize the dot products over head_dim (a fixed order for a given
 # head_dim, so still deterministic); no nnan/ninf: nothing may assume finite inputs away.
@@ -242,26 +247,91 @@ def _rope_write(
             rows[write_rows[(n + t) * KVH + h]] = v_out[t, h]
 
 
+def _softmax_prefix32(row: np.ndarray, last: int) -> None:  # pragma: no cover - compiled by numba
+    """In place: ``row[:last + 1]`` becomes its softmax (float32, minus its max), the rest 0."""
+    m = row[0]
+    for j in range(1, last + 1):
+        m = max(m, row[j])
+    total = np.float32(0.0)
+    for j in range(last + 1):
+        e = _exp(row[j] - m)
+        row[j] = e
+        total += e
+    inv = np.float32(1.0) / total
+    for j in range(last + 1):
+        row[j] *= inv
+    for j in range(last + 1, row.shape[0]):
+        row[j] = np.float32(0.0)
+
+
 def _causal_softmax(scores: np.ndarray, first: int, group: int) -> None:  # pragma: no cover - numba
     """In place: row r of ``scores [R, T]`` belongs to query token ``first + r // group`` (``group``
     query heads share a kv head), which sees keys ``0 .. first + r // group``; those columns become
     their softmax (float32, minus the row max) and the rest 0."""
-    R, T = scores.shape
-    for r in prange(R):
-        last = first + r // group
-        m = scores[r, 0]
-        for j in range(1, last + 1):
-            m = max(m, scores[r, j])
-        total = np.float32(0.0)
-        for j in range(last + 1):
-            e = _exp(scores[r, j] - m)
-            scores[r, j] = e
-            total += e
-        inv = np.float32(1.0) / total
-        for j in range(last + 1):
-            scores[r, j] *= inv
-        for j in range(last + 1, T):
-            scores[r, j] = np.float32(0.0)
+    for r in prange(scores.shape[0]):
+        _softmax_prefix(scores[r], first + r // group)
+
+
+def _causal_tiles(
+    qt: np.ndarray,
+    kt: np.ndarray,
+    vt: np.ndarray,
+    out: np.ndarray,
+    start: int,
+    tile: int,
+    threads: int,
+    sgemm: int,
+    threads_local: int,
+) -> None:  # pragma: no cover - compiled by numba
+    """A prefill chunk's causal tiles in one call (``ModelAttention.causal_tiles`` says what a tile
+    is): queries ``qt [KVH, rows, G, D]`` (row 0 at position ``start // tile * tile``, zero outside
+    the chunk), keys and values ``kt``/``vt [W, KVH, D]`` from position 0 (zero past the chunk),
+    into ``out [n, KVH, G, D]`` for positions ``[start, start + n)``.
+
+    A task is one (kv head, tile): its scores against keys ``[0, tile end)`` through MKL's sgemm at
+    address ``sgemm`` on this thread alone (``threads_local``: MKL_Set_Num_Threads_Local), the
+    causal softmax in place, the weighted sum of V through sgemm. Each worker takes whole tasks,
+    largest first, dealt in snake order so the workers' shares even out; one task's bits never
+    depend on which worker or how many run it."""
+    KVH, _, G, D = qt.shape
+    end = start + out.shape[0]
+    first, last = start // tile, (end - 1) // tile
+    rows, width = tile * G, (last + 1) * tile
+    tasks = KVH * (last - first + 1)
+    workers = min(threads, tasks)  # numba's thread count, set by the caller
+    for w in prange(workers):
+        scores_buffer = np.empty(rows * width, np.float32)
+        o = np.empty((rows, D), np.float32)
+        previous = _mkl_threads_local(threads_local, 1)
+        for task in range(tasks):
+            lap, seat = task // workers, task % workers
+            if (seat if lap % 2 == 0 else workers - 1 - seat) != w:
+                continue
+            h, i = task % KVH, last - task // KVH
+            t0, t1 = i * tile, (i + 1) * tile
+            s = scores_buffer[: rows * t1].reshape(rows, t1)
+            q = qt[h, t0 - first * tile :]
+            _sgemm(
+                sgemm, TRANS, rows, t1, D, q.ctypes.data, D, kt[0, h:].ctypes.data, KVH * D, s.ctypes.data, t1
+            )
+            for r in range(rows):
+                _softmax_prefix(s[r], t0 + r // G)
+            _sgemm(
+                sgemm,
+                NO_TRANS,
+                rows,
+                D,
+                t1,
+                s.ctypes.data,
+                t1,
+                vt[0, h:].ctypes.data,
+                KVH * D,
+                o.ctypes.data,
+                D,
+            )
+            for pos in range(max(t0, start), min(t1, end)):
+                out[pos - start, h] = o[(pos - t0) * G : (pos - t0 + 1) * G]
+        _mkl_threads_local(threads_local, previous)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +362,7 @@ def _renamed(fn: Any, suffix: str) -> Any:
 
 
 def _compile(threads: int) -> AttentionKernels:
-    global prange, _exp, _as_float, _compiled
+    global prange, _exp, _as_float, _softmax_prefix, _sgemm, _mkl_threads_local, _compiled
     import numba
 
     first, t0 = _compiled is None, time.monotonic()
@@ -301,6 +371,8 @@ def _compile(threads: int) -> AttentionKernels:
         prange = numba.prange  # the kernels' parallel loops: resolved when numba compiles them
         _as_float = _make_as_float()
         _exp = numba.njit(inline="always", cache=True)(_exp32)
+        _softmax_prefix = numba.njit(inline="always", cache=True, fastmath=_FASTMATH)(_softmax_prefix32)
+        _sgemm, _mkl_threads_local = sgemm_call(), threads_local_call()
         fast = numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
         exact = numba.njit(parallel=True, cache=True, nogil=True)  # rounds like Paddle's elementwise ops
 
@@ -310,6 +382,7 @@ def _compile(threads: int) -> AttentionKernels:
         _compiled = {
             "decode": fast(_decode_attention),
             "causal_softmax": fast(_causal_softmax),
+            "causal_tiles": fast(_causal_tiles),
             "rope_write": exact(_rope_write),
             "swiglu": fast(_swiglu),
             "add_rms_norm": fast(_add_rms_norm),

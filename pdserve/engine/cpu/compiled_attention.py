@@ -106,6 +106,23 @@ class AttentionKernels:
         self._set_threads(self.threads)
         self._fns["causal_softmax"](scores, first, group)
 
+    def causal_tiles(
+        self,
+        qt: np.ndarray,
+        kt: np.ndarray,
+        vt: np.ndarray,
+        span: tuple[int, int],
+        tile: int,
+        calls: tuple[int, int],
+    ) -> np.ndarray:
+        """The causal tiles of a prefill chunk at positions ``span = (start, end)`` -> ``[end - start,
+        KVH, G, D]`` (see ``_causal_tiles``); ``calls``: ``PackedMkl.tile_calls``."""
+        self._set_threads(self.threads)
+        KVH, _, G, D = qt.shape
+        out = np.empty((span[1] - span[0], KVH, G, D), np.float32)
+        self._fns["causal_tiles"](qt, kt, vt, out, span[0], tile, self.threads, *calls)
+        return out
+
     def self_test(self) -> None:
         """Compile on a toy cache and check against numpy, both variants: a kernel that runs but is
         wrong is refused."""

@@ -65,6 +65,14 @@ class PackedMkl:
         self._sgemm = lib.cblas_sgemm
         self._sgemm.restype = None
         self._sgemm.argtypes = [_int] * 6 + [_float, _ptr, _int, _ptr, _int, _float, _ptr, _int]
+        # cblas_sgemm and MKL_Set_Num_Threads_Local as addresses, for kernels that call them from
+        # numba (attention.py's causal tiles, through cpu/mkl_calls.py)
+        address = (
+            ctypes.cast(lib.cblas_sgemm, _ptr).value,
+            ctypes.cast(lib.MKL_Set_Num_Threads_Local, _ptr).value,
+        )
+        assert address[0] and address[1]  # a resolved symbol is never NULL
+        self.tile_calls: tuple[int, int] = (address[0], address[1])
 
     def pack(self, w: np.ndarray, transposed: bool = False) -> PackedMatrix:
         """Pack ``w`` ([k, n], float32) as the B of ``x @ B``; ``transposed``: ``w`` is [n, k] and B is
@@ -109,8 +117,8 @@ class PackedMkl:
 
     def sgemm(self, a: np.ndarray, b: np.ndarray, trans_b: bool = False) -> np.ndarray:
         """``a @ b`` (``a @ b.T`` with ``trans_b``) of C-contiguous float32 arrays through plain
-        ``cblas_sgemm``: the prefill attention's tiles, whose operands change every call (so packing
-        would not pay), without a Paddle tensor around each operand."""
+        ``cblas_sgemm``, the routine the prefill attention's tiles call from numba (``tile_calls``;
+        their operands change every call, so packing would not pay): here for the self-test."""
         m, k = a.shape
         n = b.shape[0] if trans_b else b.shape[1]
         if (b.shape[1] if trans_b else b.shape[0]) != k:

@@ -20,6 +20,7 @@ from pdserve.engine.block_manager import NULL_BLOCK
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu.attention import select_attention
 from pdserve.engine.cpu.compiled_attention import AttentionKernels
+from pdserve.engine.cpu.gemm import PackedMkl, load_packed_mkl
 from pdserve.engine.cpu.host_cpu import Kernels
 from pdserve.engine.cpu.kv_cache import KVCache
 from pdserve.engine.cpu.paddle_model import Model
@@ -37,6 +38,13 @@ def kernel() -> AttentionKernels:
     attention = select_attention("kernel", 2)
     assert attention.impl == "kernel"
     return attention.kernel
+
+
+@pytest.fixture(scope="module", params=["mkl", "paddle"])
+def tiles_gemm(request) -> PackedMkl | None:
+    """The causal tiles' GEMMs: MKL's sgemm called from the compiled tiles, or (no MKL) Paddle's
+    matmul per tile from Python."""
+    return load_packed_mkl() if request.param == "mkl" else None
 
 
 def config(heads: int, kv_heads: int) -> ModelConfig:
@@ -107,8 +115,10 @@ def test_kernel_ignores_what_lies_past_the_length(kernel) -> None:
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
 @pytest.mark.parametrize("n", [1, 5, 127, 128, 129, 300])
-def test_tiled_causal_attention_matches_reference(kernel, heads: int, kv_heads: int, n: int) -> None:
-    """A first prefill chunk through the causal tiles (tile boundaries at 128) equals the reference's
+def test_tiled_causal_attention_matches_reference(
+    kernel, tiles_gemm, heads: int, kv_heads: int, n: int
+) -> None:
+    """A first prefill chunk through the causal tiles (tile boundaries at 64) equals the reference's
     full masked attention within 1e-5."""
     cfg = config(heads, kv_heads)
     rng = np.random.default_rng(n * 10 + heads)
@@ -116,7 +126,7 @@ def test_tiled_causal_attention_matches_reference(kernel, heads: int, kv_heads: 
     k = rng.standard_normal((n, kv_heads, cfg.head_dim), dtype=np.float32)
     v = rng.standard_normal((n, kv_heads, cfg.head_dim), dtype=np.float32)
     weights = {"embed": np.zeros((64, 64), np.float32)}
-    tiled = Model(cfg, weights, 8, Kernels("composed", "composed", "test"), kernel)
+    tiled = Model(cfg, weights, 8, Kernels("composed", "composed", "test"), kernel, tiles_gemm)
     mask = np.triu(np.full((n, n), -np.inf, np.float32), 1)
     want = tiled.dense_causal_attention(*map(paddle.to_tensor, (q, k, v, mask))).numpy()
     got = tiled.tiled_causal_attention(q, k, v)
@@ -125,7 +135,7 @@ def test_tiled_causal_attention_matches_reference(kernel, heads: int, kv_heads: 
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3)])
-def test_prefill_chunk_rows_do_not_depend_on_the_chunk(kernel, heads: int, kv_heads: int) -> None:
+def test_prefill_chunk_rows_do_not_depend_on_the_chunk(kernel, tiles_gemm, heads: int, kv_heads: int) -> None:
     """A prefill chunk ``[s, e)`` read through its block table: each row is bitwise the row of the
     whole sequence's prefill (whatever the chunk's start, end or length, across tile boundaries),
     within 1e-5 of the reference's masked attention, and slots past ``e`` are never read."""
@@ -137,7 +147,12 @@ def test_prefill_chunk_rows_do_not_depend_on_the_chunk(kernel, heads: int, kv_he
     table = rng.permutation(np.arange(1, cache.num_blocks))[: blocks_for(n, BS)].astype(np.int64)
     q = rng.standard_normal((n, heads, D), dtype=np.float32) / np.float32(np.sqrt(D))
     model = Model(
-        cfg, {"embed": np.zeros((64, 64), np.float32)}, 8, Kernels("composed", "composed", "t"), kernel
+        cfg,
+        {"embed": np.zeros((64, 64), np.float32)},
+        8,
+        Kernels("composed", "composed", "t"),
+        kernel,
+        tiles_gemm,
     )
     layer, kv = 1, cache.kv_view()
     whole = model.prefill_attention(q, kv, layer, table, n)
@@ -154,6 +169,35 @@ def test_prefill_chunk_rows_do_not_depend_on_the_chunk(kernel, heads: int, kv_he
         got = model.prefill_attention(q[s:e], kv, layer, table, e)
         kv[...] = clean
         assert np.array_equal(got, whole[s:e]), f"[{s}, {e}): max abs diff {np.abs(got - whole[s:e]).max()}"
+
+
+@pytest.mark.parametrize("start,end", [(0, 512), (200, 300), (0, 5)])
+def test_causal_tiles_bits_do_not_depend_on_the_thread_count(start: int, end: int) -> None:
+    """The compiled tiles deal whole (kv head, tile) tasks to numba's threads, each calling MKL on
+    its own thread: one thread or two, largest tiles first or not, every row keeps its bits."""
+    cfg = config(9, 3)
+    rng = np.random.default_rng(end)
+    D, width = cfg.head_dim, -(-end // 64) * 64
+    q = rng.standard_normal((end - start, 9, D), dtype=np.float32) / np.float32(np.sqrt(D))
+    kt, vt = np.zeros((width, 3, D), np.float32), np.zeros((width, 3, D), np.float32)
+    kt[:end], vt[:end] = rng.standard_normal((2, end, 3, D), dtype=np.float32)
+    mkl, got = load_packed_mkl(), []
+    for threads in (1, 2):
+        kernels = select_attention("kernel", threads).kernel
+        model = Model(
+            cfg,
+            {"embed": np.zeros((64, 64), np.float32)},
+            8,
+            Kernels("composed", "composed", "t"),
+            kernels,
+            mkl,
+        )
+        got.append(model.causal_tiles(q, kt, vt, start))
+    assert kernels.threads == 2 and np.array_equal(got[0], got[1])
+    ref = Model(
+        cfg, {"embed": np.zeros((64, 64), np.float32)}, 8, Kernels("composed", "composed", "t"), kernels
+    )
+    assert np.abs(ref.causal_tiles(q, kt, vt, start) - got[0]).max() <= TOL  # the Paddle-matmul tiles
 
 
 def test_rope_write_is_bitwise_the_reference(kernel) -> None:
