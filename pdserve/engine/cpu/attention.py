@@ -34,7 +34,7 @@ import numpy as np
 
 from pdserve.engine.config import ATTENTION_MODES
 from pdserve.engine.cpu.compiled_attention import AttentionKernels
-from pdserve.engine.cpu.mkl_calls import NO_TRANS, TRANS, sgemm_call, threads_local_call
+from pdserve.engine.cpu.gemm import PackedMkl, numba_mkl
 from pdserve.engine.kernel_choice import check_mode, load_or_fall_back
 
 # numba.prange once _compile has imported numba: importing this module stays light, and a host
@@ -48,10 +48,11 @@ log = logging.getLogger(__name__)
 # imports without numba). libm's expf is a call LLVM cannot vectorize; _exp32 is plain arithmetic.
 _exp: Any = math.exp
 _as_float: Any = None
-# set by _compile: the causal tiles' softmax row and MKL's calls (cpu/mkl_calls.py)
-_softmax_prefix: Any = None
+_softmax_prefix: Any = None  # set by _compile: a causal softmax row
+# MKL's routines the causal tiles call (gemm.numba_mkl), bound by bind_causal_tiles
 _sgemm: Any = None
 _mkl_threads_local: Any = None
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enum values (mkl_cblas.h)
 
 # reassoc + contract let LLVM vectorize the dot products over head_dim (a fixed order for a given
 # head_dim, so still deterministic); no nnan/ninf: nothing may assume finite inputs away.
@@ -280,17 +281,15 @@ def _causal_tiles(
     start: int,
     tile: int,
     threads: int,
-    sgemm: int,
-    threads_local: int,
 ) -> None:  # pragma: no cover - compiled by numba
     """A prefill chunk's causal tiles in one call (``ModelAttention.causal_tiles`` says what a tile
     is): queries ``qt [KVH, rows, G, D]`` (row 0 at position ``start // tile * tile``, zero outside
     the chunk), keys and values ``kt``/``vt [W, KVH, D]`` from position 0 (zero past the chunk),
     into ``out [n, KVH, G, D]`` for positions ``[start, start + n)``.
 
-    A task is one (kv head, tile): its scores against keys ``[0, tile end)`` through MKL's sgemm at
-    address ``sgemm`` on this thread alone (``threads_local``: MKL_Set_Num_Threads_Local), the
-    causal softmax in place, the weighted sum of V through sgemm. Each worker takes whole tasks,
+    A task is one (kv head, tile): its scores against keys ``[0, tile end)`` through MKL's sgemm on
+    this thread alone (MKL_Set_Num_Threads_Local), the causal softmax in place, the weighted sum of
+    V through sgemm (K and V read in place: row stride KVH * D). Each worker takes whole tasks,
     largest first, dealt in snake order so the workers' shares even out; one task's bits never
     depend on which worker or how many run it."""
     KVH, _, G, D = qt.shape
@@ -302,7 +301,7 @@ def _causal_tiles(
     for w in prange(workers):
         scores_buffer = np.empty(rows * width, np.float32)
         o = np.empty((rows, D), np.float32)
-        previous = _mkl_threads_local(threads_local, 1)
+        previous = _mkl_threads_local(1)
         for task in range(tasks):
             lap, seat = task // workers, task % workers
             if (seat if lap % 2 == 0 else workers - 1 - seat) != w:
@@ -310,28 +309,30 @@ def _causal_tiles(
             h, i = task % KVH, last - task // KVH
             t0, t1 = i * tile, (i + 1) * tile
             s = scores_buffer[: rows * t1].reshape(rows, t1)
-            q = qt[h, t0 - first * tile :]
-            _sgemm(
-                sgemm, TRANS, rows, t1, D, q.ctypes.data, D, kt[0, h:].ctypes.data, KVH * D, s.ctypes.data, t1
-            )
+            one, zero, kvs = np.float32(1.0), np.float32(0.0), KVH * D
+            q, k, v = qt[h, t0 - first * tile :].ctypes.data, kt[0, h:].ctypes.data, vt[0, h:].ctypes.data
+            _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, rows, t1, D, one, q, D, k, kvs, zero, s.ctypes.data, t1)
             for r in range(rows):
                 _softmax_prefix(s[r], t0 + r // G)
             _sgemm(
-                sgemm,
-                NO_TRANS,
+                _ROW_MAJOR,
+                _NO_TRANS,
+                _NO_TRANS,
                 rows,
                 D,
                 t1,
+                one,
                 s.ctypes.data,
                 t1,
-                vt[0, h:].ctypes.data,
-                KVH * D,
+                v,
+                kvs,
+                zero,
                 o.ctypes.data,
                 D,
             )
             for pos in range(max(t0, start), min(t1, end)):
                 out[pos - start, h] = o[(pos - t0) * G : (pos - t0 + 1) * G]
-        _mkl_threads_local(threads_local, previous)
+        _mkl_threads_local(previous)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +363,7 @@ def _renamed(fn: Any, suffix: str) -> Any:
 
 
 def _compile(threads: int) -> AttentionKernels:
-    global prange, _exp, _as_float, _softmax_prefix, _sgemm, _mkl_threads_local, _compiled
+    global prange, _exp, _as_float, _softmax_prefix, _compiled
     import numba
 
     first, t0 = _compiled is None, time.monotonic()
@@ -372,7 +373,6 @@ def _compile(threads: int) -> AttentionKernels:
         _as_float = _make_as_float()
         _exp = numba.njit(inline="always", cache=True)(_exp32)
         _softmax_prefix = numba.njit(inline="always", cache=True, fastmath=_FASTMATH)(_softmax_prefix32)
-        _sgemm, _mkl_threads_local = sgemm_call(), threads_local_call()
         fast = numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
         exact = numba.njit(parallel=True, cache=True, nogil=True)  # rounds like Paddle's elementwise ops
 
@@ -382,7 +382,6 @@ def _compile(threads: int) -> AttentionKernels:
         _compiled = {
             "decode": fast(_decode_attention),
             "causal_softmax": fast(_causal_softmax),
-            "causal_tiles": fast(_causal_tiles),
             "rope_write": exact(_rope_write),
             "swiglu": fast(_swiglu),
             "add_rms_norm": fast(_add_rms_norm),
@@ -399,6 +398,34 @@ def _compile(threads: int) -> AttentionKernels:
     if first:
         log.info("attention kernels ready in %.1f s", time.monotonic() - t0)
     return kernels
+
+
+def bind_causal_tiles(kernels: AttentionKernels | None, mkl: PackedMkl | None) -> bool:
+    """Whether prefill chunks run their causal tiles in one compiled call (``_causal_tiles`` added
+    to the kernels, calling ``mkl``'s sgemm by symbol: ``gemm.numba_mkl``; compiled once per process,
+    self-tested against numpy). Not without the kernels or MKL, nor where that build fails or
+    disagrees (logged): then the same tiles run from Python with Paddle's matmul."""
+    global _sgemm, _mkl_threads_local
+    if kernels is None or mkl is None:
+        return False
+    if "causal_tiles" in kernels.compiled:
+        return True
+    try:
+        import numba
+
+        functions = numba_mkl(mkl)
+        _sgemm, _mkl_threads_local = functions["cblas_sgemm"], functions["MKL_Set_Num_Threads_Local"]
+        kernels.compiled["causal_tiles"] = numba.njit(
+            parallel=True, cache=True, fastmath=_FASTMATH, nogil=True
+        )(_causal_tiles)
+        kernels.tiles_self_test()
+    except Exception as e:  # numba's TypingError/LoweringError, a symbol LLVM cannot find, a failed self-test
+        kernels.compiled.pop("causal_tiles", None)
+        log.warning(
+            "causal tiles from Python with Paddle's matmul: the compiled ones are unavailable (%s)", e
+        )
+        return False
+    return True
 
 
 def select_attention(mode: str, threads: int) -> Attention:

@@ -29,7 +29,7 @@ import numpy as np
 
 from pdserve.engine.config import DECODE_MODES
 from pdserve.engine.cpu.compiled_attention import SERIAL_ITEMS, AttentionKernels
-from pdserve.engine.cpu.gemm import PackedMkl
+from pdserve.engine.cpu.gemm import PackedMkl, numba_mkl
 from pdserve.engine.cpu.int8 import BROADCAST_ROWS, Int8Gemm, Int8Matrix, compile_int8, quantize
 from pdserve.engine.cpu.int8_tiles import LANES
 from pdserve.engine.kernel_choice import check_mode, load_or_fall_back
@@ -305,18 +305,11 @@ def _compile(kernels: AttentionKernels, mkl: PackedMkl, int8: Int8Gemm) -> Fused
     global _rms_norm, _add_rms_norm, _rope_write, _decode, _swiglu, _int8, _int8_blocks, _sgemm, _linear
     global _compiled
     global _rms_norm_serial, _add_rms_norm_serial, _rope_write_serial, _decode_serial, _swiglu_serial
-    import llvmlite.binding
     import numba
-    from numba import types
 
     if _compiled is None:
         t0 = time.monotonic()
-        llvmlite.binding.load_library_permanently(str(mkl.path))  # cblas_* resolvable by LLVM
-        i32, ptr = types.int32, types.intp  # pointers passed as integers (the same register)
-        _sgemm = types.ExternalFunction(
-            "cblas_sgemm_compute",
-            types.void(i32, i32, i32, i32, i32, i32, ptr, i32, ptr, i32, types.float32, ptr, i32),
-        )
+        _sgemm = numba_mkl(mkl)["cblas_sgemm_compute"]
         fns = kernels.compiled
         _rms_norm, _add_rms_norm = fns["rms_norm"], fns["add_rms_norm"]
         _rope_write, _decode, _swiglu = fns["rope_write"], fns["decode"], fns["swiglu"]

@@ -22,6 +22,7 @@ import ctypes
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -65,14 +66,6 @@ class PackedMkl:
         self._sgemm = lib.cblas_sgemm
         self._sgemm.restype = None
         self._sgemm.argtypes = [_int] * 6 + [_float, _ptr, _int, _ptr, _int, _float, _ptr, _int]
-        # cblas_sgemm and MKL_Set_Num_Threads_Local as addresses, for kernels that call them from
-        # numba (attention.py's causal tiles, through cpu/mkl_calls.py)
-        address = (
-            ctypes.cast(lib.cblas_sgemm, _ptr).value,
-            ctypes.cast(lib.MKL_Set_Num_Threads_Local, _ptr).value,
-        )
-        assert address[0] and address[1]  # a resolved symbol is never NULL
-        self.tile_calls: tuple[int, int] = (address[0], address[1])
 
     def pack(self, w: np.ndarray, transposed: bool = False) -> PackedMatrix:
         """Pack ``w`` ([k, n], float32) as the B of ``x @ B``; ``transposed``: ``w`` is [n, k] and B is
@@ -117,7 +110,7 @@ class PackedMkl:
 
     def sgemm(self, a: np.ndarray, b: np.ndarray, trans_b: bool = False) -> np.ndarray:
         """``a @ b`` (``a @ b.T`` with ``trans_b``) of C-contiguous float32 arrays through plain
-        ``cblas_sgemm``, the routine the prefill attention's tiles call from numba (``tile_calls``;
+        ``cblas_sgemm``, the routine the prefill attention's tiles call from numba (``numba_mkl``;
         their operands change every call, so packing would not pay): here for the self-test."""
         m, k = a.shape
         n = b.shape[0] if trans_b else b.shape[1]
@@ -163,6 +156,28 @@ class PackedMkl:
         plain = self.sgemm(x, w), self.sgemm(x, np.ascontiguousarray(w.T), trans_b=True)
         if not all(np.allclose(got, want, rtol=1e-5, atol=1e-4) for got in plain):
             raise RuntimeError("MKL's sgemm disagrees with numpy")
+
+
+def numba_mkl(mkl: PackedMkl) -> dict[str, Any]:
+    """MKL's routines that compiled kernels call, as numba external functions (pointers passed as
+    integers): LLVM resolves them by symbol in ``mkl``'s library, loaded into its symbol table here
+    (once per process), so a compiled kernel names no address and numba's cache stays valid. The
+    fused decode step calls ``cblas_sgemm_compute`` on the packed weights, the causal tiles
+    ``cblas_sgemm`` on one thread each (``MKL_Set_Num_Threads_Local``)."""
+    import llvmlite.binding
+    from numba import types
+
+    llvmlite.binding.load_library_permanently(str(mkl.path))
+    i32, f32, ptr = types.int32, types.float32, types.intp
+    return {
+        "cblas_sgemm_compute": types.ExternalFunction(
+            "cblas_sgemm_compute", types.void(i32, i32, i32, i32, i32, i32, ptr, i32, ptr, i32, f32, ptr, i32)
+        ),
+        "cblas_sgemm": types.ExternalFunction(
+            "cblas_sgemm", types.void(*[i32] * 6, f32, ptr, i32, ptr, i32, f32, ptr, i32)
+        ),
+        "MKL_Set_Num_Threads_Local": types.ExternalFunction("MKL_Set_Num_Threads_Local", i32(i32)),
+    }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from pdserve.engine.cpu.compiled_attention import AttentionKernels
-from pdserve.engine.cpu.gemm import PackedMkl
 from pdserve.engine.cpu.paddle_setup import functional as F
 from pdserve.engine.cpu.paddle_setup import paddle
 from pdserve.engine.models.model_config import ModelConfig
@@ -28,7 +27,7 @@ class ModelAttention:
 
     cfg: ModelConfig
     kernels: AttentionKernels | None  # None: every attention op in Paddle (the reference path)
-    mkl: PackedMkl | None  # the tiles' sgemm; None: Paddle's matmul
+    compiled_tiles: bool  # the tiles in one compiled call (MKL's sgemm from numba); else Paddle's matmul
     eye: paddle.Tensor  # block-diagonal q selector
 
     def tiled_causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -79,10 +78,8 @@ class ModelAttention:
         base = first * T
         qt = np.zeros((KVH, (last + 1) * T - base, G, D), np.float32)
         qt[:, start - base : end - base] = q.reshape(n, KVH, G, D).transpose(1, 0, 2, 3)
-        if self.mkl is not None:
-            return self.kernels.causal_tiles(qt, kt, vt, (start, end), T, self.mkl.tile_calls).reshape(
-                n, H * D
-            )
+        if self.compiled_tiles:
+            return self.kernels.causal_tiles(qt, kt, vt, (start, end), T).reshape(n, H * D)
         out = np.empty((n, KVH, G, D), np.float32)
         for h in range(KVH):
             for i in range(first, last + 1):

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.engine.block_manager import NULL_BLOCK
+from pdserve.engine.cpu.attention import bind_causal_tiles
 from pdserve.engine.cpu.compiled_attention import AttentionKernels
 from pdserve.engine.cpu.fused_decode import FusedDecode, FusedWeights, no_int8
 from pdserve.engine.cpu.gemm import PackedMatrix, PackedMkl
@@ -76,7 +77,7 @@ class Model(ModelAttention):
         self.kernels = attention_kernels  # None: every attention op in Paddle (the reference path)
         self.int8 = int8  # int8 weights (cpu/int8.py): the linear layers and lm_head quantized
         self.gemm = gemm if int8 is None else None  # None: Paddle's matmul on plain weights
-        self.mkl = gemm  # the prefill attention's tiles call its sgemm (with int8 weights too)
+        self.compiled_tiles = bind_causal_tiles(attention_kernels, gemm)  # with int8 weights too
         self.packed: dict[str, PackedMatrix] = {}
         self.quantized: dict[str, Int8Matrix] = {}
         self.w: dict[str, paddle.Tensor] = {}
