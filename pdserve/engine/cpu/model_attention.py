@@ -35,8 +35,7 @@ class ModelAttention:
         k/v [n,KVH,D] -> [n, H*D]; the same tiles (and bits) as ``prefill_attention``."""
         n = k.shape[0]
         width = -(-n // CAUSAL_TILE) * CAUSAL_TILE
-        kt, vt = np.zeros((width, *k.shape[1:]), np.float32), np.zeros((width, *v.shape[1:]), np.float32)
-        kt[:n], vt[:n] = k, v
+        kt, vt = _padded(k, width), _padded(v, width)
         return self.causal_tiles(q, kt, vt, 0)
 
     def prefill_attention(
@@ -46,17 +45,19 @@ class ModelAttention:
         its K/V and every earlier position's read from ``kv`` (the cache as ``[blocks, 2, L, bs,
         KVH, D]``, this chunk's rows already written) through the block ``table`` -> [n, H*D]."""
         bs, KVH, D = kv.shape[3:]
-        width = -(-end // CAUSAL_TILE) * CAUSAL_TILE
         blocks = table[: -(-end // bs)]
-        kt, vt = np.zeros((width, KVH, D), np.float32), np.zeros((width, KVH, D), np.float32)
-        kt[:end] = kv[blocks, 0, layer].reshape(-1, KVH, D)[:end]
-        vt[:end] = kv[blocks, 1, layer].reshape(-1, KVH, D)[:end]
+        width = max(-(-end // CAUSAL_TILE) * CAUSAL_TILE, len(blocks) * bs)
+        kt, vt = np.empty((2, width, KVH, D), np.float32)
+        for which, into in ((0, kt), (1, vt)):  # gathered straight into place, the padding zeroed
+            gathered = into[: len(blocks) * bs].reshape(len(blocks), bs, KVH, D)
+            np.take(kv[:, which, layer], blocks, axis=0, out=gathered, mode="clip")
+            into[end:] = 0.0
         return self.causal_tiles(q, kt, vt, end - q.shape[0])
 
     def causal_tiles(self, q: np.ndarray, kt: np.ndarray, vt: np.ndarray, start: int) -> np.ndarray:
         """Causal attention of queries q [n,H,D] (pre-scaled) at positions ``[start, start + n)``
-        against kt/vt [W, KVH, D]: K/V of positions 0.. (W a multiple of ``CAUSAL_TILE``, at least
-        the chunk's end, and zero past it) -> [n, H*D].
+        against kt/vt [W, KVH, D]: K/V of positions 0.. (zero past the chunk's end, and W at least
+        the end rounded up to a multiple of ``CAUSAL_TILE``) -> [n, H*D].
 
         Tiles sit at absolute positions: tile i is queries ``[i T, (i+1) T)`` (T = ``CAUSAL_TILE``)
         against keys ``[0, (i+1) T)``, always those shapes — the tile's rows outside the chunk are
@@ -76,8 +77,9 @@ class ModelAttention:
         end = start + n
         first, last = start // T, (end - 1) // T  # the tiles this chunk touches
         base = first * T
-        qt = np.zeros((KVH, (last + 1) * T - base, G, D), np.float32)
+        qt = np.empty((KVH, (last + 1) * T - base, G, D), np.float32)
         qt[:, start - base : end - base] = q.reshape(n, KVH, G, D).transpose(1, 0, 2, 3)
+        qt[:, : start - base], qt[:, end - base :] = 0.0, 0.0  # the tiles' rows outside the chunk
         if self.compiled_tiles:
             return self.kernels.causal_tiles(qt, kt, vt, (start, end), T).reshape(n, H * D)
         out = np.empty((n, KVH, G, D), np.float32)
@@ -129,3 +131,10 @@ class ModelAttention:
         p = F.softmax(s, axis=-1)
         o = paddle.matmul(p, vb).reshape([n, KVH, G, KVH, D])
         return (o * self.eye).sum(3).reshape([n, H * D])
+
+
+def _padded(x: np.ndarray, rows: int) -> np.ndarray:
+    """``x`` ([n, ...]) followed by zero rows up to ``rows`` rows (zeroing only the padding)."""
+    out = np.empty((rows, *x.shape[1:]), np.float32)
+    out[: len(x)], out[len(x) :] = x, 0.0
+    return out
