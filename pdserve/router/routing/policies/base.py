@@ -46,6 +46,9 @@ class PolicyRequest:
     disk_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Instance id -> prompt tokens after ``cached_tokens`` and ``tier_tokens`` that its disk tier
     holds (read back from files its host's instances share), from that tier's set (absent: 0)."""
+    holders: Sequence[InstanceInfo] = ()
+    """The live instances of the model whose holds the three maps above report, candidates or not:
+    where a candidate could fetch the prompt's prefix from (``policies.peer_fetch``)."""
 
 
 class Policy(Protocol):
