@@ -98,7 +98,10 @@ class PeerFetch:
             return None
         if hashes:
             budget = min(FETCH_BUDGET_S, max(0.0, (msg.deadline - ctx.clock.time()) / 2))
-            await self._fetch(key, hint, hashes, blocks, budget)
+            try:
+                await self._fetch(key, hint, hashes, blocks, budget)
+            except Exception as e:  # the ask not sent (Redis): its lease waits for the backstop
+                self._missed(len(hashes), "refused", f"the fetch failed ({type(e).__name__}: {e})")
         return key
 
     async def _fetch(
@@ -114,9 +117,8 @@ class PeerFetch:
         if endpoint is None:
             await ctx.engine.cancel_fetch(key)
             return self._missed(len(hashes), "refused", f"no {hint.protocol} endpoint or landing room here")
-        lease = FetchLease(
-            key, uuid.uuid4().hex[:12], hint.peer.id, len(blocks), started + budget + LEASE_GRACE_S
-        )
+        backstop = ctx.clock.monotonic() + budget + LEASE_GRACE_S
+        lease = FetchLease(key, uuid.uuid4().hex[:12], hint.peer.id, len(blocks), backstop)
         lease.landing = landing
         lease.answer = asyncio.get_running_loop().create_future()
         self.leases[key] = lease
