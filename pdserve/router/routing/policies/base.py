@@ -72,7 +72,8 @@ class PrefixWeights:
     load_tokens: float = 64.0
     """What one open request on an instance costs, in prompt tokens to compute (at its prefill price)."""
     transfer: float = 0.05
-    """What moving one token's KV to D costs, relative to computing it."""
+    """What moving one token's KV to D (or from a peer that holds it: a fetch) costs, relative to
+    computing it."""
     local_prefill_tokens: int = 0
     """A decode instance prefills a request itself when it lacks at most this many of its prompt
     tokens (0: never; a pair always prefills)."""
