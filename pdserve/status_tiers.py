@@ -1,5 +1,5 @@
-"""``pdserve status``, the tier lines: each instance's host and disk tier (size, hits, evictions) and
-its KV integrity checks, as lines under the table and the ``--watch`` view."""
+"""``pdserve status``, the tier lines: each instance's host and disk tier (size, hits, evictions), its
+peer fetches and its KV integrity checks, as lines under the table and the ``--watch`` view."""
 
 from __future__ import annotations
 
@@ -9,10 +9,19 @@ from typing import Any
 def tier_lines(status: dict[str, Any]) -> list[str]:
     """Each instance with a tier below its pool (``--kv-host-bytes``, ``--kv-disk-path``): a blank
     line, then per tier (its pool, host tier, disk tier) a line with its size, hit rate and
-    evictions (a tier's hit rate: the blocks it served of those the tiers above it lacked)."""
+    evictions (a tier's hit rate: the blocks it served of those the tiers above it lacked); and
+    each instance that fetched from peers or served them: a line of its peer fetches (their hit
+    rate: the blocks fetched of those asked for)."""
     lines = []
     for i in status["instances"]:
-        host, disk, pool = i.get("tier"), i.get("disk_tier"), i.get("pool")
+        host, disk, pool, fetch = i.get("tier"), i.get("disk_tier"), i.get("pool"), i.get("fetch")
+        if fetch:
+            lines.append(
+                f"peer fetch {i['id']}: fetched {fetch['hits']} blocks, missed {fetch['misses']} "
+                f"({_rate(fetch['hits'], fetch['hits'] + fetch['misses'])}); {fetch['failed']} of "
+                f"{fetch['fetches']} fetches fell back ({fetch['mismatches']} mismatched); served "
+                f"{fetch['served']} blocks to peers"
+            )
         if not host and not disk:
             continue
         if pool:

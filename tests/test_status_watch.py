@@ -283,6 +283,7 @@ def test_status_shows_each_host_tier(redis_url) -> None:
         "host_read_s_per_block": 0.0001,
         "disk_read_s_per_block": None,
         "transfer_s_per_block": None,
+        "fetch_s_per_block": None,
     }
     lines = [line for line in render(status).splitlines() if line.startswith("host tier")]
     assert lines == [
@@ -325,4 +326,27 @@ def test_status_shows_the_pool_host_and_disk_tiers_of_an_instance(redis_url) -> 
         f"pool {disked.id}: {disked.kv.num_blocks} blocks, 0 cached; 25% hit (30/120 blocks), evicted 44",
         f"disk tier {disked.id} (abababab): 256/1024 MiB, 700 blocks; read back 60, missed 30 (67% hit), "
         "stored 800, evicted 100, corrupt 0, dropped 2",
+    ]
+
+
+def test_status_shows_an_instances_peer_fetches(redis_url) -> None:
+    """An instance that fetched prefix blocks from peers (or served them) gets a line with what came,
+    what was computed instead and why; one that did neither gets none."""
+    import asyncio
+
+    from router_support import instance
+
+    from pdserve.scheduler import FetchInfo
+    from pdserve.status_read import collect
+    from pdserve.status_table import render
+
+    plain, fetching = instance("mixed-3-dddddd", "mixed"), instance("mixed-4-eeeeee", "mixed")
+    fetching.fetch = FetchInfo(fetches=4, hits=90, misses=10, failed=1, mismatches=1, served=7)
+    register(redis_url, "wfetch", plain, fetching)
+    status = asyncio.run(collect(redis_url, "wfetch"))
+    assert {i["id"]: i["fetch"] for i in status["instances"]}[plain.id] is None
+    lines = [line for line in render(status).splitlines() if line.startswith("peer fetch")]
+    assert lines == [
+        f"peer fetch {fetching.id}: fetched 90 blocks, missed 10 (90% hit); 1 of 4 fetches fell back "
+        "(1 mismatched); served 7 blocks to peers"
     ]

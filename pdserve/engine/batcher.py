@@ -144,6 +144,13 @@ class Batcher:
         if seq.block_table:
             self.blocks.free(seq.block_table[::-1])
             seq.block_table = []
+        self._let_go(seq)
+
+    def _let_go(self, seq: Sequence) -> None:
+        """Free the prefix blocks held for ``seq`` until its admission (a peer fetch's)."""
+        if seq.held_blocks:
+            self.blocks.free(seq.held_blocks[::-1])
+            seq.held_blocks = []
 
     def schedule(self) -> Batch:
         cfg = self.config
@@ -188,6 +195,7 @@ class Batcher:
             if loaded < planned:  # a block failed its checksum: computed from there
                 chunk = self._next_chunk(seq, (len(hits) + loaded) * cfg.block_size)
             self.blocks.share(hits)
+            self._let_go(seq)  # what was held for it is in its block table now (or not needed)
             fresh = self.blocks.allocate(need - len(hits))
             seq.block_table = hits + fresh
             seq.num_registered_blocks = len(hits)  # already in the cache

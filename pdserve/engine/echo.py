@@ -267,6 +267,27 @@ class EchoEngine:
             return None
         return self.reserve(request_id, len(prompt_token_ids)), 0
 
+    # no prefix cache here: nothing to serve a peer's fetch from, nothing fetched (prefix_pins.py)
+    def pin_blocks(self, key: str, hashes: list[bytes]) -> list[int]:
+        return []
+
+    def release_held(self, key: str) -> bool:
+        return False
+
+    def reserve_fetch(
+        self, key: str, prompt_token_ids: list[int], params: SamplingParams, num_blocks: int
+    ) -> tuple[list[bytes], list[int]]:
+        return [], []
+
+    def adopt_fetched(self, key: str, num_written: int) -> int:
+        return 0
+
+    def cancel_fetch(self, key: str) -> bool:
+        return False
+
+    def attach_held(self, key: str, request_id: str) -> None:
+        pass
+
     def take_prefix_changes(self) -> dict[bytes, bool]:
         return {}
 

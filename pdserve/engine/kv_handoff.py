@@ -45,6 +45,8 @@ class KVHandoff:
 
         def _replay(self, req: Any, tokens: list[int]) -> None: ...
 
+        def hold_prefix(self, hashes: list[bytes]) -> list[int]: ...  # PrefixPins's
+
     # ---- prefill side -----------------------------------------------------------------------
     def prefilled_blocks(self, request_id: str) -> list[int]:
         """Blocks holding the prompt's K/V, in block-table order."""
@@ -84,17 +86,17 @@ class KVHandoff:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> tuple[list[int], int] | None:
         """Blocks for an incoming prompt's K/V, or None when they are not free now. The prompt's
-        longest cached prefix is shared from this engine's prefix cache (its blocks come first;
-        their count is the second value: the prefill side writes only the blocks after them), the
-        rest is allocated."""
+        longest prefix this engine holds comes first: its prefix cache's blocks, shared, then those
+        its tiers hold, read back into the pool (``PrefixPins.hold_prefix``); their count is the
+        second value (the prefill side writes only the blocks after them). The rest is allocated."""
         if request_id in self.reserved or request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         bs = self.config.block_size
         need = blocks_for(len(prompt_token_ids), bs)
-        hits = self.blocks.lookup(chain_hashes(prompt_token_ids, bs, params.cache_key))
-        if not self.blocks.can_allocate(need - len(hits), hits):
+        hits = self.hold_prefix(chain_hashes(prompt_token_ids, bs, params.cache_key))
+        if not self.blocks.can_allocate(need - len(hits)):
+            self.blocks.free(hits[::-1])  # cached again (a tier's blocks read back stay in the pool)
             return None
-        self.blocks.share(hits)
         self.reserved[request_id] = hits + self.blocks.allocate(need - len(hits))
         return self.reserved[request_id], len(hits)
 

@@ -1,7 +1,8 @@
 """LLMEngine: requests in, per-step outputs out. One step = schedule, run the model, sample, detokenize.
 
-It also carries the KV hand-off used by prefill/decode instances (``kv_handoff.KVHandoff``) and the
-tiers below its block pool (``tiers/tiered_cache.TieredCache``), inherited from their modules; the
+It also carries the KV hand-off used by prefill/decode instances (``kv_handoff.KVHandoff``), the
+prefix blocks it holds for a peer fetch (``prefix_pins.PrefixPins``) and the tiers below its block
+pool (``tiers/tiered_cache.TieredCache``), inherited from their modules; the
 model runs on the platform ``platform.select_platform`` builds (cpu/ or cuda/).
 """
 
@@ -25,6 +26,7 @@ from pdserve.engine.models.model_config import ModelConfig
 from pdserve.engine.models.weights import weights_digest
 from pdserve.engine.outputs import EngineFacts, EngineLoad, RequestOutput, TokenLogprob
 from pdserve.engine.platform import select_platform
+from pdserve.engine.prefix_pins import PrefixPins
 from pdserve.engine.rates import RateMeter
 from pdserve.engine.sampler import Sample, Sampler, make_rng
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -49,7 +51,7 @@ class _Request:
     """One per prompt position, filled as its prefill chunks run; handed out with the first token."""
 
 
-class LLMEngine(KVHandoff, TieredCache):
+class LLMEngine(KVHandoff, PrefixPins, TieredCache):
     def __init__(
         self, model_dir: str | Path, config: EngineConfig | None = None, platform: Platform | None = None
     ) -> None:
@@ -102,6 +104,8 @@ class LLMEngine(KVHandoff, TieredCache):
         self.requests: dict[str, _Request] = {}
         self.prefilled: dict[str, Sequence] = {}  # prefill-only sequences holding blocks for hand-off
         self.reserved: dict[str, list[int]] = {}  # blocks reserved for incoming KV
+        self.held: dict[str, list[int]] = {}  # prefix blocks held for a peer fetch (prefix_pins.py)
+        self.fetching: dict[str, list[bytes]] = {}  # a fetch's reserved blocks' hashes
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         log.info(
             "engine ready on %s: %s, %d layers, max_model_len %d, %d KV blocks (%s), %d threads (%.1f s); "

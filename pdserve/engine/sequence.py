@@ -44,6 +44,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (first admission)
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chain hashes of full blocks
     num_registered_blocks: int = 0  # leading blocks of block_table offered to the prefix cache
+    held_blocks: list[int] = dataclasses.field(default_factory=list)
+    """Its prompt's prefix blocks held for it until its admission shares them (a peer fetch's:
+    ``prefix_pins.PrefixPins.attach_held``); freed then, or when it leaves before."""
 
     @property
     def num_prompt_tokens(self) -> int:

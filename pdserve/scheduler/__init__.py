@@ -22,6 +22,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "inbox_messages": (
         "Abort",
         "DisaggregateInfo",
+        "FetchBlocks",
+        "FetchHint",
+        "FetchedBlocks",
         "GenerateRequest",
         "InboxMessage",
         "PeerInfo",
@@ -54,6 +57,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "registration": (
         "DiskTierInfo",
+        "FetchInfo",
         "InstanceInfo",
         "IntegrityInfo",
         "KVInfo",

@@ -1,6 +1,6 @@
 """Inbox messages: what routers and peer instances send to an instance's inbox (``InboxMessage``):
-run a request, reserve blocks and the reply, a prefilled hand-off, abort, tokenize, set a role
-(docs/design.md, "Inbox messages")."""
+run a request, reserve blocks and the reply, a prefilled hand-off, abort, tokenize, set a role, a
+peer fetch and its answer (docs/design.md, "Inbox messages")."""
 
 from __future__ import annotations
 
@@ -40,6 +40,17 @@ class DisaggregateInfo(_Model):
     deadlines: PhaseDeadlines
 
 
+class FetchHint(_Model):
+    """Where the instance that prefills a request can fetch the prompt's prefix blocks instead of
+    computing them (``GenerateRequest.fetch``, set by a router's ``prefix_cache`` when it priced the
+    fetch below the recompute): ``peer`` holds the prompt's first ``blocks`` full blocks (in its pool
+    or its tiers, by the prefix index) and writes into this instance's cache over ``protocol``."""
+
+    peer: PeerInfo
+    protocol: str
+    blocks: int
+
+
 class GenerateRequest(_Message):
     """Router -> instance inbox: run one request (with ``disaggregate_info`` when split over P and D).
 
@@ -77,6 +88,10 @@ class GenerateRequest(_Message):
     background: bool | None = None
     """A batch line: the instance runs it only in what online requests leave (see the engine's
     batcher); None or False: an online request."""
+    fetch: FetchHint | None = None
+    """Fetch the prompt's prefix from a peer before computing (None: compute what the instance's own
+    pool and tiers lack). A fetch that fails is a miss: the blocks are computed. Added without a
+    ``v`` bump: an older instance ignores it and computes them."""
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -172,6 +187,55 @@ class Prefilled(_Message):
     """How ``kv_digests`` were computed (``cache_transfer.checksum``: ``xxh3_64`` for host caches)."""
 
 
+class FetchBlocks(_Message):
+    """Fetcher -> holder inbox: write the blocks named by ``block_hashes`` into my ``block_ids``.
+
+    The holder writes the leading run of them it holds (pool, then tiers) through its writer over
+    ``protocol`` into ``fetcher``'s cache (its registered ``transfer``: endpoint and incarnation),
+    fenced to ``incarnation`` and started no later than ``budget_s`` after it reads this (its own
+    clock), digesting each block as it goes; then it answers :class:`FetchedBlocks`. The fetcher
+    holds ``block_ids`` until that answer or its own backstop: no write into them can land after
+    they are handed to another request."""
+
+    type: Literal["fetch_blocks"] = "fetch_blocks"
+    request_id: str
+    """The fetch's own id (the request's engine key + ``#fetch``): its messages never wait behind the
+    request's."""
+    reply_to: str
+    fetcher: PeerInfo
+    protocol: str
+    block_hashes: str
+    """Base64 of the 16-byte chain hashes (``block_hash``) of the blocks wanted, in order."""
+    block_ids: list[int]
+    """Where each goes in the fetcher's cache (the same count, the same order)."""
+    lease: str
+    """The fetcher's id of this reservation: the answer names it."""
+    incarnation: str | None = None
+    """The fetcher's incarnation that reserved the blocks: written only into that cache."""
+    budget_s: float
+    """Seconds from reading this until the holder starts no more writes for it."""
+    namespace: str
+    """The fetcher's KV namespace (hex of ``TierNamespace.digest``: weights, their precision, KV
+    dtype, layout, block size and bytes): a holder of another namespace writes nothing."""
+    staging_offset: int | None = None
+    """As ``ReserveReply.staging_offset``: where a staged cache has the blocks land first."""
+
+
+class FetchedBlocks(_Message):
+    """Holder -> fetcher inbox: the first ``num_blocks`` asked blocks are written (0 and ``error``:
+    none), with one digest per block written of the bytes the holder read; no write of this fetch
+    can land after it."""
+
+    type: Literal["fetched"] = "fetched"
+    request_id: str
+    lease: str
+    num_blocks: int = 0
+    kv_digests: str | None = None
+    """As ``Prefilled.kv_digests``: the fetcher checks its blocks against them before it uses any."""
+    kv_digest_algo: str | None = None
+    error: str | None = None
+
+
 class Abort(_Message):
     """Anyone -> instance inbox: stop a request and free its blocks (``attempt=None``: every attempt).
 
@@ -227,5 +291,15 @@ class SetRole(_Message):
     reason: str | None = None
 
 
-InboxMessage = GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort | Tokenize | SetRole
+InboxMessage = (
+    GenerateRequest
+    | ReserveBlocks
+    | ReserveReply
+    | Prefilled
+    | Abort
+    | Tokenize
+    | SetRole
+    | FetchBlocks
+    | FetchedBlocks
+)
 """What an instance's inbox carries."""

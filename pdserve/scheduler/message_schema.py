@@ -46,7 +46,10 @@ frees by the deadline on its own wall clock), ``Abort.writer_done``, ``ReserveBl
 prefill writes at the blocks' offsets, which a staged endpoint refuses), ``Prefilled.kv_digests`` with
 ``kv_digest_algo`` (an older decode side does not check them), ``InstanceInfo.integrity`` and
 ``RouterInfo.verify``, the ``SetRole`` message with ``InstanceInfo.switchable``, ``roles`` and
-``last_switch`` (an older instance dead-letters a ``set_role``; an older router ignores the fields).
+``last_switch`` (an older instance dead-letters a ``set_role``; an older router ignores the fields),
+``GenerateRequest.fetch`` with the ``fetch_blocks`` and ``fetched`` messages, ``TransferInfo.writes``,
+``InstanceInfo.fetch`` and ``RatesInfo.fetch_s_per_block`` (an older instance ignores the hint and
+computes the prefix; it is never asked to serve a fetch: it registers no ``writes``).
 """
 
 Role = Literal["prefill", "decode", "mixed"]

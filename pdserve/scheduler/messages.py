@@ -12,6 +12,8 @@ from pydantic import BaseModel, Field, ValidationError
 from pdserve.errors import MessageError
 from pdserve.scheduler.inbox_messages import (
     Abort,
+    FetchBlocks,
+    FetchedBlocks,
     GenerateRequest,
     Prefilled,
     ReserveBlocks,
@@ -23,14 +25,34 @@ from pdserve.scheduler.message_schema import _M, SCHEMA_VERSION
 from pdserve.scheduler.outbox_messages import StepOutput
 
 Message = Annotated[
-    GenerateRequest | ReserveBlocks | ReserveReply | Prefilled | Abort | Tokenize | SetRole | StepOutput,
+    GenerateRequest
+    | ReserveBlocks
+    | ReserveReply
+    | Prefilled
+    | Abort
+    | Tokenize
+    | SetRole
+    | FetchBlocks
+    | FetchedBlocks
+    | StepOutput,
     Field(discriminator="type"),
 ]
 """Every stream message, discriminated by ``type``."""
 
 MESSAGE_TYPES: dict[str, type[BaseModel]] = {
     cls.model_fields["type"].default: cls
-    for cls in (GenerateRequest, ReserveBlocks, ReserveReply, Prefilled, Abort, Tokenize, SetRole, StepOutput)
+    for cls in (
+        GenerateRequest,
+        ReserveBlocks,
+        ReserveReply,
+        Prefilled,
+        Abort,
+        Tokenize,
+        SetRole,
+        FetchBlocks,
+        FetchedBlocks,
+        StepOutput,
+    )
 }
 
 

@@ -69,6 +69,10 @@ class TransferInfo(_Model):
     protocols: list[str] = Field(default_factory=list)
     endpoint: dict[str, Any] | None = None
     incarnation: str | None = None
+    writes: list[str] | None = None
+    """The transports it can write KV into a peer's cache over (its open backends, whatever its role:
+    a mixed instance's too, whose ``protocols`` stay empty so that it is never paired): a peer
+    whose ``endpoint`` offers one of them can fetch blocks from it. None: an older worker, or none."""
 
 
 class RoleChange(_Model):
@@ -134,6 +138,22 @@ class PoolInfo(_Model):
     evictions: int = 0
 
 
+class FetchInfo(_Model):
+    """An instance's peer fetches since it started (``pdserve status``): prefix blocks it fetched
+    from peers instead of computing (``hits``) and those it asked for that did not come and were
+    computed (``misses``: the peer no longer held them, or the fetch failed), fetches that fell back
+    to computing (``failed``: refused, timed out, or ``mismatches``: blocks that differed from the
+    writer's digests, never used), and blocks it wrote into peers' caches for their fetches
+    (``served``)."""
+
+    fetches: int = 0
+    hits: int = 0
+    misses: int = 0
+    failed: int = 0
+    mismatches: int = 0
+    served: int = 0
+
+
 class RatesInfo(_Model):
     """What this instance measured of its own speed lately (a decaying mean over recent samples,
     ``engine/rates.py``): the routers' ``prefix_cache`` policy weighs computing a prompt here against
@@ -147,8 +167,13 @@ class RatesInfo(_Model):
     disk_read_s_per_block: float | None = None
     """Seconds per block its disk tier read back lately: file read, checks, copy into the pool."""
     transfer_s_per_block: dict[str, float] | None = None
-    """Per KV transport (``shm``, ``mooncake``, …): seconds per block its recent hand-offs to decode
-    instances took (a prefill instance's; the block's bytes over the writes' measured rate)."""
+    """Per KV transport (``shm``, ``mooncake``, …): seconds per block its recent writes into peers
+    took (a prefill instance's hand-offs, any instance's writes for a peer's fetch; the block's bytes
+    over the writes' measured rate)."""
+    fetch_s_per_block: float | None = None
+    """Seconds per block its recent peer fetches took from asking to the blocks checked in its pool
+    (messages, the holder's wait for its engine, the write, the check): what a router prices a
+    fetch into this instance at."""
 
 
 class InstanceInfo(_Model):
@@ -187,6 +212,8 @@ class InstanceInfo(_Model):
     rates: RatesInfo | None = None
     """What it measured of its prefill, read-back and hand-off speed (None: nothing yet, or an
     older instance). Optional (added without a ``v`` bump)."""
+    fetch: FetchInfo | None = None
+    """Its peer fetches' counters (None: none yet, asked or served). Optional."""
     switchable: bool | None = None
     """It can take any role when told: started ``--switchable`` (its KV cache in shared memory,
     every KV transport open) or as a decode instance (which has both); None or False: only the

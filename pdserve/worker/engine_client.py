@@ -100,6 +100,14 @@ class Engine(Protocol):
     def disk_hashes(self) -> list[bytes]: ...
     def watch_disk(self, callback: Callable[[], None]) -> None: ...
     def cancel_reservation(self, request_id: str) -> bool: ...
+    def pin_blocks(self, key: str, hashes: list[bytes]) -> list[int]: ...
+    def release_held(self, key: str) -> bool: ...
+    def reserve_fetch(
+        self, key: str, prompt_token_ids: list[int], params: SamplingParams, num_blocks: int
+    ) -> tuple[list[bytes], list[int]]: ...
+    def adopt_fetched(self, key: str, num_written: int) -> int: ...
+    def cancel_fetch(self, key: str) -> bool: ...
+    def attach_held(self, key: str, request_id: str) -> None: ...
     def prefilled_blocks(self, request_id: str) -> list[int]: ...
     def release_prefilled(self, request_id: str) -> bool: ...
     def kv_view(self) -> Any: ...
@@ -252,17 +260,30 @@ class EngineClient:
 
         return await self._off(prepare)
 
-    async def add(self, key: str, prepared: Prepared, prefill_only: bool = False) -> None:
-        await self._run(
-            lambda: self._engine.add_request(
-                key,
-                prompt_token_ids=prepared.prompt_ids,
-                params=prepared.params,
-                prefill_only=prefill_only,
-                resume_token_ids=prepared.resume_ids or None,
-                background=prepared.background,
-            )
-        )
+    async def add(
+        self, key: str, prepared: Prepared, prefill_only: bool = False, hold: str | None = None
+    ) -> None:
+        """Queue a prepared request; ``hold``: the key of the prefix blocks a peer fetch held for it
+        (given to the request, or let go when the engine refuses it)."""
+
+        def add() -> None:
+            try:
+                self._engine.add_request(
+                    key,
+                    prompt_token_ids=prepared.prompt_ids,
+                    params=prepared.params,
+                    prefill_only=prefill_only,
+                    resume_token_ids=prepared.resume_ids or None,
+                    background=prepared.background,
+                )
+            except BaseException:
+                if hold is not None:
+                    self._engine.release_held(hold)
+                raise
+            if hold is not None:
+                self._engine.attach_held(hold, key)
+
+        await self._run(add)
 
     async def add_prefilled(
         self,
@@ -309,6 +330,27 @@ class EngineClient:
         """Blocks for an incoming prompt's KV and how many of the first ones this engine's prefix
         cache already holds (not to be written), or None when they are not free now."""
         return await self._run(lambda: self._engine.reserve_prompt(key, prompt_ids, params))
+
+    # ---- peer fetch (engine/prefix_pins.py) -------------------------------------------------------
+    async def reserve_fetch(
+        self, key: str, prompt_ids: list[int], params: SamplingParams, num_blocks: int
+    ) -> tuple[list[bytes], list[int]]:
+        """The fetcher: hold the prompt's prefix this engine has (under ``key``) and reserve blocks
+        for the rest up to ``num_blocks``: the hashes to fetch and the blocks they go into."""
+        return await self._run(lambda: self._engine.reserve_fetch(key, prompt_ids, params, num_blocks))
+
+    async def adopt_fetched(self, key: str, num_written: int) -> int:
+        return await self._run(lambda: self._engine.adopt_fetched(key, num_written))
+
+    async def cancel_fetch(self, key: str) -> bool:
+        return await self._run(lambda: self._engine.cancel_fetch(key))
+
+    async def pin_blocks(self, key: str, hashes: list[bytes]) -> list[int]:
+        """The holder: pin the leading run of ``hashes`` this engine has (pool, then tiers)."""
+        return await self._run(lambda: self._engine.pin_blocks(key, hashes))
+
+    async def release_held(self, key: str) -> bool:
+        return await self._run(lambda: self._engine.release_held(key))
 
     # ---- the prefix index ------------------------------------------------------------------------
     def take_prefix_changes(self, tier: str = "pool") -> dict[bytes, bool]:

@@ -31,6 +31,8 @@ from pdserve.errors import (
 )
 from pdserve.scheduler import (
     Abort,
+    FetchBlocks,
+    FetchedBlocks,
     GenerateRequest,
     InboxMessage,
     Prefilled,
@@ -46,6 +48,7 @@ from pdserve.scheduler import (
 from pdserve.worker.engine_client import Prepared
 from pdserve.worker.handoff_context import Context
 from pdserve.worker.messenger import Owner, engine_key, merge_deltas, to_delta
+from pdserve.worker.peer_fetch import PeerFetch
 from pdserve.worker.roles import RoleState
 from pdserve.worker.router_watch import ROUTER_CHECK_S, RouterWatch
 from pdserve.worker.splitwise import Splitwise
@@ -82,6 +85,7 @@ class RequestHandler(RouterWatch):
         for the next step and go as one delta (its first token and its end never wait)."""
         self.owners: dict[str, Owner] = {}  # engine key -> router request, for requests this engine decodes
         self.splitwise = Splitwise(ctx)
+        self.fetches = PeerFetch(ctx)  # prefix blocks fetched from peers, and served to them
         self.draining = False
         self._started: dict[
             str, float
@@ -168,8 +172,9 @@ class RequestHandler(RouterWatch):
             if isinstance(msg, GenerateRequest):
                 ready = await self._prepare_generate(msg)
                 if ready is not None:
+                    hold = await self.fetches.before_admit(msg, ready[0])  # not acting: it waits on a peer
                     with self.acting():
-                        await self._admit(msg, *ready)
+                        await self._admit(msg, *ready, hold=hold)
                 return
             if isinstance(msg, Prefilled):
                 lease = self.splitwise.leases.get(engine_key(msg.request_id, msg.attempt))
@@ -218,6 +223,8 @@ class RequestHandler(RouterWatch):
             await self.on_abort(msg)
         elif isinstance(msg, Tokenize):
             await self.on_tokenize(msg)
+        elif isinstance(msg, (FetchBlocks, FetchedBlocks)):
+            await self.fetches.handle(msg)
         elif isinstance(msg, SetRole):
             outcome = self.roles.switch(msg, self.draining)
             if outcome.ok and self.on_role_change is not None:
@@ -299,7 +306,7 @@ class RequestHandler(RouterWatch):
     async def on_generate(self, msg: GenerateRequest) -> None:
         ready = await self._prepare_generate(msg)
         if ready is not None:
-            await self._admit(msg, *ready)
+            await self._admit(msg, *ready, hold=await self.fetches.before_admit(msg, ready[0]))
 
     async def _prepare_generate(self, msg: GenerateRequest) -> tuple[Prepared, float] | None:
         """A generate's checks and preparation (off the engine thread): what to admit and when it
@@ -332,14 +339,17 @@ class RequestHandler(RouterWatch):
             return None
         return prepared, received
 
-    async def _admit(self, msg: GenerateRequest, prepared: Prepared, received: float) -> None:
-        """Hand a prepared generate to the engine (or to its prefill hand-off)."""
+    async def _admit(
+        self, msg: GenerateRequest, prepared: Prepared, received: float, hold: str | None = None
+    ) -> None:
+        """Hand a prepared generate to the engine (or to its prefill hand-off); ``hold``: the key of
+        the prefix blocks held for it (a peer fetch's, peer_fetch.py)."""
         owner = Owner(msg.router_id, msg.request_id, msg.attempt)
         info = msg.disaggregate_info
         if info is not None and info.decode.id != self.ctx.instance_id:
             # split, sent here: this instance's part is the prefill, as the router chose when it
             # sent it (whatever its role since)
-            await self.splitwise.start_prefill(msg, prepared)
+            await self.splitwise.start_prefill(msg, prepared, hold)
         else:
             key = engine_key(msg.request_id, msg.attempt)
             self.owners[key] = owner
@@ -349,7 +359,7 @@ class RequestHandler(RouterWatch):
             if prepared.prompt_text is not None:
                 self._echo[key] = prepared.prompt_text
             try:
-                await self.ctx.engine.add(key, prepared)
+                await self.ctx.engine.add(key, prepared, hold=hold)
             except InvalidRequestError as e:  # e.g. resumed tokens that do not follow its grammar
                 self._forget(key)
                 await self.ctx.messenger.fail(owner, e)
@@ -444,6 +454,7 @@ class RequestHandler(RouterWatch):
         """Timers of the hand-offs and of held tokens; once a second, drop the work of routers
         that are gone."""
         await self.splitwise.tick()
+        await self.fetches.tick()
         now = self.ctx.clock.monotonic()
         if self._held:
             self._post_due(now)
@@ -467,6 +478,7 @@ class RequestHandler(RouterWatch):
                 if key not in self.owners and key not in handing_off:
                     owners.append((Owner(msg.router_id, msg.request_id, attempt), True))
         owners += [(owner, True) for owner in await self.splitwise.stop_all(message)]
+        await self.fetches.stop_all()
         self.owners.clear()
         self._started.clear()
         self._echo.clear()

@@ -52,6 +52,8 @@ NAMES = (
     "pdserve_worker_prompt_tokens_total",
     "pdserve_worker_prefix_cache_hit_tokens_total",
     "pdserve_worker_inbox_lag_seconds",
+    "pdserve_worker_peer_fetches_total",
+    "pdserve_worker_peer_fetch_blocks_total",
 )
 """Every series family a worker exports (as exposed: counters with ``_total``)."""
 
@@ -134,6 +136,21 @@ class WorkerMetrics:
             "mismatch (never decoded: the request was retried), unchecked (no digests sent, or "
             "--no-kv-checksum)",
             ["outcome"],
+        )
+        self._peer_fetches = bound(
+            Counter,
+            "pdserve_worker_peer_fetches",
+            "prefix fetches from peers this instance made, by outcome: ok (blocks came and matched their "
+            "digests), refused (the peer wrote none), timeout, mismatch (never used); all but ok are "
+            "computed instead",
+            ["outcome"],
+        )
+        self._peer_blocks = bound(
+            Counter,
+            "pdserve_worker_peer_fetch_blocks",
+            "prefix blocks moved by peer fetches: fetched (into this cache, used), missed (asked for, "
+            "computed instead), served (written from this cache into fetching peers)",
+            ["result"],
         )
         gauges = (
             ("pdserve_worker_running", "sequences in the running batch", lambda: self._load().running),
@@ -221,3 +238,13 @@ class WorkerMetrics:
         children[1].observe(seconds)
         if blocks_not_sent:
             self.kv_blocks_not_sent.inc(blocks_not_sent)
+
+    def on_peer_fetch(self, outcome: str, fetched: int, missed: int) -> None:
+        self._peer_fetches.labels(*self.ids, outcome).inc()
+        if fetched:
+            self._peer_blocks.labels(*self.ids, "fetched").inc(fetched)
+        if missed:
+            self._peer_blocks.labels(*self.ids, "missed").inc(missed)
+
+    def on_peer_fetch_served(self, blocks: int) -> None:
+        self._peer_blocks.labels(*self.ids, "served").inc(blocks)

@@ -10,8 +10,8 @@ into those blocks, publish the first token, tell decode "prefilled"::
     RESERVING, BLOCKS_READY ──finished on its first token (EOS, max_tokens=1)──> DONE
 
 The write is fenced: chunk by chunk, only while the cache the writer reaches is the incarnation
-that reserved the blocks, the deadline allows the next chunk and the request was not aborted. It
-runs as a task of its own (at most ``handoff_context.MAX_TRANSFERS`` at once), never inside the
+that reserved the blocks, the deadline allows the next chunk and the request was not aborted
+(kv_copy.py, which a peer fetch's writes share). It runs as a task of its own (at most ``handoff_context.MAX_TRANSFERS`` at once), never inside the
 engine loop or the inbox loop, so a long write holds up no other request's prefill. Each block is
 digested as its chunk goes out (``cache_transfer.checksum``); the digests travel in ``Prefilled``
 and the decode side checks its blocks against them. Whatever ends a hand-off, the decode side is
@@ -26,10 +26,8 @@ import enum
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from pdserve.cache_transfer import checksum
-from pdserve.cache_transfer.base import KVTransport
 from pdserve.cache_transfer.regions import Region
 from pdserve.engine.outputs import RequestOutput
 from pdserve.errors import PdserveError, RequestTimeoutError, TransferError, UnavailableError
@@ -44,11 +42,11 @@ from pdserve.scheduler import (
 )
 from pdserve.worker.engine_client import Prepared
 from pdserve.worker.handoff_context import Context
+from pdserve.worker.kv_copy import BlockWrite, Stopped, write_blocks
 from pdserve.worker.messenger import Owner, engine_key, to_delta
 
 log = logging.getLogger(__name__)
 
-WRITE_CHUNK_BYTES = 64 << 20  # P writes in chunks of whole blocks, checking deadline and fence between
 FIRST_SEQ = 0  # prefill publishes the attempt's first delta; decode numbers its own from FIRST_SEQ + 1
 
 
@@ -62,10 +60,6 @@ class PrefillState(enum.Enum):
 
 
 _FINAL = {PrefillState.DONE, PrefillState.FAILED}
-
-
-class _Stopped(Exception):
-    """The copy stopped before a chunk: its request was aborted (or the instance is stopping)."""
 
 
 class PrefillHandoff:
@@ -113,9 +107,15 @@ class PrefillHandoff:
     def final(self) -> bool:
         return self.state in _FINAL
 
-    async def start(self) -> None:
-        await self._ask_reserve()
-        await self.ctx.engine.add(self.key, self.prepared, prefill_only=True)
+    async def start(self, hold: str | None = None) -> None:
+        """Ask for blocks and queue the prefill (``hold``: its prefix blocks a peer fetch held)."""
+        try:
+            await self._ask_reserve()
+        except BaseException:
+            if hold is not None:
+                await self.ctx.engine.release_held(hold)
+            raise
+        await self.ctx.engine.add(self.key, self.prepared, prefill_only=True, hold=hold)
 
     async def _ask_reserve(self) -> None:
         m = self.msg
@@ -260,7 +260,7 @@ class PrefillHandoff:
         try:
             async with self.ctx.transfer_slots:
                 await self._write_kv(self.dst_blocks)
-        except _Stopped:
+        except Stopped:
             pass
         except Exception as e:  # a foreign error too: the machine must not stay TRANSFERRING
             if isinstance(e, PdserveError):
@@ -291,76 +291,41 @@ class PrefillHandoff:
 
     async def _write_kv(self, dst_blocks: list[int]) -> None:
         ctx, protocol = self.ctx, self.info.protocol
-        clock, transfer_by, transports = ctx.clock, self.transfer_by, ctx.transports
         if self._stop.is_set():
-            raise _Stopped
-        if clock.monotonic() > transfer_by:
+            raise Stopped
+        if ctx.clock.monotonic() > self.transfer_by:
             raise TransferError("the KV transfer deadline passed")
-        engine = ctx.engine
-        src = await engine.prefilled_blocks(self.key)
+        src = await ctx.engine.prefilled_blocks(self.key)
         if len(src) != len(dst_blocks):
             raise TransferError(f"decode reserved {len(dst_blocks)} blocks for {len(src)}")
         skip = self.num_cached_dst  # decode holds these already: only the missing blocks move
         if not 0 <= skip <= len(src):
             raise TransferError(f"decode says it holds {skip} of {len(src)} blocks")
-        cache, src_ids, dst_ids = engine.kv_view(), src[skip:], dst_blocks[skip:]
-        block_bytes = engine.facts.block_bytes
-        per = max(1, WRITE_CHUNK_BYTES // max(1, block_bytes))
-        chunks = [
-            _Chunk(
-                src_ids[i : i + per],
-                engine.regions(src_ids[i : i + per]),
-                self._dst(dst_ids, i, per, block_bytes),
-            )
-            for i in range(0, len(src_ids), per)
-        ]
-        _in_time(clock.monotonic(), len(src_ids) * block_bytes, transports.rate(protocol), transfer_by)
-        expected, stop, digest = self.dst_incarnation, self._stop, ctx.kv_checksum
-        flip = ctx.faults.fires(ctx.faults.kv_flip_in_transit) and chunks
-        flip_at = (ctx.faults.rng.randrange(len(chunks)), ctx.faults.rng.random()) if flip else None
-        digests: list[bytes] = []
-
-        def copy(w: KVTransport, opened_for: str | None) -> int:
-            """On the copy's thread: chunk by chunk, each only while not stopped, in time and fenced."""
-            moved = 0
-            for i, chunk in enumerate(chunks):
-                if stop.is_set():
-                    raise _Stopped
-                _in_time(
-                    clock.monotonic(),
-                    len(chunk.src_ids) * block_bytes,
-                    transports.rate(protocol),
-                    transfer_by,
-                )
-                _fenced(w, opened_for, expected)
-                if digest:
-                    digests.append(checksum.block_digests(cache, chunk.src_ids, block_bytes))
-                if flip_at is not None and flip_at[0] == i:
-                    moved += _write_flipped(w, cache, chunk, flip_at[1])
-                else:
-                    moved += w.write_blocks(cache, chunk.src, chunk.dst)
-            _fenced(w, opened_for, expected)  # D restarted during the copy: it landed in a dead cache
-            return moved
-
-        t0 = clock.monotonic()
-        moved = 0
-        if chunks:
-            moved = await transports.write(protocol, self.decode_id, self.info.decode.transfer, copy)
-        seconds = clock.monotonic() - t0
-        self.digests = b"".join(digests)
-        transports.observe(protocol, moved, seconds)
+        dst_ids = dst_blocks[skip:]
+        job = BlockWrite(
+            protocol,
+            self.decode_id,
+            self.info.decode.transfer,
+            src[skip:],
+            lambda i, n: self._dst(dst_ids, i, n),
+            self.dst_incarnation,
+            self.transfer_by,
+            self._stop,
+        )
+        done = await write_blocks(ctx, job)
+        self.digests = done.digests
         if self.timing is not None:
-            self.timing.kv_transfer_s = seconds
+            self.timing.kv_transfer_s = done.seconds
         if ctx.metrics is not None:
-            ctx.metrics.on_kv_sent(protocol, moved, seconds, blocks_not_sent=skip)
-        log.debug("%s: %d KV bytes -> %s (%d blocks held there)", self.key, moved, self.decode_id, skip)
+            ctx.metrics.on_kv_sent(protocol, done.moved, done.seconds, blocks_not_sent=skip)
+        log.debug("%s: %d KV bytes -> %s (%d blocks held there)", self.key, done.moved, self.decode_id, skip)
 
-    def _dst(self, dst_ids: list[int], i: int, per: int, block_bytes: int) -> list[Region]:
-        """Where the blocks ``i:i + per`` of the write go: the decode instance's blocks, or,
-        where it stages them, one after another from its ``staging_offset``."""
+    def _dst(self, dst_ids: list[int], i: int, n: int) -> list[Region]:
+        """Where the blocks ``i:i + n`` of the write go: the decode instance's blocks, or, where it
+        stages them, one after another from its ``staging_offset``."""
         if self.staging_offset is None:
-            return self.ctx.engine.regions(dst_ids[i : i + per])
-        n = len(dst_ids[i : i + per])
+            return self.ctx.engine.regions(dst_ids[i : i + n])
+        block_bytes = self.ctx.engine.facts.block_bytes
         return [(self.staging_offset + i * block_bytes, n * block_bytes)]
 
     # ---- the one way to fail -------------------------------------------------------------------------
@@ -401,56 +366,3 @@ class PrefillHandoff:
             request_id=self.msg.request_id, reason=reason, attempt=self.msg.attempt, writer_done=True
         )
         await self.ctx.messenger.send(self.decode_id, abort)
-
-
-class _Chunk:
-    """One chunk of a write: its source blocks, and their byte regions here and at the peer."""
-
-    __slots__ = ("dst", "src", "src_ids")
-
-    def __init__(self, src_ids: list[int], src: list[Region], dst: list[Region]) -> None:
-        self.src_ids, self.src, self.dst = src_ids, src, dst
-
-
-def _write_flipped(w: KVTransport, cache: Any, chunk: _Chunk, where: float) -> int:
-    """The test hook ``kv_flip_in_transit``: write ``chunk`` with one of its bytes inverted (its
-    digests were taken before), then put the byte back here."""
-    size = sum(n for _, n in chunk.src)
-    at, offset = int(where * size), 0
-    for start, n in chunk.src:
-        if at < offset + n:
-            at = start + at - offset
-            break
-        offset += n
-    cache[at] ^= 0xFF
-    try:
-        return w.write_blocks(cache, chunk.src, chunk.dst)
-    finally:
-        cache[at] ^= 0xFF
-
-
-def _in_time(now: float, nbytes: int, rate: float | None, deadline: float) -> None:
-    """A TransferError unless a copy of ``nbytes`` starting ``now`` ends by ``deadline`` (at the
-    ``rate`` recent writes moved at; unknown: only the deadline itself)."""
-    if now > deadline:
-        raise TransferError("the KV transfer deadline passed")
-    if rate and now + nbytes / rate > deadline:
-        raise TransferError(
-            f"the KV transfer cannot end before its deadline ({nbytes / 2**20:.1f} MiB at "
-            f"{rate / 2**20:.0f} MiB/s, {deadline - now:.2f} s left)"
-        )
-
-
-def _fenced(w: KVTransport, opened_for: str | None, expected: str | None) -> None:
-    """A TransferError unless the cache ``w`` reaches is the incarnation that reserved the blocks
-    (``expected``; None: a decode instance that names none, not checked)."""
-    if expected is None:
-        return
-    found = w.fence()
-    if found is None:  # the protocol cannot read it where it writes: the endpoint's incarnation
-        found = opened_for
-    if found != expected:
-        raise TransferError(
-            f"the decode instance restarted: its cache is incarnation {found or 'unknown'}, "
-            f"the blocks were reserved by {expected}"
-        )

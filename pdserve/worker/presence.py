@@ -147,6 +147,7 @@ class Presence:
                 protocols=[] if roles.role == "mixed" else self.protocols,  # a mixed one is never paired
                 endpoint=self._endpoint() or None,
                 incarnation=self.incarnation,
+                writes=self.protocols or None,  # peers fetch blocks from it over these
             ),
             max_model_len=facts.max_model_len,
             draining=self.handler.draining,
@@ -160,6 +161,7 @@ class Presence:
             if facts.prefix_caching
             else None,
             rates=self._rates(),
+            fetch=self.handler.fetches.info.model_copy() if self.handler.fetches.touched else None,
             switchable=self._shared_cache or None,  # a decode instance's start prepared every role
             roles=list(roles.history) or None,
             last_switch=roles.last_switch,
@@ -179,6 +181,7 @@ class Presence:
             host_read_s_per_block=load.host_read_s_per_block,
             disk_read_s_per_block=load.disk_read_s_per_block,
             transfer_s_per_block=transfer or None,
+            fetch_s_per_block=self.handler.fetches.rate.value if self.handler is not None else None,
         )
         return rates if rates.model_dump(exclude_none=True) else None
 
@@ -209,8 +212,9 @@ class Presence:
         return integrity.model_copy() if integrity.kv_checked or integrity.kv_mismatches else None
 
     def _endpoint(self) -> dict[str, Any]:
-        """Where peers write into this instance's cache: only a decode instance is written into."""
-        if self.handler is None or self.handler.role != "decode":
+        """Where peers write into this instance's cache: a decode instance's (its prefill peers), or
+        any whose cache is shared (``--switchable``: peers write the blocks it fetches from them)."""
+        if self.handler is None or not self._shared_cache:
             return {}
         endpoints = {protocol: b.endpoint() for protocol, b in self.transports.backends.items()}
         return {protocol: endpoint for protocol, endpoint in endpoints.items() if endpoint is not None}

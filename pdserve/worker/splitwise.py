@@ -67,10 +67,11 @@ class Splitwise:
             del self.leases[key]
 
     # ---- prefill side --------------------------------------------------------------------------------
-    async def start_prefill(self, msg: GenerateRequest, prepared: Prepared) -> None:
+    async def start_prefill(self, msg: GenerateRequest, prepared: Prepared, hold: str | None = None) -> None:
+        """``hold``: the key of the prefix blocks a peer fetch held for the request."""
         handoff = PrefillHandoff(self.ctx, msg, prepared, on_final=self._settle)
         self.prefills[handoff.key] = handoff
-        await handoff.start()
+        await handoff.start(hold)
 
     async def on_reserve_reply(self, msg: ReserveReply) -> None:
         handoff = self.prefills.get(engine_key(msg.request_id, msg.attempt))

@@ -15,6 +15,10 @@ from pdserve.scheduler import (
     Abort,
     DisaggregateInfo,
     ErrorInfo,
+    FetchBlocks,
+    FetchedBlocks,
+    FetchHint,
+    FetchInfo,
     GenerateRequest,
     InstanceInfo,
     KVInfo,
@@ -68,6 +72,37 @@ MESSAGES: list[BaseModel] = [
         disaggregate_info=_disagg(),
     ),
     GenerateRequest(request_id="req-2", router_id="r1", prompt_token_ids=[1, 2, 3], deadline=NOW + 30),
+    GenerateRequest(  # the prefix fetched from a peer first
+        request_id="req-3",
+        router_id="r1",
+        prompt_token_ids=list(range(40)),
+        deadline=NOW + 30,
+        fetch=FetchHint(
+            peer=PeerInfo(id="d0", host="h", transfer={"writes": ["shm"]}), protocol="shm", blocks=2
+        ),
+    ),
+    FetchBlocks(
+        request_id="req-3/0#fetch",
+        reply_to="m1",
+        fetcher=PeerInfo(
+            id="m1", host="h", transfer={"endpoint": {"shm": "pdserve-m1"}, "incarnation": "i1"}
+        ),
+        protocol="shm",
+        block_hashes="AAAAAAAAAAAAAAAAAAAAAA==",
+        block_ids=[7],
+        lease="l1",
+        incarnation="i1",
+        budget_s=2.0,
+        namespace="ab" * 16,
+    ),
+    FetchedBlocks(
+        request_id="req-3/0#fetch",
+        lease="l1",
+        num_blocks=1,
+        kv_digests="AAAAAAAAAAA=",
+        kv_digest_algo="xxh3_64",
+    ),
+    FetchedBlocks(request_id="req-3/0#fetch", lease="l1", error="not held"),
     ReserveBlocks(
         request_id="req-1",
         router_id="r1",
@@ -158,6 +193,9 @@ def test_registration_values_round_trip() -> None:
     )
     assert decode_as(InstanceInfo, encode(info)) == info
     assert info.load.running == 0 and info.transfer.protocols == [] and not info.draining
+    assert info.transfer.writes is None and info.fetch is None  # an older worker's: nothing to fetch from
+    fetching = info.model_copy(update={"fetch": FetchInfo(fetches=2, hits=9, misses=1, failed=1, served=4)})
+    assert decode_as(InstanceInfo, encode(fetching)) == fetching
     router = RouterInfo(id="r1", host="h", pid=2, port=8000, started_at=NOW)
     assert decode_as(RouterInfo, encode(router)) == router
 

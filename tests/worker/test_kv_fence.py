@@ -24,7 +24,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import GenerateRequest
 from pdserve.scheduler.tasks import cancel_and_wait
-from pdserve.worker import decode_lease, prefill_handoff
+from pdserve.worker import decode_lease, kv_copy
 from pdserve.worker.decode_lease import DecodeState
 
 LEASE_GRACE_S = getattr(decode_lease, "LEASE_GRACE_S", 0.0)
@@ -249,7 +249,7 @@ def test_no_chunk_of_a_write_starts_after_the_transfer_deadline(redis_url, monke
     """A copy slow enough to cross the deadline stops there, between blocks: nothing is copied past
     it (D may free the blocks after the grace), and the hand-off fails retryable. Before the fix
     the deadline was checked once, before the whole copy."""
-    monkeypatch.setattr(prefill_handoff, "WRITE_CHUNK_BYTES", BLOCK_BYTES, raising=False)
+    monkeypatch.setattr(kv_copy, "WRITE_CHUNK_BYTES", BLOCK_BYTES)
 
     async def main() -> None:
         async with pair(redis_url, decode_blocks=32) as (p, prefill, decode):

@@ -20,7 +20,7 @@ from splitwise_support import BLOCK_BYTES, T0, Instance, ManualClock, Pair, Stub
 
 from pdserve.cache_transfer.shm import ShmWriter
 from pdserve.scheduler import Abort, GenerateRequest
-from pdserve.worker import prefill_handoff
+from pdserve.worker import kv_copy
 from pdserve.worker.clock import Clock
 from pdserve.worker.decode_lease import LEASE_GRACE_S
 
@@ -78,7 +78,7 @@ def test_a_block_still_being_written_is_never_reserved_again(redis_url, monkeypa
     """D's cache has 5 blocks: A holds 3 while its write stalls, so B (3 blocks) can only have
     them once A's writer is done. Before the fix D freed A's blocks at the router's abort, B got
     one of them, and A's remaining chunks (the copy went on) landed over B's KV."""
-    monkeypatch.setattr(prefill_handoff, "WRITE_CHUNK_BYTES", BLOCK_BYTES, raising=False)  # a chunk per block
+    monkeypatch.setattr(kv_copy, "WRITE_CHUNK_BYTES", BLOCK_BYTES)  # a chunk per block
 
     async def main() -> None:
         async with pair(redis_url, decode_blocks=5) as (p, prefill, decode):

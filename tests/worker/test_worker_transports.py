@@ -166,28 +166,44 @@ def test_a_decode_instance_advertises_each_backend_it_opened_and_closes_them(
         "protocols": ["counting"],
         "endpoint": {"counting": {"bytes": backend.local.view.nbytes}},
         "incarnation": service.incarnation,
+        "writes": ["counting"],
     }
     assert backend.closed and service.transports.backends == {}
 
 
 def test_shm_on_decode_is_the_segment_a_prefill_offers_without_an_endpoint(redis_url, tmp_path) -> None:
+    """Every instance with transports open writes over them (``writes``: peers fetch from it); only
+    one whose cache is shared (a decode instance, a ``--switchable`` one) has an endpoint (peers
+    write into it); a mixed one is never paired (no ``protocols``)."""
     decode = WorkerService(service_settings(redis_url, tmp_path, "decode", "shm"))
     assert asyncio.run(registered(decode)) == {
         "protocols": ["shm"],
         "endpoint": {"shm": f"pdserve-{decode.id}"},
         "incarnation": decode.incarnation,
+        "writes": ["shm"],
     }
     prefill = WorkerService(service_settings(redis_url, tmp_path, "prefill", "shm"))
     assert asyncio.run(registered(prefill)) == {
         "protocols": ["shm"],
         "endpoint": None,
         "incarnation": prefill.incarnation,
+        "writes": ["shm"],
     }
     mixed = WorkerService(service_settings(redis_url, tmp_path, "mixed", "both"))
     assert asyncio.run(registered(mixed)) == {
         "protocols": [],
         "endpoint": None,
         "incarnation": mixed.incarnation,
+        "writes": None,
+    }
+    fetchable = WorkerService(
+        dataclasses.replace(service_settings(redis_url, tmp_path, "mixed", "shm"), switchable=True)
+    )
+    assert asyncio.run(registered(fetchable)) == {
+        "protocols": [],
+        "endpoint": {"shm": f"pdserve-{fetchable.id}"},
+        "incarnation": fetchable.incarnation,
+        "writes": ["shm"],
     }
     restarted = WorkerService(decode.settings)  # the same id, started again
     assert restarted.incarnation != decode.incarnation

@@ -76,6 +76,7 @@ NAMES = (
     "pdserve_instance_prefill_seconds_per_token",
     "pdserve_instance_read_back_seconds_per_block",
     "pdserve_instance_kv_transfer_seconds_per_block",
+    "pdserve_instance_fetch_seconds_per_block",
     "pdserve_redis_round_trip_seconds",
     "pdserve_redis_errors_total",
     "pdserve_verify_total",
@@ -125,8 +126,14 @@ class _InstanceRates(Collector):
         )
         transfer = GaugeMetricFamily(
             "pdserve_instance_kv_transfer_seconds_per_block",
-            "seconds per KV block a prefill instance's recent hand-offs took, by transport",
+            "seconds per KV block an instance's recent writes into peers (hand-offs, fetches served) "
+            "took, by transport",
             labels=["instance", "protocol"],
+        )
+        fetch = GaugeMetricFamily(
+            "pdserve_instance_fetch_seconds_per_block",
+            "seconds per KV block an instance's recent fetches from peers took, asking to checked",
+            labels=["instance"],
         )
         for info in (self.live.cached if self.live is not None else None) or ():
             rates = info.rates
@@ -139,9 +146,12 @@ class _InstanceRates(Collector):
                     read_back.add_metric([info.id, tier], value)
             for protocol, value in (rates.transfer_s_per_block or {}).items():
                 transfer.add_metric([info.id, protocol], value)
+            if rates.fetch_s_per_block is not None:
+                fetch.add_metric([info.id], rates.fetch_s_per_block)
         yield prefill
         yield read_back
         yield transfer
+        yield fetch
 
 
 class LoopCounter(Collector):
@@ -318,7 +328,8 @@ class RouterMetrics:
         self._route_picks = LoopCounter(
             "pdserve_route_picks",
             "prefix_cache's picks by where the picked instance gets the prompt's KV beyond computing it "
-            "(source: cache_hit, host_tier or disk_tier read-back, recompute) and how it was priced "
+            "(source: peer, a fetch from another instance; host_tier or disk_tier, a read-back; "
+            "cache_hit; recompute) and how it was priced "
             "(priced: measured, its own rates; median, the candidates' median prefill rate; weights, "
             "no candidate had measured one: the --prefix-* weights in tokens)",
             r,

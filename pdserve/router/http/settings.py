@@ -70,9 +70,10 @@ class RouterSettings:
     )
     prefix_transfer_weight: float = setting(
         PrefixWeights.transfer,
-        "prefix_cache: what moving one prompt token's KV to the decode instance costs, relative to "
-        "computing it, where the prefill instance has not measured its hand-offs over the pair's "
-        "transport yet (default %(default)s)",
+        "prefix_cache: what moving one prompt token's KV to the decode instance (or from a peer that "
+        "holds it, a fetch) costs, relative to computing it, where the prefill instance has not "
+        "measured its hand-offs over the pair's transport yet, nor the fetcher its fetches "
+        "(default %(default)s)",
     )
     prefix_host_tier_weight: float = setting(
         PrefixWeights.host_tier,

@@ -143,6 +143,7 @@ class PrefixLookup:
             cached_tokens=cached,
             tier_tokens=tier,
             disk_tokens=disk,
+            holders=caching,
         )
 
     def learn(self, route: Route, request: PolicyRequest, blocks: PromptBlocks) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pdserve.errors import InvalidRequestError
 from pdserve.router.api.errors import ModelNotFoundError, NoCapacityError
 from pdserve.router.routing.policies import Policy, PolicyRequest, PrefixCache, PrefixWeights, make_policy
+from pdserve.router.routing.policies.peer_fetch import FetchPlan
 from pdserve.router.routing.policies.prefix_cache import Estimate
 from pdserve.scheduler.registration import InstanceInfo
 
@@ -49,6 +50,11 @@ class Route:
     def entry(self) -> InstanceInfo:
         """The instance whose inbox receives the request."""
         return self.prefill or self.decode
+
+    @property
+    def fetch(self) -> FetchPlan | None:
+        """The fetch from a peer the entry instance makes first (``prefix_cache``'s pick), if any."""
+        return self.estimate.fetch if self.estimate is not None else None
 
     @property
     def instance_ids(self) -> tuple[str, ...]:
@@ -82,6 +88,22 @@ def transfer_protocol(prefill: InstanceInfo, decode: InstanceInfo) -> str | None
         if local is not None:
             return local
     return next((p for p in prefill.transfer.protocols if p not in ONE_HOST and p in offered), None)
+
+
+def fetch_protocol(holder: InstanceInfo, fetcher: InstanceInfo) -> str | None:
+    """How ``holder`` writes blocks ``fetcher`` fetches from it, or None when it cannot: the holder
+    writes over its open transports (``transfer.writes``) into a cache whose ``endpoint`` offers
+    one; on one host the first one-host protocol (``shm``, ``cuda_ipc``) of the holder's, else its
+    first other one. The two must hold the same model's KV in the same geometry (:func:`kv_mismatch`)."""
+    offered = (fetcher.transfer.endpoint or {}).keys()
+    writes = holder.transfer.writes or []
+    if not offered or not writes or holder.id == fetcher.id or kv_mismatch(holder, fetcher) is not None:
+        return None
+    if holder.host == fetcher.host:
+        local = next((p for p in writes if p in ONE_HOST and p in offered), None)
+        if local is not None:
+            return local
+    return next((p for p in writes if p not in ONE_HOST and p in offered), None)
 
 
 KV_GEOMETRY = (
@@ -196,6 +218,11 @@ class Selector:
             make_policy(decode_policy, "decode", weights) if isinstance(decode_policy, str) else decode_policy
         )
         self.in_flight: dict[str, int] = {}
+        for policy in (self.prefill_policy, self.decode_policy):
+            if isinstance(policy, PrefixCache):  # it prices a fetch from a peer against the recompute
+                policy.fetch_protocol = self._fetch_protocol
+        self._fetchable: dict[tuple[str, str], tuple[InstanceInfo, InstanceInfo, str | None]] = {}
+        """(holder id, fetcher id) -> the registrations last checked and the fetch's protocol."""
         self._warned_at = float("-inf")
         self._mismatch_warned: dict[str, float] = {}  # reason -> when it was last logged
         self._pairable: dict[tuple[str, str], tuple[InstanceInfo, InstanceInfo, str | None]] = {}
@@ -310,6 +337,18 @@ class Selector:
         if len(self._pairable) > 4096:  # ids of instances long gone
             self._pairable.clear()
         self._pairable[key] = (prefill, decode, protocol)
+        return protocol
+
+    def _fetch_protocol(self, holder: InstanceInfo, fetcher: InstanceInfo) -> str | None:
+        """:func:`fetch_protocol`, checked once per pair of registration values."""
+        key = (holder.id, fetcher.id)
+        seen = self._fetchable.get(key)
+        if seen is not None and seen[0] is holder and seen[1] is fetcher:
+            return seen[2]
+        if len(self._fetchable) > 4096:  # ids of instances long gone
+            self._fetchable.clear()
+        protocol = fetch_protocol(holder, fetcher)
+        self._fetchable[key] = (holder, fetcher, protocol)
         return protocol
 
     def _kv_compatible(self, prefill: InstanceInfo, decode: InstanceInfo) -> bool:

@@ -15,7 +15,8 @@ One choice's attempts (:mod:`pdserve.router.routing.generation`) each send the m
   the prefill instance computes them);
   ``sampling`` is the choice's validated SamplingParams, and ``fill_max_tokens`` means "up to the
   model length minus the prompt length"; ``deadline`` ends the whole request (unix s); ``attempt``
-  counts from 0.
+  counts from 0; ``fetch`` names a peer the entry instance takes the prompt's prefix from before it
+  computes the rest (``prefix_cache`` priced it below the recompute; a fetch that fails is computed).
 - Deltas for the request go to the router's outbox with the request's ``attempt``. The router
   relays the current attempt's deltas in stream order, whoever sent them: in splitwise, prefill
   publishes the first token, then decode publishes the rest. ``seq`` numbers an attempt's deltas
@@ -39,7 +40,7 @@ from pdserve.router.api.protocol import ParsedPrompt
 from pdserve.router.routing.dispatch import Dispatcher
 from pdserve.router.routing.selection import Route
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.inbox_messages import DisaggregateInfo, GenerateRequest, PhaseDeadlines
+from pdserve.scheduler.inbox_messages import DisaggregateInfo, FetchHint, GenerateRequest, PhaseDeadlines
 
 
 def attempt_message(
@@ -75,6 +76,9 @@ def attempt_message(
             protocol=route.protocol or "",
             deadlines=deadlines,
         )
+    plan, fetch = route.fetch, None
+    if plan is not None and not delivered:  # the entry instance fetches the prefix from a peer first
+        fetch = FetchHint(peer=d.peer(plan.peer), protocol=plan.protocol, blocks=plan.blocks)
     # fill_max_tokens when the client gave no max_tokens (chat): the worker then fills in
     # "model length - prompt length", which only it knows after tokenizing.
     return GenerateRequest(
@@ -92,4 +96,5 @@ def attempt_message(
         resume_token_ids=list(delivered) or None,
         echo=True if echo and prompt.token_ids is not None else None,
         background=True if d.settings.background else None,
+        fetch=fetch,
     )

@@ -46,6 +46,9 @@ class PolicyRequest:
     disk_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Instance id -> prompt tokens after ``cached_tokens`` and ``tier_tokens`` that its disk tier
     holds (read back from files its host's instances share), from that tier's set (absent: 0)."""
+    holders: Sequence[InstanceInfo] = ()
+    """The live instances of the model whose holds the three maps above report, candidates or not:
+    where a candidate could fetch the prompt's prefix from (``policies.peer_fetch``)."""
 
 
 class Policy(Protocol):
@@ -69,7 +72,8 @@ class PrefixWeights:
     load_tokens: float = 64.0
     """What one open request on an instance costs, in prompt tokens to compute (at its prefill price)."""
     transfer: float = 0.05
-    """What moving one token's KV to D costs, relative to computing it."""
+    """What moving one token's KV to D (or from a peer that holds it: a fetch) costs, relative to
+    computing it."""
     local_prefill_tokens: int = 0
     """A decode instance prefills a request itself when it lacks at most this many of its prompt
     tokens (0: never; a pair always prefills)."""

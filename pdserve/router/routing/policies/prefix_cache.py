@@ -13,10 +13,16 @@ candidate has measured its prefill rate (its registration's ``rates``), else in 
   block read back, and ``load(i) = load_tokens × requests(i) + queued prefill tokens(i)``
   (requests: running + waiting from the heartbeat plus this router's own; queued: the heartbeat's
   ``waiting_prefill_tokens``);
-- a pair (P, D): ``prefill(P) + moved(D) / block_size × transfer(P) + load_tokens × requests(D) ×
-  p(D)``, ``moved(D) = prompt tokens − cached(D)``, ``transfer(P)`` P's measured seconds per block
-  of its hand-offs over the pair's protocol: D's cached blocks are not moved, so a D that holds the
-  previous turn of a chat costs less;
+- a fetch: where a peer holds more of the prompt's prefix than *i* (its pool or tiers) and can
+  write into *i*'s cache, *i* may fetch those blocks instead of computing them; the fetch replaces
+  their compute in ``prefill(i)`` when it costs less (``policies.peer_fetch``: *i*'s measured
+  seconds per fetched block, else the peer's per block written and read back, else the weights);
+  the estimate's ``fetch`` names it, and the router tells the instance (``GenerateRequest.fetch``);
+- a pair (P, D): ``prefill(P) + moved(D) / block_size × transfer(P) + read(D) + load_tokens ×
+  requests(D) × p(D)``, ``moved(D) = prompt tokens − cached(D) − tier(D) − disk(D)``,
+  ``transfer(P)`` P's measured seconds per block of its hand-offs over the pair's protocol, ``read(D)``
+  D's read-back of the blocks its tiers hold at its reservation: D's cached blocks are not moved, so
+  a D that holds the previous turn of a chat costs less;
 - D alone (conditional disaggregation): when ``prompt tokens − cached(D) <= local_prefill_tokens``
   the pair is compared with D prefilling the rest itself, ``prefill(D)``, and the cheaper wins.
 
@@ -41,9 +47,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from pdserve.router.routing.policies.base import PolicyRequest, PrefixWeights, Stage
 from pdserve.router.routing.policies.least_load import requests_on
+from pdserve.router.routing.policies.peer_fetch import FetchPlan, FetchProtocol, best_fetch
 from pdserve.scheduler.registration import InstanceInfo
 
-SOURCES = ("cache_hit", "host_tier", "disk_tier", "recompute")
+SOURCES = ("cache_hit", "host_tier", "disk_tier", "peer", "recompute")
 """Where a picked instance gets the prompt's KV beyond computing it (:attr:`Estimate.source`)."""
 
 
@@ -58,8 +65,11 @@ class Estimate:
     measured: bool
     """The picked instance (P of a pair) was priced at its own measured prefill rate."""
     source: str
-    """Where the picked instance gets the prompt's KV beyond computing it (:data:`SOURCES`): a
-    read-back from its disk or host tier (the lowest it reads), else its pool, else nothing."""
+    """Where the picked instance gets the prompt's KV beyond computing it (:data:`SOURCES`): a peer
+    it fetches from, else a read-back from its disk or host tier (the lowest it reads), else its
+    pool, else nothing."""
+    fetch: FetchPlan | None = None
+    """The fetch from a peer the pick counted on (its instance is told), None: none."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +103,9 @@ class PrefixCache:
         self.stage = stage
         self.weights = weights or PrefixWeights()
         self._rng = rng or random.Random()
+        self.fetch_protocol: FetchProtocol | None = None
+        """How a holder writes into an instance that fetches from it (the selector's rule); None:
+        no fetch is ever priced."""
 
     def new_tokens(self, info: InstanceInfo, request: PolicyRequest) -> int:
         """Prompt tokens ``info`` must compute or receive (its prefix cache holds the rest)."""
@@ -117,9 +130,25 @@ class PrefixCache:
         own = own_rate(info)
         return own if own is not None else fleet
 
+    def fetch_plan(
+        self, info: InstanceInfo, request: PolicyRequest, fleet: float | None = None
+    ) -> FetchPlan | None:
+        """The fetch from a peer that saves ``info`` most against computing those tokens (None:
+        none does, or fetching is off)."""
+        if self.fetch_protocol is None:
+            return None
+        price = lambda i: self.token_price(i, fleet)  # noqa: E731
+        return best_fetch(info, request, self.weights, price, fleet is not None, self.fetch_protocol)
+
     def prefill_work(self, info: InstanceInfo, request: PolicyRequest, fleet: float | None = None) -> float:
-        """What computing and reading back the prompt's missing KV on ``info`` costs, load aside:
-        seconds when ``fleet`` (the candidates' median prefill rate) is known, else tokens."""
+        """What computing, reading back and fetching the prompt's missing KV on ``info`` costs, load
+        aside: seconds when ``fleet`` (the candidates' median prefill rate) is known, else tokens."""
+        work = self._local_work(info, request, fleet)
+        plan = self.fetch_plan(info, request, fleet)
+        return work if plan is None else work - plan.saved + plan.cost
+
+    def _local_work(self, info: InstanceInfo, request: PolicyRequest, fleet: float | None) -> float:
+        """:meth:`prefill_work` without a fetch: compute what its pool and tiers lack."""
         if fleet is None:
             return self.prefill_tokens(info, request)
         w, rates = self.weights, info.rates
@@ -154,13 +183,26 @@ class PrefixCache:
         protocol: str | None = None,
     ) -> float:
         """Moving the prompt's KV that ``decode`` lacks from ``prefill``: by P's measured seconds per
-        block over ``protocol`` where it has one (and costs are in seconds), else by the weight."""
-        moved = self.new_tokens(decode, request)
-        rates = prefill.rates
+        block over ``protocol`` where it has one (and costs are in seconds), else by the weight.
+        What D's tiers hold is not moved: D reads it back at its reservation (its read-back rates,
+        else the tier weights)."""
+        w, bs = self.weights, prefill.kv.block_size or 1
+        tier, disk = request.tier_tokens.get(decode.id, 0), request.disk_tokens.get(decode.id, 0)
+        moved = max(0, self.new_tokens(decode, request) - tier - disk)
+        rates, d_rates = prefill.rates, decode.rates
         measured = (rates.transfer_s_per_block or {}).get(protocol) if rates and protocol else None
-        if fleet is not None and measured is not None:
-            return moved / (prefill.kv.block_size or 1) * measured
-        return self.weights.transfer * moved * self.token_price(prefill, fleet)
+        if fleet is None:
+            return w.transfer * moved + w.host_tier * tier + w.disk_tier * disk
+        cost = (
+            moved / bs * measured
+            if measured is not None
+            else w.transfer * moved * self.token_price(prefill, fleet)
+        )
+        host_read = d_rates.host_read_s_per_block if d_rates is not None else None
+        disk_read = d_rates.disk_read_s_per_block if d_rates is not None else None
+        p_d = self.token_price(decode, fleet)
+        cost += tier / bs * host_read if host_read is not None else w.host_tier * tier * p_d
+        return cost + (disk / bs * disk_read if disk_read is not None else w.disk_tier * disk * p_d)
 
     def decode_load(
         self, info: InstanceInfo, in_flight: Mapping[str, int], fleet: float | None = None
@@ -172,7 +214,10 @@ class PrefixCache:
         self, info: InstanceInfo, request: PolicyRequest, cost: float, fleet: float | None
     ) -> Estimate:
         """What a pick of ``info`` (the instance that prefills) at ``cost`` expected."""
-        if request.disk_tokens.get(info.id, 0):
+        plan = self.fetch_plan(info, request, fleet)
+        if plan is not None:
+            source = "peer"
+        elif request.disk_tokens.get(info.id, 0):
             source = "disk_tier"
         elif request.tier_tokens.get(info.id, 0):
             source = "host_tier"
@@ -180,7 +225,8 @@ class PrefixCache:
             source = "cache_hit"
         else:
             source = "recompute"
-        return Estimate(cost, fleet is not None, fleet is not None and own_rate(info) is not None, source)
+        measured = fleet is not None and own_rate(info) is not None
+        return Estimate(cost, fleet is not None, measured, source, plan)
 
     def choose(
         self, candidates: Sequence[InstanceInfo], in_flight: Mapping[str, int], request: PolicyRequest
