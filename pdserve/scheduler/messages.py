@@ -4,55 +4,21 @@ compact JSON (:func:`encode`, ``None`` fields left out) and decoded with clear e
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import orjson
 from pydantic import BaseModel, Field, ValidationError
 
 from pdserve.errors import MessageError
-from pdserve.scheduler.inbox_messages import (
-    Abort,
-    FetchBlocks,
-    FetchedBlocks,
-    GenerateRequest,
-    Prefilled,
-    ReserveBlocks,
-    ReserveReply,
-    SetRole,
-    Tokenize,
-)
+from pdserve.scheduler.inbox_messages import InboxMessage
 from pdserve.scheduler.message_schema import _M, SCHEMA_VERSION
 from pdserve.scheduler.outbox_messages import StepOutput
 
-Message = Annotated[
-    GenerateRequest
-    | ReserveBlocks
-    | ReserveReply
-    | Prefilled
-    | Abort
-    | Tokenize
-    | SetRole
-    | FetchBlocks
-    | FetchedBlocks
-    | StepOutput,
-    Field(discriminator="type"),
-]
+Message = Annotated[InboxMessage | StepOutput, Field(discriminator="type")]
 """Every stream message, discriminated by ``type``."""
 
 MESSAGE_TYPES: dict[str, type[BaseModel]] = {
-    cls.model_fields["type"].default: cls
-    for cls in (
-        GenerateRequest,
-        ReserveBlocks,
-        ReserveReply,
-        Prefilled,
-        Abort,
-        Tokenize,
-        SetRole,
-        FetchBlocks,
-        FetchedBlocks,
-        StepOutput,
-    )
+    cls.model_fields["type"].default: cls for cls in (*get_args(InboxMessage), StepOutput)
 }
 
 
