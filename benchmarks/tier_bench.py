@@ -82,7 +82,7 @@ class Turn:
 
 
 # ---- the stack and its counters ------------------------------------------------------------------
-def make_spec(name: str, args: argparse.Namespace, model_dir: Path, sizes: dict, keys: list[str]) -> Any:
+def make_spec(name: str, args: argparse.Namespace, sizes: dict, keys: list[str]) -> Any:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.tiers.disk_tier import HEADER
     from pdserve.localredis.embedded import free_port
@@ -195,12 +195,14 @@ async def one_turn(
 
 
 async def converse(stack: Any, name: str, args: argparse.Namespace, load: Workload, keys: list[str]) -> tuple:
-    """Every turn of every tenant; the turns and the counters after turn 0 and after the last."""
+    """Every turn of every tenant: the turns, the counters after turn 0 and after the last, and the
+    seconds the turns took (the counters' reads left out)."""
     assert stack.model is not None
     url, model = stack.urls[0], stack.model.name
     history: list[list[int]] = [[] for _ in range(args.tenants)]  # earlier turns' prompt and answer
     turns: list[Turn] = []
     snaps = []
+    wall = 0.0
     timeout = httpx.Timeout(3600, connect=10)
     async with contextlib.AsyncExitStack() as stack_:
         clients = [
@@ -211,28 +213,27 @@ async def converse(stack: Any, name: str, args: argparse.Namespace, load: Worklo
         ]
         for turn in range(args.turns):
             prompts = [(history[t] or load.contexts[t]) + load.users[t][turn] for t in range(args.tenants)]
-            for tenant, (r, prompt) in enumerate(
-                await one_turn(clients, url, model, turn, prompts, args, name)
-            ):
+            t0 = time.perf_counter()
+            done = await one_turn(clients, url, model, turn, prompts, args, name)
+            wall += time.perf_counter() - t0
+            for tenant, (r, prompt) in enumerate(done):
                 ideal = ideal_tokens(prompt, history[tenant]) if turn else 0
                 turns.append(Turn(tenant, turn, r.ttft, len(prompt), r.cached_tokens, ideal, r.error))
                 history[tenant] = prompt + r.token_ids
             if turn == 0 or turn == args.turns - 1:
                 snaps.append(await asyncio.to_thread(settled_counters, stack))
-    return turns, snaps
+    return turns, snaps, wall
 
 
-def run_config(name: str, args: argparse.Namespace, model_dir: Path, sizes: dict, load: Workload) -> dict:
+def run_config(name: str, args: argparse.Namespace, sizes: dict, load: Workload) -> dict:
     keys = [f"tier-bench-tenant-{t}" for t in range(args.tenants)]
-    spec = make_spec(name, args, model_dir, sizes, keys)
+    spec = make_spec(name, args, sizes, keys)
     if name == "disk":
         Path(sizes["disk_dir"]).mkdir(parents=True, exist_ok=True)
     print(f"{name}: starting {args.instances} mixed instances ...", file=sys.stderr, flush=True)
     stack = start(spec)
     try:
-        t0 = time.perf_counter()
-        turns, (after0, after) = asyncio.run(converse(stack, name, args, load, keys))
-        wall = time.perf_counter() - t0
+        turns, (after0, after), wall = asyncio.run(converse(stack, name, args, load, keys))
     finally:
         with contextlib.redirect_stdout(sys.stderr):
             stack.stop()
@@ -431,6 +432,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    if args.turns < 2:
+        ap.error("--turns must be at least 2: the later turns are what the tiers serve")
     if unknown := [n for n in names if n not in CONFIGS]:
         ap.error(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
 
@@ -454,7 +457,7 @@ def main() -> int:
     if ws < 3 * sizes["pool_blocks"]:
         print("note: the working set is under 3x one pool (a request must fit one)", file=sys.stderr)
     print(f"forecast: ~{estimate_s(args, load, names) / 60:.0f} min (rough; --ms-per-token)", file=sys.stderr)
-    results = [run_config(name, args, model_dir, sizes, load) for name in names]
+    results = [run_config(name, args, sizes, load) for name in names]
     report(results)
     write_json(
         args.out, {"meta": {k: v for k, v in sizes.items() if k != "disk_dir"}, "results": results}, args
