@@ -1,45 +1,73 @@
-"""The host and disk tiers on a multi-tenant long-context workload: what reading evicted blocks back saves.
+"""The host and disk tiers and peer fetch on a multi-tenant long-context workload, through a served stack.
 
-T tenants (default 24), each with its own long context (2-4k tokens, drawn per tenant) and its own
-cache salt (as a router gives each API key), talk in turns: turn t of every tenant, then turn t + 1
-of every tenant, ... (default 3 turns); a turn's prompt is the tenant's context, its earlier turns
-(~64-token user messages, 16-token greedy answers) and the new user message. The pool (the engine's
-KV cache) holds a third of the working set (every tenant's context), so by the time a tenant comes
-back its blocks have been evicted from the pool: without a tier below it every later turn is a miss.
+T tenants (default 24), each with its own API key (so the router salts its prefix cache: no tenant
+reads another's blocks) and its own long context (2-4k tokens, drawn per tenant), talk in turns: turn
+t of every tenant, then turn t + 1 of every tenant, ... (default 3 turns); a turn's prompt is the
+tenant's context, its earlier turns (64-token user messages, 16-token greedy answers sent back as
+the answer's own token ids) and the new user message. Each configuration is a fresh stack as
+``pdserve up --mixed 2`` runs it (``pdserve.stack.Stack``; SmolLM2-135M, 2 mixed instances of one
+thread each, one router with the default ``prefix_cache`` policy, an embedded Redis), driven through
+the OpenAI API (``/v1/completions``, streamed) by --concurrency clients at once. Each instance's
+pool (its KV cache, ``--num-blocks``) holds --pool-fraction (a third) of the working set (every
+tenant's context and turns), so by the time a tenant comes back its blocks have left the pools.
 
-Configurations, each a fresh engine (SmolLM2-135M, the engine in this process, one request at a time,
-so TTFT is the engine's queue-free time to the first token: a prefill, or a read-back and the rest):
+Configurations (--configs; default ``tiers,host,pool,off``: the issue's comparison, and the host
+tier without peer fetch):
 
-- ``tiers``: prefix cache on, a host tier of ``--host-factor`` x the working set (``--kv-host-bytes``);
-- ``disk``: prefix cache on, no host tier, a disk tier of as many blocks (``--kv-disk-path`` in a
-  fresh temporary directory, ``--kv-disk-bytes``): every read-back comes from a file;
-- ``pool``: prefix cache on, no tier;
+- ``tiers``: prefix cache on, a host tier per instance (``--kv-host-bytes``, --host-factor x the
+  working set each), instances ``--switchable`` (their caches in shared memory, so a peer can write
+  a fetch into them: peer fetch on);
+- ``host``: as ``tiers``, not switchable (no peer fetch: a tenant whose instance is busy waits for
+  it or is computed on the other);
+- ``disk``: as ``tiers`` with no host tier and one disk tier both instances share (``--kv-disk-path``
+  in a fresh temporary directory, ``--kv-disk-bytes``: --disk-factor x the working set);
+- ``pool``: tiers off: prefix cache and prefix routing alone (not switchable: no peer fetch);
 - ``off``: prefix cache off.
 
-Reported per configuration: TTFT p50/p90 over all requests and over the later turns (those that can
-hit), the later turns' prompt blocks by where they came from (pool, host tier, disk tier, computed:
-the hit rate per tier), the tiers' stores, evictions and checksum failures, and the wall time. Prints a table,
-writes JSON (``benchmarks/results/tier_bench.json``).
+Reported per configuration: TTFT p50/p90 (client side, first token) over all requests and over the
+later turns (turn >= 1, those that can hit); the later turns' prompt blocks by where they came from
+(pool, host tier, disk tier, peer fetch, computed), from usage ``cached_tokens`` and the instances'
+counters in their registrations (what ``pdserve status`` shows), and the router's picks by source
+(``pdserve_route_picks_total``); the later turns' hit rate against the ideal for the trace (an
+unbounded cache shared by every instance: each prompt's full blocks, before its last token, that the
+tenant's earlier prompt and answer filled) and the achieved fraction of it; the wall time. Over
+all requests the first turns (cold in every configuration: a third of them at 3 turns) set the p90;
+the later turns' figures are what the tiers change. Prints a forecast of the run time first (rough:
+--ms-per-token), two tables on stdout (progress on stderr), and writes JSON
+(``benchmarks/results/tier_bench.json``).
 
-    .venv/bin/python benchmarks/tier_bench.py [--tenants 24] [--context-min 2048 --context-max 4096] [--turns 3]
+    .venv/bin/python benchmarks/tier_bench.py    # issue 46's workload: ~1 h on a loaded 2-vCPU host
+    .venv/bin/python benchmarks/tier_bench.py --tenants 6 --context-min 512 --context-max 1024 --turns 2
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
-import random
+import re
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from harness import print_table, write_json
+from tier_trace import BLOCK, Workload, estimate_s, ideal_tokens, sizing, workload
+
+from pdserve import bench
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCK = 16
+CONFIGS = ("tiers", "host", "disk", "pool", "off")
+PICKS = re.compile(r"^pdserve_route_picks_total\{([^}]*)\} (\S+)$", re.M)
+COUNTERS = {
+    "pool": ("hits", "lookups"),
+    "tier": ("hits", "stores", "evictions", "corrupt"),
+    "disk_tier": ("hits", "stores", "evictions", "corrupt", "dropped"),
+    "fetch": ("fetches", "hits", "misses", "failed", "mismatches", "served"),
+}
 
 
 @dataclasses.dataclass
@@ -48,208 +76,392 @@ class Turn:
     turn: int
     ttft_s: float
     prompt_tokens: int
-    pool: int  # prompt blocks from the pool's prefix cache
-    tier: int  # ... read back from the host tier
-    computed: int  # ... computed
-    disk: int = 0  # ... read back from the disk tier
+    cached_tokens: int
+    ideal_tokens: int  # what an unbounded cache shared by every instance would have held
+    error: str = ""
 
 
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """Each tenant's context and its user messages, one per turn (seeded: the same for every run)."""
-    rng = random.Random(args.seed)
-    contexts, users = [], []
-    for _ in range(args.tenants):
-        n = rng.randint(args.context_min, args.context_max)
-        contexts.append([rng.randrange(3, vocab) for _ in range(n)])
-        users.append([[rng.randrange(3, vocab) for _ in range(args.user_tokens)] for _ in range(args.turns)])
-    return contexts, users
-
-
-def run_config(
-    name: str, args: argparse.Namespace, model_dir: Path, pool_blocks: int, host_bytes: int, block_bytes: int
-) -> dict:
+# ---- the stack and its counters ------------------------------------------------------------------
+def make_spec(name: str, args: argparse.Namespace, sizes: dict, keys: list[str]) -> Any:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.tiers.disk_tier import HEADER
-    from pdserve.sampling_params import SamplingParams
+    from pdserve.localredis.embedded import free_port
+    from pdserve.stack import StackSpec
 
-    disk_dir = tempfile.mkdtemp(prefix="tier-bench-") if name == "disk" else ""
-    cfg = EngineConfig(
-        num_blocks=pool_blocks,
+    disk = sizes["disk_dir"] if name == "disk" else ""
+    engine = EngineConfig(
+        num_blocks=sizes["pool_blocks"],
+        threads=args.threads,
         prefix_caching=name != "off",
-        kv_host_bytes=host_bytes if name == "tiers" else 0,
-        kv_disk_path=disk_dir,
-        # as many blocks as the host tier's, each file a header more
-        kv_disk_bytes=host_bytes // block_bytes * (block_bytes + HEADER.size) if disk_dir else 0,
+        kv_host_bytes=sizes["host_bytes"] if name in ("tiers", "host") else 0,
+        kv_disk_path=disk,
+        kv_disk_bytes=sizes["disk_blocks"] * (sizes["block_bytes"] + HEADER.size) if disk else 0,
         max_model_len=args.context_max + args.turns * (args.user_tokens + args.answer_tokens) + 64,
-        max_num_seqs=4,
-        prefill_chunk_size=args.chunk,
     )
-    engine = LLMEngine(model_dir, cfg)
-    contexts, users = workload(args, engine.model_config.vocab_size)
-    history: list[list[int]] = [[] for _ in range(args.tenants)]
+    return StackSpec(
+        model=args.model,
+        port=free_port(),
+        routers=1,
+        prefill=0,
+        decode=0,
+        mixed=args.instances,
+        batch_workers=0,
+        engine=engine,
+        # the first token of a 4k prompt queued behind others may take minutes on a loaded host: a
+        # timeout would retry it and time the retry
+        router_options={"api_key": ",".join(keys), "first_token_timeout_s": 1800, "request_timeout_s": 3600},
+        worker_options={"switchable": name in ("tiers", "disk")},
+        ready_timeout_s=900,
+    )
+
+
+def start(spec: Any) -> Any:
+    from pdserve.stack import Stack
+
+    for attempt in (1, 2, 3):  # a free port taken meanwhile by another process fails a start
+        stack = Stack(spec)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # its banner is progress, not the result
+                stack.start()
+                stack.wait_ready()
+            return stack
+        except RuntimeError as e:
+            stack.stop()
+            if attempt == 3:
+                raise
+            print(f"the stack did not start ({e}); again", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def counters(stack: Any) -> dict[str, float]:
+    """The router's picks by source and every instance's tier, pool and fetch counters, summed."""
+    from pdserve.status_read import collect
+
+    out: dict[str, float] = {}
+    for url in stack.urls:
+        for labels, value in PICKS.findall(httpx.get(url + "/metrics", timeout=10).text):
+            source = re.search(r'source="(\w+)"', labels)
+            key = f"picks.{source.group(1) if source else '?'}"
+            out[key] = out.get(key, 0.0) + float(value)
+    status = asyncio.run(collect(stack.redis_url, stack.spec.cluster))
+    for inst in status["instances"]:
+        for part, fields in COUNTERS.items():
+            for f in fields:
+                out[f"{part}.{f}"] = out.get(f"{part}.{f}", 0.0) + ((inst.get(part) or {}).get(f) or 0)
+    return out
+
+
+def settled_counters(stack: Any) -> dict[str, float]:
+    """:func:`counters` once two reads a heartbeat apart agree (registrations lag by one)."""
+    last = counters(stack)
+    for _ in range(6):
+        time.sleep(stack.spec.ttl_s / 3 + 0.5)
+        now = counters(stack)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+# ---- one configuration -----------------------------------------------------------------------------
+async def one_turn(
+    clients: list[httpx.AsyncClient],
+    url: str,
+    model: str,
+    turn: int,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    name: str,
+) -> list[tuple[bench.Result, list[int]]]:
+    """Turn ``turn`` of every tenant, --concurrency at once in tenant order; each result with the
+    prompt it answered."""
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(tenant: int) -> tuple[bench.Result, list[int]]:
+        body = {"prompt": prompts[tenant], "max_tokens": args.answer_tokens, "return_token_ids": True}
+        async with sem:
+            r = await bench.one_request(
+                clients[tenant], url + "/v1/completions", model, bench.Prompt(body, args.answer_tokens), True
+            )
+        print(
+            f"  {name:5} turn {turn} tenant {tenant:2}: {len(prompts[tenant]):5} tokens, TTFT "
+            f"{r.ttft * 1000:7.0f} ms, cached {r.cached_tokens:5}" + ("" if r.ok else f" FAILED {r.error}"),
+            file=sys.stderr,
+            flush=True,
+        )
+        return r, prompts[tenant]
+
+    return list(await asyncio.gather(*(one(t) for t in range(len(prompts)))))
+
+
+async def converse(stack: Any, name: str, args: argparse.Namespace, load: Workload, keys: list[str]) -> tuple:
+    """Every turn of every tenant: the turns, the counters after turn 0 and after the last, and the
+    seconds the turns took (the counters' reads left out)."""
+    assert stack.model is not None
+    url, model = stack.urls[0], stack.model.name
+    history: list[list[int]] = [[] for _ in range(args.tenants)]  # earlier turns' prompt and answer
     turns: list[Turn] = []
-    t0 = time.perf_counter()
-    for turn in range(args.turns):
-        for tenant in range(args.tenants):
-            prompt = contexts[tenant] + history[tenant] + users[tenant][turn]
-            params = SamplingParams(
-                temperature=0, max_tokens=args.answer_tokens, ignore_eos=True, cache_salt=f"tenant-{tenant}"
+    snaps = []
+    wall = 0.0
+    timeout = httpx.Timeout(3600, connect=10)
+    async with contextlib.AsyncExitStack() as stack_:
+        clients = [
+            await stack_.enter_async_context(
+                httpx.AsyncClient(timeout=timeout, headers={"Authorization": f"Bearer {key}"})
             )
-            before = dataclasses.replace(engine.batcher.hit_counts)
-            disk_before = engine.disk_tier.stats.hits if engine.disk_tier is not None else 0
-            rid = f"{tenant}-{turn}"
-            start = time.perf_counter()
-            engine.add_request(rid, prompt_token_ids=prompt, params=params)
-            ttft, answer = None, []
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if ttft is None and out.token_ids:
-                        ttft = time.perf_counter() - start
-                    answer += out.token_ids
-            after = engine.batcher.hit_counts
-            from_disk = (engine.disk_tier.stats.hits if engine.disk_tier is not None else 0) - disk_before
-            assert ttft is not None
-            turns.append(
-                Turn(
-                    tenant,
-                    turn,
-                    ttft,
-                    len(prompt),
-                    after.pool - before.pool,
-                    after.tier - before.tier - from_disk,
-                    after.computed - before.computed,
-                    from_disk,
-                )
-            )
-            history[tenant] += users[tenant][turn] + answer
-            print(
-                f"  {name:5} turn {turn} tenant {tenant:2}: {len(prompt):5} tokens, TTFT {ttft * 1000:7.0f} ms "
-                f"(pool {turns[-1].pool}, host {turns[-1].tier}, disk {turns[-1].disk}, computed "
-                f"{turns[-1].computed} blocks)",
-                file=sys.stderr,
-                flush=True,
-            )
-    wall = time.perf_counter() - t0
-    tier = engine.host_tier.snapshot() if engine.host_tier is not None else None
-    disk = engine.disk_tier.snapshot() if engine.disk_tier is not None else None
-    engine.close()
-    if disk_dir:
-        shutil.rmtree(disk_dir, ignore_errors=True)
+            for key in keys
+        ]
+        for turn in range(args.turns):
+            prompts = [(history[t] or load.contexts[t]) + load.users[t][turn] for t in range(args.tenants)]
+            t0 = time.perf_counter()
+            done = await one_turn(clients, url, model, turn, prompts, args, name)
+            wall += time.perf_counter() - t0
+            for tenant, (r, prompt) in enumerate(done):
+                ideal = ideal_tokens(prompt, history[tenant]) if turn else 0
+                turns.append(Turn(tenant, turn, r.ttft, len(prompt), r.cached_tokens, ideal, r.error))
+                history[tenant] = prompt + r.token_ids
+            if turn == 0 or turn == args.turns - 1:
+                snaps.append(await asyncio.to_thread(settled_counters, stack))
+    return turns, snaps, wall
+
+
+def run_config(name: str, args: argparse.Namespace, sizes: dict, load: Workload) -> dict:
+    keys = [f"tier-bench-tenant-{t}" for t in range(args.tenants)]
+    spec = make_spec(name, args, sizes, keys)
+    if name == "disk":
+        Path(sizes["disk_dir"]).mkdir(parents=True, exist_ok=True)
+    print(f"{name}: starting {args.instances} mixed instances ...", file=sys.stderr, flush=True)
+    stack = start(spec)
+    try:
+        turns, (after0, after), wall = asyncio.run(converse(stack, name, args, load, keys))
+    finally:
+        with contextlib.redirect_stdout(sys.stderr):
+            stack.stop()
+        if name == "disk":
+            shutil.rmtree(sizes["disk_dir"], ignore_errors=True)
+    return summarize(name, turns, after0, after, wall)
+
+
+def summarize(name: str, turns: list[Turn], after0: dict, after: dict, wall: float) -> dict:
+    def ttft(ts: list[Turn]) -> dict[str, float]:
+        ok = [t.ttft_s for t in ts if not t.error]
+        return bench.stats(ok, (50, 90)) if ok else {"p50": float("nan"), "p90": float("nan")}
+
     later = [t for t in turns if t.turn > 0]
-    blocks = {k: sum(getattr(t, k) for t in later) for k in ("pool", "tier", "disk", "computed")}
-    total = sum(blocks.values()) or 1
+    d = {k: after.get(k, 0.0) - after0.get(k, 0.0) for k in after}  # the later turns' counters
+    prompt = sum(t.prompt_tokens for t in later)
+    cached = sum(t.cached_tokens for t in later) // BLOCK
+    # usage's cached tokens are the blocks an admission found in the pool (a peer's fetched ones
+    # among them: they are adopted into it first) plus those it read back from a tier; which tier:
+    # the tiers' read-backs' shares (one tier per configuration here, so exact); the rest of each
+    # prompt's blocks (its last, partial one among them) were computed
+    pool_hits = d.get("pool.hits", 0.0)
+    peer = d.get("fetch.hits", 0.0)
+    read_back = max(0.0, cached - pool_hits)
+    host_reads, disk_reads = d.get("tier.hits", 0.0), d.get("disk_tier.hits", 0.0)
+    share = host_reads / (host_reads + disk_reads) if host_reads + disk_reads else 1.0
+    blocks = {
+        "pool": pool_hits - peer,
+        "host": read_back * share,
+        "disk": read_back * (1 - share),
+        "peer": peer,
+        "computed": sum(-(-t.prompt_tokens // BLOCK) for t in later) - cached,
+    }
+    hit, ideal = (
+        sum(t.cached_tokens for t in later) / (prompt or 1),
+        sum(t.ideal_tokens for t in later) / (prompt or 1),
+    )
     return {
         "config": name,
         "requests": len(turns),
-        "ttft_p50_s": percentile([t.ttft_s for t in turns], 0.5),
-        "ttft_p90_s": percentile([t.ttft_s for t in turns], 0.9),
-        "later_ttft_p50_s": percentile([t.ttft_s for t in later], 0.5),
-        "later_ttft_p90_s": percentile([t.ttft_s for t in later], 0.9),
+        "failed": sum(bool(t.error) for t in turns),
+        "ttft_s": ttft(turns),
+        "later_ttft_s": ttft(later),
         "later_blocks": blocks,
-        "later_hit_rate": {k: blocks[k] / total for k in ("pool", "tier", "disk")},
-        "tier": dataclasses.asdict(tier) if tier is not None else None,
-        "disk": dataclasses.asdict(disk) if disk is not None else None,
+        "later_hit_rate": hit,
+        "ideal_hit_rate": ideal,
+        "of_ideal": hit / ideal if ideal else float("nan"),
+        "later_picks": {k[6:]: v for k, v in d.items() if k.startswith("picks.") and v},
+        "later_counters": d,
+        "counters": after,
         "wall_s": wall,
         "turns": [dataclasses.asdict(t) for t in turns],
     }
 
 
+# ---- the report -------------------------------------------------------------------------------------
+def report(results: list[dict]) -> None:
+    ms = lambda s: f"{s * 1000:.0f}"  # noqa: E731
+    print_table(
+        [
+            "config",
+            "TTFT p50 ms",
+            "TTFT p90 ms",
+            "later turns p50 ms",
+            "later turns p90 ms",
+            "failed",
+            "wall s",
+        ],
+        [
+            [
+                r["config"],
+                ms(r["ttft_s"]["p50"]),
+                ms(r["ttft_s"]["p90"]),
+                ms(r["later_ttft_s"]["p50"]),
+                ms(r["later_ttft_s"]["p90"]),
+                r["failed"],
+                f"{r['wall_s']:.0f}",
+            ]
+            for r in results
+        ],
+        title="\nTTFT (client side, to the first token)",
+    )
+    rows = []
+    for r in results:
+        b = r["later_blocks"]
+        total = sum(b.values()) or 1
+        picks = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["later_picks"].items()))
+        fetches, failed = (
+            r["later_counters"].get("fetch.fetches", 0),
+            r["later_counters"].get("fetch.failed", 0),
+        )
+        rows.append(
+            [
+                r["config"],
+                *(f"{b[k]:.0f} ({b[k] / total:.0%})" for k in ("pool", "host", "disk", "peer", "computed")),
+                f"{r['later_hit_rate']:.3f}",
+                f"{r['ideal_hit_rate']:.3f}",
+                f"{r['of_ideal']:.2f}",
+                f"{fetches:.0f} / {failed:.0f}" if fetches else "-",
+                picks or "-",
+            ]
+        )
+    print_table(
+        [
+            "config",
+            "pool",
+            "host tier",
+            "disk tier",
+            "peer fetch",
+            "computed",
+            "hit rate",
+            "ideal",
+            "of ideal",
+            "fetches / failed",
+            "router picks",
+        ],
+        rows,
+        title="\nLater turns' prompt blocks by source; hit rate (cached / prompt tokens) against the trace's ideal",
+    )
+    base = {r["config"]: r for r in results}
+    for tiered in ("tiers", "host", "disk"):
+        for other in ("pool", "off"):
+            if tiered in base and other in base:
+                t, o = base[tiered], base[other]
+                print(
+                    f"{tiered} vs {other}: TTFT p90 {o['ttft_s']['p90'] / t['ttft_s']['p90']:.1f}x better over "
+                    f"all requests, {o['later_ttft_s']['p90'] / t['later_ttft_s']['p90']:.1f}x over the later turns"
+                )
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tenants", type=int, default=24)
-    ap.add_argument("--context-min", type=int, default=2048)
-    ap.add_argument("--context-max", type=int, default=4096)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--user-tokens", type=int, default=64)
-    ap.add_argument("--answer-tokens", type=int, default=16)
-    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--tenants", type=int, default=24, help="tenants, one API key each (default %(default)s)")
     ap.add_argument(
-        "--pool-fraction", type=float, default=1 / 3, help="the pool as a share of the working set (1/3)"
+        "--context-min", type=int, default=2048, help="shortest context, tokens (default %(default)s)"
     )
     ap.add_argument(
-        "--host-factor", type=float, default=1.25, help="the host tier as a multiple of the working set"
+        "--context-max", type=int, default=4096, help="longest context, tokens (default %(default)s)"
     )
-    ap.add_argument("--configs", default="tiers,disk,pool,off")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--turns", type=int, default=3, help="turns per tenant (default %(default)s)")
+    ap.add_argument(
+        "--user-tokens", type=int, default=64, help="tokens per user message (default %(default)s)"
+    )
+    ap.add_argument("--answer-tokens", type=int, default=16, help="tokens per answer (default %(default)s)")
+    ap.add_argument("--instances", type=int, default=2, help="mixed instances (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=1, help="each instance's threads (default %(default)s)")
+    ap.add_argument("--concurrency", type=int, default=2, help="requests in flight (default %(default)s)")
+    ap.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=1 / 3,
+        help="each instance's pool (--num-blocks) as a share of the working set (default 1/3)",
+    )
+    ap.add_argument(
+        "--host-factor",
+        type=float,
+        default=1.0,
+        help="each instance's host tier as a multiple of the working set (default %(default)s: the router "
+        "places tenants by load, so one instance may get most of them: at 0.75, 6 tenants x 2-4k tokens, "
+        "one got 4 and its tier evicted 330 of the 1194 blocks it stored)",
+    )
+    ap.add_argument(
+        "--disk-factor",
+        type=float,
+        default=1.25,
+        help="the shared disk tier (disk) as a multiple of the working set (default %(default)s)",
+    )
+    ap.add_argument(
+        "--configs", default="tiers,host,pool,off", help=f"of {', '.join(CONFIGS)} (default %(default)s)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the trace's (default %(default)s)")
     ap.add_argument("--model", default="smollm2-135m", help="a --model source (default %(default)s)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tier_bench.json")
+    ap.add_argument(
+        "--ms-per-token",
+        type=float,
+        default=6.0,
+        help="for the forecast printed at the start: ms to prefill one prompt token near the start of a "
+        "context on one thread, twice that at 2k tokens (default %(default)s: SmolLM2-135M on a loaded "
+        "2-vCPU EPYC Zen 3)",
+    )
+    ap.add_argument(
+        "--start-s",
+        type=float,
+        default=60.0,
+        help="for the forecast: one stack's start (default %(default)s)",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "benchmarks" / "results" / "tier_bench.json",
+        help="the JSON (default benchmarks/results/tier_bench.json)",
+    )
     args = ap.parse_args()
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    if args.turns < 2:
+        ap.error("--turns must be at least 2: the later turns are what the tiers serve")
+    if unknown := [n for n in names if n not in CONFIGS]:
+        ap.error(f"--configs: unknown {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
 
     from pdserve.engine.kv_layout import block_bytes
     from pdserve.engine.models.model_config import ModelConfig
     from pdserve.engine.models.model_store import resolve_model
 
     model_dir = Path(resolve_model(args.model).path)
-    bb = block_bytes(ModelConfig.from_dir(model_dir), BLOCK)
-    mean_context = (args.context_min + args.context_max) / 2
-    per_tenant = -(-int(mean_context + args.turns * (args.user_tokens + args.answer_tokens)) // BLOCK)
-    working_set = args.tenants * per_tenant
-    pool_blocks = max(int(working_set * args.pool_fraction), -(-args.context_max // BLOCK) * 2 + 16)
-    host_bytes = int(working_set * args.host_factor) * bb
+    config = ModelConfig.from_dir(model_dir)
+    load = workload(args, config.vocab_size)
+    sizes = sizing(args, load, block_bytes(config, BLOCK))
+    ws, gib = sizes["working_set_blocks"], sizes["block_bytes"] / 2**30
     print(
-        f"{args.tenants} tenants x {args.context_min}-{args.context_max} tokens x {args.turns} turns: working "
-        f"set ~{working_set} blocks ({working_set * bb / 2**30:.2f} GiB); pool {pool_blocks} blocks "
-        f"({pool_blocks * bb / 2**30:.2f} GiB), host tier {host_bytes / 2**30:.2f} GiB",
+        f"{args.tenants} tenants x {args.context_min}-{args.context_max} tokens x {args.turns} turns, "
+        f"{args.instances} instances of {args.threads} thread(s), {args.concurrency} requests in flight: working "
+        f"set {ws} blocks ({ws * gib:.2f} GiB) = {ws / sizes['pool_blocks']:.1f}x one pool of "
+        f"{sizes['pool_blocks']} blocks ({sizes['pool_blocks'] * gib:.2f} GiB); host tier "
+        f"{sizes['host_bytes'] / 2**30:.2f} GiB per instance; configs {', '.join(names)}",
         file=sys.stderr,
     )
-    results: list[dict[str, Any]] = []
-    for name in args.configs.split(","):
-        results.append(run_config(name, args, model_dir, pool_blocks, host_bytes, bb))
-
-    table = []
-    for r in results:
-        tier = r["tier"] or r["disk"]
-        t = f"{tier['stores']} / {tier['evictions']} / {tier['corrupt']}" if tier else "–"
-        b, rate = r["later_blocks"], r["later_hit_rate"]
-        table.append(
-            [
-                r["config"],
-                f"{r['ttft_p50_s'] * 1000:.0f} ms",
-                f"{r['ttft_p90_s'] * 1000:.0f} ms",
-                f"{r['later_ttft_p50_s'] * 1000:.0f} ms",
-                f"{r['later_ttft_p90_s'] * 1000:.0f} ms",
-                f"{rate['pool']:.1%}",
-                f"{rate['tier']:.1%}",
-                f"{rate['disk']:.1%}",
-                b["computed"],
-                t,
-                f"{r['wall_s']:.0f} s",
-            ]
-        )
-    print()
-    print_table(
-        [
-            "config",
-            "TTFT p50",
-            "TTFT p90",
-            "later turns p50",
-            "later turns p90",
-            "later blocks: pool",
-            "host",
-            "disk",
-            "computed",
-            "tier stores / evictions / corrupt",
-            "wall",
-        ],
-        table,
+    if ws < 3 * sizes["pool_blocks"]:
+        print("note: the working set is under 3x one pool (a request must fit one)", file=sys.stderr)
+    print(f"forecast: ~{estimate_s(args, load, names) / 60:.0f} min (rough; --ms-per-token)", file=sys.stderr)
+    results = [run_config(name, args, sizes, load) for name in names]
+    report(results)
+    write_json(
+        args.out, {"meta": {k: v for k, v in sizes.items() if k != "disk_dir"}, "results": results}, args
     )
-    meta = {
-        "pool_blocks": pool_blocks,
-        "host_bytes": host_bytes,
-        "block_bytes": bb,
-        "working_set_blocks": working_set,
-    }
-    write_json(args.out, {"meta": meta, "results": results}, args)
     return 0
 
 

@@ -96,6 +96,8 @@ class Result:
     e2e: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
     text: str = ""  # what the stream carried (a conversation sends it back as the next turn's history)
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (0 where the server says nothing)
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # the chunks' own (``return_token_ids``)
 
     @property
     def tpot(self) -> float | None:
@@ -195,12 +197,18 @@ async def one_request(
                 if chunk.get("timing", {}).get("s_ttft_ms") is not None:
                     result.s_ttft = chunk["timing"]["s_ttft_ms"] / 1000
                 if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    result.output_tokens = usage["completion_tokens"]
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    ) or 0
                 for c in chunk.get("choices", []):
                     piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                    if piece:
-                        result.text += piece
+                    ids = c.get("token_ids") or []
+                    result.token_ids += ids
+                    if piece or ids:  # a token whose text is not whole yet still arrived
+                        result.text += piece or ""
                         now = time.perf_counter()
                         if last is None:
                             result.ttft = now - t0

@@ -3,6 +3,7 @@ test_serving.py): percentiles, failures by kind, and no S_TTFT section for serve
 
 from __future__ import annotations
 
+import asyncio
 import random
 import subprocess
 import sys
@@ -10,8 +11,9 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 
-from pdserve.bench import Result, random_prompts, render, stats, summarize
+from pdserve.bench import Prompt, Result, one_request, random_prompts, render, stats, summarize
 from pdserve.localredis.embedded import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +37,36 @@ def test_failures_are_counted_by_kind_and_peers_get_no_s_ttft_row() -> None:
     assert abs(summary["metrics"]["decode_tok_s"]["mean"] - 10.0) < 1e-9  # 4 tokens in 0.4 s
     table = render(summary)
     assert "failed: no_capacity:" in table and "S_TTFT" not in table and "Mean TTFT (ms):" in table
+
+
+def test_a_stream_gives_its_cached_tokens_and_token_ids() -> None:
+    """usage.prompt_tokens_details.cached_tokens and the chunks' return_token_ids come back; a token
+    whose text is not whole yet (an empty piece with its id) is the first token all the same."""
+    chunks = [
+        {"choices": [{"index": 0, "text": "", "token_ids": [7]}]},
+        {"choices": [{"index": 0, "text": "ab", "token_ids": [8, 9]}]},
+        {"choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": "length"}]},
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 40,
+                "completion_tokens": 3,
+                "prompt_tokens_details": {"cached_tokens": 32},
+            },
+        },
+    ]
+    body = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+
+    async def go() -> Result:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await one_request(
+                client, "http://x/v1/completions", "m", Prompt({"prompt": [1, 2]}, 3), True
+            )
+
+    r = asyncio.run(go())
+    assert r.ok and r.token_ids == [7, 8, 9] and r.cached_tokens == 32 and r.prompt_tokens == 40
+    assert r.text == "ab" and len(r.itl) == 1 and r.output_tokens == 3
 
 
 def test_random_prompts_respect_lengths() -> None:
