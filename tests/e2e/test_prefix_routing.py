@@ -14,7 +14,7 @@ import redis
 
 from pdserve.scheduler import Keys
 from pdserve.scheduler.messages import decode_as
-from pdserve.scheduler.registration import InstanceInfo
+from pdserve.scheduler.registration import InstanceInfo, RatesInfo
 from tests.e2e.test_serving import client, model_name, start_stack
 
 pytestmark = pytest.mark.timeout(240)
@@ -30,6 +30,13 @@ def index_size(redis_url: str, cluster: str, instance_id: str) -> int:
 def registration(redis_url: str, cluster: str, instance_id: str) -> InstanceInfo:
     with redis.Redis.from_url(redis_url) as r:
         return decode_as(InstanceInfo, r.get(Keys(cluster).instance(instance_id)))
+
+
+def measured(rates: RatesInfo | None) -> bool:
+    """Whether an instance's registration carries a measured prefill rate and shm transfer rate."""
+    if rates is None or rates.prefill_s_per_token is None:
+        return False
+    return rates.prefill_s_per_token > 0 and rates.transfer_s_per_block.get("shm", 0) > 0
 
 
 def open_requests(redis_url: str, cluster: str, instance_id: str) -> int:
@@ -122,8 +129,10 @@ def test_turns_follow_their_prefix_move_only_missing_blocks_and_outlive_their_pr
 
         wait_indexed(redis_url, cluster, p, d)
         # what P measured of its prefills and its hand-offs, which the routers' costs now use
-        rates = registration(redis_url, cluster, p).rates
-        assert rates is not None and rates.prefill_s_per_token > 0 and rates.transfer_s_per_block["shm"] > 0
+        deadline = time.monotonic() + 10  # they reach the registration with P's next heartbeat
+        while not measured(rates := registration(redis_url, cluster, p).rates):
+            assert time.monotonic() < deadline, f"P's registration does not carry its measured rates: {rates}"
+            time.sleep(0.1)
         next(proc for name, proc in stack.workers if p.startswith(name + "-")).kill()
         t0 = time.monotonic()
         while index_size(redis_url, cluster, p):
