@@ -33,6 +33,7 @@ from pdserve.worker.handler import RequestHandler
 from pdserve.worker.handoff_context import Context
 from pdserve.worker.kv_writers import Transports
 from pdserve.worker.messenger import Messenger
+from pdserve.worker.peer_fetch import fetch_budget, reply_grace
 
 BS = 16
 PREFIX = [(17 * i + 5) % 300 + 10 for i in range(5 * BS)]  # 5 full blocks the holder computes
@@ -88,9 +89,12 @@ def request(
     fetch: bool,
     deadline_s: float = 60.0,
     prompt: list[int] = PROMPT,
+    expect_s: float | None = None,
     params: SamplingParams = PARAMS,
 ) -> GenerateRequest:
-    hint = FetchHint(peer=PeerInfo(id="holder", host="h"), protocol="shm", blocks=len(PREFIX) // BS)
+    hint = FetchHint(
+        peer=PeerInfo(id="holder", host="h"), protocol="shm", blocks=len(PREFIX) // BS, expect_s=expect_s
+    )
     return GenerateRequest(
         request_id=rid,
         router_id=ROUTER,
@@ -262,6 +266,17 @@ def test_a_holder_that_holds_part_of_the_prefix_sends_that_part_and_the_rest_is_
     run(main(), timeout_s=120)
 
 
+def test_a_fetchs_budget_follows_what_the_router_expected_within_bounds() -> None:
+    assert fetch_budget(None, None, 60.0) == 2.0  # nothing known: the longest
+    assert fetch_budget(0.6, None, 60.0) == 1.2  # twice what the router expected
+    assert fetch_budget(0.05, None, 60.0) == 0.5  # never below the floor
+    assert fetch_budget(5.0, None, 60.0) == 2.0  # never above the longest
+    assert fetch_budget(0.6, 0.8, 60.0) == 0.8  # never longer than computing the blocks here
+    assert fetch_budget(None, 0.01, 60.0) == 0.5
+    assert fetch_budget(0.6, None, 1.0) == 0.5  # at most half the time the request has left
+    assert (reply_grace(0.5), reply_grace(2.0)) == (0.25, 0.5)
+
+
 def occupy(inst: Instance, gate: threading.Event) -> asyncio.Future[bool]:
     """A long step: ``inst``'s engine thread busy until ``gate`` is set (calls queue behind it)."""
     return asyncio.ensure_future(inst.engine._run(gate.wait))
@@ -280,7 +295,8 @@ def test_a_holder_inside_a_long_step_answers_when_it_ends_without_waiting_for_th
     redis_url, tiny_model_dir
 ) -> None:
     """The holder's engine thread is inside a long step when the ask comes: its pin waits for that
-    step, and the fetch succeeds within its budget. The answer goes out once the blocks are written, while the holder's next step still runs
+    step, and the fetch succeeds within the budget the router's expectation set (0.5 s expected: 1
+    s). The answer goes out once the blocks are written, while the holder's next step still runs
     (its pins are let go after it): the fetcher waits one step, not two. The cold tokens."""
 
     async def main() -> None:
@@ -290,7 +306,7 @@ def test_a_holder_inside_a_long_step_answers_when_it_ends_without_waiting_for_th
             cold = await outcome(p, "cold")
             step, next_step = threading.Event(), threading.Event()
             steps = [occupy(holder, step)]
-            await p.send(fetcher, request(p, "busy", fetch=True))
+            await p.send(fetcher, request(p, "busy", fetch=True, expect_s=0.5))
             started = time.monotonic()
             taking = asyncio.ensure_future(fetcher.receive())
             serving = await asked(holder)
@@ -318,10 +334,10 @@ def test_a_holder_inside_a_long_step_answers_when_it_ends_without_waiting_for_th
 def test_a_holder_whose_step_outlasts_the_budget_costs_a_bounded_wait_and_pins_nothing(
     redis_url, tiny_model_dir
 ) -> None:
-    """The holder's step outlasts the fetch's budget (half the second the request has left, plus
-    the answer's grace): the fetcher computes after that wait, with the cold tokens and a counted
-    miss. When the holder's engine thread gets to the pin, the budget has passed on its clock: it
-    pins and reads back nothing, and its answer that it was busy frees the lease."""
+    """The holder's step outlasts the fetch's budget (0.1 s expected: the 0.5 s floor, plus a 0.25
+    s grace for the answer): the fetcher computes after that wait, not after the constant 2.5 s, with
+    the cold tokens and a counted miss. When the holder's engine thread gets to the pin, the budget
+    has passed on its clock: it pins and reads back nothing, and its answer frees the lease."""
 
     async def main() -> None:
         async with peers(redis_url, tiny_model_dir) as (p, holder, fetcher):
@@ -330,12 +346,12 @@ def test_a_holder_whose_step_outlasts_the_budget_costs_a_bounded_wait_and_pins_n
             cold = await outcome(p, "cold")
             step = threading.Event()
             busy = occupy(holder, step)
-            await p.send(fetcher, request(p, "late", fetch=True, deadline_s=1.0))
+            await p.send(fetcher, request(p, "late", fetch=True, expect_s=0.1))
             started = time.monotonic()
             taking = asyncio.ensure_future(fetcher.receive())
             serving = await asked(holder)
             await taking
-            assert 1.0 <= time.monotonic() - started < 1.75
+            assert 0.75 <= time.monotonic() - started < 1.5
             while fetcher.engine.unfinished:
                 await fetcher.step()
             assert (await outcome(p, "late"))[:2] == cold[:2]
