@@ -241,6 +241,19 @@ class Batcher:
             total += seq.num_tokens - (hits + (self.tier.plan(below) if below and self.tier else 0)) * bs
         return total
 
+    def step_tokens(self, queued_prefill_tokens: int) -> int:
+        """At most how many tokens the next step computes: one per running decode, the prompt tokens
+        the running sequences have yet to compute and the waiting ones' (``queued_prefill_tokens``),
+        within the step's token budget. What a call queued behind that step on the engine thread
+        waits for (a peer's fetch: docs/design.md, "Peer fetch")."""
+        pending = queued_prefill_tokens
+        for seq in self.running:
+            if seq.is_prefilling:
+                pending += seq.num_tokens - (1 if seq.output_token_ids else 0) - seq.num_computed_tokens
+            else:
+                pending += 1
+        return min(self.config.max_num_batched_tokens, pending)
+
     # ---- the prefix cache -------------------------------------------------------------------
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of ``seq``'s tokens; at least its last token is

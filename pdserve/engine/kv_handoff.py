@@ -45,7 +45,7 @@ class KVHandoff:
 
         def _replay(self, req: Any, tokens: list[int]) -> None: ...
 
-        def hold_prefix(self, hashes: list[bytes]) -> list[int]: ...  # PrefixPins's
+        def hold_prefix(self, hashes: list[bytes], spare: int = 0) -> list[int]: ...  # PrefixPins's
 
     # ---- prefill side -----------------------------------------------------------------------
     def prefilled_blocks(self, request_id: str) -> list[int]:

@@ -148,11 +148,13 @@ class LLMEngine(KVHandoff, PrefixPins, TieredCache):
 
     def load(self) -> EngineLoad:
         waiting = self.batcher.waiting
+        queued = self.batcher.queued_prefill_tokens()
         return EngineLoad(
             running=len(self.batcher.running),
             waiting=len(waiting),
             background=sum(s.background for s in self.batcher.running) + sum(s.background for s in waiting),
-            waiting_prefill_tokens=self.batcher.queued_prefill_tokens(),
+            waiting_prefill_tokens=queued,
+            step_tokens=self.batcher.step_tokens(queued),
             free_blocks=self.blocks.num_free,
             preemptions=self.batcher.num_preemptions,
             cached_blocks=self.blocks.num_cached,

@@ -51,6 +51,9 @@ class EngineLoad:
     running: int = 0
     waiting: int = 0
     waiting_prefill_tokens: int = 0
+    step_tokens: int = 0
+    """At most how many tokens its next step computes (``Batcher.step_tokens``): how long a call
+    queued on its engine thread, a peer's fetch, waits for the step in progress."""
     background: int = 0  # of running + waiting, the batch lines
     free_blocks: int = 0
     preemptions: int = 0  # sequences preempted since the engine started

@@ -31,6 +31,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pdserve.engine.batcher import Batcher
     from pdserve.engine.tiers.tier_reader import TierReader
 
 
@@ -40,24 +41,29 @@ class PrefixPins:
     config: EngineConfig
     blocks: BlockManager
     tier_reader: TierReader | None
+    batcher: Batcher
     requests: dict[str, Any]
     reserved: dict[str, list[int]]  # blocks reserved for incoming KV (a fetch's destination too)
     held: dict[str, list[int]]  # key -> blocks held (a reference each) for a move
     fetching: dict[str, list[bytes]]  # a fetch's key -> the hashes of its reserved blocks, in order
 
-    def hold_prefix(self, hashes: list[bytes]) -> list[int]:
+    def hold_prefix(self, hashes: list[bytes], spare: int = 0) -> list[int]:
         """The blocks holding the leading run of ``hashes`` this engine has, each with a reference
         taken (the caller frees them): its pool's, then those its tiers hold, read back (each
         checked by its tier) into fresh pool blocks and registered there, as an admission reads
-        them. Empty when the prefix cache is off."""
+        them. A pool short of room for the whole tier run reads back the leading part that fits,
+        leaving ``spare`` blocks allocatable (a longer run held is never worse than none: the rest
+        is computed or written by a peer, as it would be without it). Empty when the prefix cache
+        is off."""
         if not self.blocks.prefix_caching:
             return []
         held = self.blocks.lookup(hashes)
         self.blocks.share(held)
         rest, reader = hashes[len(held) :], self.tier_reader
         planned = reader.plan(rest) if reader is not None and rest else 0
-        if reader is not None and planned and self.blocks.can_allocate(planned):
-            data = reader.read(rest[:planned])  # before allocating: its evictions may push entries out
+        fits = min(planned, max(0, self.blocks.num_free - spare))
+        if reader is not None and fits:
+            data = reader.read(rest[:fits])  # before allocating: its evictions may push entries out
             fresh = self.blocks.allocate(len(data))
             reader.write(fresh, data)
             for block, block_hash in zip(fresh, rest):
@@ -72,9 +78,11 @@ class PrefixPins:
     # ---- the holder --------------------------------------------------------------------------------
     def pin_blocks(self, key: str, hashes: list[bytes]) -> list[int]:
         """A peer fetches ``hashes``: hold the leading run of them this engine has (pool, then
-        tiers) under ``key`` until :meth:`release_held`; their block ids, in order."""
+        tiers) under ``key`` until :meth:`release_held`; their block ids, in order. A pool short of
+        room for the tiers' part holds what fits (the peer computes the rest), keeping a block per
+        running sequence allocatable, so serving a peer never preempts this engine's own work."""
         self._check_key(key)
-        self.held[key] = self.hold_prefix(hashes)
+        self.held[key] = self.hold_prefix(hashes, spare=len(self.batcher.running))
         return list(self.held[key])
 
     def release_held(self, key: str) -> bool:

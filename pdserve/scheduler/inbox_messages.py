@@ -44,11 +44,15 @@ class FetchHint(_Model):
     """Where the instance that prefills a request can fetch the prompt's prefix blocks instead of
     computing them (``GenerateRequest.fetch``, set by a router's ``prefix_cache`` when it priced the
     fetch below the recompute): ``peer`` holds the prompt's first ``blocks`` full blocks (in its pool
-    or its tiers, by the prefix index) and writes into this instance's cache over ``protocol``."""
+    or its tiers, by the prefix index) and writes into this instance's cache over ``protocol``.
+    ``expect_s``: the seconds the router priced the fetch at (the peer's step in progress, its
+    read-back and the write), which the instance's wait for it follows (None: priced in tokens, or
+    an older router). Added without a ``v`` bump."""
 
     peer: PeerInfo
     protocol: str
     blocks: int
+    expect_s: float | None = None
 
 
 class GenerateRequest(_Message):

@@ -51,6 +51,12 @@ class LoadInfo(_Model):
     running: int = 0
     waiting: int = 0
     waiting_prefill_tokens: int = 0
+    step_tokens: int = 0
+    """At most how many tokens its next engine step computes, as of its last one: a token per
+    running decode and the prompt tokens its sequences have yet to compute, within its step budget
+    (``max_num_batched_tokens``). A peer's fetch waits for the step in progress (the holder pins
+    blocks between steps): routers price that wait at its prefill rate. 0 from an older worker.
+    Optional (added without a ``v`` bump)."""
     background: int = 0
     """Of ``running`` + ``waiting``, the batch lines (``GenerateRequest.background``): the rest is
     online work, which batch workers yield to."""

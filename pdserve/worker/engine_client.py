@@ -345,9 +345,15 @@ class EngineClient:
     async def cancel_fetch(self, key: str) -> bool:
         return await self._run(lambda: self._engine.cancel_fetch(key))
 
-    async def pin_blocks(self, key: str, hashes: list[bytes]) -> list[int]:
-        """The holder: pin the leading run of ``hashes`` this engine has (pool, then tiers)."""
-        return await self._run(lambda: self._engine.pin_blocks(key, hashes))
+    async def pin_blocks(
+        self, key: str, hashes: list[bytes], expired: Callable[[], bool] | None = None
+    ) -> list[int]:
+        """The holder: pin the leading run of ``hashes`` this engine has (pool, then tiers). When
+        the engine thread gets to it after ``expired()`` (the fetch's budget ran out during a
+        step), nothing: no block is pinned or read back."""
+        return await self._run(
+            lambda: [] if expired is not None and expired() else self._engine.pin_blocks(key, hashes)
+        )
 
     async def release_held(self, key: str) -> bool:
         return await self._run(lambda: self._engine.release_held(key))

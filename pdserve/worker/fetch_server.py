@@ -1,11 +1,13 @@
 """Peer fetch, the holder's side (docs/design.md, "Peer fetch"): a peer asks this instance for
 prefix blocks it holds (``FetchBlocks``); this instance is then the writer, as a prefill instance is
 in a hand-off: it pins the leading run of the asked blocks it has (its pool's, then its tiers' read
-back into the pool: ``PrefixPins.pin_blocks``), writes them into the blocks the fetcher reserved
-through the same fenced, chunked copy (kv_copy.py: fenced to the fetcher's incarnation, started
-only while its budget allows, each block digested as it goes out), lets the pins go, and answers
-``FetchedBlocks`` with how many it wrote and their digests, or with the error. That answer is its
-last word on the fetch: no write of it lands after it. Each fetch runs as a task of its own (taking
+back into the pool, as many as its pool has room for: ``PrefixPins.pin_blocks``), writes them into
+the blocks the fetcher reserved through the same fenced, chunked copy (kv_copy.py: fenced to the
+fetcher's incarnation, started only while its budget allows, each block digested as it goes out),
+answers ``FetchedBlocks`` with how many it wrote and their digests, or with the error, and then
+lets the pins go (the release waits for its engine's step: the answer does not). That answer is its
+last word on the fetch: no write of it lands after it. A pin that its engine thread gets to only
+after the budget (a long step) pins and reads back nothing. Each fetch runs as a task of its own (taking
 one of the instance's write slots), never in the inbox or engine loop.
 """
 
@@ -57,27 +59,42 @@ class FetchServer:
         ctx = self.ctx
         deadline = ctx.clock.monotonic() + msg.budget_s
         answer = FetchedBlocks(request_id=msg.request_id, lease=msg.lease)
+        key = f"serve:{msg.request_id}:{msg.lease}"
+        pinning = False
         try:
-            written, digests = await self._write(msg, deadline, stop)
-            answer.num_blocks = written
-            if written and ctx.kv_checksum:
-                answer.kv_digests = checksum.encode(digests)
-                answer.kv_digest_algo = checksum.algo_for(ctx.engine.kv_view())
-        except Stopped:
-            answer.error = f"{ctx.instance_id} is stopping"
-        except PdserveError as e:
-            log.warning("serving fetch %s to %s failed: %s", msg.request_id, msg.reply_to, e)
-            answer.error = e.message
-        except Exception as e:  # a foreign error too: the fetcher must hear that no write will land
-            log.exception("serving fetch %s to %s failed", msg.request_id, msg.reply_to)
-            answer.error = f"{ctx.instance_id} failed the fetch ({type(e).__name__})"
-        self.info.served += answer.num_blocks
-        if ctx.metrics is not None and answer.num_blocks:
-            ctx.metrics.on_peer_fetch_served(answer.num_blocks)
-        await ctx.messenger.send(msg.reply_to, answer)
+            try:
+                hashes = self._hashes(msg)
+                pinning = True
+                src = await ctx.engine.pin_blocks(key, hashes, lambda: ctx.clock.monotonic() > deadline)
+                if not src and ctx.clock.monotonic() > deadline:
+                    raise TransferError(
+                        f"{ctx.instance_id}'s engine was busy past the fetch's {msg.budget_s:.2f} s budget"
+                    )
+                written, digests = await self._write(msg, src, deadline, stop)
+                answer.num_blocks = written
+                if written and ctx.kv_checksum:
+                    answer.kv_digests = checksum.encode(digests)
+                    answer.kv_digest_algo = checksum.algo_for(ctx.engine.kv_view())
+            except Stopped:
+                answer.error = f"{ctx.instance_id} is stopping"
+            except PdserveError as e:
+                log.warning("serving fetch %s to %s failed: %s", msg.request_id, msg.reply_to, e)
+                answer.error = e.message
+            except Exception as e:  # a foreign error too: the fetcher must hear that no write will land
+                log.exception("serving fetch %s to %s failed", msg.request_id, msg.reply_to)
+                answer.error = f"{ctx.instance_id} failed the fetch ({type(e).__name__})"
+            self.info.served += answer.num_blocks
+            if ctx.metrics is not None and answer.num_blocks:
+                ctx.metrics.on_peer_fetch_served(answer.num_blocks)
+            await ctx.messenger.send(msg.reply_to, answer)
+        finally:
+            # after the answer: the writes are over, and the fetcher does not wait for this engine's
+            # next step (the release, like the pin, runs between steps)
+            if pinning:
+                await ctx.engine.release_held(key)
 
-    async def _write(self, msg: FetchBlocks, deadline: float, stop: threading.Event) -> tuple[int, bytes]:
-        """Pin, write and let go: how many blocks were written, and their digests."""
+    def _hashes(self, msg: FetchBlocks) -> list[bytes]:
+        """The asked hashes, once the ask is one this instance can serve."""
         ctx = self.ctx
         if msg.namespace != namespace(ctx.engine):
             raise TransferError(f"{ctx.instance_id} holds another model's or cache's KV (namespace differs)")
@@ -87,34 +104,36 @@ class FetchServer:
             raise TransferError(
                 f"fetch {msg.request_id} names {len(hashes)} hashes for {len(msg.block_ids)} blocks"
             )
-        key = f"serve:{msg.request_id}:{msg.lease}"
-        src = await ctx.engine.pin_blocks(key, hashes)
+        return hashes
+
+    async def _write(
+        self, msg: FetchBlocks, src: list[int], deadline: float, stop: threading.Event
+    ) -> tuple[int, bytes]:
+        """Write the pinned blocks ``src``: how many were written, and their digests."""
+        ctx = self.ctx
+        if not src:
+            return 0, b""
+        dst_ids = msg.block_ids[: len(src)]
+        job = BlockWrite(
+            msg.protocol,
+            msg.fetcher.id,
+            msg.fetcher.transfer,
+            src,
+            lambda i, n: self._dst(msg, dst_ids, i, n),
+            msg.incarnation,
+            deadline,
+            stop,
+        )
         try:
-            if not src:
-                return 0, b""
-            dst_ids = msg.block_ids[: len(src)]
-            job = BlockWrite(
-                msg.protocol,
-                msg.fetcher.id,
-                msg.fetcher.transfer,
-                src,
-                lambda i, n: self._dst(msg, dst_ids, i, n),
-                msg.incarnation,
-                deadline,
-                stop,
-            )
-            try:
-                async with ctx.transfer_slots:
-                    done = await write_blocks(ctx, job)
-            except (Stopped, asyncio.CancelledError):
-                raise
-            except Exception:
-                ctx.transports.drop(msg.fetcher.id)  # reopened for the next write
-                raise
-            log.debug("fetch %s: %d blocks -> %s", msg.request_id, len(src), msg.fetcher.id)
-            return len(src), done.digests
-        finally:
-            await ctx.engine.release_held(key)
+            async with ctx.transfer_slots:
+                done = await write_blocks(ctx, job)
+        except (Stopped, asyncio.CancelledError):
+            raise
+        except Exception:
+            ctx.transports.drop(msg.fetcher.id)  # reopened for the next write
+            raise
+        log.debug("fetch %s: %d blocks -> %s", msg.request_id, len(src), msg.fetcher.id)
+        return len(src), done.digests
 
     def _dst(self, msg: FetchBlocks, dst_ids: list[int], i: int, n: int) -> list[Region]:
         """Where blocks ``i:i + n`` go: the fetcher's blocks, or one after another from its

@@ -39,8 +39,33 @@ log = logging.getLogger(__name__)
 FETCH_BUDGET_S = 2.0
 """The longest a fetch may take before the request computes its blocks instead (and at most half
 the time the request has left): on a CPU a prefix worth fetching takes seconds to compute."""
+FETCH_BUDGET_MIN_S = 0.5
+"""The shortest budget a fetch gets (messages through Redis, a loaded host's event loops)."""
+FETCH_BUDGET_SLACK = 2.0
+"""A fetch's budget is this many times what the router expected it to take (``FetchHint.expect_s``)."""
 REPLY_GRACE_S = 0.5
-"""How long past its budget the fetcher waits for the holder's answer (the message's delay)."""
+"""How long past its budget the fetcher waits for the holder's answer (the message's delay), at
+most half the budget."""
+
+
+def fetch_budget(expect_s: float | None, recompute_s: float | None, left_s: float) -> float:
+    """How long a fetch may take before its request computes the blocks instead: what the router
+    expected (``expect_s``, the holder's step in progress included) with slack, at most what
+    computing them here takes (``recompute_s``, by this engine's measured prefill rate: waiting
+    longer cannot pay off), never below ``FETCH_BUDGET_MIN_S``, and at most ``FETCH_BUDGET_S`` and
+    half the time the request has left (``left_s``). Unknown terms are left out. A fetch that times
+    out therefore costs its request at most this plus the reply grace (half of it) over computing
+    at once."""
+    target = min(
+        FETCH_BUDGET_SLACK * expect_s if expect_s is not None else FETCH_BUDGET_S,
+        recompute_s if recompute_s is not None else FETCH_BUDGET_S,
+    )
+    return min(FETCH_BUDGET_S, max(0.0, left_s / 2), max(FETCH_BUDGET_MIN_S, target))
+
+
+def reply_grace(budget: float) -> float:
+    """How long past ``budget`` the fetcher waits for the holder's answer."""
+    return min(REPLY_GRACE_S, budget / 2)
 
 
 @dataclasses.dataclass
@@ -97,7 +122,9 @@ class PeerFetch:
             log.exception("%s: could not reserve blocks to fetch into", key)
             return None
         if hashes:
-            budget = min(FETCH_BUDGET_S, max(0.0, (msg.deadline - ctx.clock.time()) / 2))
+            rate = ctx.engine.load.prefill_s_per_token  # this engine's, for the recompute it replaces
+            recompute = len(hashes) * ctx.engine.facts.block_size * rate if rate else None
+            budget = fetch_budget(hint.expect_s, recompute, msg.deadline - ctx.clock.time())
             try:
                 await self._fetch(key, hint, hashes, blocks, budget)
             except Exception as e:  # the ask not sent (Redis): its lease waits for the backstop
@@ -139,7 +166,7 @@ class PeerFetch:
         )
         try:
             await ctx.messenger.send(hint.peer.id, ask)
-            answer = await asyncio.wait_for(asyncio.shield(lease.answer), budget + REPLY_GRACE_S)
+            answer = await asyncio.wait_for(asyncio.shield(lease.answer), budget + reply_grace(budget))
         except TimeoutError:
             lease.answer = None  # the blocks stay leased until the holder answers, or the backstop
             return self._missed(len(hashes), "timeout", f"{hint.peer.id} did not answer in {budget:.1f} s")

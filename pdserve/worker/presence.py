@@ -229,6 +229,7 @@ def load_info(load: EngineLoad, handing_off: int) -> LoadInfo:
         running=load.running,
         waiting=load.waiting,
         waiting_prefill_tokens=load.waiting_prefill_tokens,
+        step_tokens=load.step_tokens,
         background=load.background,
         handing_off=handing_off,
     )

@@ -95,6 +95,35 @@ def test_a_prefix_fetched_from_a_peer_changes_no_bit(
     assert fetcher.blocks.num_free == fetcher.blocks.capacity == holder.blocks.num_free
 
 
+def test_a_holder_short_of_room_pins_the_leading_part_that_fits(tiny_model_dir) -> None:
+    """The holder's 6-block prefix is in its host tier, and a long prompt it is prefilling holds 10 of
+    its pool's 13 blocks: it reads back and pins the leading 2 blocks (3 allocatable, one kept for
+    the running sequence) instead of refusing the whole fetch; the fetcher adopts them and computes
+    the rest, and its output is the uncached engine's. The holder's load says its next step computes
+    a whole step's budget (the rest of that prompt), what a router prices a fetch's wait at."""
+    shared = ids(90, 6 * BS)
+    prompt = shared + ids(91, 19)
+    ((cold, _),) = run(engine(tiny_model_dir, prefix_caching=False), {"r": prompt}).values()
+    holder = small(tiny_model_dir, kv_host_bytes=HOST)
+    run(holder, {"earlier": shared + ids(92, 5)})
+    evict(holder, 700)
+    assert holder.blocks.lookup(chain_hashes(shared, BS)) == [] and holder.load().step_tokens == 0
+    busy = ids(93, 9 * BS + 3)
+    holder.add_request("busy", prompt_token_ids=busy, params=GREEDY)
+    holder.step()  # its first 64-token chunk: 83 prompt tokens left, a 66-token step budget
+    assert holder.blocks.num_free == 3 and holder.load().step_tokens == 64 + 2
+    fetcher = small(tiny_model_dir)
+    asked, adopted = fetch(fetcher, holder, "r", prompt, num_blocks=6)
+    assert (asked, adopted) == (6, 2)
+    gen, cached = finish(fetcher, "r", prompt)
+    assert cached == 2 * BS  # the 2 blocks fetched; the other 4 computed
+    assert_same(cold, gen)
+    assert holder.host_tier is not None and holder.host_tier.stats.hits == 2
+    finish(holder, "busy", busy)
+    assert not holder.held and not fetcher.held and not fetcher.reserved and not fetcher.fetching
+    assert fetcher.blocks.num_free == fetcher.blocks.capacity == holder.blocks.num_free
+
+
 def test_a_partial_or_failed_fetch_computes_the_rest_and_leaks_nothing(tiny_model_dir) -> None:
     shared = ids(50, 5 * BS)
     prompt = shared + ids(51, 9)

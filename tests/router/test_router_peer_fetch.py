@@ -108,6 +108,35 @@ def test_a_fetch_is_planned_only_when_it_costs_less_than_the_recompute() -> None
     assert plan.cost == pytest.approx(40 * 0.0005 + 20 * 0.001)
 
 
+def test_a_holder_inside_a_long_step_costs_its_step_and_is_not_fetched_from() -> None:
+    """The holder pins blocks between its engine steps, so a fetch first waits for the step in
+    progress: its registration's ``step_tokens`` at its prefill rate. Inside a long prefill step
+    (576 tokens at 1 ms: 0.576 s) the fetch (0.08 s) costs more than computing the 640 tokens on
+    the fetcher (0.64 s): not planned, the fetcher computes. Decoding (a 1-token step), it is, and
+    the price it was planned at (wait included) is what the fetcher's budget follows."""
+    policy = PrefixCache("prefill", PrefixWeights(), random.Random(0))
+    policy.fetch_protocol = fetch_protocol
+    m0, m1 = fetchable(instance("m0")), fetchable(instance("m1"))
+    m0.rates = RatesInfo(prefill_s_per_token=0.001)
+    m1.rates = RatesInfo(prefill_s_per_token=0.001, fetch_s_per_block=0.002)
+    request = held(1000, [m0, m1], m0=640)
+    m0.load.step_tokens = 576
+    assert policy.fetch_plan(m1, request, 0.001) is None
+    assert policy.prefill_work(m1, request, 0.001) == pytest.approx(1.0)  # all computed
+    m0.load.step_tokens = 1
+    plan = policy.fetch_plan(m1, request, 0.001)
+    assert plan is not None and plan.wait == pytest.approx(0.001)
+    assert plan.cost == pytest.approx(0.001 + 40 * 0.002) and plan.expect_s == plan.cost
+    # in tokens (nobody measured a prefill rate) the step's tokens are the wait: 620 + 0.05 x 640
+    # > 640 computed, so not planned; and a plan in tokens tells the fetcher no seconds
+    m0.rates = m1.rates = None
+    m0.load.step_tokens = 620
+    assert policy.fetch_plan(m1, request) is None
+    m0.load.step_tokens = 64
+    plan = policy.fetch_plan(m1, request)
+    assert plan is not None and plan.cost == pytest.approx(64 + 0.05 * 640) and plan.expect_s is None
+
+
 def test_a_fetch_starts_after_what_the_instance_holds_itself_and_the_best_peer_wins() -> None:
     m0, m1, m2 = fetchable(instance("m0")), fetchable(instance("m1")), fetchable(instance("m2"))
     request = dataclasses.replace(held(1000, [m0, m1, m2], m0=480, m1=800, m2=160), tier_tokens={"m2": 160})

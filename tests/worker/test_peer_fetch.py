@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -23,7 +25,7 @@ from pdserve.cache_transfer.shm import ShmBackend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler import FetchHint, GenerateRequest, Inbox, PeerInfo, RouterRegistry
+from pdserve.scheduler import FetchedBlocks, FetchHint, GenerateRequest, Inbox, PeerInfo, RouterRegistry
 from pdserve.worker.decode_lease import LEASE_GRACE_S
 from pdserve.worker.engine_client import EngineClient
 from pdserve.worker.fault_hooks import FaultHooks
@@ -31,6 +33,7 @@ from pdserve.worker.handler import RequestHandler
 from pdserve.worker.handoff_context import Context
 from pdserve.worker.kv_writers import Transports
 from pdserve.worker.messenger import Messenger
+from pdserve.worker.peer_fetch import fetch_budget, reply_grace
 
 BS = 16
 PREFIX = [(17 * i + 5) % 300 + 10 for i in range(5 * BS)]  # 5 full blocks the holder computes
@@ -81,14 +84,22 @@ async def peers(redis_url: str, model_dir) -> AsyncIterator[tuple[Pair, Instance
 
 
 def request(
-    p: Pair, rid: str, fetch: bool, deadline_s: float = 60.0, prompt: list[int] = PROMPT
+    p: Pair,
+    rid: str,
+    fetch: bool,
+    deadline_s: float = 60.0,
+    prompt: list[int] = PROMPT,
+    expect_s: float | None = None,
+    params: SamplingParams = PARAMS,
 ) -> GenerateRequest:
-    hint = FetchHint(peer=PeerInfo(id="holder", host="h"), protocol="shm", blocks=len(PREFIX) // BS)
+    hint = FetchHint(
+        peer=PeerInfo(id="holder", host="h"), protocol="shm", blocks=len(PREFIX) // BS, expect_s=expect_s
+    )
     return GenerateRequest(
         request_id=rid,
         router_id=ROUTER,
         prompt_token_ids=prompt,
-        sampling=PARAMS,
+        sampling=params,
         deadline=p.clock.time() + deadline_s,
         fetch=hint if fetch else None,
     )
@@ -222,5 +233,141 @@ def test_a_peer_that_answers_late_or_never_leaves_no_write_into_a_reused_block(
             await fetcher.handler.tick()
             assert not fetcher.handler.fetches.leases
             nothing_held(fetcher)
+
+    run(main(), timeout_s=120)
+
+
+def test_a_holder_that_holds_part_of_the_prefix_sends_that_part_and_the_rest_is_computed(
+    redis_url, tiny_model_dir
+) -> None:
+    """The holder has only the prefix's first 3 blocks: it writes those, the fetcher adopts them and
+    computes the other 2: the tokens of the cold miss (computed under another cache salt, so
+    nothing cached), 3 hits and 2 misses, not a failed fetch."""
+
+    async def main() -> None:
+        async with peers(redis_url, tiny_model_dir) as (p, holder, fetcher):
+            salted = PARAMS.replace(cache_salt="cold")
+            await p.send(holder, request(p, "cold", fetch=False, params=salted))
+            await serve_whole(holder)
+            cold = await outcome(p, "cold")
+            assert cold[2] == 0
+            await p.send(holder, request(p, "part", fetch=False, prompt=[*PREFIX[: 3 * BS], 9, 9, 9]))
+            await serve_whole(holder)
+            await p.send(fetcher, request(p, "fetched", fetch=True))
+            await fetch_and_serve(holder, fetcher)
+            tokens, logprobs, cached = await outcome(p, "fetched")
+            assert (tokens, logprobs) == cold[:2]  # bit for bit
+            assert cached == 3 * BS
+            got = fetcher.handler.fetches.info
+            assert (got.fetches, got.hits, got.misses, got.failed) == (1, 3, 2, 0)
+            assert holder.handler.fetches.info.served == 3
+            nothing_held(holder, fetcher)
+
+    run(main(), timeout_s=120)
+
+
+def test_a_fetchs_budget_follows_what_the_router_expected_within_bounds() -> None:
+    assert fetch_budget(None, None, 60.0) == 2.0  # nothing known: the longest
+    assert fetch_budget(0.6, None, 60.0) == 1.2  # twice what the router expected
+    assert fetch_budget(0.05, None, 60.0) == 0.5  # never below the floor
+    assert fetch_budget(5.0, None, 60.0) == 2.0  # never above the longest
+    assert fetch_budget(0.6, 0.8, 60.0) == 0.8  # never longer than computing the blocks here
+    assert fetch_budget(None, 0.01, 60.0) == 0.5
+    assert fetch_budget(0.6, None, 1.0) == 0.5  # at most half the time the request has left
+    assert (reply_grace(0.5), reply_grace(2.0)) == (0.25, 0.5)
+
+
+def occupy(inst: Instance, gate: threading.Event) -> asyncio.Future[bool]:
+    """A long step: ``inst``'s engine thread busy until ``gate`` is set (calls queue behind it)."""
+    return asyncio.ensure_future(inst.engine._run(gate.wait))
+
+
+async def asked(holder: Instance) -> asyncio.Task[None]:
+    """Until the holder read the fetch's ask and its task queued the pin on its engine thread."""
+    while not await holder.receive():
+        await asyncio.sleep(0.01)
+    (serving,) = holder.handler.fetches.server._tasks
+    await asyncio.sleep(0.05)
+    return serving
+
+
+def test_a_holder_inside_a_long_step_answers_when_it_ends_without_waiting_for_the_next(
+    redis_url, tiny_model_dir
+) -> None:
+    """The holder's engine thread is inside a long step when the ask comes: its pin waits for that
+    step, and the fetch succeeds within the budget the router's expectation set (0.5 s expected: 1
+    s). The answer goes out once the blocks are written, while the holder's next step still runs
+    (its pins are let go after it): the fetcher waits one step, not two. The cold tokens."""
+
+    async def main() -> None:
+        async with peers(redis_url, tiny_model_dir) as (p, holder, fetcher):
+            await p.send(holder, request(p, "cold", fetch=False))
+            await serve_whole(holder)
+            cold = await outcome(p, "cold")
+            step, next_step = threading.Event(), threading.Event()
+            steps = [occupy(holder, step)]
+            await p.send(fetcher, request(p, "busy", fetch=True, expect_s=0.5))
+            started = time.monotonic()
+            taking = asyncio.ensure_future(fetcher.receive())
+            serving = await asked(holder)
+            steps.append(occupy(holder, next_step))  # queued after the pin, before the release
+            asyncio.get_running_loop().call_later(0.3, step.set)
+            while not taking.done():
+                await fetcher.receive()
+                await asyncio.sleep(0.01)
+            await taking
+            assert 0.3 <= time.monotonic() - started < 1.0  # the step, then the write: in its budget
+            assert not next_step.is_set() and holder.stub.held  # type: ignore[attr-defined]
+            next_step.set()
+            await asyncio.gather(serving, *steps)
+            while fetcher.engine.unfinished:
+                await fetcher.step()
+            tokens, logprobs, cached = await outcome(p, "busy")
+            assert (tokens, logprobs) == cold[:2] and cached == len(PREFIX)
+            got = fetcher.handler.fetches.info
+            assert (got.fetches, got.hits, got.misses, got.failed) == (1, 5, 0, 0)
+            nothing_held(holder, fetcher)
+
+    run(main(), timeout_s=120)
+
+
+def test_a_holder_whose_step_outlasts_the_budget_costs_a_bounded_wait_and_pins_nothing(
+    redis_url, tiny_model_dir
+) -> None:
+    """The holder's step outlasts the fetch's budget (0.1 s expected: the 0.5 s floor, plus a 0.25
+    s grace for the answer): the fetcher computes after that wait, not after the constant 2.5 s, with
+    the cold tokens and a counted miss. When the holder's engine thread gets to the pin, the budget
+    has passed on its clock: it pins and reads back nothing, and its answer frees the lease."""
+
+    async def main() -> None:
+        async with peers(redis_url, tiny_model_dir) as (p, holder, fetcher):
+            await p.send(holder, request(p, "cold", fetch=False))
+            await serve_whole(holder)
+            cold = await outcome(p, "cold")
+            step = threading.Event()
+            busy = occupy(holder, step)
+            await p.send(fetcher, request(p, "late", fetch=True, expect_s=0.1))
+            started = time.monotonic()
+            taking = asyncio.ensure_future(fetcher.receive())
+            serving = await asked(holder)
+            await taking
+            assert 0.75 <= time.monotonic() - started < 1.5
+            while fetcher.engine.unfinished:
+                await fetcher.step()
+            assert (await outcome(p, "late"))[:2] == cold[:2]
+            got = fetcher.handler.fetches.info
+            assert (got.fetches, got.hits, got.misses, got.failed) == (1, 0, 5, 1)
+            assert fetcher.handler.fetches.leases  # leased until the holder's answer
+            p.clock.advance(1.0)  # past the holder's budget when its step ends
+            step.set()
+            await asyncio.gather(serving, busy)
+            assert holder.handler.fetches.info.served == 0
+            entries = await fetcher.inbox.read(count=8, block_ms=0)
+            (answer,) = [msg for _, msg in entries]
+            assert isinstance(answer, FetchedBlocks) and answer.num_blocks == 0
+            assert answer.error is not None and "busy past the fetch's 0.50 s budget" in answer.error
+            await fetcher.handler.handle(answer)  # it ends the lease
+            await fetcher.inbox.ack([entry_id for entry_id, _ in entries])
+            nothing_held(holder, fetcher)
 
     run(main(), timeout_s=120)

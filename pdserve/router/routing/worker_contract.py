@@ -78,7 +78,9 @@ def attempt_message(
         )
     plan, fetch = route.fetch, None
     if plan is not None and not delivered:  # the entry instance fetches the prefix from a peer first
-        fetch = FetchHint(peer=d.peer(plan.peer), protocol=plan.protocol, blocks=plan.blocks)
+        fetch = FetchHint(
+            peer=d.peer(plan.peer), protocol=plan.protocol, blocks=plan.blocks, expect_s=plan.expect_s
+        )
     # fill_max_tokens when the client gave no max_tokens (chat): the worker then fills in
     # "model length - prompt length", which only it knows after tokenizing.
     return GenerateRequest(

@@ -10,9 +10,14 @@ fetch of ``f`` tokens costs, in seconds: ``f / block_size`` × *i*'s measured se
 block (``rates.fetch_s_per_block``: asking to checked, end to end), else *j*'s measured seconds per
 block written over that transport plus its read-back of the blocks it holds below its pool, else
 the transfer weight × ``f`` × p(i) (and the tier weights for *j*'s tiers); in tokens (nobody
-measured a prefill rate) the weights alone. It is planned only when below computing those tokens
-on *i* (``f × p(i)``); among peers, the one that saves most. A fetch that fails costs its budget
-and then the recompute (the worker falls back): the rule does not price that risk.
+measured a prefill rate) the weights alone. To that comes *j*'s wait: it pins the blocks between
+its engine steps, so the fetch first waits for the step in progress, at most ``step_tokens(j)``
+(its registration's load: its running decodes and the prompt tokens it has yet to compute, within
+its step budget) × p(j) (in tokens, ``step_tokens(j)``): a holder inside a long prefill step costs
+that step. It is planned only when the whole, wait included, is below computing those tokens on
+*i* (``f × p(i)``); among peers, the one that saves most. The price in seconds travels to *i*
+(``FetchHint.expect_s``), whose wait for the answer follows it (bounded: ``worker/peer_fetch.py``),
+so a fetch that fails costs a bounded wait and then the recompute.
 """
 
 from __future__ import annotations
@@ -40,9 +45,19 @@ class FetchPlan:
     """The prompt's leading full blocks the peer holds (what the worker is told: it asks for those
     past its own)."""
     cost: float
-    """The fetch's price (seconds, or tokens when nobody measured a prefill rate)."""
+    """The fetch's price (seconds, or tokens when nobody measured a prefill rate), ``wait``
+    included."""
     saved: float
     """Computing those tokens on the fetcher instead (same unit)."""
+    wait: float = 0.0
+    """Of ``cost``, the peer's step in progress, which the fetch waits for (same unit)."""
+    seconds: bool = False
+    """``cost`` and ``saved`` are seconds (else tokens)."""
+
+    @property
+    def expect_s(self) -> float | None:
+        """The seconds the fetch is expected to take, wait included (None: priced in tokens)."""
+        return self.cost if self.seconds else None
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
@@ -81,10 +96,11 @@ def best_fetch(
         if proto is None:
             continue
         from_host, from_disk = _overlap(span, (pool, pool + host)), _overlap(span, (pool + host, held))
-        cost = _price(target, peer, proto, tokens, from_host, from_disk, weights, price, seconds)
+        wait = peer.load.step_tokens * price(peer)
+        cost = wait + _price(target, peer, proto, tokens, from_host, from_disk, weights, price, seconds)
         saved = tokens * p
         if cost < saved and (best is None or saved - cost > best.saved - best.cost):
-            best = FetchPlan(peer, proto, tokens, held // bs, cost, saved)
+            best = FetchPlan(peer, proto, tokens, held // bs, cost, saved, wait, seconds)
     return best
 
 

@@ -15,8 +15,9 @@ candidate has measured its prefill rate (its registration's ``rates``), else in 
   ``waiting_prefill_tokens``);
 - a fetch: where a peer holds more of the prompt's prefix than *i* (its pool or tiers) and can
   write into *i*'s cache, *i* may fetch those blocks instead of computing them; the fetch replaces
-  their compute in ``prefill(i)`` when it costs less (``policies.peer_fetch``: *i*'s measured
-  seconds per fetched block, else the peer's per block written and read back, else the weights);
+  their compute in ``prefill(i)`` when it costs less (``policies.peer_fetch``: the peer's step in
+  progress, which the fetch waits for, plus *i*'s measured seconds per fetched block, else the
+  peer's per block written and read back, else the weights);
   the estimate's ``fetch`` names it, and the router tells the instance (``GenerateRequest.fetch``);
 - a pair (P, D): ``prefill(P) + moved(D) / block_size × transfer(P) + read(D) + load_tokens ×
   requests(D) × p(D)``, ``moved(D) = prompt tokens − cached(D) − tier(D) − disk(D)``,
