@@ -67,19 +67,21 @@ class Demand:
         }
 
 
-def demand(obs: Observation, min_arrivals: int, learned_prefill_rate: float = 0.0) -> Demand | None:
+def demand(obs: Observation, min_arrivals: int, prefill_rate: float | None = None) -> Demand | None:
     """The demand of ``obs``; None below ``min_arrivals`` arrivals in the window, or where a
     length or a token's cost is not known yet (no request finished nor measured, no instance
-    timed a step of that kind): the rule then goes by the latencies alone.
-    ``learned_prefill_rate``: prompt tokens/s per prefill instance the rule learned from finished
-    requests, for the cost of a prompt token where no instance published one."""
+    timed a step of that kind): the rule then goes by the latencies alone. ``prefill_rate``: prompt
+    tokens/s of one prefill instance as configured (``Targets.prefill_rate``), for where no
+    instance measured one. Not the rule's learned rate: that is a lower bound from what finished
+    requests showed, which at a light load is far below what an instance can do and would make
+    prefill's work look many times what it is."""
     if obs.arrivals < max(1, min_arrivals) or obs.window_s <= 0:
         return None
     prompt = _prompt_per_arrival(obs)
     answer = _answer_per_arrival(obs)
     prefill_cost = _cost(obs.members, "prefill", "prefill_s_per_token")
-    if prefill_cost is None and learned_prefill_rate > 0:
-        prefill_cost = 1 / learned_prefill_rate
+    if prefill_cost is None and prefill_rate:
+        prefill_cost = 1 / prefill_rate
     decode_cost = _cost(obs.members, "decode", "decode_s_per_token")
     if prompt is None or answer is None or prefill_cost is None or decode_cost is None:
         return None

@@ -288,7 +288,7 @@ def _round(value: float | None) -> float | None:
 def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerState) -> Decision:
     p, d = obs.count("prefill"), obs.count("decode")
     current = {"prefill": p, "decode": d, "mixed": obs.count("mixed")}
-    dm = demand(obs, targets.min_arrivals, targets.prefill_rate or state.prefill_rate)
+    dm = demand(obs, targets.min_arrivals, targets.prefill_rate)
     inputs = _inputs(obs, pr, state, dm)
 
     def hold(reason: str, verdict: Verdict | None = None) -> Decision:

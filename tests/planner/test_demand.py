@@ -110,7 +110,7 @@ def test_answers_are_what_is_asked_times_what_finished_requests_got_of_it() -> N
     assert demand(nothing, 5) is None  # nothing says how long the answers are
 
 
-def test_costs_are_the_roles_median_else_any_instances_else_the_learned_prefill_rate() -> None:
+def test_costs_are_the_roles_median_else_any_instances_else_the_configured_prefill_rate() -> None:
     obs = observation(0, two_two(), (10, 64, 64))
     slow = tuple(
         dataclasses.replace(m, prefill_s_per_token=0.009) if m.id == "p1" else m for m in obs.members
@@ -124,7 +124,8 @@ def test_costs_are_the_roles_median_else_any_instances_else_the_learned_prefill_
     assert dm is not None and dm.decode_s_per_token == 0.02
     assert demand(dataclasses.replace(obs, members=none), 5) is None
     unmeasured = tuple(dataclasses.replace(m, prefill_s_per_token=None) for m in obs.members)
-    dm = demand(dataclasses.replace(obs, members=unmeasured), 5, learned_prefill_rate=250.0)
+    assert demand(dataclasses.replace(obs, members=unmeasured), 5) is None
+    dm = demand(dataclasses.replace(obs, members=unmeasured), 5, prefill_rate=250.0)
     assert dm is not None and dm.prefill_s_per_token == pytest.approx(1 / 250)
 
 
