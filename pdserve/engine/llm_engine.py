@@ -87,6 +87,10 @@ class LLMEngine(KVHandoff, PrefixPins, TieredCache):
         self.prefill_rate = RateMeter(skip=1)
         """Seconds per token of the steps that prefilled: their forward and picks over their rows
         (a decode row in such a step counts as one token); the first is dropped (cold caches)."""
+        self.decode_rate = RateMeter(skip=1)
+        """Seconds per token of the steps that only decoded (one token per row, at the batch sizes
+        it ran lately): what a token of an answer costs here, which the planner weighs against what
+        a prompt token costs (``prefill_rate``) to split instances between the roles."""
         if config.prefix_caching:
             self._tiers(config, ex)
         elif config.kv_host_bytes or config.kv_disk_bytes:
@@ -164,6 +168,7 @@ class LLMEngine(KVHandoff, PrefixPins, TieredCache):
             pool_lookups=self.batcher.hit_counts.lookups,
             pool_evictions=self.blocks.num_evicted,
             prefill_s_per_token=self.prefill_rate.value,
+            decode_s_per_token=self.decode_rate.value,
             host_read_s_per_block=reader.host_rate.value if (reader := self.tier_reader) else None,
             disk_read_s_per_block=reader.disk_rate.value if reader else None,
         )
@@ -299,6 +304,8 @@ class LLMEngine(KVHandoff, PrefixPins, TieredCache):
             return outputs + self._fail_batch(batch, f"model step failed: {e}")
         if batch.prefills:  # what computing a prompt token costs here (routers weigh it)
             self.prefill_rate.add(time.perf_counter() - t0, batch.num_tokens)
+        else:  # and an answer's token (the planner weighs both)
+            self.decode_rate.add(time.perf_counter() - t0, len(batch.decodes))
         if picked is None:
             return outputs
         for span, scored in picked.prompt:  # before the samples: the first token hands them out

@@ -65,6 +65,8 @@ class EngineLoad:
     pool_evictions: int = 0  # cached blocks the prefix cache evicted for room
     prefill_s_per_token: float | None = None
     """Seconds per token of the recent steps that prefilled (``rates.RateMeter``; None: none yet)."""
+    decode_s_per_token: float | None = None
+    """Seconds per token of the recent steps that only decoded (None: none yet)."""
     host_read_s_per_block: float | None = None  # a block read back from the host tier, lately
     disk_read_s_per_block: float | None = None  # a block read back from the disk tier, lately
 

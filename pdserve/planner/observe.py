@@ -3,7 +3,9 @@
 Everything is read from what routers and instances already publish there: the live set (roles,
 queues, KV use, switchability) and each router's ``traffic`` (its last window's finished requests,
 prompt and generated tokens, TTFT / inter-token latency histograms, prefix hits, KV transfer
-times), whose histograms are merged across routers before their 90th percentile is taken. Nothing is kept between reads but what the rule keeps.
+times, and what arrived: ``demand.py``), whose histograms are merged across routers before their
+90th percentile is taken; and each instance's measured seconds per prompt and per answer token.
+Nothing is kept between reads but what the rule keeps.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ class Member:
     waiting_prefill_tokens: int
     handing_off: int
     kv_use: float  # share of its KV blocks in use
+    prefill_s_per_token: float | None = None  # what it measured (its registration's rates)
+    decode_s_per_token: float | None = None
 
     @classmethod
     def of(cls, info: InstanceInfo) -> Member:
-        load = info.load
+        load, rates = info.load, info.rates
         return cls(
             info.id,
             info.role,
@@ -42,6 +46,8 @@ class Member:
             load.waiting_prefill_tokens,
             load.handing_off,
             round(1 - info.kv.free_blocks / info.kv.num_blocks, 4) if info.kv.num_blocks else 0.0,
+            rates.prefill_s_per_token if rates is not None else None,
+            rates.decode_s_per_token if rates is not None else None,
         )
 
 
@@ -60,6 +66,14 @@ class Observation:
     generation_tokens: int
     prefix_hit_rate: float | None = None  # of the prompt tokens routed by prefix, the cached share
     kv_transfer_mean_s: float | None = None  # a splitwise KV write's mean time in the window
+    # what arrived in the routers' windows (TrafficInfo's fields of the same names, added up)
+    arrivals: int = 0
+    arrival_prompt_tokens: int = 0
+    arrival_prompt_known: int = 0
+    arrival_max_tokens: int = 0
+    arrival_max_known: int = 0
+    finished_asked: int = 0
+    finished_generated: int = 0
 
     def count(self, role: str) -> int:
         return sum(1 for m in self.members if m.role == role and not m.draining)
@@ -139,6 +153,13 @@ def observation(
         kv_transfer_mean_s=_ratio(
             sum(t.kv_transfer_s for t in traffic), sum(t.kv_transfers for t in traffic)
         ),
+        arrivals=sum(t.arrivals for t in traffic),
+        arrival_prompt_tokens=sum(t.arrival_prompt_tokens for t in traffic),
+        arrival_prompt_known=sum(t.arrival_prompt_known for t in traffic),
+        arrival_max_tokens=sum(t.arrival_max_tokens for t in traffic),
+        arrival_max_known=sum(t.arrival_max_known for t in traffic),
+        finished_asked=sum(t.finished_asked for t in traffic),
+        finished_generated=sum(t.finished_generated for t in traffic),
     )
 
 

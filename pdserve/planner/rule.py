@@ -1,5 +1,14 @@
 """The planner's rule: from what the cluster serves now to the prefill:decode split it should have.
 
+First the **demand** (``demand.py``): the prompt and answer tokens arriving per second, each at
+what a token of its kind costs here lately (the instances' measured rates), is the work each role
+must do; prefill's share of it is the share of the instances it should have. It is known as soon
+as ``min_arrivals`` requests arrived in the routers' window, so a traffic shift moves the split
+within ``patience`` observations, before any latency has moved; the latencies then correct it: a
+role whose pressure (below) is over 1 has its work weighed by that pressure. Without a demand (too
+few arrivals, nothing measured yet, routers that do not publish arrivals) the pressures alone
+split, as follows.
+
 Given targets for the 90th percentiles of time to first token and of inter-token latency (the
 SLOs), each observation gives two pressures, prefill's and decode's:
 
@@ -15,12 +24,15 @@ SLOs), each observation gives two pressures, prefill's and decode's:
   every prompt starts at once has no queue pressure; the queue must stay long for ``patience``
   observations in a row like any other signal, so a passing burst moves nothing.
 
-With both met (≤ 1) nothing changes; otherwise the split follows them: of the ``n`` instances
-that take part in splits (prefill and decode), prefill gets ``round(n × rt / (rt + ri))`` (``rt``:
-prefill's pressure), at least one and at most ``n - 1``, the rest decode, moving one instance per
-change (the latencies answer a switch unevenly: the next observation says whether another helps).
-Below ``min_requests`` finished requests the p90s are not trusted: then only a queue pressure over
-1 acts, against the last trusted ``ri`` (1, "at its target", before any). Instances move between
+With a demand, of the ``n`` instances that take part in splits (prefill and decode) prefill gets
+``round(n × wp·max(1, rt) / (wp·max(1, rt) + wd·max(1, ri)))`` (``wp``, ``wd``: the roles' work;
+``rt``: prefill's pressure), whether the targets are met or not (the point is to be at the right
+split before they are missed). Without one, with both pressures met (≤ 1) nothing changes;
+otherwise prefill gets ``round(n × rt / (rt + ri))``. Either way at least one and at most ``n - 1``,
+the rest decode, moving one instance per change (the latencies answer a switch unevenly: the next
+observation says whether another helps). Below ``min_requests`` finished requests the p90s are not
+trusted: then they count as at their targets (1) beside a demand; without one only a queue pressure
+over 1 acts, against the last trusted ``ri`` (1 before any). Instances move between
 the two roles by switches (``SetRole``): a decode instance can always become a prefill instance; a
 prefill instance becomes a decode instance only when it is ``switchable`` (its cache must be
 where peers write), the least loaded ones first. Where instances may be added (``max_instances``
@@ -36,8 +48,8 @@ Hysteresis, so a steady load never makes it flap:
   measured over the routers' last 30 s);
 * none reversing the last one's direction within ``reverse_s`` (default 300 s): on a steady load
   that sits between two splits, at most one change in five minutes;
-* nothing from fewer than ``min_requests`` finished requests (too few to estimate a p90) but a
-  queue that already says prefill is short.
+* nothing from fewer than ``min_requests`` finished requests (too few to estimate a p90) but the
+  demand, or a queue that already says prefill is short.
 
 Learning from a switch's effect. More instances of a role add capacity only while that role is
 what the host is short of: on a 2-core host a third decode instance adds no decode capacity, it
@@ -61,6 +73,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.planner.demand import Demand, demand
 from pdserve.planner.observe import Member, Observation
 
 IDLE = 0.5
@@ -81,6 +94,7 @@ class Targets:
     cooldown_s: float = 60.0
     reverse_s: float = 300.0
     min_requests: int = 20
+    min_arrivals: int = 5  # the demand (demand.py) is read from this many arrivals in the window
     min_instances: int = 2
     max_instances: int | None = None  # None: the count is not the planner's to change
     prefill_rate: float | None = None  # prompt tokens/s one prefill instance prefills; None: learned
@@ -237,8 +251,9 @@ def decide(obs: Observation, targets: Targets, state: PlannerState) -> Decision:
     return decision
 
 
-def _inputs(obs: Observation, pr: Pressures, state: PlannerState) -> dict[str, Any]:
+def _inputs(obs: Observation, pr: Pressures, state: PlannerState, dm: Demand | None) -> dict[str, Any]:
     return {
+        "demand": dm.as_dict() if dm is not None else None,
         "ttft_p90_s": obs.ttft_p90_s,
         "itl_p90_s": obs.itl_p90_s,
         "ttft_pressure": pr.ttft,
@@ -273,7 +288,8 @@ def _round(value: float | None) -> float | None:
 def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerState) -> Decision:
     p, d = obs.count("prefill"), obs.count("decode")
     current = {"prefill": p, "decode": d, "mixed": obs.count("mixed")}
-    inputs = _inputs(obs, pr, state)
+    dm = demand(obs, targets.min_arrivals, targets.prefill_rate)
+    inputs = _inputs(obs, pr, state, dm)
 
     def hold(reason: str, verdict: Verdict | None = None) -> Decision:
         """No change (the streak starts over)."""
@@ -282,24 +298,30 @@ def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerSta
 
     if state.undo is not None and p >= 1 and d >= 1:
         return _undo(obs, pr, targets, state, current, inputs, hold)
-    if pr.prefill is None or pr.decode is None:
-        return hold(f"too little traffic to judge ({obs.requests} requests finished lately)")
+    if dm is None and (pr.prefill is None or pr.decode is None):
+        return hold(
+            f"too little traffic to judge ({obs.requests} requests finished, {obs.arrivals} arrived lately)"
+        )
     if p < 1 or d < 1:
         return hold("no prefill/decode split to adjust")
-    rt, ri = pr.prefill, pr.decode
-    target = _target(p, d, rt, ri, targets)
+    # a latency not trusted yet counts as at its target: the demand alone splits then
+    rt = pr.prefill if pr.prefill is not None else 1.0
+    ri = pr.decode if pr.decode is not None else 1.0
+    share = dm.prefill_share(rt, ri) if dm is not None else None
+    target = _target(p, d, rt, ri, targets, share)
+    why = _why(pr, obs, dm, share)
     if target == (p, d):
-        return hold(
-            "the targets are met" if rt <= 1 and ri <= 1 else "the split already follows the pressures"
-        )
+        met = pr.trusted and rt <= 1 and ri <= 1
+        if share is not None:
+            return hold(f"{why}: the split follows it{'; the targets are met' if met else ''}")
+        return hold("the targets are met" if met else "the split already follows the pressures")
     if state.candidate == target:
         state.streak += 1
     else:
         state.candidate, state.streak = target, 1
     desired = {"prefill": target[0], "decode": target[1], "mixed": current["mixed"]}
-    share = target[0] / (target[0] + target[1]) - p / (p + d)  # of prefill, toward the target
-    direction = (share > 0) - (share < 0)
-    why = _why(pr)
+    moved = target[0] / (target[0] + target[1]) - p / (p + d)  # prefill's share, toward the target
+    direction = (moved > 0) - (moved < 0)
 
     def wait(reason: str) -> Decision:
         return Decision(obs.at, "hold", f"{why}: {reason}", current, desired, inputs=inputs)
@@ -335,7 +357,23 @@ def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerSta
     return Decision(obs.at, action, why, current, desired, tuple(switches), inputs, motive=motive)
 
 
-def _why(pr: Pressures) -> str:
+def _why(pr: Pressures, obs: Observation, dm: Demand | None, share: float | None) -> str:
+    """The demand and the pressures in words."""
+    latencies = (
+        _pressures_text(pr)
+        if pr.prefill is not None and pr.decode is not None
+        else f"the latencies not trusted yet ({obs.requests} requests finished lately)"
+    )
+    if dm is None or share is None:
+        return latencies
+    return (
+        f"demand: prefill {dm.prefill_work:.2f} instances' time ({dm.prompt_tokens_s:.0f} prompt tok/s at "
+        f"{dm.prefill_s_per_token * 1000:.2f} ms), decode {dm.decode_work:.2f} ({dm.answer_tokens_s:.0f} "
+        f"answer tok/s at {dm.decode_s_per_token * 1000:.2f} ms), {share:.0%} prefill; {latencies}"
+    )
+
+
+def _pressures_text(pr: Pressures) -> str:
     """The pressures in words (the queue named when it is what drives prefill's)."""
     itl = {
         "trusted": f"inter-token p90 at {pr.decode:.2f}x",
@@ -460,17 +498,21 @@ def _undo(
     )
 
 
-def _target(p: int, d: int, rt: float, ri: float, t: Targets) -> tuple[int, int]:
-    """The (prefill, decode) split the pressures ask for (the count changed where allowed)."""
+def _target(p: int, d: int, rt: float, ri: float, t: Targets, share: float | None = None) -> tuple[int, int]:
+    """The (prefill, decode) split asked for: prefill's ``share`` of the instances (the demand's,
+    see :class:`Demand`), or without one the pressures' (then only where one is over 1); the count
+    changed where allowed."""
     n = p + d
     if t.max_instances is not None:
         if rt > 1 and ri > 1 and n < t.max_instances:
             n += 1
         elif rt < IDLE and ri < IDLE and n > max(2, t.min_instances):
             n -= 1
-    if rt <= 1 and ri <= 1 and n == p + d:
-        return p, d
-    prefill = min(max(round(n * rt / (rt + ri)), 1), n - 1)
+    if share is None:
+        if rt <= 1 and ri <= 1 and n == p + d:
+            return p, d
+        share = rt / (rt + ri)
+    prefill = min(max(round(n * share), 1), n - 1)
     prefill = min(max(prefill, p - 1), p + 1)  # one instance per change: see its effect first
     return prefill, n - prefill
 

@@ -45,6 +45,11 @@ class PlanSettings:
     min_requests: int = setting(
         20, "no decision from fewer requests finished in the routers' last 30 s (default %(default)s)"
     )
+    min_arrivals: int = setting(
+        5,
+        "split the instances by the demand arriving (prompt and answer tokens, each at what it costs "
+        "here) once this many requests arrived in the routers' last window (default %(default)s)",
+    )
     apply: bool = setting(
         False, "switch the instances' roles as decided (default off: only decide and say why)"
     )
@@ -71,8 +76,8 @@ class PlanSettings:
                 raise ConfigError(
                     f"--{name.removesuffix('_s').replace('_', '-')} must be > 0, got {getattr(self, name)}"
                 )
-        if self.patience < 1 or self.min_requests < 1:
-            raise ConfigError("--patience and --min-requests must be >= 1")
+        if self.patience < 1 or self.min_requests < 1 or self.min_arrivals < 1:
+            raise ConfigError("--patience, --min-requests and --min-arrivals must be >= 1")
         if self.max_instances and self.max_instances < self.min_instances:
             raise ConfigError(
                 f"--max-instances {self.max_instances} is below --min-instances {self.min_instances}"
@@ -89,6 +94,7 @@ class PlanSettings:
             cooldown_s=self.cooldown_s,
             reverse_s=self.reverse_s,
             min_requests=self.min_requests,
+            min_arrivals=self.min_arrivals,
             min_instances=self.min_instances,
             max_instances=self.max_instances or None,
         )

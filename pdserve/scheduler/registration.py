@@ -168,6 +168,9 @@ class RatesInfo(_Model):
 
     prefill_s_per_token: float | None = None
     """Seconds per token of its recent steps that prefilled (the forward and picks over their rows)."""
+    decode_s_per_token: float | None = None
+    """Seconds per token of its recent steps that only decoded (a step's time over its rows, at the
+    batch sizes it ran lately): the planner weighs it against ``prefill_s_per_token``."""
     host_read_s_per_block: float | None = None
     """Seconds per block its host tier read back lately: read, checksum, copy into the pool."""
     disk_read_s_per_block: float | None = None
@@ -262,6 +265,20 @@ class TrafficInfo(_Model):
     kv_transfers: int = 0
     """Splitwise KV writes timed by their prefill workers, and their seconds in all."""
     kv_transfer_s: float = 0.0
+    arrivals: int = 0
+    """Choices placed for the first time in the window (requests arriving, not finishing) ..."""
+    arrival_prompt_tokens: int = 0
+    arrival_prompt_known: int = 0
+    """... their prompt tokens, of those whose length the router knew (a token-id prompt, or one it
+    tokenized to route it) ..."""
+    arrival_max_tokens: int = 0
+    arrival_max_known: int = 0
+    """... and their ``max_tokens``, of those whose client set one (the planner's demand, from
+    before the requests finish)."""
+    finished_asked: int = 0
+    finished_generated: int = 0
+    """Of the finished choices whose client set ``max_tokens``: the tokens asked and generated (how
+    much of what is asked gets generated)."""
 
 
 class RouterInfo(_Model):

@@ -168,8 +168,8 @@ class Presence:
         )
 
     def _rates(self) -> RatesInfo | None:
-        """What this instance measured lately (None before anything): the engine's prefill and
-        read-back rates from its last load snapshot, and per transport the seconds a block of its
+        """What this instance measured lately (None before anything): the engine's prefill, decode
+        and read-back rates from its last load snapshot, and per transport the seconds a block of its
         recent hand-offs took (the block's bytes over the rate ``Transports`` keeps for pacing)."""
         assert self.engine is not None
         load, block_bytes = self.engine.load, self.engine.facts.block_bytes
@@ -178,6 +178,7 @@ class Presence:
         }
         rates = RatesInfo(
             prefill_s_per_token=load.prefill_s_per_token,
+            decode_s_per_token=load.decode_s_per_token,
             host_read_s_per_block=load.host_read_s_per_block,
             disk_read_s_per_block=load.disk_read_s_per_block,
             transfer_s_per_block=transfer or None,

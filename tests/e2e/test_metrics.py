@@ -4,17 +4,21 @@ through a real splitwise stack (Redis, worker processes, router), parsed as Prom
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from redis_support import run
 
 from pdserve.localredis.embedded import free_port
 from pdserve.router.http import metrics as router_metrics
 from pdserve.router.http.app import create_app
 from pdserve.router.http.settings import RouterSettings
+from pdserve.scheduler import Keys, RouterRegistry
+from pdserve.scheduler.registration import TrafficInfo
 from pdserve.worker import metrics as worker_metrics
 from tests.e2e.test_serving import client, model_name, start_stack
 
@@ -80,6 +84,27 @@ def run_traffic(stack, n: int) -> int:
     return tokens
 
 
+def asked_max_tokens(n: int) -> int:
+    """The max_tokens ``run_traffic`` sets over its ``n`` requests."""
+    return sum((5, 4, 3)[i % 3] + i for i in range(n))
+
+
+def published_traffic(stack, n: int) -> TrafficInfo:
+    """The router's traffic window as its registration publishes it, once it counts ``n`` arrivals."""
+
+    async def read(redis) -> TrafficInfo | None:
+        routers = await RouterRegistry(redis, Keys(stack.spec.cluster)).live()
+        return routers[0].traffic if routers else None
+
+    deadline = time.monotonic() + 10
+    while True:
+        traffic = run(stack.redis_url, read)
+        if (traffic is not None and traffic.arrivals >= n) or time.monotonic() > deadline:
+            assert traffic is not None
+            return traffic
+        time.sleep(0.2)
+
+
 def check_stack_metrics(stack, n: int, tokens: int) -> tuple[dict, list[dict]]:
     router = scrape(stack.urls[0] + "/metrics")
     ok = total(router, "pdserve_requests_total", status="200", error_kind="")
@@ -127,6 +152,14 @@ def test_metrics_after_traffic(tiny_model_dir, redis_url, engine_kind) -> None:
     try:
         tokens = run_traffic(stack, N)
         router, workers = check_stack_metrics(stack, N, tokens)
+        # what arrived, in the window the planner reads: every choice, its max_tokens, and of the
+        # finished ones what was asked and generated (the prompts' lengths where it tokenized them)
+        traffic = published_traffic(stack, N)
+        assert (traffic.arrivals, traffic.arrival_max_known, traffic.requests) == (N, N, N)
+        assert traffic.arrival_max_tokens == traffic.finished_asked == asked_max_tokens(N)
+        assert traffic.finished_generated == tokens
+        if engine_kind == "model":
+            assert traffic.arrival_prompt_known == N and traffic.arrival_prompt_tokens > N
         # every family the declaration modules name is exposed, and nothing undeclared is
         assert set(router_metrics.NAMES) == exposed_names(router)
         for w in workers:
@@ -247,7 +280,7 @@ def test_the_route_model_and_its_inputs_are_exposed() -> None:
     from tests.router_support import instance
 
     fast = instance("m0")
-    fast.rates = RatesInfo(prefill_s_per_token=0.001, host_read_s_per_block=0.0016)
+    fast.rates = RatesInfo(prefill_s_per_token=0.001, decode_s_per_token=0.004, host_read_s_per_block=0.0016)
     fresh = instance("m1")
     p0 = instance("p0", "prefill")
     p0.rates = RatesInfo(prefill_s_per_token=0.002, transfer_s_per_block={"shm": 0.0001})
@@ -274,6 +307,7 @@ def test_the_route_model_and_its_inputs_are_exposed() -> None:
         (("priced", "weights"), ("source", "recompute")): 1,
     }
     assert samples[("pdserve_instance_prefill_seconds_per_token", (("instance", "m0"),))] == 0.001
+    assert samples[("pdserve_instance_decode_seconds_per_token", (("instance", "m0"),))] == 0.004
     assert (
         "pdserve_instance_prefill_seconds_per_token",
         (("instance", "m1"),),

@@ -46,6 +46,18 @@ def test_scarce_blocks_make_requests_wait_not_fail(tiny_model_dir, reference) ->
         assert gen.token_ids == reference[rid].token_ids
 
 
+def test_the_engine_measures_what_a_prompt_token_and_an_answer_token_cost(tiny_model_dir) -> None:
+    """Its load says seconds per token of its prefilling steps and of its decode-only steps (the
+    planner weighs one against the other); neither before a step of its kind was timed."""
+    engine = LLMEngine(tiny_model_dir, EngineConfig(num_blocks=64))
+    assert engine.load().prefill_s_per_token is None and engine.load().decode_s_per_token is None
+    for rid in ("a", "b"):  # the first step of each kind is dropped (cold caches)
+        run(engine, {rid: f"prompt {rid}"})
+    load = engine.load()
+    assert load.prefill_s_per_token is not None and load.prefill_s_per_token > 0
+    assert load.decode_s_per_token is not None and load.decode_s_per_token > 0
+
+
 def test_abort_frees_blocks_and_reports(tiny_model_dir) -> None:
     engine = LLMEngine(tiny_model_dir, EngineConfig(num_blocks=64))
     engine.add_request("keep", "keep going", GREEDY)

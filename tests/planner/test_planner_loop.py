@@ -21,6 +21,7 @@ from pdserve.planner.rule import Targets
 from pdserve.router.http.metrics import RouterMetrics
 from pdserve.router.http.traffic import TrafficWindow
 from pdserve.scheduler import InstanceRegistry, Keys, RouterInfo, RouterRegistry
+from pdserve.scheduler.outbox_messages import RequestDelta, Usage
 from pdserve.scheduler.registration import RoleChange
 from pdserve.status_read import read
 from pdserve.status_table import render
@@ -60,6 +61,30 @@ def test_the_traffic_window_counts_what_was_served_within_it() -> None:
     window.info()
     clock.now += 1
     assert window.info().requests == 0
+
+
+def test_the_traffic_window_counts_what_arrived_before_it_finishes() -> None:
+    """Choices placed count at once (their prompt tokens and max_tokens where known); of the
+    finished ones with a max_tokens, what was asked and what was generated."""
+    clock, metrics = Clock(), RouterMetrics()
+    window = TrafficWindow(metrics, 30.0, clock)
+    window.info()
+    metrics.on_arrival(512, 24)
+    metrics.on_arrival(None, 128)  # a text prompt not tokenized
+    metrics.on_arrival(64, None)  # no max_tokens: the worker fills the model length in
+    usage = RequestDelta(
+        request_id="r", finish_reason="stop", usage=Usage(prompt_tokens=512, completion_tokens=10)
+    )
+    metrics.on_delta(usage, False, 0.0, 0.0, 1.0, max_tokens=24)
+    clock.now += 5
+    info = window.info()
+    assert (info.arrivals, info.arrival_prompt_tokens, info.arrival_prompt_known) == (3, 576, 2)
+    assert (info.arrival_max_tokens, info.arrival_max_known) == (152, 2)
+    assert (info.finished_asked, info.finished_generated, info.requests) == (24, 10, 1)
+    clock.now += 40
+    window.info()
+    clock.now += 1
+    assert window.info().arrivals == 0
 
 
 def test_the_planner_decides_records_exports_and_remembers(redis_url: str) -> None:

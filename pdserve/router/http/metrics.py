@@ -74,6 +74,7 @@ NAMES = (
     "pdserve_route_estimate_seconds",
     "pdserve_route_picks_total",
     "pdserve_instance_prefill_seconds_per_token",
+    "pdserve_instance_decode_seconds_per_token",
     "pdserve_instance_read_back_seconds_per_block",
     "pdserve_instance_kv_transfer_seconds_per_block",
     "pdserve_instance_fetch_seconds_per_block",
@@ -119,6 +120,11 @@ class _InstanceRates(Collector):
             "seconds per prompt token an instance's recent prefill steps took (its registration's rates)",
             labels=["instance"],
         )
+        decode = GaugeMetricFamily(
+            "pdserve_instance_decode_seconds_per_token",
+            "seconds per token an instance's recent decode-only steps took (its registration's rates)",
+            labels=["instance"],
+        )
         read_back = GaugeMetricFamily(
             "pdserve_instance_read_back_seconds_per_block",
             "seconds per KV block an instance's recent read-backs from a tier took (read, check, copy)",
@@ -141,6 +147,8 @@ class _InstanceRates(Collector):
                 continue
             if rates.prefill_s_per_token is not None:
                 prefill.add_metric([info.id], rates.prefill_s_per_token)
+            if rates.decode_s_per_token is not None:
+                decode.add_metric([info.id], rates.decode_s_per_token)
             for tier, value in (("host", rates.host_read_s_per_block), ("disk", rates.disk_read_s_per_block)):
                 if value is not None:
                     read_back.add_metric([info.id, tier], value)
@@ -149,6 +157,7 @@ class _InstanceRates(Collector):
             if rates.fetch_s_per_block is not None:
                 fetch.add_metric([info.id], rates.fetch_s_per_block)
         yield prefill
+        yield decode
         yield read_back
         yield transfer
         yield fetch
@@ -228,6 +237,32 @@ class LoopHistogram(Collector):
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             family.add_metric(list(labels), buckets, sum_value=series.sum)
         yield family
+
+
+class Asked:
+    """What clients asked for, counted as their choices start and finish: not exported, only
+    published in the router's traffic window (``traffic.py``), where the planner reads the demand
+    arriving (prompt tokens and answer tokens per second) before the requests finish."""
+
+    __slots__ = (
+        "arrivals",
+        "finished_asked",
+        "finished_generated",
+        "max_known",
+        "max_tokens",
+        "prompt_known",
+        "prompt_tokens",
+    )
+
+    def __init__(self) -> None:
+        self.arrivals = 0
+        """Choices whose first attempt was placed."""
+        self.prompt_tokens = self.prompt_known = 0
+        """Their prompt tokens, of the ``prompt_known`` whose length the router knew."""
+        self.max_tokens = self.max_known = 0
+        """Their ``max_tokens``, of the ``max_known`` whose client set one."""
+        self.finished_asked = self.finished_generated = 0
+        """Of the finished choices whose client set ``max_tokens``: the tokens asked, and generated."""
 
 
 class RouterMetrics:
@@ -357,6 +392,7 @@ class RouterMetrics:
             r,
             ("outcome",),
         )
+        self.asked = Asked()
         self._live = _LiveInstances()
         r.register(self._live)
         self._rates = _InstanceRates()
@@ -373,8 +409,29 @@ class RouterMetrics:
     def on_request(self, endpoint: str, model: str, status: int, error_kind: str) -> None:
         self._requests.inc(endpoint, model, str(status), error_kind)
 
-    def on_delta(self, delta: RequestDelta, first: bool, arrived: float, last: float, now: float) -> None:
-        """One accepted, non-error delta of a generation (``first``: its first visible one)."""
+    def on_arrival(self, prompt_tokens: int | None, max_tokens: int | None) -> None:
+        """A choice placed for the first time: its prompt's length and its ``max_tokens``, where
+        known (None: a text prompt the router did not tokenize; no ``max_tokens`` from the client)."""
+        asked = self.asked
+        asked.arrivals += 1
+        if prompt_tokens is not None:
+            asked.prompt_tokens += prompt_tokens
+            asked.prompt_known += 1
+        if max_tokens is not None:
+            asked.max_tokens += max_tokens
+            asked.max_known += 1
+
+    def on_delta(
+        self,
+        delta: RequestDelta,
+        first: bool,
+        arrived: float,
+        last: float,
+        now: float,
+        max_tokens: int | None = None,
+    ) -> None:
+        """One accepted, non-error delta of a generation (``first``: its first visible one;
+        ``max_tokens``: the client's, None when it set none)."""
         if first:
             self.ttft.observe(now - arrived)
         elif delta.token_ids:
@@ -392,6 +449,9 @@ class RouterMetrics:
             self.generation_tokens.inc(amount=usage.completion_tokens)
             self.prompt_tokens.inc(amount=usage.prompt_tokens)
             self.e2e.observe(now - arrived)
+            if max_tokens is not None:
+                self.asked.finished_asked += max_tokens
+                self.asked.finished_generated += usage.completion_tokens
 
     def on_redis(self, op: str, seconds: float | None, error: BaseException | None) -> None:
         """A Redis round trip (``RedisObserver``)."""

@@ -6,12 +6,15 @@ histograms' bucket counts, the token, prefix and KV transfer counters): a few li
 published figures are the difference between the newest snapshot and the oldest one within the
 window (``--traffic-window``, 30 s): requests finished, their tokens, and the two histograms'
 bucket counts over that window (with the bounds), which a reader merges across routers before it
-takes a quantile.
+takes a quantile; and what arrived in it (``RouterMetrics.asked``): choices placed, their prompt
+tokens and ``max_tokens`` where known, and of the finished ones the tokens asked and generated (the
+planner's demand, ``planner/demand.py``).
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import time
 from collections.abc import Callable
 
@@ -21,6 +24,7 @@ from pdserve.scheduler.registration import TrafficInfo
 
 class _Snapshot:
     __slots__ = (
+        "asked",
         "at",
         "generation",
         "hit",
@@ -44,6 +48,7 @@ class _Snapshot:
         self.hit = metrics.prefix_hit_tokens.values.get((), 0.0)
         transfer = metrics.kv_transfer.series()
         self.transfers, self.transfer_s = sum(transfer.counts), transfer.sum
+        self.asked = copy.copy(metrics.asked)
 
 
 class TrafficWindow:
@@ -76,4 +81,11 @@ class TrafficWindow:
             prefix_hit_tokens=int(now.hit - base.hit),
             kv_transfers=now.transfers - base.transfers,
             kv_transfer_s=round(now.transfer_s - base.transfer_s, 6),
+            arrivals=now.asked.arrivals - base.asked.arrivals,
+            arrival_prompt_tokens=now.asked.prompt_tokens - base.asked.prompt_tokens,
+            arrival_prompt_known=now.asked.prompt_known - base.asked.prompt_known,
+            arrival_max_tokens=now.asked.max_tokens - base.asked.max_tokens,
+            arrival_max_known=now.asked.max_known - base.asked.max_known,
+            finished_asked=now.asked.finished_asked - base.asked.finished_asked,
+            finished_generated=now.asked.finished_generated - base.asked.finished_generated,
         )

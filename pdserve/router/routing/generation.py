@@ -108,6 +108,10 @@ class RoutedGeneration:
             cache_salt=sampling.cache_salt,
         )
         """What the policies see of this choice (the same for all its attempts)."""
+        self._prompt_tokens = len(prompt.token_ids) if prompt.token_ids is not None else None
+        """The prompt's length in tokens where known (a token-id prompt, or one the router tokenized)."""
+        self._max_tokens = None if parsed.fill_max_tokens else sampling.max_tokens
+        """The client's ``max_tokens`` (None: it set none; the worker fills the model length in)."""
         self.deadline = deadline
         self.attempt = 0
         self.route: Route | None = None
@@ -153,7 +157,11 @@ class RoutedGeneration:
                 f"the request did not finish within {self.dispatcher.settings.request_timeout_s:g} s",
             )
         )
-        await self._submit(await self._pick())
+        route = await self._pick()
+        d = self.dispatcher
+        if d.metrics is not None:  # the demand arriving, for the planner (traffic.py)
+            d.metrics.on_arrival(self._prompt_tokens, self._max_tokens)
+        await self._submit(route)
 
     async def next(self) -> RequestDelta:
         """The next delta of the current attempt. Retryable failures are retried here, so the caller
@@ -226,7 +234,12 @@ class RoutedGeneration:
         metrics = self.dispatcher.metrics
         if metrics is not None:
             metrics.on_delta(
-                delta, not self.delivered and not self.has_tokens, self.arrived, self.last_delta_at, now
+                delta,
+                not self.delivered and not self.has_tokens,
+                self.arrived,
+                self.last_delta_at,
+                now,
+                self._max_tokens,
             )
         self.delivered += delta.token_ids
         self.last_delta_at = now
@@ -321,6 +334,8 @@ class RoutedGeneration:
         request = self.policy_request
         if d.selector.reads_prefix_index:
             request = await d.prefix.view(live, request, self._blocks)
+            if request.num_tokens is not None:
+                self._prompt_tokens = request.num_tokens
         route = d.route(live, request, self._exclude)
         d.prefix.learn(route, request, self._blocks)
         if d.metrics is not None:
