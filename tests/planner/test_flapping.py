@@ -9,6 +9,15 @@ its noise alone moves the wanted split back and forth. Without hysteresis it fla
 below, so the trace can tell); with the defaults it must not. The same holds with both of the
 rule's signals acting (the prefill queues alone where too few requests finished to trust a p90) and
 with its verdicts on each switch (an undo is a switch too: it counts).
+
+``data/steady_demand_trace.jsonl`` is the same kind of recording (``plan_bench.py --record-trace
+--interval 5 --steady-s 400``: 85 observations, 320 requests) made once the routers published what
+arrives and the instances what a prompt and an answer token cost them; other jobs shared the host
+for about three of its minutes, as they do. On it the rule splits by the demand (``demand.py``),
+whose noise (the window's mix of the two kinds of request, the measured costs: prefill's share of
+the work goes from 0.2 to 0.67 over the trace) is what could make it flap; the targets are put
+where that noise moves the wanted split back and forth (without hysteresis: 9 switches in
+three minutes).
 """
 
 from __future__ import annotations
@@ -18,15 +27,17 @@ import json
 import statistics
 from pathlib import Path
 
+from pdserve.planner.demand import demand
 from pdserve.planner.observe import Observation
 from pdserve.planner.rule import Decision, PlannerState, Targets, decide
 
 TRACE = Path(__file__).parent / "data" / "steady_trace.jsonl"
+DEMAND_TRACE = Path(__file__).parent / "data" / "steady_demand_trace.jsonl"
 FIVE_MINUTES = 300.0
 
 
-def trace() -> list[Observation]:
-    return [Observation.from_dict(json.loads(line)) for line in TRACE.read_text().splitlines()]
+def trace(path: Path = TRACE) -> list[Observation]:
+    return [Observation.from_dict(json.loads(line)) for line in path.read_text().splitlines()]
 
 
 def border_targets(observations: list[Observation], **hysteresis: float) -> Targets:
@@ -101,5 +112,50 @@ def test_with_both_signals_and_its_verdicts_a_steady_load_still_switches_at_most
     assert len(by_queue) >= 5  # the queue signal drives prefill's pressure on this trace
     assert most_in_five_minutes([d.at for d in eager for _ in d.switches]) >= 3
     for targets in (both(), both(patience=2, cooldown_s=30)):
+        switched = replay(observations, targets)
+        assert most_in_five_minutes(switched) <= 1, (targets, switched)
+
+
+def demand_border_targets(observations: list[Observation], **hysteresis: float) -> Targets:
+    """Targets at which this load's median demand, weighed by the latency pressures, gives prefill
+    0.625 of the work: of 4 instances 2.5, between 2 and 3 prefill instances. The side whose work is
+    the smaller is put over its target by as much as it takes; the other's target at 1.25x its
+    median p90, under it."""
+    plain = Targets(ttft_p90_s=1.0, itl_p90_s=1.0, min_requests=10)
+    demands = [d for o in observations if (d := demand(o, plain.min_arrivals)) is not None]
+    wp = statistics.median(d.prefill_work for d in demands)
+    wd = statistics.median(d.decode_work for d in demands)
+    judged = [o for o in observations if o.ttft_p90_s is not None and o.itl_p90_s is not None]
+    ttft = statistics.median(o.ttft_p90_s for o in judged if o.ttft_p90_s is not None)
+    itl = statistics.median(o.itl_p90_s for o in judged if o.itl_p90_s is not None)
+    border = 0.625
+    if wp / (wp + wd) < border:  # prefill's work weighed up to the border
+        pressure = border / (1 - border) * wd / wp
+        return Targets(ttft_p90_s=ttft / pressure, itl_p90_s=itl * 1.25, min_requests=10, **hysteresis)  # type: ignore[arg-type]
+    pressure = (1 - border) / border * wp / wd
+    return Targets(ttft_p90_s=ttft * 1.25, itl_p90_s=itl / pressure, min_requests=10, **hysteresis)  # type: ignore[arg-type]
+
+
+def test_the_demand_trace_is_a_steady_load_the_demand_splits() -> None:
+    observations = trace(DEMAND_TRACE)
+    assert observations[-1].at - observations[0].at > FIVE_MINUTES
+    assert {len(o.members) for o in observations} == {4}
+    targets = demand_border_targets(observations)
+    split = [d for d in decisions(observations, targets) if d.inputs["demand"] is not None]
+    assert len(split) >= 0.8 * len(observations)  # the demand is known nearly all along
+
+
+def test_without_hysteresis_the_demand_flaps_on_this_trace() -> None:
+    observations = trace(DEMAND_TRACE)
+    eager = demand_border_targets(observations, patience=1, cooldown_s=0, reverse_s=0)
+    assert most_in_five_minutes(replay(observations, eager)) >= 3
+
+
+def test_splitting_by_the_demand_a_steady_load_still_switches_at_most_once_in_five_minutes() -> None:
+    observations = trace(DEMAND_TRACE)
+    for targets in (
+        demand_border_targets(observations),
+        demand_border_targets(observations, patience=2, cooldown_s=30),
+    ):
         switched = replay(observations, targets)
         assert most_in_five_minutes(switched) <= 1, (targets, switched)
