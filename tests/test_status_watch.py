@@ -280,6 +280,7 @@ def test_status_shows_each_host_tier(redis_url) -> None:
     rates = {i["id"]: i["rates"] for i in status["instances"]}
     assert rates[plain.id] is None and rates[tiered.id] == {
         "prefill_s_per_token": 0.002,
+        "decode_s_per_token": None,
         "host_read_s_per_block": 0.0001,
         "disk_read_s_per_block": None,
         "transfer_s_per_block": None,
