@@ -885,7 +885,7 @@ def test_the_planner_switches_roles_and_keda_scales_its_pool_by_its_endpoint() -
     on the port it listens on; the planner's most instances are that pool's most plus the pods that
     cannot switch, so it never asks for more than KEDA may start."""
     from pdserve.planner.endpoint import desired_view
-    from pdserve.planner.rule import Decision
+    from pdserve.planner.records import Decision
     from pdserve.planner.settings import PlanSettings
 
     stack = stack_at(KUBE / "planner")

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from pdserve.planner.loop import PlannerMetrics
-from pdserve.planner.rule import Decision
+from pdserve.planner.records import Decision
 
 log = logging.getLogger(__name__)
 

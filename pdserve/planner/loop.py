@@ -24,8 +24,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.errors import ControlPlaneError, PdserveError
 from pdserve.planner.observe import observe
+from pdserve.planner.records import Decision, Motive, PlannerState, Targets
 from pdserve.planner.restore import restored
-from pdserve.planner.rule import Decision, Motive, PlannerState, Targets, decide
+from pdserve.planner.rule import decide
 from pdserve.planner.switch import switch_role
 from pdserve.scheduler import Keys
 from pdserve.scheduler.redis_client import RedisClient

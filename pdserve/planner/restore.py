@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pdserve.planner.rule import Motive, PlannerState, Verdict
+from pdserve.planner.records import Motive, PlannerState, Verdict
 
 
 def restored(decisions: Iterable[dict[str, Any]], now: float) -> PlannerState:

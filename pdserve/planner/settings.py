@@ -6,7 +6,7 @@ import dataclasses
 
 from pdserve.errors import ConfigError
 from pdserve.flags import setting
-from pdserve.planner.rule import Targets
+from pdserve.planner.records import Targets
 from pdserve.scheduler.keys import DEFAULT_CLUSTER
 from pdserve.scheduler.redis_client import DEFAULT_URL
 

@@ -11,7 +11,8 @@ import pytest
 
 from pdserve.planner.demand import demand
 from pdserve.planner.observe import Member, Observation
-from pdserve.planner.rule import Decision, PlannerState, Targets, decide
+from pdserve.planner.records import Decision, PlannerState, Targets
+from pdserve.planner.rule import decide
 
 TARGETS = Targets(ttft_p90_s=3.0, itl_p90_s=0.15, patience=2, cooldown_s=8, reverse_s=20, min_requests=8)
 STEP_S = 2.0

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from pdserve.planner.demand import demand
 from pdserve.planner.observe import Observation
-from pdserve.planner.rule import Decision, PlannerState, Targets, decide
+from pdserve.planner.records import Decision, PlannerState, Targets
+from pdserve.planner.rule import decide
 
 TRACE = Path(__file__).parent / "data" / "steady_trace.jsonl"
 DEMAND_TRACE = Path(__file__).parent / "data" / "steady_demand_trace.jsonl"

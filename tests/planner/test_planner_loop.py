@@ -17,7 +17,7 @@ from router_support import instance
 from pdserve.localredis.embedded import free_port
 from pdserve.planner.endpoint import endpoint_app, serve_endpoint
 from pdserve.planner.loop import Planner, PlannerMetrics
-from pdserve.planner.rule import Targets
+from pdserve.planner.records import Targets
 from pdserve.router.http.metrics import RouterMetrics
 from pdserve.router.http.traffic import TrafficWindow
 from pdserve.scheduler import InstanceRegistry, Keys, RouterInfo, RouterRegistry

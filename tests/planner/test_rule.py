@@ -5,7 +5,8 @@ ones, and a count change is asked only where the count is the planner's to chang
 from __future__ import annotations
 
 from pdserve.planner.observe import Member, Observation, quantile
-from pdserve.planner.rule import PlannerState, Targets, decide
+from pdserve.planner.records import PlannerState, Targets
+from pdserve.planner.rule import decide
 
 TARGETS = Targets(ttft_p90_s=1.0, itl_p90_s=0.1, patience=2, cooldown_s=30, reverse_s=300, min_requests=10)
 

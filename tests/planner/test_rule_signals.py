@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdserve.planner.observe import Member, Observation
+from pdserve.planner.records import Decision, PlannerState, Targets
 from pdserve.planner.restore import restored
-from pdserve.planner.rule import Decision, PlannerState, Targets, decide
+from pdserve.planner.rule import decide
 
 TARGETS = Targets(ttft_p90_s=1.0, itl_p90_s=0.1, patience=2, cooldown_s=30, reverse_s=60, min_requests=10)
 STEP_S = 5.0
