@@ -147,6 +147,22 @@ def test_every_class_name_is_unique_in_the_package() -> None:
     assert not shared, shared
 
 
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_is_over_500_lines() -> None:
+    """A module a reader can hold in mind: past 500 lines one is cut by concept (as ``planner/rule.py``
+    into the rule and its ``records``), in pdserve/ and in benchmarks/ alike."""
+    roots = (PACKAGE, PACKAGE.parent / "benchmarks")
+    long = {
+        str(path.relative_to(PACKAGE.parent)): n
+        for root in roots
+        for path in root.rglob("*.py")
+        if "__pycache__" not in path.parts and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
 def test_no_import_cycle_inside_the_package() -> None:
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])

@@ -419,33 +419,27 @@ class RoutedGeneration:
         route = self.route
         assert route is not None
         where = "/".join(route.instance_ids)
-        if self.delivered:
+        migrating = bool(self.delivered)  # tokens reached the client: resume elsewhere, else start over
+        if migrating:
             self.migrations += 1
             d.num_migrations += 1
-            if d.metrics is not None:
-                d.metrics.migrations.inc()
-            logger.warning(
-                "request %s attempt %d on %s failed after %d tokens (%s: %s); migrating it",
-                self.request_id,
-                self.attempt,
-                where,
-                len(self.delivered),
-                error.kind,
-                error.message,
-            )
         else:
             self.retries += 1
             d.num_retries += 1
-            if d.metrics is not None:
-                d.metrics.on_retry(error.kind)
-            logger.warning(
-                "request %s attempt %d on %s failed (%s: %s); retrying on a fresh pair",
-                self.request_id,
-                self.attempt,
-                where,
-                error.kind,
-                error.message,
-            )
+        if d.metrics is not None and migrating:
+            d.metrics.migrations.inc()
+        elif d.metrics is not None:
+            d.metrics.on_retry(error.kind)
+        logger.warning(
+            "request %s attempt %d on %s failed%s (%s: %s); %s",
+            self.request_id,
+            self.attempt,
+            where,
+            f" after {len(self.delivered)} tokens" if migrating else "",
+            error.kind,
+            error.message,
+            "migrating it" if migrating else "retrying on a fresh pair",
+        )
         self._exclude.update(self._blamed or route.instance_ids)
         d.live.invalidate()
         self._release_all()  # the failed attempt is no load on its instances: the pick must not count it
