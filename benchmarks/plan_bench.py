@@ -206,6 +206,31 @@ def record_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def decisions(stack: Any, since: float) -> list[dict[str, Any]]:
+    """The planner's decisions from its stream (``Keys.plan``) made since ``since`` (unix s), each
+    as {at_s (from ``since``), action, current, desired, reason}."""
+    from pdserve.planner.loop import last_decision
+    from pdserve.scheduler import Keys
+    from pdserve.scheduler.redis_client import RedisSettings
+
+    client = RedisSettings.from_url(stack.redis_url).connect_sync()
+    out = []
+    for _, fields in client.xrange(Keys(stack.spec.cluster).plan) or ():
+        d = last_decision(fields)
+        if d["at"] >= since:
+            role = ("prefill", "decode")
+            out.append(
+                {
+                    "at_s": round(d["at"] - since, 1),
+                    "action": d["action"],
+                    "current": ":".join(str(d["current"][r]) for r in role),
+                    "desired": ":".join(str(d["desired"][r]) for r in role),
+                    "reason": d["reason"],
+                }
+            )
+    return out
+
+
 def run_config(name: str, args: argparse.Namespace, reqs: list[dict[str, Any]]) -> dict[str, Any]:
     import httpx
 
@@ -263,9 +288,11 @@ def run_config(name: str, args: argparse.Namespace, reqs: list[dict[str, Any]]) 
                 await watcher
                 return done
 
-        t0 = time.perf_counter()
+        t0, since = time.perf_counter(), time.time()
         results = asyncio.run(drive())
-        return {"config": name, "wall_s": time.perf_counter() - t0, "splits": splits, "requests": results}
+        wall_s = time.perf_counter() - t0
+        made = decisions(stack, since) if planner else []
+        return {"config": name, "wall_s": wall_s, "splits": splits, "decisions": made, "requests": results}
     finally:
         stack.stop(grace_s=20)
 
@@ -369,6 +396,9 @@ def main() -> int:
             f"{s['failed']} failed ({time.perf_counter() - t:.0f} s with start and stop)",
             flush=True,
         )
+        for d in got["decisions"]:  # the planner's changes, and why
+            if d["action"] != "hold":
+                print(f"  {d['at_s']:6.1f} s {d['action']} {d['current']} -> {d['desired']}: {d['reason']}")
     table = []
     for name, got in runs.items():
         for label, s in got["score"].items():
