@@ -9,14 +9,16 @@ Each configuration is a fresh stack of --workers workers of the real model (ever
 * phase 2, decode-heavy: --short-prompt-token prompts, --long-answer tokens each, at --rate-2/s.
 
 Why phase 2 is 1.0 req/s of 256-token answers: it must be decode-heavy enough that a split with one
-decode instance loses there while the host is not overloaded for every split. A decode instance
-runs at most --max-num-seqs (8) streams on one thread; 256 answer tokens/s need more streams at
-once than that, so a fixed 3:1 queues them (a stream's wait before its second token counts in its
-time per output token) while 2:2 does not, without more tokens/s than two decode instances make on
-this host. Trials on the 2-vCPU host (40 s phases, 2026-12-07): at 1.0/s x 256 phase 2 met the SLO
-for 55 % of requests at 3:1 (TPOT p90 160 ms) and 100 % at 2:2 (115 ms); at 0.8/s x 256 2:2 met
-100 % (102 ms). The earlier 1.2/s x 128 was met by every split (3:1 lost nothing there), and
-1.9/s x 128 overloaded every split.
+decode instance loses there while the host is not overloaded for every split. 256 answer tokens/s
+keep more streams at once than one decode instance's thread serves within the TPOT target: the
+streams a decode instance imports from prefill instances all join its batch (past
+--max-num-seqs: Batcher.add_running), so with 3:1 its every step carries them all and slows,
+while 2:2 shares them between two threads, without more tokens/s than the host makes. Trials on
+the 2-vCPU host (40 s phases, 2026-12-07): at 1.0/s x 256 phase 2 met the SLO for 55 % of
+requests at 3:1 (TPOT p90 160 ms) and 100 % at 2:2 (115 ms); at 0.8/s x 256 2:2 met 100 %
+(102 ms); the full run (60 s phases) gave phase 2 66.7 % at 3:1, 100 % at 2:2, 89.5 % at 1:3.
+The earlier 1.2/s x 128 was met by every split (3:1 lost nothing there), and 1.9/s x 128
+overloaded every split.
 
 A request meets the SLO when its time to first token is within --ttft-p90 and its mean time per
 output token after the first within --itl-p90 (the targets the planner is given). Attainment is the
