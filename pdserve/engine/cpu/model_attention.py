@@ -48,9 +48,10 @@ class ModelAttention:
         blocks = table[: -(-end // bs)]
         width = max(-(-end // CAUSAL_TILE) * CAUSAL_TILE, len(blocks) * bs)
         kt, vt = np.empty((2, width, KVH, D), np.float32)
-        for which, into in ((0, kt), (1, vt)):  # gathered straight into place, the padding zeroed
-            gathered = into[: len(blocks) * bs].reshape(len(blocks), bs, KVH, D)
-            np.take(kv[:, which, layer], blocks, axis=0, out=gathered, mode="clip")
+        for which, into in ((0, kt), (1, vt)):  # the padding zeroed
+            # indexed on the whole cache: np.take on the strided view kv[:, which, layer] first
+            # copied that view whole, every block of the pool (2.7 ms a call for 2000 blocks, 0.03 here)
+            into[: len(blocks) * bs].reshape(len(blocks), bs, KVH, D)[...] = kv[blocks, which, layer]
             into[end:] = 0.0
         return self.causal_tiles(q, kt, vt, end - q.shape[0])
 
