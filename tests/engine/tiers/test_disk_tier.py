@@ -130,7 +130,7 @@ def test_a_stuck_writer_drops_the_writes_and_counts_them(tmp_path) -> None:
         stuck.wait(10)
         write(*item)
 
-    tier._write = slow_write  # type: ignore[method-assign]
+    tier._write = slow_write  # type: ignore[method-assign,assignment]
     t0 = time.monotonic()
     for i in range(20):
         tier.put(h(i), block(i))
