@@ -35,9 +35,9 @@ The default shape: the first turns are cold in every configuration, so they must
 tenth of the requests for the p90 over all requests to be a later turn's (12 turns: 1/12 = 8.3 %;
 at 3 turns a third of the requests are cold and every configuration's p90 is a cold prefill). The
 configurations without a tier (``pool``, ``off``) recompute every tenant's whole context on every
-turn, so their time grows with tenants x turns x context: 6 tenants keep the five configurations near
-an hour by the forecast on a 2-vCPU host (12 tenants: over two hours), with the working set still 3x
-one pool (the issue's e.g. 24 tenants x 3 turns: ~70 min for four configurations, and the cold
+turn, so their time grows with tenants x turns x context: 6 tenants keep the five configurations within
+an hour on a 2-vCPU host (55 min measured, 72 min forecast; 12 tenants: over two hours), with the
+working set still 3x one pool (the issue's e.g. 24 tenants x 3 turns: ~70 min for four configurations, and the cold
 first turns set every p90).
 Prints a forecast of the run time first (rough:
 --ms-per-token), two tables on stdout (progress on stderr), and writes JSON
