@@ -14,8 +14,8 @@ Writes go through one background thread with a bounded queue: the engine's threa
 block, which it does for the host tier too, and a block whose file this tier knows is only touched
 (:meth:`DiskTier.refresh`: no copy, no queue slot). An eviction comes in a burst (an admission
 allocates its prompt's blocks at once: hundreds of evictions in one call), so a full queue makes the
-engine's thread wait for the writer (a file to the page cache takes about a millisecond) rather
-than drop the block; only a writer that frees no slot in ``put_timeout_s`` (a stuck disk) has the
+engine's thread wait for the writer (it writes into the page cache) rather than drop the
+block; only a writer that frees no slot in ``put_timeout_s`` (a stuck disk) has the
 write dropped (counted), and the writes after it until the queue has room again. Reads
 are synchronous in the step that admits the prompt (a few hundred microseconds a block from the
 page cache, far below recomputing it; an asynchronous read would need the batcher to hold an
