@@ -1,8 +1,8 @@
 """The host and disk tiers and peer fetch on a multi-tenant long-context workload, through a served stack.
 
-T tenants (default 24), each with its own API key (so the router salts its prefix cache: no tenant
+T tenants (default 6), each with its own API key (so the router salts its prefix cache: no tenant
 reads another's blocks) and its own long context (2-4k tokens, drawn per tenant), talk in turns: turn
-t of every tenant, then turn t + 1 of every tenant, ... (default 3 turns); a turn's prompt is the
+t of every tenant, then turn t + 1 of every tenant, ... (default 12 turns); a turn's prompt is the
 tenant's context, its earlier turns (64-token user messages, 16-token greedy answers sent back as
 the answer's own token ids) and the new user message. Each configuration is a fresh stack as
 ``pdserve up --mixed 2`` runs it (``pdserve.stack.Stack``; SmolLM2-135M, 2 mixed instances of one
@@ -11,8 +11,7 @@ the OpenAI API (``/v1/completions``, streamed) by --concurrency clients at once.
 pool (its KV cache, ``--num-blocks``) holds --pool-fraction (a third) of the working set (every
 tenant's context and turns), so by the time a tenant comes back its blocks have left the pools.
 
-Configurations (--configs; default ``tiers,host,pool,off``: the issue's comparison, and the host
-tier without peer fetch):
+Configurations (--configs; default all five: the issue's comparison, and each tier alone):
 
 - ``tiers``: prefix cache on, a host tier per instance (``--kv-host-bytes``, --host-factor x the
   working set each), instances ``--switchable`` (their caches in shared memory, so a peer can write
@@ -30,13 +29,21 @@ later turns (turn >= 1, those that can hit); the later turns' prompt blocks by w
 counters in their registrations (what ``pdserve status`` shows), and the router's picks by source
 (``pdserve_route_picks_total``); the later turns' hit rate against the ideal for the trace (an
 unbounded cache shared by every instance: each prompt's full blocks, before its last token, that the
-tenant's earlier prompt and answer filled) and the achieved fraction of it; the wall time. Over
-all requests the first turns (cold in every configuration: a third of them at 3 turns) set the p90;
-the later turns' figures are what the tiers change. Prints a forecast of the run time first (rough:
+tenant's earlier prompt and answer filled) and the achieved fraction of it; the wall time.
+
+The default shape: the first turns are cold in every configuration, so they must be well under a
+tenth of the requests for the p90 over all requests to be a later turn's (12 turns: 1/12 = 8.3 %;
+at 3 turns a third of the requests are cold and every configuration's p90 is a cold prefill). The
+configurations without a tier (``pool``, ``off``) recompute every tenant's whole context on every
+turn, so their time grows with tenants x turns x context: 6 tenants keep the five configurations within
+an hour on a 2-vCPU host (55 min measured, 72 min forecast; 12 tenants: over two hours), with the
+working set still 3x one pool (the issue's e.g. 24 tenants x 3 turns: ~70 min for four configurations, and the cold
+first turns set every p90).
+Prints a forecast of the run time first (rough:
 --ms-per-token), two tables on stdout (progress on stderr), and writes JSON
 (``benchmarks/results/tier_bench.json``).
 
-    .venv/bin/python benchmarks/tier_bench.py    # issue 46's workload: ~1 h on a loaded 2-vCPU host
+    .venv/bin/python benchmarks/tier_bench.py    # issue 46's workload: 6 tenants x 2-4k x 12 turns
     .venv/bin/python benchmarks/tier_bench.py --tenants 6 --context-min 512 --context-max 1024 --turns 2
 """
 
@@ -370,14 +377,14 @@ def main() -> int:
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--tenants", type=int, default=24, help="tenants, one API key each (default %(default)s)")
+    ap.add_argument("--tenants", type=int, default=6, help="tenants, one API key each (default %(default)s)")
     ap.add_argument(
         "--context-min", type=int, default=2048, help="shortest context, tokens (default %(default)s)"
     )
     ap.add_argument(
         "--context-max", type=int, default=4096, help="longest context, tokens (default %(default)s)"
     )
-    ap.add_argument("--turns", type=int, default=3, help="turns per tenant (default %(default)s)")
+    ap.add_argument("--turns", type=int, default=12, help="turns per tenant (default %(default)s)")
     ap.add_argument(
         "--user-tokens", type=int, default=64, help="tokens per user message (default %(default)s)"
     )
@@ -406,7 +413,7 @@ def main() -> int:
         help="the shared disk tier (disk) as a multiple of the working set (default %(default)s)",
     )
     ap.add_argument(
-        "--configs", default="tiers,host,pool,off", help=f"of {', '.join(CONFIGS)} (default %(default)s)"
+        "--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)} (default %(default)s)"
     )
     ap.add_argument("--seed", type=int, default=0, help="the trace's (default %(default)s)")
     ap.add_argument("--model", default="smollm2-135m", help="a --model source (default %(default)s)")

@@ -10,8 +10,13 @@ temporary name in the same directory and renamed over its name (``os.replace``),
 a whole file or none. A read checks every header field and the digest: any mismatch or a short
 file is a miss (counted as corrupt, the file removed), never bytes in the pool.
 
-Writes go through one background thread with a bounded queue (a full queue drops the write,
-counted): the engine's thread only copies the block, which it does for the host tier too. Reads
+Writes go through one background thread with a bounded queue: the engine's thread only copies the
+block, which it does for the host tier too, and a block whose file this tier knows is only touched
+(:meth:`DiskTier.refresh`: no copy, no queue slot). An eviction comes in a burst (an admission
+allocates its prompt's blocks at once: hundreds of evictions in one call), so a full queue makes the
+engine's thread wait for the writer (it writes into the page cache) rather than drop the
+block; only a writer that frees no slot in ``put_timeout_s`` (a stuck disk) has the
+write dropped (counted), and the writes after it until the queue has room again. Reads
 are synchronous in the step that admits the prompt (a few hundred microseconds a block from the
 page cache, far below recomputing it; an asynchronous read would need the batcher to hold an
 admission across steps). The files are the truth: a plan asks the file system about a block this
@@ -76,7 +81,7 @@ class DiskStats:
     misses: int = 0  # admitted prompts' full blocks the tiers above did not hold and this one did not
     corrupt: int = 0  # files that failed a check at a read-back (removed; the block recomputed)
     evictions: int = 0  # files this engine removed to stay within the byte bound
-    dropped: int = 0  # writes dropped because the writer's queue was full
+    dropped: int = 0  # writes dropped because the writer's queue stayed full (a stuck disk)
 
 
 class DiskTier:
@@ -90,6 +95,7 @@ class DiskTier:
         *,
         background: bool = True,
         queue_blocks: int = 64,
+        put_timeout_s: float = 0.5,
         rescan_s: float = 1.0,
         fsync: bool = False,
     ) -> None:
@@ -103,6 +109,8 @@ class DiskTier:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.dir = Path(os.path.realpath(self.dir))
         self.rescan_s = rescan_s
+        self.put_timeout_s = put_timeout_s
+        self._stalled = False  # a put timed out: drop, not wait, until the queue has room again
         self.fsync = fsync
         self.stats = DiskStats()
         self._lock = threading.Lock()  # the engine's thread and the writer's share what follows
@@ -156,20 +164,38 @@ class DiskTier:
         return payload if found == digest else None
 
     # ---- writes: the engine's thread queues, the writer writes ---------------------------------------
+    def refresh(self, block_hash: bytes) -> bool:
+        """A block this tier knows and whose file is there is made the most recently used (its
+        file touched): True, and there is nothing to write. False: it must be :meth:`put`."""
+        if self.max_files == 0 or block_hash not in self._known or not _touch(self.path(block_hash)):
+            return False
+        with self._lock:
+            self._known[block_hash] = time.time()
+        return True
+
     def put(self, block_hash: bytes, data: bytes, digest: bytes | None = None) -> None:
         """Store one block (a copy of its bytes; ``digest``: the XXH3 the host tier took when it
-        stored them, so bytes that changed in host memory fail at the read-back): queued for the
-        writer thread, or dropped (counted) when its queue is full; written at once without one."""
+        stored them, so bytes that changed in host memory fail at the read-back): only touched when
+        its file is there (:meth:`refresh`), else queued for the writer thread, waiting for a slot
+        when the queue is full; dropped (counted) when no slot frees in ``put_timeout_s`` (and,
+        after that, while the queue stays full); written at once without a writer thread."""
         if self.max_files == 0:
             return
         if len(data) != self.block_bytes:
             raise ValueError(f"a disk-tier block has {self.block_bytes} bytes, got {len(data)}")
+        if self.refresh(block_hash):
+            return
         if self._queue is None:
             self._write(block_hash, data, digest)
             return
         try:
-            self._queue.put_nowait((block_hash, data, digest))
+            if self._stalled:
+                self._queue.put_nowait((block_hash, data, digest))
+            else:
+                self._queue.put((block_hash, data, digest), timeout=self.put_timeout_s)
+            self._stalled = False
         except queue.Full:
+            self._stalled = True
             with self._lock:
                 self.stats.dropped += 1
 

@@ -72,11 +72,12 @@ class TieredCache:
         """The pool evicts a cached block: keep its bytes in the host tier, else the disk tier
         (before its new owner writes it). A failure loses the block from the tiers, never a request."""
         try:
-            data = self.cache.read_blocks([block])
             if self.host_tier is not None and self.host_tier.max_blocks:
-                self.host_tier.put(block_hash, data)
-            elif self.disk_tier is not None:  # no host tier (or one too small for a block)
-                self.disk_tier.put(block_hash, data)
+                self.host_tier.put(block_hash, self.cache.read_blocks([block]))
+            # no host tier (or one too small for a block); a block with a file already is touched,
+            # not copied
+            elif self.disk_tier is not None and not self.disk_tier.refresh(block_hash):
+                self.disk_tier.put(block_hash, self.cache.read_blocks([block]))
         except Exception:
             log.exception("tiers: block %d not stored", block)
 

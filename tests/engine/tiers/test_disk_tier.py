@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import time
 
 import pytest
 
@@ -106,14 +108,51 @@ def test_a_new_tier_on_the_directory_holds_what_it_lists(tmp_path) -> None:
     assert other.hashes() == [] and other.dir != again.dir  # another namespace reads none of them
 
 
-def test_a_full_queue_drops_the_write_and_counts_it(tmp_path) -> None:
-    tier = DiskTier(tmp_path, 8 * FILE, NS, queue_blocks=1)
-    assert tier._queue is not None
-    tier._queue.put((h(9), block(9), None))  # the writer may take it at once: fill again
+def test_a_burst_larger_than_the_queue_is_written_whole(tmp_path) -> None:
+    """An admission evicts its prompt's blocks in one call: the engine's thread waits for the
+    writer when the queue is full instead of dropping the rest of the burst."""
+    tier = DiskTier(tmp_path, 64 * FILE, NS, queue_blocks=2)
     for i in range(50):
         tier.put(h(i), block(i))
     tier.flush()
-    assert tier.stats.dropped > 0 and tier.stats.stores + tier.stats.dropped >= 50
+    assert tier.stats.stores == 50 and tier.stats.dropped == 0
+    assert tier.read([h(i) for i in range(50)]) == [block(i) for i in range(50)]
+    tier.close()
+
+
+def test_a_stuck_writer_drops_the_writes_and_counts_them(tmp_path) -> None:
+    """A writer that frees no slot in put_timeout_s (a stuck disk) has the write dropped, and the
+    ones after it at once, until the queue has room again: the engine waits once, not per block."""
+    tier = DiskTier(tmp_path, 64 * FILE, NS, queue_blocks=1, put_timeout_s=0.05)
+    stuck, write = threading.Event(), tier._write
+
+    def slow_write(*item) -> None:
+        stuck.wait(10)
+        write(*item)
+
+    tier._write = slow_write  # type: ignore[method-assign,assignment]
+    t0 = time.monotonic()
+    for i in range(20):
+        tier.put(h(i), block(i))
+    assert time.monotonic() - t0 < 1.0  # one timeout's wait, not twenty
+    assert tier.stats.dropped >= 17
+    stuck.set()
+    tier.flush()
+    tier.put(h(30), block(30))  # room again: queued, written
+    tier.flush()
+    assert tier.stats.stores + tier.stats.dropped == 21 and h(30) in tier.hashes()
+    tier.close()
+
+
+def test_a_block_already_on_disk_is_touched_not_written_again(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 8 * FILE, NS, queue_blocks=1)
+    tier.put(h(1), block(1))
+    tier.flush()
+    os.utime(tier.path(h(1)), (1000, 1000))
+    assert tier.refresh(h(1)) and not tier.refresh(h(2))
+    tier.put(h(1), block(1))
+    tier.flush()
+    assert tier.stats.stores == 1 and tier.path(h(1)).stat().st_mtime > 1000  # the most recent
     tier.close()
 
 
