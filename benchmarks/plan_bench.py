@@ -226,11 +226,15 @@ def decisions(stack: Any, since: float) -> list[dict[str, Any]]:
     from pdserve.scheduler.redis_client import RedisSettings
 
     client = RedisSettings.from_url(stack.redis_url).connect_sync()
+    try:
+        entries = client.xrange(Keys(stack.spec.cluster).plan) or ()
+    finally:
+        client.close()
+    role = ("prefill", "decode")
     out = []
-    for _, fields in client.xrange(Keys(stack.spec.cluster).plan) or ():
+    for _, fields in entries:
         d = last_decision(fields)
         if d["at"] >= since:
-            role = ("prefill", "decode")
             out.append(
                 {
                     "at_s": round(d["at"] - since, 1),
