@@ -74,6 +74,16 @@ class Observation:
     arrival_max_known: int = 0
     finished_asked: int = 0
     finished_generated: int = 0
+    # requests whose first token came in the windows (the TTFT histogram's samples; None: a trace
+    # recorded before routers counted them, where the finished requests stand in)
+    first_tokens: int | None = None
+
+    @property
+    def latency_samples(self) -> int:
+        """The requests the p90s rest on: those that got their first token in the window (their
+        TTFTs, and their streams' gaps in the inter-token histogram), or where that is not known
+        the finished ones."""
+        return self.first_tokens if self.first_tokens is not None else self.requests
 
     def count(self, role: str) -> int:
         return sum(1 for m in self.members if m.role == role and not m.draining)
@@ -160,6 +170,7 @@ def observation(
         arrival_max_known=sum(t.arrival_max_known for t in traffic),
         finished_asked=sum(t.finished_asked for t in traffic),
         finished_generated=sum(t.finished_generated for t in traffic),
+        first_tokens=sum(ttft),
     )
 
 

@@ -119,5 +119,5 @@ class Pressures:
     queue: float | None
     prefill: float | None
     decode: float | None
-    trusted: bool  # the p90s rest on at least min_requests finished requests
+    trusted: bool  # the p90s rest on at least min_requests requests (Observation.latency_samples)
     decode_basis: str = "trusted"  # untrusted: "last trusted" ri, or "assumed" at its target (none yet)

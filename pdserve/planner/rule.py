@@ -26,13 +26,20 @@ SLOs), each observation gives two pressures, prefill's and decode's:
 
 With a demand, of the ``n`` instances that take part in splits (prefill and decode) prefill gets
 ``round(n × wp·max(1, rt) / (wp·max(1, rt) + wd·max(1, ri)))`` (``wp``, ``wd``: the roles' work;
-``rt``: prefill's pressure), whether the targets are met or not (the point is to be at the right
-split before they are missed). Without one, with both pressures met (≤ 1) nothing changes;
-otherwise prefill gets ``round(n × rt / (rt + ri))``. Either way at least one and at most ``n - 1``,
-the rest decode, moving one instance per change (the latencies answer a switch unevenly: the next
-observation says whether another helps). Below ``min_requests`` finished requests the p90s are not
-trusted: then they count as at their targets (1) beside a demand; without one only a queue pressure
-over 1 acts, against the last trusted ``ri`` (1 before any). Instances move between
+``rt``: prefill's pressure), while the latencies are not trusted yet (the point is to be at the
+right split before a target is missed) or the role the split moves toward is over its target. A
+role within its target on trusted latencies takes no instance by the demand: the work is an
+estimate (a decode token's cost depends on the batch it ran in, and on a host with fewer cores than
+instances another instance of a role adds no cores), a measured latency within its target is not;
+on plan_bench's decode-heavy phase the demand asked for 1:3 while 2:2 met the inter-token target and
+1:3 then missed it. Without a demand, with both pressures met (≤ 1) nothing changes; otherwise
+prefill gets ``round(n × rt / (rt + ri))``. Either way at least one and at most ``n - 1``, the rest
+decode, moving one instance per change (the latencies answer a switch unevenly: the next
+observation says whether another helps). The p90s are trusted from ``min_requests`` requests that
+began streaming in the window (the TTFT histogram's samples; a long answer finishes a window or
+more after its tokens filled the inter-token histogram); below that they count as at their targets
+(1) beside a demand; without one only a queue pressure over 1 acts, against the last trusted
+``ri`` (1 before any). Instances move between
 the two roles by switches (``SetRole``): a decode instance can always become a prefill instance; a
 prefill instance becomes a decode instance only when it is ``switchable`` (its cache must be
 where peers write), the least loaded ones first. Where instances may be added (``max_instances``
@@ -48,7 +55,7 @@ Hysteresis, so a steady load never makes it flap:
   measured over the routers' last 30 s);
 * none reversing the last one's direction within ``reverse_s`` (default 300 s): on a steady load
   that sits between two splits, at most one change in five minutes;
-* nothing from fewer than ``min_requests`` finished requests (too few to estimate a p90) but the
+* nothing from fewer than ``min_requests`` requests streaming (too few to estimate a p90) but the
   demand, or a queue that already says prefill is short.
 
 Learning from a switch's effect. More instances of a role add capacity only while that role is
@@ -91,7 +98,7 @@ def pressures(obs: Observation, targets: Targets, state: PlannerState) -> Pressu
     rt = obs.ttft_p90_s / targets.ttft_p90_s if obs.ttft_p90_s is not None else None
     ri = obs.itl_p90_s / targets.itl_p90_s if obs.itl_p90_s is not None else None
     rq = queue_pressure(obs, targets, state)
-    if obs.requests >= targets.min_requests and rt is not None and ri is not None:
+    if obs.latency_samples >= targets.min_requests and rt is not None and ri is not None:
         state.last_ri = ri
         return Pressures(rt, ri, rq, max(rt, rq or 0.0), ri, True)
     if rq is not None and rq > 1:  # a queue says it before enough requests finish
@@ -150,6 +157,7 @@ def _inputs(obs: Observation, pr: Pressures, state: PlannerState, dm: Demand | N
         "decode_pressure": _round(pr.decode),
         "prefill_rate_per_instance": round(state.prefill_rate, 1),
         "requests": obs.requests,
+        "first_tokens": obs.first_tokens,
         "window_s": obs.window_s,
         "prompt_tokens_per_request": round(obs.prompt_tokens / obs.requests, 1) if obs.requests else None,
         "generation_tokens_per_request": round(obs.generation_tokens / obs.requests, 1)
@@ -187,7 +195,8 @@ def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerSta
         return _undo(obs, pr, targets, state, current, inputs, hold)
     if dm is None and (pr.prefill is None or pr.decode is None):
         return hold(
-            f"too little traffic to judge ({obs.requests} requests finished, {obs.arrivals} arrived lately)"
+            f"too little traffic to judge ({obs.latency_samples} requests began streaming, {obs.arrivals} "
+            "arrived lately)"
         )
     if p < 1 or d < 1:
         return hold("no prefill/decode split to adjust")
@@ -202,6 +211,10 @@ def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerSta
         if share is not None:
             return hold(f"{why}: the split follows it{'; the targets are met' if met else ''}")
         return hold("the targets are met" if met else "the split already follows the pressures")
+    if share is not None and pr.trusted and sum(target) == p + d:
+        gains, pressure = ("prefill", rt) if target[0] > p else ("decode", ri)
+        if pressure <= 1:  # the work is an estimate; a measured latency within its target is not
+            return hold(f"{why}: {gains} meets its target, so no instance moves to it")
     if state.candidate == target:
         state.streak += 1
     else:
@@ -249,7 +262,7 @@ def _why(pr: Pressures, obs: Observation, dm: Demand | None, share: float | None
     latencies = (
         _pressures_text(pr)
         if pr.prefill is not None and pr.decode is not None
-        else f"the latencies not trusted yet ({obs.requests} requests finished lately)"
+        else f"the latencies not trusted yet ({obs.latency_samples} requests began streaming lately)"
     )
     if dm is None or share is None:
         return latencies

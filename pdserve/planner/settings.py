@@ -43,7 +43,9 @@ class PlanSettings:
         name="--reverse-cooldown",
     )
     min_requests: int = setting(
-        20, "no decision from fewer requests finished in the routers' last 30 s (default %(default)s)"
+        20,
+        "trust the latency p90s only from this many requests that began streaming in the routers' last "
+        "window; below it only the demand or a prefill queue acts (default %(default)s)",
     )
     min_arrivals: int = setting(
         5,

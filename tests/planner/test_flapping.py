@@ -120,8 +120,9 @@ def test_with_both_signals_and_its_verdicts_a_steady_load_still_switches_at_most
 def demand_border_targets(observations: list[Observation], **hysteresis: float) -> Targets:
     """Targets at which this load's median demand, weighed by the latency pressures, gives prefill
     0.625 of the work: of 4 instances 2.5, between 2 and 3 prefill instances. The side whose work is
-    the smaller is put over its target by as much as it takes; the other's target at 1.25x its
-    median p90, under it."""
+    the smaller is put over its target by as much as it takes; the other's target at its median p90,
+    so that it is over it about half the time (a role within its target on trusted latencies takes
+    no instance by the demand: with both under, nothing would move at all)."""
     plain = Targets(ttft_p90_s=1.0, itl_p90_s=1.0, min_requests=10)
     demands = [d for o in observations if (d := demand(o, plain.min_arrivals)) is not None]
     wp = statistics.median(d.prefill_work for d in demands)
@@ -132,9 +133,9 @@ def demand_border_targets(observations: list[Observation], **hysteresis: float) 
     border = 0.625
     if wp / (wp + wd) < border:  # prefill's work weighed up to the border
         pressure = border / (1 - border) * wd / wp
-        return Targets(ttft_p90_s=ttft / pressure, itl_p90_s=itl * 1.25, min_requests=10, **hysteresis)  # type: ignore[arg-type]
+        return Targets(ttft_p90_s=ttft / pressure, itl_p90_s=itl, min_requests=10, **hysteresis)  # type: ignore[arg-type]
     pressure = (1 - border) / border * wp / wd
-    return Targets(ttft_p90_s=ttft * 1.25, itl_p90_s=itl / pressure, min_requests=10, **hysteresis)  # type: ignore[arg-type]
+    return Targets(ttft_p90_s=ttft, itl_p90_s=itl / pressure, min_requests=10, **hysteresis)  # type: ignore[arg-type]
 
 
 def test_the_demand_trace_is_a_steady_load_the_demand_splits() -> None:

@@ -6,6 +6,7 @@ a restarted planner keeps the cooldown of the change it made before."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import httpx
@@ -17,7 +18,9 @@ from router_support import instance
 from pdserve.localredis.embedded import free_port
 from pdserve.planner.endpoint import endpoint_app, serve_endpoint
 from pdserve.planner.loop import Planner, PlannerMetrics
-from pdserve.planner.records import Targets
+from pdserve.planner.observe import observation
+from pdserve.planner.records import PlannerState, Targets
+from pdserve.planner.rule import pressures
 from pdserve.router.http.metrics import RouterMetrics
 from pdserve.router.http.traffic import TrafficWindow
 from pdserve.scheduler import InstanceRegistry, Keys, RouterInfo, RouterRegistry
@@ -85,6 +88,29 @@ def test_the_traffic_window_counts_what_arrived_before_it_finishes() -> None:
     window.info()
     clock.now += 1
     assert window.info().arrivals == 0
+
+
+def test_the_latencies_are_trusted_from_requests_streaming_before_any_finishes() -> None:
+    """Long answers finish a window or more after their tokens filled the inter-token histogram:
+    the p90s rest on the requests whose first token came in the window, none finished yet."""
+    clock, metrics = Clock(), RouterMetrics()
+    window = TrafficWindow(metrics, 30.0, clock)
+    window.info()
+    for _ in range(12):
+        metrics.ttft.observe(0.5)
+        for _ in range(20):
+            metrics.itl.observe(0.3)  # 3x the inter-token target
+    clock.now += 5
+    router = RouterInfo(id="r1", host="h", pid=1, port=1, started_at=time.time(), traffic=window.info())
+    members = [instance("p", "prefill"), instance("d", "decode")]
+    obs = observation(members, [router], members[0].model, 0.0)
+    assert (obs.requests, obs.first_tokens, obs.latency_samples) == (0, 12, 12)
+    pr = pressures(obs, TARGETS, PlannerState())
+    assert pr.trusted and pr.decode is not None and pr.decode > 2.5
+    fewer = pressures(
+        dataclasses.replace(obs, first_tokens=TARGETS.min_requests - 1), TARGETS, PlannerState()
+    )
+    assert not fewer.trusted and fewer.decode is None
 
 
 def test_the_planner_decides_records_exports_and_remembers(redis_url: str) -> None:
