@@ -51,8 +51,10 @@ metric).
 Hysteresis, so a steady load never makes it flap:
 
 * a change is made only after the same target came out ``patience`` observations in a row;
-* none within ``cooldown_s`` of the last (its effect must reach the latencies first: they are
-  measured over the routers' last 30 s);
+* none within ``cooldown_s`` of the last, nor within the routers' traffic window (30 s): its
+  effect must reach the latencies first, and until the window has passed they are partly the old
+  split's (plan_bench, with an 8 s cooldown in a 20 s window, moved 2:2 → 1:3 8 s after 3:1 → 2:2
+  on an inter-token p90 that was mostly 3:1's);
 * none reversing the last one's direction within ``reverse_s`` (default 300 s): on a steady load
   that sits between two splits, at most one change in five minutes;
 * nothing from fewer than ``min_requests`` requests streaming (too few to estimate a p90) but the
@@ -229,7 +231,7 @@ def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerSta
     if state.streak < targets.patience:
         return wait(f"waiting ({state.streak}/{targets.patience})")
     since = obs.at - state.last_change_at
-    if since < targets.cooldown_s:
+    if since < max(targets.cooldown_s, obs.window_s):  # the window's latencies are the new split's
         return wait(f"cooling down ({since:.0f} s since the last change)")
     if direction and direction == -state.last_direction and since < targets.reverse_s:
         return wait(f"not reversing the last change within {targets.reverse_s:g} s")

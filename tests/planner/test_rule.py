@@ -4,6 +4,8 @@ ones, and a count change is asked only where the count is the planner's to chang
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.planner.observe import Member, Observation, quantile
 from pdserve.planner.records import PlannerState, Targets
 from pdserve.planner.rule import decide
@@ -58,6 +60,20 @@ def test_no_change_within_the_cooldown_and_no_reversal_within_reverse_s() -> Non
     assert d.action == "hold" and "not reversing" in d.reason
     d = decide(obs(320, 0.3, 0.5, roles), TARGETS, state)  # the streak went on: at once
     assert d.action == "switch" and d.desired == {"prefill": 2, "decode": 2, "mixed": 0}
+
+
+def test_no_change_before_the_routers_window_holds_only_the_new_split() -> None:
+    """A cooldown shorter than the routers' window (30 s here) still waits the window out: until
+    then its latencies are partly the old split's."""
+    quick = dataclasses.replace(TARGETS, cooldown_s=5)
+    state = PlannerState()
+    for t in (0, 10):
+        d = decide(obs(t, 3.0, 0.05, "pppddd"), quick, state)
+    assert d.action == "switch"
+    for t in (20, 30):
+        d = decide(obs(t, 3.0, 0.05, "ppppdd"), quick, state)  # still short: a 5th prefill wanted
+    assert d.action == "hold" and "cooling down (20 s" in d.reason
+    assert decide(obs(40, 3.0, 0.05, "ppppdd"), quick, state).action == "switch"
 
 
 def test_too_few_requests_or_no_split_decide_nothing() -> None:
