@@ -58,7 +58,10 @@ Hysteresis, so a steady load never makes it flap:
 * none reversing the last one's direction within ``reverse_s`` (default 300 s): on a steady load
   that sits between two splits, at most one change in five minutes;
 * nothing from fewer than ``min_requests`` requests streaming (too few to estimate a p90) but the
-  demand, or a queue that already says prefill is short.
+  demand, or a queue that already says prefill is short; and the demand alone (the latencies not
+  trusted, no queue) moves no further while the last switch waits for its verdict: one move on an
+  estimate, then the latencies' word on it (plan_bench's decode-heavy phase went 2:2 → 1:3 on the
+  demand alone 20 s after a move the latencies had asked for, the first tokens late).
 
 Learning from a switch's effect. More instances of a role add capacity only while that role is
 what the host is short of: on a 2-core host a third decode instance adds no decode capacity, it
@@ -235,6 +238,9 @@ def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerSta
         return wait(f"cooling down ({since:.0f} s since the last change)")
     if direction and direction == -state.last_direction and since < targets.reverse_s:
         return wait(f"not reversing the last change within {targets.reverse_s:g} s")
+    queued = direction > 0 and (pr.queue or 0.0) > 1  # a measured prefill queue asks for it
+    if not pr.trusted and not queued and state.pending is not None:
+        return wait("the demand alone moves no further before the last switch is judged")
     blocked = state.blocked
     held_for = (blocked.hold_until or 0) - obs.at if blocked is not None else 0.0
     if blocked is not None and direction == blocked.motive.direction and held_for > 0:

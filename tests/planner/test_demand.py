@@ -226,3 +226,27 @@ def test_a_steady_demand_holds_the_split_it_asks_for() -> None:
             observation(i * STEP_S, roles, (8, 512, 24), (8, 512, 24), 0.5, 0.05), TARGETS, state
         )
         assert decision.action == "hold" and "the split follows it; the targets are met" in decision.reason
+
+
+def test_the_demand_alone_moves_once_then_waits_for_the_latencies_to_judge_it() -> None:
+    """From 3:1 the demand asks for 1:3, the latencies not trusted: one instance moves, and the
+    next waits for the latencies' verdict on that move (one move on an estimate, then evidence);
+    trusted and over its target, decode gets the next one."""
+    state = PlannerState()
+    roles = {"d0": "decode", "p0": "prefill", "p1": "prefill", "p2": "prefill"}
+
+    def step(t: float, first_tokens: int, itl: float) -> Decision:
+        o = observation(t, roles, (20, 64, 128), (0, 64, 128), 1.0, itl)
+        decision = decide(dataclasses.replace(o, first_tokens=first_tokens), TARGETS, state)
+        for s in decision.switches:
+            roles[s.instance] = s.to_role
+        return decision
+
+    # (a verdict not reached within reverse_s after the effect window is dropped: 20 + 10 s here)
+    made = [d for t in range(0, 28, 2) if (d := step(t, 5, 0.1)).action == "switch"]
+    assert [d.desired["decode"] for d in made] == [2]
+    waiting = step(28, 5, 0.1)
+    assert waiting.action == "hold" and waiting.desired["decode"] == 3
+    assert "the demand alone moves no further before the last switch is judged" in waiting.reason
+    over = step(30, 8, 0.3)  # trusted: the inter-token p90 at 2x its target (the streak went on)
+    assert over.action == "switch" and over.desired["decode"] == 3, over.reason
