@@ -234,7 +234,7 @@ def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerSta
     if state.streak < targets.patience:
         return wait(f"waiting ({state.streak}/{targets.patience})")
     since = obs.at - state.last_change_at
-    if since < max(targets.cooldown_s, obs.window_s):  # the window's latencies are the new split's
+    if since < _effect_window_s(obs, targets):
         return wait(f"cooling down ({since:.0f} s since the last change)")
     if direction and direction == -state.last_direction and since < targets.reverse_s:
         return wait(f"not reversing the last change within {targets.reverse_s:g} s")
@@ -298,12 +298,19 @@ def _pressures_text(pr: Pressures) -> str:
     return f"TTFT p90 at {pr.prefill:.2f}x its target, {itl}"
 
 
+def _effect_window_s(obs: Observation, targets: Targets) -> float:
+    """How long a change takes to show: the cooldown, and at least the routers' traffic window
+    (until it has passed, the window's latencies are partly the old split's). No change is made,
+    and none is judged, sooner."""
+    return max(targets.cooldown_s, obs.window_s)
+
+
 def _judge(obs: Observation, pr: Pressures, targets: Targets, state: PlannerState) -> Verdict | None:
     """Judge the last switch once its effect window has passed, on trusted observations only. The
     window is the cooldown, and at least the routers' traffic window: the p90s that judge a switch
     must be of requests served after it (a queue answers at once, a p90 a window later)."""
     m = state.pending
-    effect_s = max(targets.cooldown_s, obs.window_s)
+    effect_s = _effect_window_s(obs, targets)
     if m is None or obs.at < m.at + effect_s:
         return None
     if obs.at > m.at + effect_s + targets.reverse_s:
