@@ -32,6 +32,9 @@ class Member:
     kv_use: float  # share of its KV blocks in use
     prefill_s_per_token: float | None = None  # what it measured (its registration's rates)
     decode_s_per_token: float | None = None
+    host: str | None = None
+    idle_cpus: float | None = None  # its host's idle CPUs lately (None: not said, or a GPU instance)
+    threads: int | None = None  # its engine's compute threads (with idle_cpus)
 
     @classmethod
     def of(cls, info: InstanceInfo) -> Member:
@@ -48,6 +51,9 @@ class Member:
             round(1 - info.kv.free_blocks / info.kv.num_blocks, 4) if info.kv.num_blocks else 0.0,
             rates.prefill_s_per_token if rates is not None else None,
             rates.decode_s_per_token if rates is not None else None,
+            info.host,
+            info.cpu.idle if info.cpu is not None else None,
+            info.cpu.threads if info.cpu is not None else None,
         )
 
 

@@ -42,7 +42,11 @@ more after its tokens filled the inter-token histogram); below that they count a
 ``ri`` (1 before any). Instances move between
 the two roles by switches (``SetRole``): a decode instance can always become a prefill instance; a
 prefill instance becomes a decode instance only when it is ``switchable`` (its cache must be
-where peers write), the least loaded ones first. Where instances may be added (``max_instances``
+where peers write), the least loaded ones first; and only an instance whose host has CPU to give
+it moves (:data:`CPU_SHARE` of its threads idle lately, its registration's ``cpu``): where the
+instances already keep every core busy, one more of a role shares those cores and adds the role
+nothing, while the role it leaves loses a worker (plan_bench on 2 cores: 2:2 → 1:3 with the
+inter-token p90 over its target made that p90 worse; fixed 1:3 met 89.5 % of that phase, 2:2 100 %). Where instances may be added (``max_instances``
 above the count), both pressures above 1 add one to the role under more pressure; both under
 :data:`IDLE` remove one from the other, down to ``min_instances``; the desired counts say it, for
 whoever starts and stops instances (``pdserve up --autoscale``, Kubernetes through the planner's
@@ -91,6 +95,11 @@ from pdserve.planner.records import Decision, Motive, PlannerState, Pressures, S
 
 IDLE = 0.5
 """Both pressures under this (with instances to spare): one instance fewer would still meet them."""
+
+CPU_SHARE = 0.5
+"""An instance switched to a role adds it capacity only where its host has at least this share of
+the instance's engine threads idle: else it would share the cores that role's instances (or
+others) already keep busy."""
 
 MIN_RATE_WINDOW_S = 5.0
 """A prefill rate is learned only from windows this long: a shorter one's few requests may have
@@ -178,6 +187,7 @@ def _inputs(obs: Observation, pr: Pressures, state: PlannerState, dm: Demand | N
         ),
         "prefix_hit_rate": obs.prefix_hit_rate,
         "kv_transfer_mean_s": obs.kv_transfer_mean_s,
+        "idle_cpus": _idle_by_host(obs) or None,
     }
 
 
@@ -253,9 +263,12 @@ def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerSta
     if target[0] + target[1] != p + d:  # a count change: for whoever starts and stops instances
         action = "scale"
     else:
-        switches = _switches(obs.members, p, target[0])
+        switches = _switches(obs.members, p, target[0], need_cpu=True)
         action = "switch"
         if not switches:
+            if _switches(obs.members, p, target[0]):
+                gains = "prefill" if direction > 0 else "decode"
+                return wait(f"no host has CPU to spare for another {gains} instance ({_idle_text(obs)})")
             return wait("no instance can take the role (start workers --switchable)")
         mine, other = (rt, ri) if direction > 0 else (ri, rt)
         motive = Motive(obs.at, direction, round(mine, 4), round(other, 4))
@@ -432,10 +445,11 @@ def _target(p: int, d: int, rt: float, ri: float, t: Targets, share: float | Non
     return prefill, n - prefill
 
 
-def _switches(members: tuple[Member, ...], p: int, want_p: int) -> list[Switch]:
+def _switches(members: tuple[Member, ...], p: int, want_p: int, need_cpu: bool = False) -> list[Switch]:
     """Who moves so that ``want_p`` instances are prefill: decode instances (least loaded first)
-    to prefill, or switchable prefill instances (least loaded first) to decode."""
-    live = [m for m in members if not m.draining]
+    to prefill, or switchable prefill instances (least loaded first) to decode; with ``need_cpu``
+    only those whose host has CPU to give them (:data:`CPU_SHARE`; an undo moves back regardless)."""
+    live = [m for m in members if not m.draining and (not need_cpu or _gets_cpu(m))]
     if want_p > p:
         decodes = sorted((m for m in live if m.role == "decode"), key=lambda m: (m.running + m.waiting, m.id))
         return [Switch(m.id, "decode", "prefill") for m in decodes[: want_p - p]]
@@ -444,3 +458,18 @@ def _switches(members: tuple[Member, ...], p: int, want_p: int) -> list[Switch]:
         prefills.sort(key=lambda m: (m.waiting + m.handing_off, m.waiting_prefill_tokens, m.id))
         return [Switch(m.id, "prefill", "decode") for m in prefills[: p - want_p]]
     return []
+
+
+def _gets_cpu(m: Member) -> bool:
+    """Its host has idle at least :data:`CPU_SHARE` of its threads (or does not say)."""
+    return m.idle_cpus is None or m.idle_cpus >= CPU_SHARE * (m.threads or 1)
+
+
+def _idle_by_host(obs: Observation) -> dict[str, float]:
+    """Each host's idle CPUs, as its instances said (the last one's word per host)."""
+    return {m.host or m.id: m.idle_cpus for m in obs.members if m.idle_cpus is not None}
+
+
+def _idle_text(obs: Observation) -> str:
+    """The hosts' idle CPUs in words."""
+    return ", ".join(f"{idle:g} CPUs idle on {host}" for host, idle in sorted(_idle_by_host(obs).items()))

@@ -59,6 +59,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "DiskTierInfo",
         "FetchInfo",
         "InstanceInfo",
+        "IdleCpuInfo",
         "IntegrityInfo",
         "KVInfo",
         "LoadInfo",

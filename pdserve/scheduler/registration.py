@@ -160,6 +160,18 @@ class FetchInfo(_Model):
     served: int = 0
 
 
+class IdleCpuInfo(_Model):
+    """The CPU this instance's host had left over lately (``worker/idle_cpu.py``): the planner moves
+    an instance to a role only where it would get CPU of its own (docs/design.md, "The planner")."""
+
+    cpus: float
+    """CPUs this instance may run on: its affinity mask, within its cgroup's CPU quota."""
+    idle: float
+    """Of those, the CPUs idle on average over the last 10 s (whatever ran on the rest)."""
+    threads: int
+    """Its engine's compute threads: the CPUs it would keep busy."""
+
+
 class RatesInfo(_Model):
     """What this instance measured of its own speed lately (a decaying mean over recent samples,
     ``engine/rates.py``): the routers' ``prefix_cache`` policy weighs computing a prompt here against
@@ -223,6 +235,9 @@ class InstanceInfo(_Model):
     older instance). Optional (added without a ``v`` bump)."""
     fetch: FetchInfo | None = None
     """Its peer fetches' counters (None: none yet, asked or served). Optional."""
+    cpu: IdleCpuInfo | None = None
+    """Its host's CPUs and how many were idle lately (None: not measured yet, or a GPU instance,
+    whose capacity is its device's). Optional (added without a ``v`` bump)."""
     switchable: bool | None = None
     """It can take any role when told: started ``--switchable`` (its KV cache in shared memory,
     every KV transport open) or as a decode instance (which has both); None or False: only the

@@ -12,11 +12,13 @@ import logging
 import os
 from typing import Any
 
+from pdserve.engine.cpu.host_cpu import usable_cores
 from pdserve.engine.outputs import EngineLoad
 from pdserve.engine.tiers.disk_tier import tier_id
 from pdserve.errors import ConfigError, ControlPlaneError
 from pdserve.scheduler import (
     DiskTierInfo,
+    IdleCpuInfo,
     InstanceInfo,
     InstanceRegistry,
     IntegrityInfo,
@@ -33,6 +35,7 @@ from pdserve.scheduler.redis_client import RedisClient
 from pdserve.tokenizer import pack_tokenizer_files, read_tokenizer_files
 from pdserve.worker.engine_client import EngineClient
 from pdserve.worker.handler import RequestHandler
+from pdserve.worker.idle_cpu import IdleCpuMeter
 from pdserve.worker.kv_writers import Transports
 from pdserve.worker.settings import WorkerSettings
 
@@ -60,6 +63,7 @@ class Presence:
     handler: RequestHandler | None
     tokenizer_digest: str | None
     _tokenizer_blob: bytes
+    idle_cpu: IdleCpuMeter | None = None  # made by the first registration of a CPU instance
 
     @property
     def _shared_cache(self) -> bool:
@@ -161,11 +165,21 @@ class Presence:
             if facts.prefix_caching
             else None,
             rates=self._rates(),
+            cpu=self._idle_cpu(facts.device),
             fetch=self.handler.fetches.info.model_copy() if self.handler.fetches.touched else None,
             switchable=self._shared_cache or None,  # a decode instance's start prepared every role
             roles=list(roles.history) or None,
             last_switch=roles.last_switch,
         )
+
+    def _idle_cpu(self, device: str) -> IdleCpuInfo | None:
+        """The host's idle CPUs lately, sampled now (None for a GPU instance: its capacity is its
+        device's, and before two samples a second apart)."""
+        if device != "cpu":
+            return None
+        if self.idle_cpu is None:
+            self.idle_cpu = IdleCpuMeter(self.settings.engine.threads or usable_cores())
+        return self.idle_cpu.sample()
 
     def _rates(self) -> RatesInfo | None:
         """What this instance measured lately (None before anything): the engine's prefill, decode

@@ -109,6 +109,39 @@ def test_who_moves_least_loaded_decode_and_only_switchable_prefill() -> None:
     assert d.action == "hold" and "--switchable" in d.reason
 
 
+def test_a_switch_waits_for_a_host_with_cpu_to_spare() -> None:
+    """Decode is short (inter-token p90 5x), but the only host's CPUs are busy: a third decode
+    instance would share the cores the two keep busy (plan_bench on a 2-core host: 1:3 worse than
+    2:2). It holds, saying so, and moves once the host has a core idle; across hosts the instance
+    whose host has CPU to spare moves, though another is less loaded."""
+
+    def on(host: str, idle: float, roles: str = "ppdd") -> tuple[Member, ...]:
+        return tuple(
+            dataclasses.replace(member(f"i{n}", r), host=host, idle_cpus=idle, threads=1)
+            for n, r in enumerate({"p": "prefill", "d": "decode"}[c] for c in roles)
+        )
+
+    state = PlannerState()
+    for t in (0, 10):
+        d = decide(obs(t, 0.2, 0.5, members=on("h", 0.3)), TARGETS, state)
+    assert d.action == "hold" and "no host has CPU to spare for another decode instance" in d.reason
+    assert "0.3 CPUs idle on h" in d.reason and d.inputs["idle_cpus"] == {"h": 0.3}
+    assert d.desired == {"prefill": 1, "decode": 3, "mixed": 0}  # what it would do, and why not
+    d = decide(obs(20, 0.2, 0.5, members=on("h", 1.2)), TARGETS, state)
+    assert d.action == "switch" and [s.instance for s in d.switches] == ["i0"]
+    busy, idle = on("busy", 0.1, "pd"), on("idle", 1.5, "pd")
+    members = (
+        busy[0],
+        busy[1],
+        dataclasses.replace(idle[0], id="j0", waiting=3),
+        dataclasses.replace(idle[1], id="j1"),
+    )
+    state = PlannerState()
+    for t in (0, 10):
+        d = decide(obs(t, 0.2, 0.5, members=members), TARGETS, state)
+    assert d.action == "switch" and [s.instance for s in d.switches] == ["j0"]  # not the idler i0
+
+
 def test_the_count_changes_only_within_the_allowed_instances() -> None:
     scaled = Targets(1.0, 0.1, patience=1, cooldown_s=0, min_requests=10, min_instances=2, max_instances=5)
     both = decide(obs(0, 2.0, 0.3), scaled, PlannerState())  # both over: one more, to decode (3x)
