@@ -106,6 +106,7 @@ async def read(redis: Any, cluster: str, queue: BatchQueue | None = None) -> dic
                 "disk_tier": i.disk_tier.model_dump() if i.disk_tier else None,
                 "pool": i.pool.model_dump() if i.pool else None,
                 "rates": i.rates.model_dump() if i.rates else None,
+                "cpu": i.cpu.model_dump() if i.cpu else None,
                 "fetch": i.fetch.model_dump() if i.fetch else None,
                 "role_history": role_history(i),
             }

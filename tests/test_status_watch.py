@@ -264,7 +264,7 @@ def test_status_shows_each_host_tier(redis_url) -> None:
 
     from router_support import instance
 
-    from pdserve.scheduler import RatesInfo, TierInfo
+    from pdserve.scheduler import IdleCpuInfo, RatesInfo, TierInfo
     from pdserve.status_read import collect
     from pdserve.status_table import render
 
@@ -273,6 +273,7 @@ def test_status_shows_each_host_tier(redis_url) -> None:
         capacity_bytes=64 << 20, used_bytes=16 << 20, blocks=23, stores=30, hits=12, misses=5, evictions=7
     )
     tiered.rates = RatesInfo(prefill_s_per_token=0.002, host_read_s_per_block=0.0001)
+    tiered.cpu = IdleCpuInfo(cpus=2.0, idle=0.4, threads=1)
     register(redis_url, "wtier", plain, tiered)
     status = asyncio.run(collect(redis_url, "wtier"))
     assert {i["id"]: bool(i["tier"]) for i in status["instances"]} == {plain.id: False, tiered.id: True}
@@ -285,6 +286,11 @@ def test_status_shows_each_host_tier(redis_url) -> None:
         "disk_read_s_per_block": None,
         "transfer_s_per_block": None,
         "fetch_s_per_block": None,
+    }
+    # the host's idle CPUs it said (what the planner's rule weighs before moving it)
+    assert {i["id"]: i["cpu"] for i in status["instances"]} == {
+        plain.id: None,
+        tiered.id: {"cpus": 2.0, "idle": 0.4, "threads": 1},
     }
     lines = [line for line in render(status).splitlines() if line.startswith("host tier")]
     assert lines == [
