@@ -20,11 +20,12 @@ requests at 3:1 (TPOT p90 160 ms) and 100 % at 2:2 (115 ms); at 0.8/s x 256 2:2 
 The earlier 1.2/s x 128 was met by every split (3:1 lost nothing there), and 1.9/s x 128
 overloaded every split.
 
-The defaults are sized for a 2-vCPU AMD EPYC Zen 3. On a host about half as fast (a 2-vCPU EPYC Zen
-1, whose AVX2 runs on 128-bit units: every split met 0 % at the defaults, TTFT p90 25-40 s) halve
-the traffic and widen the targets and the routers' window (fewer arrivals per second need a longer
-window to hold --min-requests of them): ``--rate-1 0.3 --rate-2 0.5 --ttft-p90 4.5 --itl-p90 0.12
---traffic-window 20``.
+The defaults are sized for a 2-vCPU AMD EPYC Zen 3 whose one-thread decode made ~52 tok/s at batch
+1 (engine_bench). On a host about half as fast at decoding (a 2-vCPU EPYC Zen 1, whose AVX2 runs on
+128-bit units, and a 2.45 GHz Zen 3 at ~31 tok/s: every split met 0-12 % at the defaults, TTFT p90
+9-40 s) halve the traffic and widen the targets and the routers' window (fewer arrivals per second
+need a longer window to hold --min-requests of them): ``--rate-1 0.3 --rate-2 0.5 --ttft-p90 4.5
+--itl-p90 0.12 --traffic-window 20``.
 
 A request meets the SLO when its time to first token is within --ttft-p90 and its mean time per
 output token after the first within --itl-p90 (the targets the planner is given). Attainment is the

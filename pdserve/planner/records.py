@@ -78,6 +78,8 @@ class PlannerState:
     last_direction: int = 0  # +1: toward prefill, -1: toward decode, 0: none yet
     prefill_rate: float = 0.0  # learned: the most prompt tokens/s one prefill instance served
     last_ri: float | None = None  # the last trusted inter-token pressure
+    last_prefill: float | None = None  # the last trusted prefill pressure (TTFT's, or the queue's)
+    last_trusted_at: float = float("-inf")  # when the latencies were last trusted
     pending: Motive | None = None  # the last switch, its effect not judged yet
     failing: int = 0  # trusted observations in a row that found it failing
     undo: Verdict | None = None  # a failed switch waiting to be undone

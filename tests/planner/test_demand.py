@@ -250,3 +250,22 @@ def test_the_demand_alone_moves_once_then_waits_for_the_latencies_to_judge_it() 
     assert "the demand alone moves no further before the last switch is judged" in waiting.reason
     over = step(30, 8, 0.3)  # trusted: the inter-token p90 at 2x its target (the streak went on)
     assert over.action == "switch" and over.desired["decode"] == 3, over.reason
+
+
+def test_the_last_trusted_latencies_hold_within_the_window() -> None:
+    """The demand asks for 1:3; at 2:2 the inter-token p90 is within its target, trusted from 8
+    requests streaming. When the count dips to 7 (the window's p90s mostly the same requests'),
+    that word still holds the split, saying when it was said; once a whole window (10 s) has
+    passed without a trusted observation, the demand alone moves."""
+    state = PlannerState()
+
+    def step(t: float, first_tokens: int) -> Decision:
+        o = observation(t, two_two(), (20, 64, 128), (0, 64, 128), 1.0, 0.1)
+        return decide(dataclasses.replace(o, first_tokens=first_tokens), TARGETS, state)
+
+    assert "decode meets its target" in step(0, 8).reason
+    dipped = [step(t, 7) for t in (2, 4, 10)]
+    assert all(d.action == "hold" for d in dipped)
+    assert "decode met its target 10 s ago (the last trusted latencies, 0.67x)" in dipped[-1].reason
+    moved = [step(t, 7) for t in (12, 14)]
+    assert moved[-1].action == "switch" and moved[-1].desired["decode"] == 3, moved[-1].reason
