@@ -269,3 +269,23 @@ def test_the_last_trusted_latencies_hold_within_the_window() -> None:
     assert "decode met its target 10 s ago (the last trusted latencies, 0.67x)" in dipped[-1].reason
     moved = [step(t, 7) for t in (12, 14)]
     assert moved[-1].action == "switch" and moved[-1].desired["decode"] == 3, moved[-1].reason
+
+
+def test_the_split_balances_the_roles_loads_rather_than_rounding_the_share() -> None:
+    """Prefill's share of the work at 64 %: of 4 instances 2.56, which rounds to 3:1, 0.36 of the
+    work on the one decode instance, where 2:2 puts at most 0.32 on an instance (prefill's two):
+    2:2 keeps the busier role less busy, and holds. At 70 % 3:1 is the one (0.3 on decode's, 0.35
+    on each prefill instance at 2:2)."""
+
+    def run(prompt: int) -> list[Decision]:
+        state = PlannerState()
+        return [decide(observation(t, two_two(), (8, prompt, 18)), TARGETS, state) for t in (0, 2, 4)]
+
+    at_border = run(107)  # 107 x 3 ms against 18 x 10 ms: 64 %
+    work = at_border[0].inputs["demand"]
+    assert work["prefill_work"] / (work["prefill_work"] + work["decode_work"]) == pytest.approx(
+        0.64, abs=0.005
+    )
+    assert all(d.action == "hold" and d.desired["prefill"] == 2 for d in at_border)
+    moved = [d for d in run(140) if d.action == "switch"]  # 70 %
+    assert [d.desired["prefill"] for d in moved] == [3]

@@ -119,7 +119,8 @@ def test_with_both_signals_and_its_verdicts_a_steady_load_still_switches_at_most
 
 def demand_border_targets(observations: list[Observation], **hysteresis: float) -> Targets:
     """Targets at which this load's median demand, weighed by the latency pressures, gives prefill
-    0.625 of the work: of 4 instances 2.5, between 2 and 3 prefill instances. The side whose work is
+    2/3 of the work: of 4 instances the border between 2 and 3 prefill instances (where 2's busier
+    role, prefill at a third of the work per instance, is as busy as 3's, decode at a third). The side whose work is
     the smaller is put over its target by as much as it takes; the other's target at its median p90,
     so that it is over it about half the time (a role within its target on trusted latencies takes
     no instance by the demand: with both under, nothing would move at all)."""
@@ -130,7 +131,7 @@ def demand_border_targets(observations: list[Observation], **hysteresis: float) 
     judged = [o for o in observations if o.ttft_p90_s is not None and o.itl_p90_s is not None]
     ttft = statistics.median(o.ttft_p90_s for o in judged if o.ttft_p90_s is not None)
     itl = statistics.median(o.itl_p90_s for o in judged if o.itl_p90_s is not None)
-    border = 0.625
+    border = 2 / 3
     if wp / (wp + wd) < border:  # prefill's work weighed up to the border
         pressure = border / (1 - border) * wd / wp
         return Targets(ttft_p90_s=ttft / pressure, itl_p90_s=itl, min_requests=10, **hysteresis)  # type: ignore[arg-type]
