@@ -24,37 +24,37 @@ SLOs), each observation gives two pressures, prefill's and decode's:
   every prompt starts at once has no queue pressure; the queue must stay long for ``patience``
   observations in a row like any other signal, so a passing burst moves nothing.
 
-With a demand, of the ``n`` instances that take part in splits (prefill and decode) prefill gets
-the count around ``n × s`` (``s = wp·max(1, rt) / (wp·max(1, rt) + wd·max(1, ri))``; ``wp``,
-``wd``: the roles' work; ``rt``: prefill's pressure) that leaves the busier role's instances the
-least work each (``max(s / p, (1 - s) / (n - p))``: a rounded 2.56 of 4 gave 3:1 a third more
-work on its decode instance than 2:2 put on either prefill one), while the latencies are not trusted yet (the point is to be at the
-right split before a target is missed) or the role the split moves toward is over its target. A
-role within its target on trusted latencies takes no instance by the demand: the work is an
-estimate (a decode token's cost depends on the batch it ran in, and on a host with fewer cores than
-instances another instance of a role adds no cores), a measured latency within its target is not;
-on plan_bench's decode-heavy phase the demand asked for 1:3 while 2:2 met the inter-token target and
+With a demand, of the ``n`` instances that take part in splits (prefill and decode) prefill gets the
+count around ``n × s`` (``s = wp·max(1, rt) / (wp·max(1, rt) + wd·max(1, ri))``; ``wp``, ``wd``: the
+roles' work; ``rt``: prefill's pressure) that leaves the busier role's instances the least work each
+(``max(s / p, (1 - s) / (n - p))``: a rounded 2.56 of 4 gave 3:1 more work on its decode instance
+than 2:2 put on either prefill one), while the latencies are not trusted yet (the point is to be at
+the right split before a target is missed) or the role the split moves toward is over its target. A
+role within its target on trusted latencies takes no instance by the demand: the work is an estimate
+(a decode token's cost depends on the batch it ran in, and on a host with fewer cores than instances
+another instance of a role adds no cores), a measured latency within its target is not; on
+plan_bench's decode-heavy phase the demand asked for 1:3 while 2:2 met the inter-token target and
 1:3 then missed it. The last trusted latencies keep that word for a routers' window after them (the
-window's p90s are then mostly the same requests': a count streaming that dips under
-``min_requests`` does not make them wrong), except against a prefill queue over 1. Without a demand, with both pressures met (≤ 1) nothing changes; otherwise
-prefill gets ``round(n × rt / (rt + ri))``. Either way at least one and at most ``n - 1``, the rest
-decode, moving one instance per change (the latencies answer a switch unevenly: the next
-observation says whether another helps). The p90s are trusted from ``min_requests`` requests that
-began streaming in the window (the TTFT histogram's samples; a long answer finishes a window or
-more after its tokens filled the inter-token histogram); below that they count as at their targets
-(1) beside a demand; without one only a queue pressure over 1 acts, against the last trusted
-``ri`` (1 before any). Instances move between
-the two roles by switches (``SetRole``): a decode instance can always become a prefill instance; a
-prefill instance becomes a decode instance only when it is ``switchable`` (its cache must be
-where peers write), the least loaded ones first; and only an instance whose host has CPU to give
-it moves (:data:`CPU_SHARE` of its threads idle lately, its registration's ``cpu``): where the
-instances already keep every core busy, one more of a role shares those cores and adds the role
-nothing, while the role it leaves loses a worker (plan_bench on 2 cores: 2:2 → 1:3 with the
-inter-token p90 over its target made that p90 worse; fixed 1:3 met 89.5 % of that phase, 2:2 100 %). Where instances may be added (``max_instances``
-above the count), both pressures above 1 add one to the role under more pressure; both under
-:data:`IDLE` remove one from the other, down to ``min_instances``; the desired counts say it, for
-whoever starts and stops instances (``pdserve up --autoscale``, Kubernetes through the planner's
-metric).
+window's p90s are then mostly the same requests': a count streaming that dips under ``min_requests``
+does not make them wrong), except against a prefill queue over 1. Without a demand, with both
+pressures met (≤ 1) nothing changes; otherwise prefill gets ``round(n × rt / (rt + ri))``. Either
+way at least one and at most ``n - 1``, the rest decode, moving one instance per change (the
+latencies answer a switch unevenly: the next observation says whether another helps). The p90s are
+trusted from ``min_requests`` requests that began streaming in the window (the TTFT histogram's
+samples; a long answer finishes a window or more after its tokens filled the inter-token histogram);
+below that they count as at their targets (1) beside a demand; without one only a queue pressure
+over 1 acts, against the last trusted ``ri`` (1 before any). Instances move between the two roles by
+switches (``SetRole``): a decode instance can always become a prefill instance; a prefill instance
+becomes a decode instance only when it is ``switchable`` (its cache must be where peers write), the
+least loaded ones first; and only an instance whose host has CPU to give it moves (:data:`CPU_SHARE`
+of its threads idle lately, its registration's ``cpu``): where the instances already keep every core
+busy, one more of a role shares those cores and adds the role nothing, while the role it leaves
+loses a worker (plan_bench on 2 cores: 2:2 → 1:3 with the inter-token p90 over its target made that
+p90 worse; fixed 1:3 met 89.5 % of that phase, 2:2 100 %). Where instances may be added
+(``max_instances`` above the count), both pressures above 1 add one to the role under more pressure;
+both under :data:`IDLE` remove one from the other, down to ``min_instances``; the desired counts say
+it, for whoever starts and stops instances (``pdserve up --autoscale``, Kubernetes through the
+planner's metric).
 
 Hysteresis, so a steady load never makes it flap:
 
