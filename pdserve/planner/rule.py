@@ -46,13 +46,13 @@ below that they count as at their targets (1) beside a demand; without one only 
 over 1 acts, against the last trusted ``ri`` (1 before any). Instances move between the two roles by
 switches (``SetRole``): a decode instance can always become a prefill instance; a prefill instance
 becomes a decode instance only when it is ``switchable`` (its cache must be where peers write), the
-least loaded ones first; and only an instance whose host has CPU to give it moves (:data:`CPU_SHARE`
+least loaded ones first; and only an instance whose host has CPU to give it moves (``split.CPU_SHARE``
 of its threads idle lately, its registration's ``cpu``): where the instances already keep every core
 busy, one more of a role shares those cores and adds the role nothing, while the role it leaves
 loses a worker (plan_bench on 2 cores: 2:2 → 1:3 with the inter-token p90 over its target made that
 p90 worse; fixed 1:3 met 89.5 % of that phase, 2:2 100 %). Where instances may be added
 (``max_instances`` above the count), both pressures above 1 add one to the role under more pressure;
-both under :data:`IDLE` remove one from the other, down to ``min_instances``; the desired counts say
+both under ``split.IDLE`` remove one from the other, down to ``min_instances``; the desired counts say
 it, for whoever starts and stops instances (``pdserve up --autoscale``, Kubernetes through the
 planner's metric).
 
@@ -90,21 +90,13 @@ the effect window is dropped: by then the traffic says more than the switch.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
 from pdserve.planner.demand import Demand, demand
 from pdserve.planner.observe import Member, Observation
 from pdserve.planner.records import Decision, Motive, PlannerState, Pressures, Switch, Targets, Verdict
-
-IDLE = 0.5
-"""Both pressures under this (with instances to spare): one instance fewer would still meet them."""
-
-CPU_SHARE = 0.5
-"""An instance switched to a role adds it capacity only where its host has at least this share of
-the instance's engine threads idle: else it would share the cores that role's instances (or
-others) already keep busy."""
+from pdserve.planner.split import idle_by_host, idle_text, movers, target_split
 
 MIN_RATE_WINDOW_S = 5.0
 """A prefill rate is learned only from windows this long: a shorter one's few requests may have
@@ -192,7 +184,7 @@ def _inputs(obs: Observation, pr: Pressures, state: PlannerState, dm: Demand | N
         ),
         "prefix_hit_rate": obs.prefix_hit_rate,
         "kv_transfer_mean_s": obs.kv_transfer_mean_s,
-        "idle_cpus": _idle_by_host(obs) or None,
+        "idle_cpus": idle_by_host(obs) or None,
     }
 
 
@@ -224,7 +216,7 @@ def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerSta
     rt = pr.prefill if pr.prefill is not None else 1.0
     ri = pr.decode if pr.decode is not None else 1.0
     share = dm.prefill_share(rt, ri) if dm is not None else None
-    target = _target(p, d, rt, ri, targets, share)
+    target = target_split(p, d, rt, ri, targets, share)
     why = _why(pr, obs, dm, share)
     if target == (p, d):
         met = pr.trusted and rt <= 1 and ri <= 1
@@ -268,12 +260,12 @@ def _decide(obs: Observation, pr: Pressures, targets: Targets, state: PlannerSta
     if target[0] + target[1] != p + d:  # a count change: for whoever starts and stops instances
         action = "scale"
     else:
-        switches = _switches(obs.members, p, target[0], need_cpu=True)
+        switches = movers(obs.members, p, target[0], need_cpu=True)
         action = "switch"
         if not switches:
-            if _switches(obs.members, p, target[0]):
+            if movers(obs.members, p, target[0]):
                 gains = "prefill" if direction > 0 else "decode"
-                return wait(f"no host has CPU to spare for another {gains} instance ({_idle_text(obs)})")
+                return wait(f"no host has CPU to spare for another {gains} instance ({idle_text(obs)})")
             return wait("no instance can take the role (start workers --switchable)")
         mine, other = (rt, ri) if direction > 0 else (ri, rt)
         motive = Motive(obs.at, direction, round(mine, 4), round(other, 4))
@@ -431,7 +423,7 @@ def _undo(
     if not 1 <= p + back < p + current["decode"]:  # the split changed since: nothing to undo
         state.undo = None
         return hold(f"{text}, but the split changed since: not undoing it", v)
-    switches = _switches(obs.members, p, p + back)
+    switches = movers(obs.members, p, p + back)
     if not switches:
         return hold(f"{text}, but no instance can take the role (start workers --switchable)", v)
     desired = {**current, "prefill": p + back, "decode": current["decode"] - back}
@@ -449,69 +441,3 @@ def _undo(
         inputs,
         verdict=v,
     )
-
-
-def _target(p: int, d: int, rt: float, ri: float, t: Targets, share: float | None = None) -> tuple[int, int]:
-    """The (prefill, decode) split asked for: prefill's ``share`` of the instances (the demand's,
-    see :class:`Demand`), or without one the pressures' (then only where one is over 1); the count
-    changed where allowed."""
-    n = p + d
-    if t.max_instances is not None:
-        if rt > 1 and ri > 1 and n < t.max_instances:
-            n += 1
-        elif rt < IDLE and ri < IDLE and n > max(2, t.min_instances):
-            n -= 1
-    if share is None:
-        if rt <= 1 and ri <= 1 and n == p + d:
-            return p, d
-        prefill = round(n * rt / (rt + ri))  # pressures, not work: no loads to balance
-    else:
-        prefill = _balanced(n, share)
-    prefill = min(max(prefill, 1), n - 1)
-    prefill = min(max(prefill, p - 1), p + 1)  # one instance per change: see its effect first
-    return prefill, n - prefill
-
-
-def _balanced(n: int, share: float) -> int:
-    """Of ``n`` instances, the prefill count whose busier role is least busy (prefill's ``share``
-    of the work over its instances against the rest over decode's), of the two counts around
-    ``n × share``. Not the rounded count: a share of 64 % of 4 instances rounds to 3:1, 0.36 of the
-    work on the one decode instance, where 2:2 puts at most 0.32 on an instance (plan_bench's light
-    prefill-heavy phase, a share of 62-64 %, went 2:2 -> 3:1 and began the decode-heavy one a decode
-    instance short)."""
-    low = min(max(math.floor(n * share), 1), n - 1)
-
-    def busiest(p: int) -> float:
-        return max(share / p, (1 - share) / (n - p))
-
-    return min((low, min(low + 1, n - 1)), key=busiest)
-
-
-def _switches(members: tuple[Member, ...], p: int, want_p: int, need_cpu: bool = False) -> list[Switch]:
-    """Who moves so that ``want_p`` instances are prefill: decode instances (least loaded first)
-    to prefill, or switchable prefill instances (least loaded first) to decode; with ``need_cpu``
-    only those whose host has CPU to give them (:data:`CPU_SHARE`; an undo moves back regardless)."""
-    live = [m for m in members if not m.draining and (not need_cpu or _gets_cpu(m))]
-    if want_p > p:
-        decodes = sorted((m for m in live if m.role == "decode"), key=lambda m: (m.running + m.waiting, m.id))
-        return [Switch(m.id, "decode", "prefill") for m in decodes[: want_p - p]]
-    if want_p < p:
-        prefills = [m for m in live if m.role == "prefill" and m.switchable]
-        prefills.sort(key=lambda m: (m.waiting + m.handing_off, m.waiting_prefill_tokens, m.id))
-        return [Switch(m.id, "prefill", "decode") for m in prefills[: p - want_p]]
-    return []
-
-
-def _gets_cpu(m: Member) -> bool:
-    """Its host has idle at least :data:`CPU_SHARE` of its threads (or does not say)."""
-    return m.idle_cpus is None or m.idle_cpus >= CPU_SHARE * (m.threads or 1)
-
-
-def _idle_by_host(obs: Observation) -> dict[str, float]:
-    """Each host's idle CPUs, as its instances said (the last one's word per host)."""
-    return {m.host or m.id: m.idle_cpus for m in obs.members if m.idle_cpus is not None}
-
-
-def _idle_text(obs: Observation) -> str:
-    """The hosts' idle CPUs in words."""
-    return ", ".join(f"{idle:g} CPUs idle on {host}" for host, idle in sorted(_idle_by_host(obs).items()))
