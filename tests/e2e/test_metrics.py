@@ -90,7 +90,9 @@ def asked_max_tokens(n: int) -> int:
 
 
 def published_traffic(stack, n: int) -> TrafficInfo:
-    """The router's traffic window as its registration publishes it, once it counts ``n`` arrivals."""
+    """The router's traffic window as its registration publishes it, once it counts ``n`` arrivals
+    and ``n`` finished requests (a heartbeat between the last arrival and the last finish publishes
+    a window that counts the one but not the other)."""
 
     async def read(redis) -> TrafficInfo | None:
         routers = await RouterRegistry(redis, Keys(stack.spec.cluster)).live()
@@ -99,7 +101,9 @@ def published_traffic(stack, n: int) -> TrafficInfo:
     deadline = time.monotonic() + 10
     while True:
         traffic = run(stack.redis_url, read)
-        if (traffic is not None and traffic.arrivals >= n) or time.monotonic() > deadline:
+        if (
+            traffic is not None and min(traffic.arrivals, traffic.requests) >= n
+        ) or time.monotonic() > deadline:
             assert traffic is not None
             return traffic
         time.sleep(0.2)
