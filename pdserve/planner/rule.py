@@ -110,8 +110,9 @@ def pressures(obs: Observation, targets: Targets, state: PlannerState) -> Pressu
     ri = obs.itl_p90_s / targets.itl_p90_s if obs.itl_p90_s is not None else None
     rq = queue_pressure(obs, targets, state)
     if obs.latency_samples >= targets.min_requests and rt is not None and ri is not None:
-        state.last_ri, state.last_prefill, state.last_trusted_at = ri, max(rt, rq or 0.0), obs.at
-        return Pressures(rt, ri, rq, max(rt, rq or 0.0), ri, True)
+        prefill = max(rt, rq or 0.0)
+        state.last_ri, state.last_prefill, state.last_trusted_at = ri, prefill, obs.at
+        return Pressures(rt, ri, rq, prefill, ri, True)
     if rq is not None and rq > 1:  # a queue says it before enough requests finish
         if state.last_ri is not None:
             return Pressures(rt, ri, rq, rq, state.last_ri, False, "last trusted")

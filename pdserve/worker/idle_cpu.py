@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import psutil
 
+from pdserve.engine.cpu.host_cpu import allowed_cpus
 from pdserve.scheduler import IdleCpuInfo
 
 WINDOW_S = 10.0
@@ -47,7 +47,7 @@ class IdleCpuMeter:
         self.threads = threads
         self.root = own_cgroup() if root is None else root  # where cpu.max and cpu.stat are
         self.clock = clock
-        self.cpus_allowed = _allowed_cpus()
+        self.cpus_allowed = allowed_cpus()
         self.quota = _cgroup_quota(self.root)
         self.samples: collections.deque[_Sample] = collections.deque()
 
@@ -83,13 +83,6 @@ def _busy(t: Any) -> float:
     """Seconds a CPU (psutil's per-CPU times) ran anything; a hypervisor's steal counts as busy: it
     was not ours to use. Fields other systems lack count as 0."""
     return t.user + t.nice + t.system + sum(getattr(t, f, 0.0) for f in ("irq", "softirq", "steal"))
-
-
-def _allowed_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
 
 
 def own_cgroup(root: Path = CGROUP) -> Path:

@@ -59,13 +59,19 @@ class CpuInfo:
         return f"{self.model or self.arch} ({self.vendor or 'unknown vendor'}; {', '.join(simd)})"
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask: taskset, cpusets, a container's
-    cpuset), not the machine's: the default thread count of an engine and of `up`'s workers."""
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on, by number (its affinity mask: taskset, cpusets, a
+    container's cpuset), not the machine's."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    """How many cores this process may run on (:func:`allowed_cpus`): the default thread count of
+    an engine and of `up`'s workers."""
+    return len(allowed_cpus())
 
 
 def parse_cpuinfo(text: str, arch: str) -> CpuInfo:
